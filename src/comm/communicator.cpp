@@ -1,0 +1,130 @@
+#include "meshtrain/comm/communicator.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace comm {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kProduct: return "product";
+  }
+  return "?";
+}
+
+std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
+                                                  const std::string& label) {
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  MESHTRAIN_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                  "split: rank list has duplicates");
+  MESHTRAIN_CHECK(!ranks.empty() && sorted.front() >= 0 && sorted.back() < size(),
+                  "split: ranks must be in [0, ", size(), ") of communicator '", this->label(),
+                  "'");
+  auto it = std::find(ranks.begin(), ranks.end(), rank());
+  const bool member = it != ranks.end();
+  const int key = member ? static_cast<int>(it - ranks.begin()) : 0;
+  return split(member ? 0 : -1, key, label);
+}
+
+void Communicator::send(const at::Tensor& tensor, int dst, int tag) {
+  isend(tensor, dst, tag)->wait();
+}
+
+void Communicator::recv(at::Tensor tensor, int src, int tag) {
+  irecv(std::move(tensor), src, tag)->wait();
+}
+
+at::Tensor Communicator::recv_any(int src, int tag) {
+  auto work = irecv_any(src, tag);
+  work->wait();
+  return work->result().at(0);
+}
+
+void Communicator::broadcast(at::Tensor tensor, int root) {
+  broadcast_async(std::move(tensor), root)->wait();
+}
+
+void Communicator::all_reduce(at::Tensor tensor, ReduceOp op) {
+  all_reduce_async(std::move(tensor), op)->wait();
+}
+
+void Communicator::reduce(at::Tensor tensor, int root, ReduceOp op) {
+  reduce_async(std::move(tensor), root, op)->wait();
+}
+
+std::vector<at::Tensor> Communicator::all_gather(const at::Tensor& input) {
+  auto work = all_gather_async(input);
+  work->wait();
+  const auto& r = work->result();
+  return std::vector<at::Tensor>(r.begin() + 1, r.end());
+}
+
+void Communicator::all_gather_into(at::Tensor output, const at::Tensor& input) {
+  MESHTRAIN_CHECK(output.numel() == input.numel() * size(), "all_gather_into on '", label(),
+                  "': output has ", output.numel(), " elements, expected size() * input = ",
+                  size(), " * ", input.numel());
+  all_gather_async(input, std::move(output))->wait();
+}
+
+at::Tensor Communicator::all_gather_flat(const at::Tensor& input) {
+  auto work = all_gather_async(input);
+  work->wait();
+  return work->result().at(0);
+}
+
+at::Tensor Communicator::reduce_scatter(const at::Tensor& input, ReduceOp op,
+                                        std::vector<int64_t> counts) {
+  auto work = reduce_scatter_async(input, op, at::Tensor(), std::move(counts));
+  work->wait();
+  return work->result().at(0);
+}
+
+void Communicator::reduce_scatter_into(at::Tensor output, const at::Tensor& input, ReduceOp op) {
+  MESHTRAIN_CHECK(input.numel() == output.numel() * size(), "reduce_scatter_into on '", label(),
+                  "': input has ", input.numel(), " elements, expected size() * output = ",
+                  size(), " * ", output.numel());
+  std::vector<int64_t> counts(size(), output.numel());
+  reduce_scatter_async(input, op, std::move(output), std::move(counts))->wait();
+}
+
+std::vector<at::Tensor> Communicator::gather(const at::Tensor& input, int root) {
+  auto work = gather_async(input, root);
+  work->wait();
+  return work->result();
+}
+
+void Communicator::scatter(at::Tensor output, const std::vector<at::Tensor>& inputs, int root) {
+  scatter_async(std::move(output), inputs, root)->wait();
+}
+
+std::vector<at::Tensor> Communicator::all_to_all(const std::vector<at::Tensor>& inputs) {
+  auto work = all_to_all_async(inputs);
+  work->wait();
+  return work->result();
+}
+
+void Communicator::all_to_all_single(at::Tensor output, const at::Tensor& input) {
+  const int n = size();
+  MESHTRAIN_CHECK(input.dim() > 0 && input.size(0) % n == 0, "all_to_all_single on '", label(),
+                  "': input dim 0 (", input.dim() > 0 ? input.size(0) : 0,
+                  ") must divide by the communicator size ", n);
+  MESHTRAIN_CHECK(output.sizes() == input.sizes() && output.scalar_type() == input.scalar_type(),
+                  "all_to_all_single on '", label(),
+                  "': output must have the input's shape and dtype");
+  auto results = all_to_all(input.chunk(n, 0));
+  for (int r = 0; r < n; ++r) output.narrow(0, r * (input.size(0) / n), input.size(0) / n).copy_(results[r]);
+}
+
+void Communicator::barrier() { barrier_async()->wait(); }
+
+}  // namespace comm
+}  // namespace meshtrain

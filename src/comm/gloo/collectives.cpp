@@ -1,0 +1,534 @@
+// GlooCommunicator collectives: argument checks, the header exchange that
+// verifies arguments across ranks, and the algorithms.
+//
+// Algorithms and their per-rank send volume for a buffer of S bytes, n ranks:
+//   all_reduce      ring reduce-scatter + ring all-gather   2(n-1)/n * S
+//   reduce_scatter  ring                                    (n-1)/n * S
+//   all_gather      ring                                    (n-1)/n * S (total)
+//   broadcast       root sends to each rank                 root: (n-1) * S
+//   reduce          each rank sends to root                 S (root receives (n-1) S)
+//   gather/scatter  direct to/from root
+//   all_to_all      direct pairwise
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "communicator.h"
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/comm/ring.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/shard.h"
+
+namespace meshtrain {
+namespace comm {
+namespace gloo_backend {
+
+namespace {
+
+constexpr int kHeaderSub = 0xffff;
+
+bool supported_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
+    case at::kInt: case at::kLong: case at::kByte: case at::kChar:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void reduce_inplace(at::Tensor acc, const at::Tensor& in, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: acc.add_(in); break;
+    case ReduceOp::kMax: at::maximum_out(acc, acc, in); break;
+    case ReduceOp::kMin: at::minimum_out(acc, acc, in); break;
+    case ReduceOp::kProduct: acc.mul_(in); break;
+  }
+}
+
+void finish_avg(at::Tensor t, ReduceOp op, int n) {
+  if (op == ReduceOp::kAvg) t.div_(n);
+}
+
+Header header_of(const at::Tensor& t, OpKind kind, ReduceOp op, int root) {
+  Header h;
+  h.kind = static_cast<int32_t>(kind);
+  h.dtype = static_cast<int32_t>(t.defined() ? t.scalar_type() : at::kByte);
+  h.op = static_cast<int32_t>(op);
+  h.root = root;
+  if (t.defined()) {
+    h.ndim = static_cast<int32_t>(t.dim());
+    h.numel = t.numel();
+    for (int64_t d = 0; d < t.dim() && d < 8; ++d) h.shape[d] = t.size(d);
+  }
+  return h;
+}
+
+std::string describe(const Header& h) {
+  std::string s = str_cat(c10::toString(static_cast<at::ScalarType>(h.dtype)), "[");
+  for (int d = 0; d < h.ndim && d < 8; ++d) s += str_cat(d ? ", " : "", h.shape[d]);
+  return s + "]";
+}
+
+// FNV-1a over a list of sizes: lets ranks compare per-rank size lists in one field.
+int64_t hash_sizes(const std::vector<int64_t>& sizes) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : sizes) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 1);
+}
+
+at::Tensor contiguous_flat(const at::Tensor& t) { return t.contiguous().view(-1); }
+
+}  // namespace
+
+// ---- argument checks (caller's thread, before any communication)
+
+void GlooCommunicator::check_tensor(const at::Tensor& t, const char* op, const char* what) const {
+  MESHTRAIN_CHECK(t.defined(), where(op), ": ", what, " is an undefined tensor");
+  MESHTRAIN_CHECK(t.device().is_cpu(), where(op), ": ", what, " is on ", t.device(),
+                  "; the gloo backend moves CPU tensors only (call .cpu() first)");
+  MESHTRAIN_CHECK(supported_dtype(t.scalar_type()), where(op), ": dtype ", t.scalar_type(),
+                  " is not supported; use float32, float64, bfloat16, float16, int32, int64, "
+                  "int8 or uint8");
+  MESHTRAIN_CHECK(t.dim() <= 8, where(op), ": ", what, " has ", t.dim(),
+                  " dims; at most 8 are supported (reshape first)");
+}
+
+void GlooCommunicator::check_root(int root, const char* op) const {
+  MESHTRAIN_CHECK(root >= 0 && root < size(), where(op), ": root ", root, " is not a rank of ",
+                  "this communicator; use a root in [0, ", size(), ")");
+}
+
+void GlooCommunicator::check_peer(int peer, const char* op) const {
+  MESHTRAIN_CHECK(peer >= 0 && peer < size() && peer != rank_, where(op), ": peer ", peer,
+                  " is invalid; use a rank in [0, ", size(), ") other than this rank (", rank_,
+                  ")");
+}
+
+namespace {
+void check_reduce_op(ReduceOp op, const at::Tensor& t, const std::string& where) {
+  MESHTRAIN_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), where,
+                  ": ReduceOp::kAvg needs a floating dtype, got ", t.scalar_type(),
+                  "; reduce with kSum and divide");
+}
+}  // namespace
+
+// ---- header exchange
+
+std::vector<Header> GlooCommunicator::exchange_headers(const Header& mine) {
+  const int n = size();
+  std::vector<Header> all(n);
+  all[rank_] = mine;
+  std::vector<Transfer> transfers;
+  for (int p = 0; p < n; ++p) {
+    if (p == rank_) continue;
+    transfers.push_back(post_recv(&all[p], sizeof(Header), p, collective_slot(kHeaderSub), OpKind::kVerify));
+    transfers.push_back(post_send(&mine, sizeof(Header), p, collective_slot(kHeaderSub), OpKind::kVerify));
+  }
+  for (auto& t : transfers) wait(t);
+  for (int p = 0; p < n; ++p) {
+    if (all[p].magic != Header().magic) {
+      throw CommError(str_cat(where("verify"), ": malformed header from ", peer_name(p)));
+    }
+  }
+  return all;
+}
+
+void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* op,
+                                   bool same_shape) const {
+  const Header& ref = all[0];
+  for (int r = 1; r < size(); ++r) {
+    const Header& h = all[r];
+    std::string problem;
+    if (h.kind != ref.kind) {
+      problem = str_cat("rank ", r, " called ", op_name(static_cast<OpKind>(h.kind)),
+                        " while rank 0 called ", op_name(static_cast<OpKind>(ref.kind)),
+                        " (every rank must call collectives in the same order)");
+    } else if (h.dtype != ref.dtype || (same_shape && (h.numel != ref.numel || h.ndim != ref.ndim ||
+                                                       !std::equal(h.shape, h.shape + 8, ref.shape)))) {
+      problem = str_cat("rank ", r, " passed ", describe(h), " but rank 0 passed ", describe(ref),
+                        "; every rank must pass the same dtype", same_shape ? " and shape" : "");
+    } else if (h.root != ref.root) {
+      problem = str_cat("rank ", r, " passed root ", h.root, " but rank 0 passed root ", ref.root);
+    } else if (h.op != ref.op) {
+      problem = str_cat("rank ", r, " passed reduce op ", reduce_op_name(static_cast<ReduceOp>(h.op)),
+                        " but rank 0 passed ", reduce_op_name(static_cast<ReduceOp>(ref.op)));
+    } else if (h.aux != ref.aux) {
+      problem = str_cat("rank ", r, " and rank 0 passed different shard sizes");
+    }
+    if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
+  }
+}
+
+// ---- algorithms
+
+void GlooCommunicator::ring_all_reduce(at::Tensor flat, ReduceOp op) {
+  const int n = size();
+  if (n == 1 || flat.numel() == 0) return;
+  const auto counts = shard_sizes(flat.numel(), n);
+  const auto offsets = offsets_of(counts);
+  const size_t elem = flat.element_size();
+  const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+  at::Tensor tmp = at::empty({counts[0]}, flat.options());  // counts[0] is the largest
+  auto chunk = [&](int c) { return flat.narrow(0, offsets[c], counts[c]); };
+  for (int s = 0; s < n - 1; ++s) {  // reduce-scatter phase
+    const RingStep st = reduce_scatter_step(rank_, n, s);
+    Transfer recv, send;
+    if (counts[st.recv_chunk] > 0)
+      recv = post_recv(tmp.data_ptr(), counts[st.recv_chunk] * elem, left, collective_slot(s), OpKind::kAllReduce);
+    if (counts[st.send_chunk] > 0)
+      send = post_send(chunk(st.send_chunk).data_ptr(), counts[st.send_chunk] * elem, right, collective_slot(s), OpKind::kAllReduce);
+    wait(recv);
+    wait(send);
+    if (counts[st.recv_chunk] > 0) reduce_inplace(chunk(st.recv_chunk), tmp.narrow(0, 0, counts[st.recv_chunk]), op);
+  }
+  for (int s = 0; s < n - 1; ++s) {  // all-gather phase
+    const RingStep st = all_gather_step(rank_, n, s);
+    Transfer recv, send;
+    if (counts[st.recv_chunk] > 0)
+      recv = post_recv(chunk(st.recv_chunk).data_ptr(), counts[st.recv_chunk] * elem, left, collective_slot(n + s), OpKind::kAllReduce);
+    if (counts[st.send_chunk] > 0)
+      send = post_send(chunk(st.send_chunk).data_ptr(), counts[st.send_chunk] * elem, right, collective_slot(n + s), OpKind::kAllReduce);
+    wait(recv);
+    wait(send);
+  }
+}
+
+void GlooCommunicator::ring_reduce_scatter(const at::Tensor& in, at::Tensor out,
+                                           const std::vector<int64_t>& counts, ReduceOp op) {
+  const int n = size();
+  const auto offsets = offsets_of(counts);
+  auto in_chunk = [&](int c) { return in.narrow(0, offsets[c], counts[c]); };
+  if (n == 1) {
+    out.copy_(in_chunk(0));
+    return;
+  }
+  const size_t elem = in.element_size();
+  const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+  const int64_t max_count = *std::max_element(counts.begin(), counts.end());
+  at::Tensor tmp[2] = {at::empty({max_count}, in.options()), at::empty({max_count}, in.options())};
+  at::Tensor partial;  // the chunk reduced at the previous step, sent at this one
+  for (int s = 0; s < n - 1; ++s) {
+    const RingStep st = reduce_scatter_step(rank_, n, s);
+    at::Tensor src = s == 0 ? in_chunk(st.send_chunk) : partial;
+    at::Tensor dst = s == n - 2 ? out : tmp[s % 2].narrow(0, 0, counts[st.recv_chunk]);
+    Transfer recv, send;
+    if (dst.numel() > 0)
+      recv = post_recv(dst.data_ptr(), dst.numel() * elem, left, collective_slot(s), OpKind::kReduceScatter);
+    if (src.numel() > 0)
+      send = post_send(src.data_ptr(), src.numel() * elem, right, collective_slot(s), OpKind::kReduceScatter);
+    wait(recv);
+    wait(send);
+    if (dst.numel() > 0) reduce_inplace(dst, in_chunk(st.recv_chunk), op);
+    partial = dst;
+  }
+}
+
+void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {
+  const int n = size();
+  const auto offsets = offsets_of(counts);
+  const size_t elem = flat.element_size();
+  const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+  auto chunk = [&](int c) { return flat.narrow(0, offsets[c], counts[c]); };
+  for (int s = 0; s < n - 1; ++s) {
+    const RingStep st = all_gather_step(rank_, n, s);
+    Transfer recv, send;
+    if (counts[st.recv_chunk] > 0)
+      recv = post_recv(chunk(st.recv_chunk).data_ptr(), counts[st.recv_chunk] * elem, left, collective_slot(s), OpKind::kAllGather);
+    if (counts[st.send_chunk] > 0)
+      send = post_send(chunk(st.send_chunk).data_ptr(), counts[st.send_chunk] * elem, right, collective_slot(s), OpKind::kAllGather);
+    wait(recv);
+    wait(send);
+  }
+}
+
+// ---- entry points
+
+WorkPtr GlooCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
+  check_tensor(tensor, "all_reduce", "tensor");
+  check_reduce_op(op, tensor, where("all_reduce"));
+  return enqueue(OpKind::kAllReduce, "all_reduce", [this, tensor, op](std::vector<at::Tensor>& result) mutable {
+    if (options_.verify) verify_same(exchange_headers(header_of(tensor, OpKind::kAllReduce, op, 0)), "all_reduce", true);
+    at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+    ring_all_reduce(work.view(-1), op);
+    finish_avg(work, op, size());
+    if (!tensor.is_contiguous()) tensor.copy_(work);
+    result = {tensor};
+  });
+}
+
+WorkPtr GlooCommunicator::broadcast_async(at::Tensor tensor, int root) {
+  check_tensor(tensor, "broadcast", "tensor");
+  check_root(root, "broadcast");
+  return enqueue(OpKind::kBroadcast, "broadcast", [this, tensor, root](std::vector<at::Tensor>& result) mutable {
+    if (options_.verify) verify_same(exchange_headers(header_of(tensor, OpKind::kBroadcast, ReduceOp::kSum, root)), "broadcast", true);
+    at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+    if (work.numel() > 0 && size() > 1) {
+      std::vector<Transfer> ts;
+      if (rank_ == root) {
+        for (int p = 0; p < size(); ++p)
+          if (p != root) ts.push_back(post_send(work.data_ptr(), work.nbytes(), p, collective_slot(0), OpKind::kBroadcast));
+      } else {
+        ts.push_back(post_recv(work.data_ptr(), work.nbytes(), root, collective_slot(0), OpKind::kBroadcast));
+      }
+      for (auto& t : ts) wait(t);
+    }
+    if (!tensor.is_contiguous()) tensor.copy_(work);
+    result = {tensor};
+  });
+}
+
+WorkPtr GlooCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
+  check_tensor(tensor, "reduce", "tensor");
+  check_root(root, "reduce");
+  check_reduce_op(op, tensor, where("reduce"));
+  return enqueue(OpKind::kReduce, "reduce", [this, tensor, root, op](std::vector<at::Tensor>& result) mutable {
+    if (options_.verify) verify_same(exchange_headers(header_of(tensor, OpKind::kReduce, op, root)), "reduce", true);
+    at::Tensor work = tensor.contiguous();
+    if (rank_ != root) {
+      if (work.numel() > 0) {
+        Transfer t = post_send(work.data_ptr(), work.nbytes(), root, collective_slot(0), OpKind::kReduce);
+        wait(t);
+      }
+      result = {tensor};
+      return;
+    }
+    // Root: receive everyone's buffer, then reduce in rank order (deterministic).
+    std::vector<at::Tensor> parts(size());
+    std::vector<Transfer> ts;
+    for (int p = 0; p < size(); ++p) {
+      if (p == root || work.numel() == 0) continue;
+      parts[p] = at::empty_like(work);
+      ts.push_back(post_recv(parts[p].data_ptr(), work.nbytes(), p, collective_slot(0), OpKind::kReduce));
+    }
+    for (auto& t : ts) wait(t);
+    at::Tensor acc = work.clone();
+    for (int p = 0; p < size(); ++p) if (parts[p].defined()) reduce_inplace(acc, parts[p], op);
+    finish_avg(acc, op, size());
+    tensor.copy_(acc);
+    result = {tensor};
+  });
+}
+
+WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
+  check_tensor(input, "all_gather", "input");
+  if (output.defined()) {
+    check_tensor(output, "all_gather", "output");
+    MESHTRAIN_CHECK(output.scalar_type() == input.scalar_type(), where("all_gather"),
+                    ": output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  }
+  return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) mutable {
+    // Sizes may differ by rank, so the header exchange always runs here.
+    Header mine = header_of(input, OpKind::kAllGather, ReduceOp::kSum, 0);
+    mine.aux = output.defined() ? output.numel() : -1;
+    std::vector<Header> all = exchange_headers(mine);
+    std::vector<Header> kinds = all;
+    for (auto& h : kinds) h.aux = 0;
+    verify_same(kinds, "all_gather", false);
+    std::vector<int64_t> counts(size());
+    for (int r = 0; r < size(); ++r) counts[r] = all[r].numel;
+    int64_t total = 0;
+    for (auto c : counts) total += c;
+    for (int r = 0; r < size(); ++r) {
+      if (all[r].aux >= 0 && all[r].aux != total) {
+        throw MismatchError(str_cat(where("all_gather"), ": rank ", r, " passed an output of ", all[r].aux,
+                                    " elements but the inputs total ", total));
+      }
+    }
+    at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1)
+                                                                 : at::empty({total}, input.options());
+    const auto offsets = offsets_of(counts);
+    flat.narrow(0, offsets[rank_], counts[rank_]).copy_(input.reshape(-1));
+    if (size() > 1) ring_all_gather(flat, counts);
+    if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
+    result = {output.defined() ? output : flat};
+    for (int r = 0; r < size(); ++r) {
+      std::vector<int64_t> shape(all[r].shape, all[r].shape + all[r].ndim);
+      result.push_back(flat.narrow(0, offsets[r], counts[r]).view(shape));
+    }
+  });
+}
+
+WorkPtr GlooCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                                               std::vector<int64_t> counts) {
+  check_tensor(input, "reduce_scatter", "input");
+  check_reduce_op(op, input, where("reduce_scatter"));
+  if (counts.empty()) counts = shard_sizes(input.numel(), size());
+  int64_t sum = 0;
+  for (auto c : counts) {
+    MESHTRAIN_CHECK(c >= 0, where("reduce_scatter"), ": negative shard size ", c);
+    sum += c;
+  }
+  MESHTRAIN_CHECK(static_cast<int>(counts.size()) == size() && sum == input.numel(),
+                  where("reduce_scatter"), ": shard sizes must be one per rank (", size(),
+                  ") and sum to the input's ", input.numel(), " elements; got ", counts.size(),
+                  " sizes summing to ", sum);
+  if (output.defined()) {
+    check_tensor(output, "reduce_scatter", "output");
+    MESHTRAIN_CHECK(output.numel() == counts[rank_] && output.scalar_type() == input.scalar_type(),
+                    where("reduce_scatter"), ": output must be ", input.scalar_type(), " with ",
+                    counts[rank_], " elements (this rank's shard); got ", output.scalar_type(),
+                    " with ", output.numel());
+  }
+  return enqueue(OpKind::kReduceScatter, "reduce_scatter", [this, input, op, output, counts](std::vector<at::Tensor>& result) mutable {
+    if (options_.verify) {
+      Header h = header_of(input, OpKind::kReduceScatter, op, 0);
+      h.ndim = 1;
+      h.shape[0] = input.numel();
+      for (int d = 1; d < 8; ++d) h.shape[d] = 0;
+      h.aux = hash_sizes(counts);
+      verify_same(exchange_headers(h), "reduce_scatter", true);
+    }
+    at::Tensor out = output.defined() && output.is_contiguous() ? output.view(-1)
+                                                                : at::empty({counts[rank_]}, input.options());
+    ring_reduce_scatter(contiguous_flat(input), out, counts, op);
+    finish_avg(out, op, size());
+    if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(out);
+    result = {output.defined() ? output : out};
+  });
+}
+
+WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
+  check_tensor(input, "gather", "input");
+  check_root(root, "gather");
+  return enqueue(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
+    std::vector<Header> all = exchange_headers(header_of(input, OpKind::kGather, ReduceOp::kSum, root));
+    verify_same(all, "gather", false);
+    at::Tensor data = input.contiguous();
+    if (rank_ != root) {
+      if (data.numel() > 0) {
+        Transfer t = post_send(data.data_ptr(), data.nbytes(), root, collective_slot(0), OpKind::kGather);
+        wait(t);
+      }
+      result.clear();
+      return;
+    }
+    result.assign(size(), at::Tensor());
+    std::vector<Transfer> ts;
+    for (int p = 0; p < size(); ++p) {
+      std::vector<int64_t> shape(all[p].shape, all[p].shape + all[p].ndim);
+      if (p == root) {
+        result[p] = data.clone();
+        continue;
+      }
+      result[p] = at::empty(shape, input.options());
+      if (result[p].numel() > 0)
+        ts.push_back(post_recv(result[p].data_ptr(), result[p].nbytes(), p, collective_slot(0), OpKind::kGather));
+    }
+    for (auto& t : ts) wait(t);
+  });
+}
+
+WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
+  check_tensor(output, "scatter", "output");
+  check_root(root, "scatter");
+  if (rank_ == root) {
+    MESHTRAIN_CHECK(static_cast<int>(inputs.size()) == size(), where("scatter"), ": root needs one input per rank (",
+                    size(), "), got ", inputs.size());
+    for (const auto& t : inputs) {
+      check_tensor(t, "scatter", "input");
+      MESHTRAIN_CHECK(t.scalar_type() == output.scalar_type(), where("scatter"), ": input dtype ",
+                      t.scalar_type(), " differs from output dtype ", output.scalar_type());
+    }
+  }
+  return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) mutable {
+    Header mine = header_of(output, OpKind::kScatter, ReduceOp::kSum, root);
+    if (rank_ == root) {
+      std::vector<int64_t> sizes;
+      for (const auto& t : inputs) sizes.push_back(t.numel());
+      mine.aux = hash_sizes(sizes);
+    }
+    std::vector<Header> all = exchange_headers(mine);
+    std::vector<Header> kinds = all;
+    for (auto& h : kinds) h.aux = 0;
+    verify_same(kinds, "scatter", false);
+    std::vector<int64_t> out_sizes;
+    for (const auto& h : all) out_sizes.push_back(h.numel);
+    if (hash_sizes(out_sizes) != all[root].aux) {
+      throw MismatchError(str_cat(where("scatter"), ": the root's inputs do not match the ranks' output sizes"));
+    }
+    at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
+    std::vector<at::Tensor> keep;
+    std::vector<Transfer> ts;
+    if (rank_ == root) {
+      for (int p = 0; p < size(); ++p) {
+        at::Tensor src = inputs[p].contiguous();
+        if (p == root) {
+          out.view(-1).copy_(src.view(-1));
+        } else if (src.numel() > 0) {
+          keep.push_back(src);
+          ts.push_back(post_send(src.data_ptr(), src.nbytes(), p, collective_slot(0), OpKind::kScatter));
+        }
+      }
+    } else if (out.numel() > 0) {
+      ts.push_back(post_recv(out.data_ptr(), out.nbytes(), root, collective_slot(0), OpKind::kScatter));
+    }
+    for (auto& t : ts) wait(t);
+    if (!output.is_contiguous()) output.copy_(out);
+    result = {output};
+  });
+}
+
+WorkPtr GlooCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
+  MESHTRAIN_CHECK(static_cast<int>(inputs.size()) == size(), where("all_to_all"),
+                  ": needs one input per rank (", size(), "), got ", inputs.size());
+  for (const auto& t : inputs) {
+    check_tensor(t, "all_to_all", "input");
+    MESHTRAIN_CHECK(t.scalar_type() == inputs[0].scalar_type(), where("all_to_all"),
+                    ": all inputs must share one dtype; got ", inputs[0].scalar_type(), " and ", t.scalar_type());
+  }
+  return enqueue(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
+    // Each pair exchanges a header describing the tensor it sends, then the data.
+    const int n = size();
+    std::vector<Header> mine(n), theirs(n);
+    std::vector<Transfer> ts;
+    for (int p = 0; p < n; ++p) {
+      if (p == rank_) continue;
+      mine[p] = header_of(inputs[p], OpKind::kAllToAll, ReduceOp::kSum, 0);
+      ts.push_back(post_recv(&theirs[p], sizeof(Header), p, collective_slot(kHeaderSub), OpKind::kVerify));
+      ts.push_back(post_send(&mine[p], sizeof(Header), p, collective_slot(kHeaderSub), OpKind::kVerify));
+    }
+    for (auto& t : ts) wait(t);
+    ts.clear();
+    for (int p = 0; p < n; ++p) {
+      if (p == rank_) continue;
+      if (theirs[p].kind != static_cast<int32_t>(OpKind::kAllToAll) || theirs[p].dtype != static_cast<int32_t>(inputs[0].scalar_type())) {
+        throw MismatchError(str_cat(where("all_to_all"), ": ", peer_name(p), " sends ",
+                                    theirs[p].kind == static_cast<int32_t>(OpKind::kAllToAll) ? describe(theirs[p]) : op_name(static_cast<OpKind>(theirs[p].kind)),
+                                    " but this rank's inputs are ", inputs[0].scalar_type()));
+      }
+    }
+    result.assign(n, at::Tensor());
+    std::vector<at::Tensor> keep;
+    for (int p = 0; p < n; ++p) {
+      if (p == rank_) {
+        result[p] = inputs[p].clone();
+        continue;
+      }
+      std::vector<int64_t> shape(theirs[p].shape, theirs[p].shape + theirs[p].ndim);
+      result[p] = at::empty(shape, inputs[0].options());
+      if (result[p].numel() > 0)
+        ts.push_back(post_recv(result[p].data_ptr(), result[p].nbytes(), p, collective_slot(0), OpKind::kAllToAll));
+      at::Tensor src = inputs[p].contiguous();
+      keep.push_back(src);
+      if (src.numel() > 0)
+        ts.push_back(post_send(src.data_ptr(), src.nbytes(), p, collective_slot(0), OpKind::kAllToAll));
+    }
+    for (auto& t : ts) wait(t);
+  });
+}
+
+WorkPtr GlooCommunicator::barrier_async() {
+  return enqueue(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) {
+    verify_same(exchange_headers(header_of(at::Tensor(), OpKind::kBarrier, ReduceOp::kSum, 0)), "barrier", true);
+  });
+}
+
+}  // namespace gloo_backend
+}  // namespace comm
+}  // namespace meshtrain

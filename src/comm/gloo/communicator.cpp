@@ -1,0 +1,417 @@
+// GlooCommunicator: construction, the operation queue, point-to-point messages
+// and the transfer/wait primitives every algorithm uses. Collectives are in
+// collectives.cpp.
+
+#include "communicator.h"
+
+#include <ATen/ATen.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+
+#include <cstring>
+
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace comm {
+namespace gloo_backend {
+
+namespace {
+
+// gloo's rendezvous talks to our store through this adapter.
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  explicit GlooStoreAdapter(std::shared_ptr<comm::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const std::string v = store_->get(key);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
+    store_->wait(keys);
+  }
+
+ private:
+  std::shared_ptr<comm::Store> store_;
+};
+
+constexpr uint64_t kCollectiveBit = 1ull << 62;
+constexpr uint64_t kP2PBit = 2ull << 62;
+
+uint64_t p2p_slot(int tag, bool data) {
+  return kP2PBit | (static_cast<uint64_t>(tag) << 1) | (data ? 1 : 0);
+}
+
+}  // namespace
+
+// A queued (or point-to-point) operation. wait() may run the operation inline
+// when it is at the head of an idle queue.
+class OpWork : public Work {
+ public:
+  OpWork(GlooCommunicator* comm, const char* name, GlooCommunicator::Body body)
+      : comm_(comm), name_(name), body_(std::move(body)) {}
+
+  void wait() override {
+    std::unique_lock<std::mutex> lock(comm_->mutex_);
+    while (!done_) {
+      if (!comm_->try_run_head(lock, this)) comm_->cv_.wait(lock);
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(comm_->mutex_);
+    return done_;
+  }
+
+ private:
+  friend class GlooCommunicator;
+  GlooCommunicator* comm_;
+  const char* name_;
+  GlooCommunicator::Body body_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+GlooCommunicator::GlooCommunicator(std::shared_ptr<GlooProcess> process,
+                                   std::vector<int> global_ranks, int rank,
+                                   const std::string& store_prefix, CommOptions options)
+    : process_(std::move(process)),
+      global_ranks_(std::move(global_ranks)),
+      rank_(rank),
+      prefix_(store_prefix),
+      options_(std::move(options)) {
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size());
+  ctx->setTimeout(options_.timeout);
+  GlooStoreAdapter adapter(std::make_shared<PrefixStore>(prefix_, process_->store()));
+  try {
+    ctx->connectFullMesh(adapter, process_->device());
+  } catch (const gloo::Exception& e) {
+    if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
+      const int r = GlooProcess::rank_of_label(f->label);
+      throw PeerFailure(str_cat("connecting communicator '", options_.label, "': rank ", r,
+                                " failed: ", f->reason),
+                        r);
+    }
+    throw TimeoutError(str_cat("connecting communicator '", options_.label, "' (rank ", rank_,
+                               " of ", size(), ") failed: ", e.what()));
+  }
+  context_ = ctx;
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+GlooCommunicator::~GlooCommunicator() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  context_.reset();
+}
+
+// ---- execution
+
+WorkPtr GlooCommunicator::enqueue(OpKind kind, const char* name, Body body) {
+  counter_.add_call(kind);
+  auto work = std::make_shared<OpWork>(this, name, std::move(body));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(work);
+  }
+  cv_.notify_all();
+  return work;
+}
+
+bool GlooCommunicator::try_run_head(std::unique_lock<std::mutex>& lock, OpWork* only_if) {
+  if (running_ || queue_.empty()) return false;
+  if (only_if && queue_.front().get() != only_if) return false;
+  std::shared_ptr<OpWork> op = queue_.front();
+  queue_.pop_front();
+  running_ = true;
+  const std::string broken = broken_;
+  lock.unlock();
+  if (!broken.empty()) {
+    op->error_ = std::make_exception_ptr(
+        CommError(str_cat(where(op->name_), ": the communicator is unusable after an earlier "
+                                            "error: ", broken)));
+  } else {
+    run_op(*op);
+  }
+  lock.lock();
+  running_ = false;
+  ++seq_;
+  op->done_ = true;
+  if (op->error_) {
+    try {
+      std::rethrow_exception(op->error_);
+    } catch (const CommError& e) {
+      if (broken_.empty()) broken_ = e.what();
+    } catch (...) {
+    }
+  }
+  op->body_ = nullptr;  // release the tensors it captured
+  cv_.notify_all();
+  return true;
+}
+
+void GlooCommunicator::run_op(OpWork& op) {
+  try {
+    op.body_(op.result_);
+  } catch (const ConfigError&) {
+    op.error_ = std::current_exception();
+  } catch (const CommError&) {
+    op.error_ = std::current_exception();
+  } catch (const std::exception& e) {
+    op.error_ = std::make_exception_ptr(CommError(str_cat(where(op.name_), ": ", e.what())));
+  }
+}
+
+void GlooCommunicator::worker_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    if (try_run_head(lock, nullptr)) continue;
+    if (stopping_ && queue_.empty() && !running_) return;
+    cv_.wait(lock);
+  }
+}
+
+// ---- transfers
+
+uint64_t GlooCommunicator::collective_slot(int sub) const {
+  return kCollectiveBit | ((seq_ & ((1ull << 46) - 1)) << 16) | static_cast<uint64_t>(sub & 0xffff);
+}
+
+Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
+                                     OpKind kind) {
+  Transfer t;
+  t.buf = context_->createUnboundBuffer(const_cast<void*>(ptr), bytes);
+  t.peer = peer;
+  t.is_recv = false;
+  t.bytes = bytes;
+  t.kind = kind;
+  t.buf->send(peer, slot);
+  return t;
+}
+
+Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t slot,
+                                     OpKind kind) {
+  Transfer t;
+  t.buf = context_->createUnboundBuffer(ptr, bytes);
+  t.peer = peer;
+  t.is_recv = true;
+  t.bytes = bytes;
+  t.kind = kind;
+  t.buf->recv(peer, slot);
+  return t;
+}
+
+std::string GlooCommunicator::where(const char* op) const {
+  return str_cat(op, " on communicator '", options_.label, "' (rank ", rank_, " of ", size(),
+                 ", global rank ", global_ranks_[rank_], ")");
+}
+
+std::string GlooCommunicator::peer_name(int peer) const {
+  return str_cat("rank ", peer, " (global rank ", global_ranks_[peer], ")");
+}
+
+void GlooCommunicator::wait(Transfer& t) {
+  if (!t.buf) return;
+  const char* op = op_name(t.kind);
+  process_->register_wait(t.buf.get());
+  bool completed = false;
+  try {
+    completed = t.is_recv ? t.buf->waitRecv(nullptr, options_.timeout)
+                          : t.buf->waitSend(nullptr, options_.timeout);
+  } catch (const gloo::Exception& e) {
+    process_->unregister_wait(t.buf.get());
+    const std::string msg = e.what();
+    if (msg.find("Timed out") != std::string::npos) {
+      throw TimeoutError(str_cat(where(op), ": no progress for ", options_.timeout.count(),
+                                 " ms while ", t.is_recv ? "receiving from " : "sending to ",
+                                 peer_name(t.peer), "; that rank is stuck, or did not call ", op,
+                                 " (every rank must call collectives in the same order)"));
+    }
+    // The connection broke: a peer died. The failure watcher usually names it
+    // within milliseconds; wait briefly for it rather than guess.
+    if (auto f = process_->await_failure(std::chrono::seconds(2))) {
+      const int dead = GlooProcess::rank_of_label(f->label);
+      throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (", f->reason, ")"), dead);
+    }
+    throw PeerFailure(str_cat(where(op), ": the connection to ", peer_name(t.peer),
+                              " broke: ", msg),
+                      global_ranks_[t.peer]);
+  }
+  process_->unregister_wait(t.buf.get());
+  if (!completed) {  // aborted by the failure watcher
+    auto f = process_->failure();
+    const int dead = f ? GlooProcess::rank_of_label(f->label) : -1;
+    throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (",
+                              f ? f->reason : "unknown", ")"),
+                      dead);
+  }
+  if (t.is_recv) {
+    counter_.add_received(t.kind, static_cast<int64_t>(t.bytes));
+  } else {
+    counter_.add_sent(t.kind, static_cast<int64_t>(t.bytes));
+  }
+  t.buf.reset();
+}
+
+// ---- point to point
+
+namespace {
+
+Header describe(const at::Tensor& t) {
+  Header h;
+  h.kind = static_cast<int32_t>(OpKind::kSend);
+  h.dtype = static_cast<int32_t>(t.scalar_type());
+  h.ndim = static_cast<int32_t>(t.dim());
+  h.numel = t.numel();
+  for (int64_t d = 0; d < t.dim() && d < 8; ++d) h.shape[d] = t.size(d);
+  return h;
+}
+
+std::string shape_string(const Header& h) {
+  std::string s = str_cat(c10::toString(static_cast<at::ScalarType>(h.dtype)), "[");
+  for (int d = 0; d < h.ndim && d < 8; ++d) s += str_cat(d ? ", " : "", h.shape[d]);
+  return s + "]";
+}
+
+// A point-to-point operation: posted at once, completed by wait() on the caller's thread.
+class P2PWork : public Work {
+ public:
+  explicit P2PWork(std::function<void(std::vector<at::Tensor>&)> finish)
+      : finish_(std::move(finish)) {}
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    done_ = true;
+    try {
+      finish_(result_);
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    finish_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+
+ private:
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  std::function<void(std::vector<at::Tensor>&)> finish_;
+};
+
+}  // namespace
+
+WorkPtr GlooCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
+  check_tensor(tensor, "send", "tensor");
+  check_peer(dst, "send");
+  MESHTRAIN_CHECK(tag >= 0 && tag < (1 << 30), where("send"), ": tag ", tag,
+                  " out of range [0, 2^30)");
+  MESHTRAIN_CHECK(tensor.dim() <= 8, where("send"), ": tensors of more than 8 dims are not "
+                  "supported (got ", tensor.dim(), "); reshape before sending");
+  counter_.add_call(OpKind::kSend);
+  auto header = std::make_shared<Header>(describe(tensor));
+  auto data = tensor.contiguous();
+  auto h = std::make_shared<Transfer>(
+      post_send(header.get(), sizeof(Header), dst, p2p_slot(tag, false), OpKind::kVerify));
+  auto d = std::make_shared<Transfer>();
+  if (data.numel() > 0) {
+    *d = post_send(data.data_ptr(), data.nbytes(), dst, p2p_slot(tag, true), OpKind::kSend);
+  }
+  return std::make_shared<P2PWork>([this, header, data, h, d](std::vector<at::Tensor>&) {
+    wait(*h);
+    wait(*d);
+  });
+}
+
+WorkPtr GlooCommunicator::irecv(at::Tensor tensor, int src, int tag) {
+  check_tensor(tensor, "recv", "tensor");
+  check_peer(src, "recv");
+  counter_.add_call(OpKind::kRecv);
+  auto header = std::make_shared<Header>();
+  auto h = std::make_shared<Transfer>(
+      post_recv(header.get(), sizeof(Header), src, p2p_slot(tag, false), OpKind::kVerify));
+  return std::make_shared<P2PWork>([this, header, h, tensor, src, tag](std::vector<at::Tensor>& out) {
+    wait(*h);
+    const Header mine = describe(tensor);
+    if (header->dtype != mine.dtype || header->numel != mine.numel || header->ndim != mine.ndim ||
+        std::memcmp(header->shape, mine.shape, sizeof mine.shape) != 0) {
+      throw MismatchError(str_cat(where("recv"), ": ", peer_name(src), " sent ",
+                                  shape_string(*header), " with tag ", tag,
+                                  " but the receiving tensor is ", shape_string(mine)));
+    }
+    at::Tensor target = tensor.is_contiguous() ? tensor : at::empty_like(tensor, at::MemoryFormat::Contiguous);
+    if (target.numel() > 0) {
+      Transfer d = post_recv(target.data_ptr(), target.nbytes(), src, p2p_slot(tag, true), OpKind::kRecv);
+      wait(d);
+    }
+    if (!tensor.is_contiguous()) tensor.copy_(target);
+    out = {tensor};
+  });
+}
+
+WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
+  check_peer(src, "recv");
+  counter_.add_call(OpKind::kRecv);
+  auto header = std::make_shared<Header>();
+  auto h = std::make_shared<Transfer>(
+      post_recv(header.get(), sizeof(Header), src, p2p_slot(tag, false), OpKind::kVerify));
+  return std::make_shared<P2PWork>([this, header, h, src, tag](std::vector<at::Tensor>& out) {
+    wait(*h);
+    if (header->magic != Header().magic || header->ndim < 0 || header->ndim > 8) {
+      throw CommError(str_cat(where("recv"), ": malformed message header from ", peer_name(src)));
+    }
+    std::vector<int64_t> shape(header->shape, header->shape + header->ndim);
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(header->dtype)));
+    if (t.numel() > 0) {
+      Transfer d = post_recv(t.data_ptr(), t.nbytes(), src, p2p_slot(tag, true), OpKind::kRecv);
+      wait(d);
+    }
+    out = {t};
+  });
+}
+
+// ---- split
+
+std::shared_ptr<Communicator> GlooCommunicator::split(int color, int key, const std::string& label) {
+  // Every member learns every (color, key) pair, then each group connects its
+  // own gloo context under a store prefix unique to this split and color.
+  at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
+  std::vector<at::Tensor> all = all_gather(mine);
+  const int split_id = splits_++;
+  if (color < 0) return nullptr;
+  std::vector<std::pair<int64_t, int>> members;  // (key, rank)
+  for (int r = 0; r < size(); ++r) {
+    if (all[r][0].item<int64_t>() == color) members.emplace_back(all[r][1].item<int64_t>(), r);
+  }
+  std::sort(members.begin(), members.end());
+  std::vector<int> globals;
+  int new_rank = -1;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i].second == rank_) new_rank = static_cast<int>(i);
+    globals.push_back(global_ranks_[members[i].second]);
+  }
+  CommOptions opts = options_;
+  opts.label = label;
+  const std::string prefix = str_cat(prefix_, "/s", split_id, "c", color);
+  return std::make_shared<GlooCommunicator>(process_, std::move(globals), new_rank, prefix, opts);
+}
+
+}  // namespace gloo_backend
+}  // namespace comm
+}  // namespace meshtrain

@@ -1,0 +1,237 @@
+#include "meshtrain/comm/rendezvous.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <memory>
+
+#include "gloo/communicator.h"
+#include "gloo/process.h"
+#include "meshtrain/comm/store.h"
+#include "meshtrain/util/error.h"
+#include "socket.h"
+
+namespace meshtrain {
+namespace comm {
+
+namespace {
+
+int parse_int(const EnvLookup& lookup, const std::string& name, std::optional<int> fallback) {
+  auto v = lookup(name);
+  if (!v || v->empty()) {
+    MESHTRAIN_CHECK(fallback.has_value(), "environment variable ", name,
+                    " is not set; launch with meshrun (or torchrun, mpirun, srun), or set it");
+    return *fallback;
+  }
+  try {
+    size_t pos = 0;
+    const long long x = std::stoll(*v, &pos);
+    MESHTRAIN_CHECK(pos == v->size(), "");
+    MESHTRAIN_CHECK(x >= -1 && x <= (1LL << 30), "");
+    return static_cast<int>(x);
+  } catch (const std::exception&) {
+    throw ConfigError(str_cat("environment variable ", name, "='", *v,
+                              "' is not a valid integer"));
+  }
+}
+
+std::string get_or(const EnvLookup& lookup, const std::string& name, const std::string& dflt) {
+  auto v = lookup(name);
+  return v && !v->empty() ? *v : dflt;
+}
+
+void validate(const DistEnv& e, const std::string& rank_var, const std::string& size_var,
+              const std::string& local_var, const std::string& local_size_var) {
+  MESHTRAIN_CHECK(e.world_size >= 1, size_var, "=", e.world_size, " must be at least 1");
+  MESHTRAIN_CHECK(e.rank >= 0 && e.rank < e.world_size, rank_var, "=", e.rank,
+                  " must be in [0, ", size_var, "=", e.world_size, ")");
+  MESHTRAIN_CHECK(e.local_world_size >= 1 && e.local_world_size <= e.world_size, local_size_var,
+                  "=", e.local_world_size, " must be in [1, ", size_var, "=", e.world_size, "]");
+  MESHTRAIN_CHECK(e.local_rank >= 0 && e.local_rank < e.local_world_size, local_var, "=",
+                  e.local_rank, " must be in [0, ", local_size_var, "=", e.local_world_size, ")");
+  MESHTRAIN_CHECK(e.master_port >= 1 && e.master_port <= 65535, "MASTER_PORT=", e.master_port,
+                  " must be in [1, 65535]");
+  MESHTRAIN_CHECK(!e.master_addr.empty(), "MASTER_ADDR is empty; set it to rank 0's host");
+}
+
+}  // namespace
+
+std::string first_host_of_nodelist(const std::string& nodelist) {
+  MESHTRAIN_CHECK(!nodelist.empty(), "SLURM_JOB_NODELIST is empty; set MASTER_ADDR");
+  // The first entry ends at a comma outside brackets.
+  size_t end = 0;
+  int depth = 0;
+  for (; end < nodelist.size(); ++end) {
+    if (nodelist[end] == '[') ++depth;
+    if (nodelist[end] == ']') --depth;
+    if (nodelist[end] == ',' && depth == 0) break;
+  }
+  const std::string first = nodelist.substr(0, end);
+  const size_t open = first.find('[');
+  if (open == std::string::npos) return first;
+  const size_t close = first.find(']', open);
+  MESHTRAIN_CHECK(close != std::string::npos, "malformed Slurm node list '", nodelist,
+                  "'; set MASTER_ADDR");
+  std::string range = first.substr(open + 1, close - open - 1);
+  range = range.substr(0, range.find_first_of(",-"));  // the first index, zero padding kept
+  MESHTRAIN_CHECK(!range.empty(), "malformed Slurm node list '", nodelist, "'; set MASTER_ADDR");
+  return first.substr(0, open) + range + first.substr(close + 1);
+}
+
+std::pair<std::string, int> parse_tcp_url(const std::string& url) {
+  const std::string scheme = "tcp://";
+  MESHTRAIN_CHECK(url.compare(0, scheme.size(), scheme) == 0, "init method '", url,
+                  "' must look like tcp://host:port");
+  std::string rest = url.substr(scheme.size());
+  std::string host;
+  std::string port_str;
+  if (!rest.empty() && rest[0] == '[') {
+    const size_t close = rest.find(']');
+    MESHTRAIN_CHECK(close != std::string::npos && close + 1 < rest.size() && rest[close + 1] == ':',
+                    "init method '", url, "': an IPv6 host must look like tcp://[::1]:port");
+    host = rest.substr(1, close - 1);
+    port_str = rest.substr(close + 2);
+  } else {
+    const size_t colon = rest.rfind(':');
+    MESHTRAIN_CHECK(colon != std::string::npos, "init method '", url,
+                    "' has no port; it must look like tcp://host:port");
+    host = rest.substr(0, colon);
+    port_str = rest.substr(colon + 1);
+  }
+  MESHTRAIN_CHECK(!host.empty(), "init method '", url, "' has an empty host");
+  int port = -1;
+  try {
+    size_t pos = 0;
+    port = std::stoi(port_str, &pos);
+    if (pos != port_str.size()) port = -1;
+  } catch (const std::exception&) {
+    port = -1;
+  }
+  MESHTRAIN_CHECK(port >= 1 && port <= 65535, "init method '", url, "': port '", port_str,
+                  "' must be an integer in [1, 65535]");
+  return {host, port};
+}
+
+DistEnv parse_dist_env(const EnvLookup& lookup) {
+  DistEnv e;
+  e.master_addr = get_or(lookup, "MASTER_ADDR", "");
+  e.master_port = parse_int(lookup, "MASTER_PORT", 29500);
+  e.agent_store = get_or(lookup, "MESHTRAIN_AGENT_STORE", "0") == "1";
+  e.restart_count = parse_int(lookup, "MESHTRAIN_RESTART_COUNT", 0);
+  if (lookup("RANK") || lookup("WORLD_SIZE")) {
+    e.source = "torchrun";
+    e.rank = parse_int(lookup, "RANK", std::nullopt);
+    e.world_size = parse_int(lookup, "WORLD_SIZE", std::nullopt);
+    e.local_rank = parse_int(lookup, "LOCAL_RANK", e.rank);
+    e.local_world_size = parse_int(lookup, "LOCAL_WORLD_SIZE", e.world_size);
+    MESHTRAIN_CHECK(!e.master_addr.empty() || e.world_size == e.local_world_size,
+                    "MASTER_ADDR is not set and the job spans several nodes (WORLD_SIZE=",
+                    e.world_size, ", LOCAL_WORLD_SIZE=", e.local_world_size,
+                    "); set MASTER_ADDR to rank 0's host");
+    validate(e, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+  } else if (lookup("OMPI_COMM_WORLD_RANK")) {
+    e.source = "openmpi";
+    e.rank = parse_int(lookup, "OMPI_COMM_WORLD_RANK", std::nullopt);
+    e.world_size = parse_int(lookup, "OMPI_COMM_WORLD_SIZE", std::nullopt);
+    e.local_rank = parse_int(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    e.local_world_size = parse_int(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE", e.world_size);
+    MESHTRAIN_CHECK(!e.master_addr.empty() || e.world_size == e.local_world_size,
+                    "MASTER_ADDR is not set and the mpirun job spans several nodes; pass it, "
+                    "e.g. mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500");
+    validate(e, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE");
+  } else if (lookup("SLURM_PROCID")) {
+    e.source = "slurm";
+    e.rank = parse_int(lookup, "SLURM_PROCID", std::nullopt);
+    e.world_size = parse_int(lookup, "SLURM_NTASKS", std::nullopt);
+    e.local_rank = parse_int(lookup, "SLURM_LOCALID", 0);
+    e.local_world_size = parse_int(lookup, "SLURM_NTASKS_PER_NODE", e.world_size);
+    if (e.master_addr.empty()) {
+      const std::string nodes = get_or(lookup, "SLURM_JOB_NODELIST", get_or(lookup, "SLURM_NODELIST", ""));
+      MESHTRAIN_CHECK(!nodes.empty() || e.world_size == e.local_world_size,
+                      "neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; set MASTER_ADDR");
+      e.master_addr = nodes.empty() ? "127.0.0.1" : first_host_of_nodelist(nodes);
+    }
+    validate(e, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
+  } else {
+    e.source = "single";
+  }
+  if (e.master_addr.empty()) e.master_addr = "127.0.0.1";
+  return e;
+}
+
+DistEnv dist_env_from_process() {
+  return parse_dist_env([](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  });
+}
+
+void apply_thread_settings() {
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  if (omp) {
+    const int n = std::atoi(omp);
+    if (n > 0) at::set_num_threads(n);
+  }
+}
+
+namespace {
+
+// Where the transport binds: MESHTRAIN_BIND_ADDR, else the local address that
+// routes to the master (loopback for a one-node job).
+std::string bind_address(const std::string& master_addr) {
+  const char* env = std::getenv("MESHTRAIN_BIND_ADDR");
+  if (env && *env) return env;
+  return net::local_address_towards(master_addr);
+}
+
+CommPtr join(const std::string& host, int port, int rank, int world_size, const std::string& group,
+             bool host_store, CommOptions options) {
+  MESHTRAIN_CHECK(world_size >= 1, "world size ", world_size, " must be at least 1");
+  MESHTRAIN_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " must be in [0, world size ",
+                  world_size, ")");
+  std::unique_ptr<StoreServer> server;
+  if (host_store) server.reset(new StoreServer(host, port));
+  const int store_port = server ? server->port() : port;
+  auto store = std::make_shared<TcpStore>(host, store_port, options.timeout);
+  gloo_backend::ProcessConfig config;
+  config.rank = rank;
+  config.world_size = world_size;
+  config.group = group;
+  config.bind_host = bind_address(host);
+  config.timeout = options.timeout;
+  auto process = std::make_shared<gloo_backend::GlooProcess>(config, store, std::move(server));
+  std::vector<int> ranks(world_size);
+  for (int r = 0; r < world_size; ++r) ranks[r] = r;
+  return std::make_shared<gloo_backend::GlooCommunicator>(process, ranks, rank, group + "/world",
+                                                          std::move(options));
+}
+
+}  // namespace
+
+CommPtr init_from_env(CommOptions options) {
+  const DistEnv e = dist_env_from_process();
+  apply_thread_settings();
+  if (e.source == "single") {
+    // A world of one still runs through the same code path, with a private store.
+    return join("127.0.0.1", 0, 0, 1, "single", /*host_store=*/true, std::move(options));
+  }
+  const std::string group = str_cat("g", e.restart_count);
+  return join(e.master_addr, e.master_port, e.rank, e.world_size, group,
+              /*host_store=*/!e.agent_store && e.rank == 0, std::move(options));
+}
+
+CommPtr init_tcp(const std::string& url, int rank, int world_size, CommOptions options) {
+  const auto hp = parse_tcp_url(url);
+  return join(hp.first, hp.second, rank, world_size, "tcp", /*host_store=*/rank == 0,
+              std::move(options));
+}
+
+CommPtr init_with_store(const std::string& host, int port, int rank, int world_size,
+                        const std::string& group, CommOptions options) {
+  return join(host, port, rank, world_size, group, /*host_store=*/false, std::move(options));
+}
+
+}  // namespace comm
+}  // namespace meshtrain

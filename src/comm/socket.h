@@ -1,0 +1,68 @@
+#pragma once
+// Small blocking-socket helpers for the store (internal to src/comm).
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace meshtrain {
+namespace comm {
+namespace net {
+
+using Clock = std::chrono::steady_clock;
+
+// Binds and listens on host:port (port 0: the kernel picks one). Only the given
+// address is bound, never all interfaces. Returns the fd; *bound_port gets the port.
+// Throws ConfigError naming host and port when the address is taken or invalid.
+int listen_on(const std::string& host, int port, int* bound_port);
+
+// Connects to host:port, retrying while nobody listens yet, until `deadline`.
+// Throws TimeoutError naming the address when it cannot connect in time.
+int connect_to(const std::string& host, int port, Clock::time_point deadline,
+               const std::string& what);
+
+// Writes all bytes (MSG_NOSIGNAL: a closed peer gives an error, not SIGPIPE).
+// Returns false when the connection is broken.
+bool write_all(int fd, const void* data, size_t size);
+// Reads exactly `size` bytes. Returns false on EOF or error; throws TimeoutError
+// when nothing arrives before `deadline` (Clock::time_point::max() = no limit).
+bool read_exact(int fd, void* data, size_t size, Clock::time_point deadline);
+
+// A frame is a little-endian uint32 length followed by that many bytes.
+bool write_frame(int fd, const std::string& payload);
+bool read_frame(int fd, std::string* payload, Clock::time_point deadline);
+
+// Binary field codec for frames.
+class Writer {
+ public:
+  Writer& u8(uint8_t v);
+  Writer& i64(int64_t v);
+  Writer& str(const std::string& s);
+  const std::string& bytes() const { return buf_; }
+
+ private:
+  std::string buf_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::string& buf) : buf_(buf) {}
+  uint8_t u8();
+  int64_t i64();
+  std::string str();
+
+ private:
+  void need(size_t n) const;
+  const std::string& buf_;
+  size_t pos_ = 0;
+};
+
+// True when `host` is a loopback name or address (127.x, ::1, localhost).
+bool is_loopback(const std::string& host);
+// The local address this machine uses to reach `host` (a UDP connect, no
+// packet sent); "127.0.0.1" when host is loopback.
+std::string local_address_towards(const std::string& host);
+
+}  // namespace net
+}  // namespace comm
+}  // namespace meshtrain

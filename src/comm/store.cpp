@@ -1,0 +1,145 @@
+// Store clients: PrefixStore, TcpStore and FailureWatcher. The server is in
+// store_server.cpp; the wire protocol is in store_protocol.h.
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/comm/store.h"
+#include "meshtrain/util/error.h"
+#include "socket.h"
+#include "store_protocol.h"
+
+namespace meshtrain {
+namespace comm {
+
+using net::Clock;
+
+void PrefixStore::set(const std::string& key, const std::string& value) { base_->set(k(key), value); }
+std::string PrefixStore::get(const std::string& key) { return base_->get(k(key)); }
+int64_t PrefixStore::add(const std::string& key, int64_t delta) { return base_->add(k(key), delta); }
+bool PrefixStore::check(const std::string& key) { return base_->check(k(key)); }
+void PrefixStore::wait(const std::vector<std::string>& keys) {
+  std::vector<std::string> prefixed;
+  for (const auto& key : keys) prefixed.push_back(k(key));
+  base_->wait(prefixed);
+}
+
+TcpStore::TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout)
+    : host_(host), port_(port), timeout_(timeout) {
+  fd_ = net::connect_to(host, port, Clock::now() + timeout, "the rendezvous store");
+}
+
+TcpStore::~TcpStore() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string TcpStore::request(const std::string& frame) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::string reply;
+  if (fd_ < 0 || !net::write_frame(fd_, frame) ||
+      !net::read_frame(fd_, &reply, Clock::now() + timeout_)) {
+    throw PeerFailure(str_cat("lost the connection to the rendezvous store at ", host_, ":",
+                              port_, " (the process hosting it, rank 0 or the launcher, exited)"),
+                      -1);
+  }
+  return reply;
+}
+
+void TcpStore::set(const std::string& key, const std::string& value) {
+  request(net::Writer().u8(store_protocol::kSet).str(key).str(value).bytes());
+}
+
+std::string TcpStore::get(const std::string& key) {
+  const auto deadline = Clock::now() + timeout_;
+  auto backoff = std::chrono::milliseconds(1);
+  while (true) {
+    const std::string reply = request(net::Writer().u8(store_protocol::kGet).str(key).bytes());
+    net::Reader r(reply);
+    if (r.u8() == store_protocol::kFound) return r.str();
+    if (interrupt_) interrupt_();
+    if (Clock::now() > deadline) {
+      throw TimeoutError(str_cat("rendezvous key '", key, "' was not set within ", timeout_.count(),
+                                 " ms: a rank did not arrive (is every rank started, with the "
+                                 "same WORLD_SIZE?)"));
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(20));
+  }
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  const std::string reply =
+      request(net::Writer().u8(store_protocol::kAdd).str(key).i64(delta).bytes());
+  net::Reader r(reply);
+  r.u8();
+  return r.i64();
+}
+
+bool TcpStore::check(const std::string& key) {
+  const std::string reply = request(net::Writer().u8(store_protocol::kCheck).str(key).bytes());
+  net::Reader r(reply);
+  return r.u8() == store_protocol::kFound;
+}
+
+void TcpStore::wait(const std::vector<std::string>& keys) {
+  for (const auto& key : keys) get(key);
+}
+
+void TcpStore::hello(const std::string& label) {
+  request(net::Writer().u8(store_protocol::kHello).str(label).bytes());
+}
+
+void TcpStore::bye() { request(net::Writer().u8(store_protocol::kBye).bytes()); }
+
+void TcpStore::report_failure(const std::string& label, const std::string& reason) {
+  request(net::Writer().u8(store_protocol::kReport).str(label).str(reason).bytes());
+}
+
+FailureWatcher::FailureWatcher(const std::string& host, int port, const std::string& prefix,
+                               std::chrono::milliseconds connect_timeout,
+                               std::function<void(const FailureReport&)> on_failure)
+    : on_failure_(std::move(on_failure)) {
+  fd_ = net::connect_to(host, port, Clock::now() + connect_timeout, "the rendezvous store");
+  net::write_frame(fd_, net::Writer().u8(store_protocol::kWatch).str(prefix).bytes());
+  thread_ = std::thread([this] { run(); });
+}
+
+FailureWatcher::~FailureWatcher() {
+  stop();
+  if (thread_.joinable()) thread_.join();
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void FailureWatcher::stop() {
+  if (!stopping_.exchange(true) && fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
+void FailureWatcher::run() {
+  std::string frame;
+  while (true) {
+    bool ok = false;
+    try {
+      ok = net::read_frame(fd_, &frame, Clock::time_point::max());
+    } catch (const std::exception&) {
+      ok = false;
+    }
+    if (!ok) break;
+    if (stopping_) return;
+    net::Reader r(frame);
+    if (r.u8() != store_protocol::kFailure) continue;
+    FailureReport report;
+    report.label = r.str();
+    report.reason = r.str();
+    on_failure_(report);
+  }
+  if (!stopping_) {
+    on_failure_({"<store>", "lost the connection to the rendezvous store (the process hosting "
+                            "it, rank 0 or the launcher, exited)"});
+  }
+}
+
+}  // namespace comm
+}  // namespace meshtrain

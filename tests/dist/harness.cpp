@@ -1,0 +1,204 @@
+#include "harness.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm/store.h"
+
+extern char** environ;
+
+namespace meshtrain {
+namespace testing {
+
+namespace {
+
+int g_call_index = 0;  // which run_ranks call of the current test body this is
+
+const char* env(const char* name) { return std::getenv(name); }
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string current_test_filter() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string(info->test_suite_name()) + "." + info->name();
+}
+
+// The child side: join, run, exit. Never returns.
+[[noreturn]] void run_as_rank(const std::function<void(comm::Communicator&)>& fn,
+                              const RankOptions& options) {
+  const int rank = std::atoi(env("MESHTRAIN_HARNESS_RANK"));
+  const int world = std::atoi(env("MESHTRAIN_HARNESS_WORLD"));
+  const int port = std::atoi(env("MESHTRAIN_HARNESS_PORT"));
+  const std::string group = env("MESHTRAIN_HARNESS_GROUP");
+  torch::set_num_threads(1);
+  std::string error;
+  {
+    comm::CommOptions opts;
+    opts.timeout = options.comm_timeout;
+    opts.verify = options.verify;
+    comm::CommPtr world_comm;
+    try {
+      world_comm = comm::init_with_store("127.0.0.1", port, rank, world, group, opts);
+      fn(*world_comm);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (!error.empty() || ::testing::Test::HasFailure()) {
+      const std::string why = error.empty() ? "a test assertion failed" : "exception: " + error;
+      std::fprintf(stderr, "[harness] rank %d failed: %s\n", rank, why.c_str());
+      // Tell the others now, so they stop instead of waiting for this rank.
+      try {
+        comm::TcpStore reporter("127.0.0.1", port, std::chrono::seconds(5));
+        reporter.report_failure(group + "/r" + std::to_string(rank), "rank " + std::to_string(rank) + " failed its test: " + why);
+      } catch (const std::exception&) {
+      }
+    }
+  }  // the communicator says goodbye here
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(error.empty() && !::testing::Test::HasFailure() ? 0 : 1);
+}
+
+struct Child {
+  pid_t pid = -1;
+  std::string log;
+  bool exited = false;
+  int status = 0;
+};
+
+pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& extra_env,
+            const std::string& log_path) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) env_strings.push_back(*e);
+  for (const auto& e : extra_env) env_strings.push_back(e);
+  std::vector<char*> argv, envp;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls until exec.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    execve("/proc/self/exe", argv.data(), envp.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("signal ") + strsignal(WTERMSIG(status));
+  return "unknown status";
+}
+
+}  // namespace
+
+bool in_rank_process() { return env("MESHTRAIN_HARNESS_RANK") != nullptr; }
+
+void run_ranks(int world_size, const std::function<void(comm::Communicator&)>& fn,
+               const RankOptions& options) {
+  const int call = g_call_index++;
+  if (in_rank_process()) {
+    if (std::atoi(env("MESHTRAIN_HARNESS_CALL")) != call) return;  // another call's ranks
+    run_as_rank(fn, options);
+  }
+
+  comm::StoreServer store("127.0.0.1", 0);
+  char dir_template[] = "/tmp/meshtrain-test-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string group = "h" + std::to_string(call);
+  std::vector<Child> children(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    std::vector<std::string> extra = {
+        "MESHTRAIN_HARNESS_RANK=" + std::to_string(r),
+        "MESHTRAIN_HARNESS_WORLD=" + std::to_string(world_size),
+        "MESHTRAIN_HARNESS_CALL=" + std::to_string(call),
+        "MESHTRAIN_HARNESS_PORT=" + std::to_string(store.port()),
+        "MESHTRAIN_HARNESS_GROUP=" + group,
+        "OMP_NUM_THREADS=1",
+        "OPENBLAS_NUM_THREADS=1",
+    };
+    for (const auto& e : options.env) extra.push_back(e);
+    children[r].log = dir + "/rank" + std::to_string(r) + ".log";
+    children[r].pid = spawn({"/proc/self/exe", "--gtest_filter=" + current_test_filter()}, extra,
+                            children[r].log);
+  }
+
+  const auto deadline = std::chrono::steady_clock::now() + options.time_limit;
+  bool timed_out = false;
+  while (true) {
+    int running = 0, running_required = 0;
+    for (int r = 0; r < world_size; ++r) {
+      Child& c = children[r];
+      if (c.exited) continue;
+      if (waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
+        c.exited = true;
+        continue;
+      }
+      ++running;
+      if (!options.may_die.count(r)) ++running_required;
+    }
+    if (running == 0) break;
+    if (running_required == 0 || std::chrono::steady_clock::now() > deadline) {
+      timed_out = running_required > 0;
+      for (auto& c : children) {
+        if (!c.exited) {
+          kill(c.pid, SIGKILL);
+          waitpid(c.pid, &c.status, 0);
+          c.exited = true;
+          if (timed_out) c.status = -1;
+        }
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+
+  std::ostringstream failures;
+  for (int r = 0; r < world_size; ++r) {
+    const Child& c = children[r];
+    const bool ok_exit = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0 && c.status != -1;
+    const bool allowed_death = options.may_die.count(r) && WIFSIGNALED(c.status);
+    if (ok_exit || allowed_death) continue;
+    failures << "---- rank " << r << " of " << world_size << " failed ("
+             << (c.status == -1 ? "killed at the time limit of " +
+                                      std::to_string(options.time_limit.count()) + " s"
+                                : describe_status(c.status))
+             << "); its output:\n"
+             << read_file(c.log) << "\n";
+  }
+  const std::string report = failures.str();
+  if (!report.empty()) {
+    ADD_FAILURE() << "run_ranks(" << world_size << ") failed"
+                  << (timed_out ? " (time limit reached)" : "") << ":\n" << report;
+  } else {
+    for (int r = 0; r < world_size; ++r) std::remove(children[r].log.c_str());
+    rmdir(dir.c_str());
+  }
+}
+
+}  // namespace testing
+}  // namespace meshtrain

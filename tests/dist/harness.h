@@ -1,0 +1,47 @@
+#pragma once
+// Multi-rank test harness: run_ranks(n, fn) runs fn on n real processes.
+//
+// The parent (the gtest process) hosts a store on 127.0.0.1, port chosen by the
+// kernel (no port races), and re-executes this test binary n times with
+// --gtest_filter=<this test> and the rank in its environment; it never forks
+// after running libtorch code in-process, because libgomp's threads do not
+// survive a fork. In each child the same test body runs again; run_ranks finds
+// the rank in the environment, joins the group, runs fn(comm) and exits.
+// The parent waits with a time limit and fails the test naming every rank that
+// failed, crashed or timed out, with that rank's output. A rank that fails to
+// initialize fails the test; nothing is ever skipped.
+//
+// A rank that fails (an assertion or an exception) reports itself to the store
+// so the other ranks stop at once with PeerFailure instead of waiting for it.
+
+#include <chrono>
+#include <functional>
+#include <set>
+
+#include "meshtrain/comm/communicator.h"
+
+namespace meshtrain {
+namespace testing {
+
+struct RankOptions {
+  // Wall-clock limit for the whole group.
+  std::chrono::seconds time_limit{120};
+  // The communicator's own timeout for blocking waits.
+  std::chrono::milliseconds comm_timeout{std::chrono::seconds(30)};
+  bool verify = true;
+  // Ranks that may end by a signal (a test that kills or stops them on purpose);
+  // the harness kills any of them still alive once the others have exited.
+  std::set<int> may_die;
+  // Extra environment for the ranks ("NAME=value").
+  std::vector<std::string> env;
+};
+
+// Runs fn on world_size processes; fn receives the world communicator.
+void run_ranks(int world_size, const std::function<void(comm::Communicator&)>& fn,
+               const RankOptions& options = RankOptions());
+
+// True inside a rank process.
+bool in_rank_process();
+
+}  // namespace testing
+}  // namespace meshtrain

@@ -1,0 +1,258 @@
+// Every collective on world sizes 1-4, every dtype, checked against closed-form
+// values: rank r contributes (r + 1) * base, with base small integers so sums,
+// products and averages are exact in every dtype (bfloat16 included).
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "harness.h"
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/util/shard.h"
+
+using meshtrain::comm::Communicator;
+using meshtrain::comm::OpKind;
+using meshtrain::comm::ReduceOp;
+using meshtrain::testing::run_ranks;
+
+namespace {
+
+const std::vector<torch::Dtype> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16,
+                                           torch::kFloat16, torch::kInt32,   torch::kInt64};
+
+// base[i] = 1 + i % m, exact in every dtype for the values used here.
+torch::Tensor base(int64_t numel, torch::Dtype dtype, int m = 3) {
+  return (torch::arange(numel, torch::kInt64) % m + 1).to(dtype);
+}
+
+void expect_equal(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
+  EXPECT_TRUE(torch::equal(got, want)) << what << "\n got " << got.to(torch::kDouble).view(-1).slice(0, 0, 8)
+                                       << "\n want " << want.to(torch::kDouble).view(-1).slice(0, 0, 8);
+}
+
+std::string tag(const char* op, torch::Dtype dt, int64_t numel) {
+  return std::string(op) + " dtype=" + c10::toString(dt) + " numel=" + std::to_string(numel);
+}
+
+class Collectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(Collectives, AllReduceEveryOpAndDtype) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    const int64_t sum_coef = n * (n + 1) / 2;
+    int64_t prod_coef = 1;
+    for (int i = 1; i <= n; ++i) prod_coef *= i;
+    for (auto dt : kDtypes) {
+      for (int64_t numel : {1, 3, 10, 1001}) {  // fewer elements than ranks, uneven chunks
+        auto t = base(numel, dt) * (r + 1);
+        comm.all_reduce(t, ReduceOp::kSum);
+        expect_equal(t, base(numel, dt) * sum_coef, tag("sum", dt, numel));
+
+        t = base(numel, dt) * (r + 1);
+        comm.all_reduce(t, ReduceOp::kMax);
+        expect_equal(t, base(numel, dt) * n, tag("max", dt, numel));
+
+        t = base(numel, dt) * (r + 1);
+        comm.all_reduce(t, ReduceOp::kMin);
+        expect_equal(t, base(numel, dt), tag("min", dt, numel));
+
+        t = base(numel, dt, 2) * (r + 1);
+        comm.all_reduce(t, ReduceOp::kProduct);
+        expect_equal(t, base(numel, dt, 2).pow(n).to(dt) * prod_coef, tag("product", dt, numel));
+
+        if (torch::isFloatingType(dt)) {
+          t = base(numel, dt) * (r + 1);
+          comm.all_reduce(t, ReduceOp::kAvg);
+          auto want = (base(numel, torch::kDouble) * sum_coef / n).to(dt);
+          expect_equal(t, want, tag("avg", dt, numel));
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Collectives, BroadcastAndReduceFromEveryRoot) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    for (auto dt : kDtypes) {
+      for (int root = 0; root < n; ++root) {
+        auto t = base(17, dt) * (r + 1);
+        comm.broadcast(t, root);
+        expect_equal(t, base(17, dt) * (root + 1), tag("broadcast", dt, 17));
+
+        t = base(17, dt) * (r + 1);
+        comm.reduce(t, root, ReduceOp::kSum);
+        auto want = r == root ? base(17, dt) * (n * (n + 1) / 2) : base(17, dt) * (r + 1);
+        expect_equal(t, want, tag("reduce", dt, 17));
+      }
+    }
+  });
+}
+
+TEST_P(Collectives, AllGatherEqualAndUneven) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    for (auto dt : kDtypes) {
+      // Equal sizes, as a list and into one flat tensor.
+      auto mine = base(6, dt).view({2, 3}) * (r + 1);
+      auto list = comm.all_gather(mine);
+      ASSERT_EQ(static_cast<int>(list.size()), n);
+      for (int p = 0; p < n; ++p) expect_equal(list[p], base(6, dt).view({2, 3}) * (p + 1), tag("all_gather list", dt, 6));
+      auto flat = torch::zeros({6 * n}, dt);
+      comm.all_gather_into(flat, mine);
+      for (int p = 0; p < n; ++p) expect_equal(flat.slice(0, 6 * p, 6 * (p + 1)), base(6, dt) * (p + 1), tag("all_gather_into", dt, 6));
+      // Uneven: rank p holds p + 1 elements of shape [p + 1].
+      auto uneven = torch::full({r + 1}, r + 1, dt);
+      auto parts = comm.all_gather(uneven);
+      auto gathered = comm.all_gather_flat(uneven);
+      ASSERT_EQ(gathered.numel(), n * (n + 1) / 2);
+      int64_t offset = 0;
+      for (int p = 0; p < n; ++p) {
+        expect_equal(parts[p], torch::full({p + 1}, p + 1, dt), tag("all_gather uneven", dt, p + 1));
+        expect_equal(gathered.slice(0, offset, offset + p + 1), torch::full({p + 1}, p + 1, dt), tag("all_gather_flat", dt, p + 1));
+        offset += p + 1;
+      }
+    }
+  });
+}
+
+TEST_P(Collectives, ReduceScatterUnevenAndEqual) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    const int64_t sum_coef = n * (n + 1) / 2;
+    for (auto dt : kDtypes) {
+      for (int64_t numel : {1, 7, 10, 1003}) {  // not divisible by 2, 3 or 4
+        auto in = base(numel, dt) * (r + 1);
+        auto shard = comm.reduce_scatter(in, ReduceOp::kSum);
+        const auto range = meshtrain::shard_range(numel, n, r);
+        expect_equal(shard, (base(numel, dt) * sum_coef).slice(0, range.offset, range.end()), tag("reduce_scatter", dt, numel));
+      }
+      // Explicit per-rank sizes: rank p gets p + 2 elements.
+      std::vector<int64_t> counts;
+      int64_t total = 0;
+      for (int p = 0; p < n; ++p) { counts.push_back(p + 2); total += p + 2; }
+      auto shard = comm.reduce_scatter(base(total, dt) * (r + 1), ReduceOp::kMax, counts);
+      const int64_t off = meshtrain::offsets_of(counts)[r];
+      expect_equal(shard, (base(total, dt) * n).slice(0, off, off + counts[r]), tag("reduce_scatter counts", dt, total));
+      // Equal shards into a given output (torch's reduce_scatter_tensor).
+      auto out = torch::empty({5}, dt);
+      comm.reduce_scatter_into(out, base(5 * n, dt) * (r + 1));
+      expect_equal(out, (base(5 * n, dt) * sum_coef).slice(0, 5 * r, 5 * r + 5), tag("reduce_scatter_into", dt, 5 * n));
+    }
+  });
+}
+
+TEST_P(Collectives, GatherScatterAllToAllBarrier) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    for (auto dt : kDtypes) {
+      const int root = n - 1;
+      auto got = comm.gather(torch::full({r + 1, 2}, r, dt), root);
+      if (r == root) {
+        ASSERT_EQ(static_cast<int>(got.size()), n);
+        for (int p = 0; p < n; ++p) expect_equal(got[p], torch::full({p + 1, 2}, p, dt), tag("gather", dt, 2 * (p + 1)));
+      } else {
+        EXPECT_TRUE(got.empty());
+      }
+      std::vector<torch::Tensor> inputs;
+      if (r == 0) for (int p = 0; p < n; ++p) inputs.push_back(torch::full({p + 1}, 10 + p, dt));
+      auto out = torch::zeros({r + 1}, dt);
+      comm.scatter(out, inputs, 0);
+      expect_equal(out, torch::full({r + 1}, 10 + r, dt), tag("scatter", dt, r + 1));
+
+      // all_to_all: rank r sends (r * 10 + p) repeated p + 1 times to rank p.
+      std::vector<torch::Tensor> sends;
+      for (int p = 0; p < n; ++p) sends.push_back(torch::full({p + 1}, r * 10 + p, dt));
+      auto recvd = comm.all_to_all(sends);
+      for (int p = 0; p < n; ++p) expect_equal(recvd[p], torch::full({r + 1}, p * 10 + r, dt), tag("all_to_all", dt, r + 1));
+
+      auto single_in = torch::arange(2 * n, torch::kInt64).to(dt) + 100 * r;
+      auto single_out = torch::empty_like(single_in);
+      comm.all_to_all_single(single_out, single_in);
+      for (int p = 0; p < n; ++p) {
+        auto want = (torch::arange(2 * r, 2 * r + 2, torch::kInt64) + 100 * p).to(dt);
+        expect_equal(single_out.slice(0, 2 * p, 2 * p + 2), want, tag("all_to_all_single", dt, 2 * n));
+      }
+    }
+    comm.barrier();
+  });
+}
+
+TEST_P(Collectives, NonContiguousAndAsync) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    // A transposed view: handled by a contiguous copy written back.
+    auto m = (torch::arange(12, torch::kFloat32).view({3, 4}) * (r + 1)).t();
+    ASSERT_FALSE(m.is_contiguous());
+    comm.all_reduce(m);
+    expect_equal(m, torch::arange(12, torch::kFloat32).view({3, 4}).t() * (n * (n + 1) / 2), "non-contiguous all_reduce");
+    auto b = (torch::arange(6, torch::kFloat64).view({2, 3}) + r).t();
+    comm.broadcast(b, 0);
+    expect_equal(b, torch::arange(6, torch::kFloat64).view({2, 3}).t(), "non-contiguous broadcast");
+    // Several operations in flight, completed in order.
+    std::vector<torch::Tensor> ts;
+    std::vector<meshtrain::comm::WorkPtr> works;
+    for (int i = 0; i < 8; ++i) {
+      ts.push_back(torch::full({100 + i}, static_cast<double>(r + i), torch::kFloat64));
+      works.push_back(comm.all_reduce_async(ts.back()));
+    }
+    for (int i = 7; i >= 0; --i) works[i]->wait();  // waiting out of order is fine
+    for (int i = 0; i < 8; ++i) {
+      const double want = n * (n - 1) / 2.0 + n * i;
+      expect_equal(ts[i], torch::full({100 + i}, want, torch::kFloat64), "async all_reduce " + std::to_string(i));
+    }
+  });
+}
+
+TEST_P(Collectives, PointToPointRingWithTagsAndUnknownShapes) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    if (n == 1) return;
+    const int right = (r + 1) % n, left = (r + n - 1) % n;
+    for (auto dt : kDtypes) {
+      // Two tags in flight at once; the receiver takes them in the other order.
+      auto a = comm.isend(torch::full({3}, r, dt), right, /*tag=*/1);
+      auto b = comm.isend(torch::full({2, 2}, r + 100, dt), right, /*tag=*/2);
+      auto got2 = comm.recv_any(left, 2);
+      auto got1 = torch::zeros({3}, dt);
+      comm.recv(got1, left, 1);
+      a->wait();
+      b->wait();
+      expect_equal(got1, torch::full({3}, left, dt), tag("p2p tag 1", dt, 3));
+      expect_equal(got2, torch::full({2, 2}, left + 100, dt), tag("p2p tag 2 (shape unknown)", dt, 4));
+    }
+    // Messages with one tag arrive in the order sent.
+    std::vector<meshtrain::comm::WorkPtr> sends;
+    for (int i = 0; i < 5; ++i) sends.push_back(comm.isend(torch::full({1}, i, torch::kInt64), right, 7));
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(comm.recv_any(left, 7).item<int64_t>(), i);
+    for (auto& s : sends) s->wait();
+  });
+}
+
+TEST_P(Collectives, TrafficCountsTheRingBytes) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    const int64_t numel = 1003;
+    auto counts = meshtrain::shard_sizes(numel, n);
+    comm.reset_traffic();
+    auto t = torch::ones({numel}, torch::kFloat32);
+    comm.all_reduce(t);
+    auto traffic = comm.traffic();
+    // Reduce-scatter phase sends every chunk but this rank's, all-gather every chunk but the right neighbour's.
+    const int64_t want_sent = n == 1 ? 0 : 4 * ((numel - counts[r]) + (numel - counts[(r + 1) % n]));
+    EXPECT_EQ(traffic[OpKind::kAllReduce].calls, 1);
+    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, want_sent);
+    comm.reset_traffic();
+    comm.reduce_scatter(t);
+    traffic = comm.traffic();
+    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, n == 1 ? 0 : 4 * (numel - counts[r]));
+    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, n == 1 ? 0 : 4 * (numel - counts[(r + 1) % n]));
+    if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+}  // namespace
