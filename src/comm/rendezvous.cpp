@@ -51,7 +51,6 @@ void validate(const DistEnv& e, const std::string& rank_var, const std::string& 
                   e.local_rank, " must be in [0, ", local_size_var, "=", e.local_world_size, ")");
   MESHTRAIN_CHECK(e.master_port >= 1 && e.master_port <= 65535, "MASTER_PORT=", e.master_port,
                   " must be in [1, 65535]");
-  MESHTRAIN_CHECK(!e.master_addr.empty(), "MASTER_ADDR is empty; set it to rank 0's host");
 }
 
 }  // namespace

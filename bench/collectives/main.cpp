@@ -1,0 +1,114 @@
+// Collective bandwidth of meshtrain's Communicator (run under meshrun).
+// Protocol, shared with torch_peer.py so the two are comparable side by side:
+// per op and size, one untimed call, 5 warm-up calls, a calibration of the
+// iteration count to ~target seconds (agreed with an all_reduce MAX), a
+// barrier, the timed block; time per op = max over ranks.
+// Sizes follow nccl-tests: S = the tensor (all_reduce, broadcast) or the full
+// gathered / scattered buffer (all_gather, reduce_scatter); bus bandwidth =
+// S/t * 2(n-1)/n (all_reduce), * (n-1)/n (all_gather, reduce_scatter), * 1 (broadcast).
+#include <torch/torch.h>
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "meshtrain/comm/rendezvous.h"
+
+using namespace meshtrain;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::vector<int64_t> parse_sizes(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    int64_t mult = 1;
+    char suffix = item.back();
+    if (suffix == 'K') mult = 1024;
+    if (suffix == 'M') mult = 1024 * 1024;
+    if (mult > 1) item.pop_back();
+    out.push_back(std::stoll(item) * mult);
+  }
+  return out;
+}
+
+std::function<void()> make_op(comm::Communicator& c, const std::string& op, int64_t bytes) {
+  const int64_t numel = bytes / 4, per = numel / c.size();
+  if (op == "all_reduce") {
+    auto t = torch::zeros({numel});
+    return [&c, t] { c.all_reduce(t); };
+  }
+  if (op == "all_gather") {
+    auto in = torch::zeros({per}), out = torch::empty({per * c.size()});
+    return [&c, in, out] { c.all_gather_into(out, in); };
+  }
+  if (op == "reduce_scatter") {
+    auto in = torch::zeros({per * c.size()}), out = torch::empty({per});
+    return [&c, in, out] { c.reduce_scatter_into(out, in); };
+  }
+  if (op == "broadcast") {
+    auto t = torch::zeros({numel});
+    return [&c, t] { c.broadcast(t, 0); };
+  }
+  throw std::invalid_argument("unknown op " + op);
+}
+
+double seconds_per_op(comm::Communicator& c, const std::function<void()>& fn, double target_s) {
+  fn();
+  for (int i = 0; i < 5; ++i) fn();
+  c.barrier();
+  auto t0 = Clock::now();
+  for (int i = 0; i < 3; ++i) fn();
+  const double est = std::chrono::duration<double>(Clock::now() - t0).count() / 3;
+  auto iters = torch::tensor({static_cast<int64_t>(std::min(5000.0, std::max(5.0, target_s / std::max(est, 1e-9))))});
+  c.all_reduce(iters, comm::ReduceOp::kMax);
+  const int64_t n = iters.item<int64_t>();
+  c.barrier();
+  t0 = Clock::now();
+  for (int64_t i = 0; i < n; ++i) fn();
+  auto dt = torch::tensor({std::chrono::duration<double>(Clock::now() - t0).count() / n}, torch::kFloat64);
+  c.all_reduce(dt, comm::ReduceOp::kMax);
+  return dt.item<double>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string sizes = "4K,64K,1M,16M,64M", ops = "all_reduce,all_gather,reduce_scatter,broadcast", out;
+  double target_s = 0.3;
+  bool verify = true;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string f = argv[i], v = argv[i + 1];
+    if (f == "--sizes") sizes = v;
+    else if (f == "--ops") ops = v;
+    else if (f == "--target-s") target_s = std::stod(v);
+    else if (f == "--verify") verify = v == "1";
+    else if (f == "--out") out = v;
+  }
+  comm::CommOptions options;
+  options.verify = verify;
+  auto c = comm::init_from_env(options);
+  torch::set_num_threads(1);
+  std::ostringstream json;
+  json << "{\"impl\": \"meshtrain" << (verify ? "" : " (verify off)") << "\", \"world_size\": " << c->size()
+       << ", \"rows\": [";
+  bool first = true;
+  std::stringstream ops_ss(ops);
+  std::string op;
+  while (std::getline(ops_ss, op, ',')) {
+    for (int64_t bytes : parse_sizes(sizes)) {
+      const double t = seconds_per_op(*c, make_op(*c, op, bytes), target_s);
+      if (c->rank() == 0) {
+        json << (first ? "" : ", ") << "{\"op\": \"" << op << "\", \"bytes\": " << bytes << ", \"sec_per_op\": " << t << "}";
+        first = false;
+        std::cout << op << " " << bytes << " B: " << t * 1e6 << " us" << std::endl;
+      }
+    }
+  }
+  json << "]}\n";
+  if (c->rank() == 0 && !out.empty()) std::ofstream(out) << json.str();
+  return 0;
+}

@@ -1,0 +1,52 @@
+#pragma once
+// meshrun: starts the ranks of a job on this node, torchrun-compatible.
+//
+//   meshrun --nproc-per-node N [--nnodes M --node-rank R --master-addr A
+//           --master-port P] [--max-restarts K] -- PROGRAM ARGS...
+//
+// Node 0's meshrun hosts the rendezvous store at A:P (bound to A only); every
+// rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+// MASTER_ADDR, MASTER_PORT, and OMP_NUM_THREADS / OPENBLAS_NUM_THREADS set to
+// its share of the cores. Output lines are prefixed "[rankN]: ". When a rank
+// fails, meshrun stops the others on every node (SIGTERM, then SIGKILL after a
+// grace period), and either restarts the whole group (--max-restarts) or exits
+// non-zero naming the first failed rank. Children die with meshrun (no orphans).
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+namespace launch {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;  // 0: pick a free port (one node only)
+  int max_restarts = 0;
+  std::chrono::milliseconds grace{std::chrono::seconds(5)};
+  std::chrono::milliseconds rendezvous_timeout{std::chrono::minutes(5)};
+  bool prefix_output = true;
+  int threads_per_rank = 0;  // 0: the node's cores / nproc_per_node, at least 1
+  std::vector<std::string> command;
+};
+
+// Parses meshrun's arguments (everything before "--" is ours). Throws
+// ConfigError naming the flag and the fix.
+LaunchOptions parse_launch_args(const std::vector<std::string>& args);
+std::string launch_usage();
+
+// The environment of one rank, given the process's own environment `base`
+// (user settings such as OMP_NUM_THREADS are kept when present).
+std::map<std::string, std::string> rank_environment(const LaunchOptions& options, int local_rank,
+                                                    int restart, int store_port, int cores,
+                                                    const std::map<std::string, std::string>& base);
+
+// Runs the job; returns meshrun's exit code.
+int run_launcher(const LaunchOptions& options);
+
+}  // namespace launch
+}  // namespace meshtrain

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole test suite: install what is missing, build, run ctest.
+# Multi-rank tests run one at a time (they spawn their ranks); the rest in parallel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+cd build
+ctest --output-on-failure -j2 "$@"

@@ -1,0 +1,428 @@
+// meshrun's supervisor: spawns the local ranks, prefixes their output, watches
+// for failures (local exits and, through the store, other nodes' ranks), stops
+// and restarts the group. See launcher.h.
+
+#include "meshtrain/launch/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "meshtrain/comm/store.h"
+#include "meshtrain/util/error.h"
+
+extern char** environ;
+
+namespace meshtrain {
+namespace launch {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+volatile sig_atomic_t g_signal = 0;
+
+void on_signal(int sig) {
+  g_signal = sig;
+  const char b = static_cast<char>(sig);
+  if (write(g_signal_pipe[1], &b, 1) < 0) {
+  }
+}
+
+void say(const std::string& msg) { std::cerr << "meshrun: " << msg << std::endl; }
+
+std::map<std::string, std::string> process_environment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv = *e;
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return env;
+}
+
+int node_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("signal ") + strsignal(WTERMSIG(status));
+  return "unknown status";
+}
+
+// One output stream of one rank, re-emitted line by line with a prefix.
+struct Stream {
+  int fd = -1;
+  int out_fd = 1;
+  std::string pending;
+  void emit(const std::string& prefix, bool flush_partial) {
+    size_t start = 0, nl;
+    while ((nl = pending.find('\n', start)) != std::string::npos) {
+      const std::string line = prefix + pending.substr(start, nl - start + 1);
+      if (write(out_fd, line.data(), line.size()) < 0) {
+      }
+      start = nl + 1;
+    }
+    pending.erase(0, start);
+    if (flush_partial && !pending.empty()) {
+      const std::string line = prefix + pending + "\n";
+      if (write(out_fd, line.data(), line.size()) < 0) {
+      }
+      pending.clear();
+    }
+  }
+};
+
+// Note [No orphans]
+// Ranks get PR_SET_PDEATHSIG(SIGKILL), so they die with meshrun even when it is
+// SIGKILLed. Their own children (data loaders, shells) do not inherit that, so
+// every rank runs in its own process group and a guard process, forked at
+// start, holds the read end of a pipe from meshrun: when meshrun dies the pipe
+// closes and the guard SIGKILLs every rank's process group. On a normal exit
+// meshrun tells the guard "done" first.
+class OrphanGuard {
+ public:
+  OrphanGuard() {
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0) return;
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(fds[1]);
+      setsid();  // not in meshrun's group: a signal to that group does not reach the guard
+      std::vector<pid_t> groups;
+      std::string buf;
+      char c;
+      while (read(fds[0], &c, 1) == 1) {
+        if (c != '\n') {
+          buf.push_back(c);
+          continue;
+        }
+        if (buf == "done") _exit(0);
+        groups.push_back(static_cast<pid_t>(std::atol(buf.c_str())));
+        buf.clear();
+      }
+      for (pid_t g : groups) kill(-g, SIGKILL);
+      _exit(0);
+    }
+    close(fds[0]);
+    fd_ = fds[1];
+    pid_ = pid;
+  }
+  ~OrphanGuard() {
+    if (fd_ < 0) return;
+    const char done[] = "done\n";
+    if (write(fd_, done, sizeof done - 1) < 0) {
+    }
+    close(fd_);
+    waitpid(pid_, nullptr, 0);
+  }
+  void watch(pid_t group) {
+    const std::string line = std::to_string(group) + "\n";
+    if (fd_ >= 0 && write(fd_, line.data(), line.size()) < 0) {
+    }
+  }
+
+ private:
+  int fd_ = -1;
+  pid_t pid_ = -1;
+};
+
+OrphanGuard* g_guard = nullptr;
+
+struct RankProcess {
+  int rank = 0;
+  pid_t pid = -1;
+  bool exited = false;
+  int status = 0;
+  Stream out, err;
+  std::string prefix;
+};
+
+std::unique_ptr<RankProcess> spawn(int rank, const std::vector<std::string>& command,
+                                   const std::map<std::string, std::string>& env, bool prefix) {
+  auto p = std::make_unique<RankProcess>();
+  p->rank = rank;
+  p->prefix = prefix ? "[rank" + std::to_string(rank) + "]: " : "";
+  int out_pipe[2], err_pipe[2];
+  if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+    throw std::runtime_error("meshrun: pipe2 failed");
+  }
+  std::vector<std::string> env_strings;
+  for (const auto& kv : env) env_strings.push_back(kv.first + "=" + kv.second);
+  std::vector<char*> argv, envp;
+  for (const auto& a : command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);                    // its own group: stopping it stops its children too
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with meshrun, even on SIGKILL
+    if (getppid() != parent) _exit(1);
+    dup2(out_pipe[1], 1);
+    dup2(err_pipe[1], 2);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    execvpe(argv[0], argv.data(), envp.data());
+    const std::string msg = std::string("meshrun: cannot execute '") + argv[0] + "': " + strerror(errno) + "\n";
+    if (write(2, msg.data(), msg.size()) < 0) {
+    }
+    _exit(127);
+  }
+  close(out_pipe[1]);
+  close(err_pipe[1]);
+  p->pid = pid;
+  setpgid(pid, pid);
+  if (g_guard) g_guard->watch(pid);
+  p->out.fd = out_pipe[0];
+  p->out.out_fd = 1;
+  p->err.fd = err_pipe[0];
+  p->err.out_fd = 2;
+  return p;
+}
+
+// Drains output and reaps exits for up to `wait`. Returns true when any rank exited.
+bool pump(std::vector<std::unique_ptr<RankProcess>>& ranks, std::chrono::milliseconds wait) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<RankProcess*, Stream*>> owners;
+  fds.push_back({g_signal_pipe[0], POLLIN, 0});
+  owners.push_back({nullptr, nullptr});
+  for (auto& r : ranks) {
+    for (Stream* s : {&r->out, &r->err}) {
+      if (s->fd >= 0) {
+        fds.push_back({s->fd, POLLIN, 0});
+        owners.push_back({r.get(), s});
+      }
+    }
+  }
+  poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
+  char buf[65536];
+  for (size_t i = 1; i < fds.size(); ++i) {
+    if (!fds[i].revents) continue;
+    Stream* s = owners[i].second;
+    const ssize_t n = read(s->fd, buf, sizeof buf);
+    if (n > 0) {
+      s->pending.append(buf, static_cast<size_t>(n));
+      s->emit(owners[i].first->prefix, false);
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+      s->emit(owners[i].first->prefix, true);
+      close(s->fd);
+      s->fd = -1;
+    }
+  }
+  bool any_exit = false;
+  for (auto& r : ranks) {
+    if (!r->exited && waitpid(r->pid, &r->status, WNOHANG) == r->pid) {
+      r->exited = true;
+      any_exit = true;
+    }
+  }
+  return any_exit;
+}
+
+bool all_exited(const std::vector<std::unique_ptr<RankProcess>>& ranks) {
+  for (auto& r : ranks) if (!r->exited) return false;
+  return true;
+}
+
+// SIGTERM (or `sig`) to every live rank's process group, SIGKILL after the grace period.
+void stop_all(std::vector<std::unique_ptr<RankProcess>>& ranks, int sig, std::chrono::milliseconds grace) {
+  for (auto& r : ranks) if (!r->exited) killpg(r->pid, sig);
+  const auto deadline = Clock::now() + grace;
+  while (!all_exited(ranks) && Clock::now() < deadline) pump(ranks, std::chrono::milliseconds(20));
+  for (auto& r : ranks) {
+    if (!r->exited) {
+      killpg(r->pid, SIGKILL);
+      waitpid(r->pid, &r->status, 0);
+      r->exited = true;
+    }
+  }
+  // Whatever the ranks' own children left behind in their groups goes too.
+  for (auto& r : ranks) killpg(r->pid, SIGKILL);
+  while (true) {
+    bool open = false;
+    for (auto& r : ranks) open = open || r->out.fd >= 0 || r->err.fd >= 0;
+    if (!open) break;
+    pump(ranks, std::chrono::milliseconds(20));
+  }
+}
+
+// Waits until the integer at `key` reaches `target` (agents' barriers).
+void await_count(comm::TcpStore& store, const std::string& key, int target, std::chrono::milliseconds timeout,
+                 const std::string& what) {
+  const auto deadline = Clock::now() + timeout;
+  while (store.add(key, 0) < target) {
+    if (g_signal) throw std::runtime_error("interrupted");
+    if (Clock::now() > deadline) {
+      throw ConfigError(str_cat("meshrun: timed out waiting for ", what, " (", store.add(key, 0), " of ", target,
+                                " nodes arrived); start meshrun on every node with the same --nnodes, "
+                                "--master-addr and --master-port"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+struct Outcome {
+  bool ok = false;
+  bool interrupted = false;
+  std::string failure;  // who failed first and how
+};
+
+// Runs one generation of the group on this node.
+Outcome run_generation(const LaunchOptions& o, int generation, int store_port, comm::TcpStore& store,
+                       const std::map<std::string, std::string>& base_env) {
+  const std::string gen = "g" + std::to_string(generation);
+  std::atomic<bool> remote_failure{false};
+  std::string remote_reason;
+  std::mutex remote_mutex;
+  comm::FailureWatcher watcher(o.master_addr, store_port, gen + "/", o.rendezvous_timeout,
+                               [&](const comm::FailureReport& r) {
+                                 std::lock_guard<std::mutex> lock(remote_mutex);
+                                 if (remote_failure) return;
+                                 remote_reason = r.label + ": " + r.reason;
+                                 remote_failure = true;
+                               });
+  std::vector<std::unique_ptr<RankProcess>> ranks;
+  const int cores = node_cores();
+  for (int local = 0; local < o.nproc_per_node; ++local) {
+    auto env = rank_environment(o, local, generation, store_port, cores, base_env);
+    ranks.push_back(spawn(o.node_rank * o.nproc_per_node + local, o.command, env, o.prefix_output));
+  }
+  Outcome outcome;
+  while (true) {
+    pump(ranks, std::chrono::milliseconds(50));
+    if (g_signal) {
+      say(str_cat("received signal ", strsignal(g_signal), "; stopping the ranks"));
+      stop_all(ranks, g_signal == SIGINT ? SIGINT : SIGTERM, o.grace);
+      outcome.interrupted = true;
+      watcher.stop();
+      return outcome;
+    }
+    for (auto& r : ranks) {
+      if (r->exited && !(WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0)) {
+        outcome.failure = str_cat("rank ", r->rank, " (node ", o.node_rank, ", local rank ",
+                                  r->rank - o.node_rank * o.nproc_per_node, ") failed with ",
+                                  describe_status(r->status));
+        break;
+      }
+    }
+    if (outcome.failure.empty() && remote_failure) {
+      std::lock_guard<std::mutex> lock(remote_mutex);
+      outcome.failure = "a failure was reported for " + remote_reason;
+    }
+    if (!outcome.failure.empty()) {
+      say(outcome.failure + "; stopping the other ranks");
+      // Other nodes learn of it through the store (a rank's own store connection
+      // tells them too, but a rank may die before it connects).
+      try {
+        store.report_failure(gen + "/node" + std::to_string(o.node_rank), outcome.failure);
+      } catch (const std::exception&) {
+      }
+      watcher.stop();
+      stop_all(ranks, SIGTERM, o.grace);
+      return outcome;
+    }
+    if (all_exited(ranks)) break;
+  }
+  // Every local rank succeeded; the job is done when every node's ranks are.
+  store.add(gen + "/nodes_done", 1);
+  const auto deadline = Clock::now() + std::chrono::hours(24 * 365);
+  while (store.add(gen + "/nodes_done", 0) < o.nnodes) {
+    if (remote_failure) {
+      std::lock_guard<std::mutex> lock(remote_mutex);
+      outcome.failure = "a failure was reported for " + remote_reason;
+      watcher.stop();
+      return outcome;
+    }
+    if (g_signal || Clock::now() > deadline) {
+      outcome.interrupted = true;
+      watcher.stop();
+      return outcome;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  watcher.stop();
+  outcome.ok = true;
+  return outcome;
+}
+
+}  // namespace
+
+int run_launcher(const LaunchOptions& o) {
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return 1;
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  OrphanGuard guard;  // See Note [No orphans]
+  g_guard = &guard;
+  struct ForgetGuard {
+    ~ForgetGuard() { g_guard = nullptr; }
+  } forget_guard;
+  std::unique_ptr<comm::StoreServer> server;
+  int port = o.master_port;
+  if (o.node_rank == 0) {
+    server.reset(new comm::StoreServer(o.master_addr, o.master_port));
+    port = server->port();
+  }
+  comm::TcpStore store(o.master_addr, port, o.rendezvous_timeout);
+  const auto base_env = process_environment();
+  if (o.node_rank == 0) {
+    say(str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ", o.nnodes,
+                " nodes); store at ", o.master_addr, ":", port));
+  }
+  Clock::time_point failed_at{};
+  for (int generation = 0;; ++generation) {
+    const std::string gen = "g" + std::to_string(generation);
+    store.add(gen + "/nodes_joined", 1);
+    try {
+      await_count(store, gen + "/nodes_joined", o.nnodes, o.rendezvous_timeout, "the other nodes");
+    } catch (const std::runtime_error& e) {
+      if (g_signal) return 128 + g_signal;
+      say(e.what());
+      return 1;
+    }
+    if (generation > 0) {
+      const double s = std::chrono::duration<double>(Clock::now() - failed_at).count();
+      say(str_cat("group restarted (attempt ", generation + 1, "), ", s, " s after the failure was detected"));
+    }
+    const Outcome outcome = run_generation(o, generation, port, store, base_env);
+    if (outcome.ok) return 0;
+    if (outcome.interrupted) return 128 + (g_signal ? g_signal : SIGTERM);
+    failed_at = Clock::now();
+    // Every node stops its ranks before anyone restarts.
+    store.add(gen + "/nodes_stopped", 1);
+    try {
+      await_count(store, gen + "/nodes_stopped", o.nnodes, o.rendezvous_timeout, "the other nodes to stop");
+    } catch (const std::exception& e) {
+      say(e.what());
+    }
+    if (generation >= o.max_restarts) {
+      say(str_cat("failed: ", outcome.failure, o.max_restarts > 0 ? str_cat(" (after ", o.max_restarts, " restarts)") : ""));
+      return 1;
+    }
+    say(str_cat("restarting the whole group (restart ", generation + 1, " of ", o.max_restarts, ")"));
+  }
+}
+
+}  // namespace launch
+}  // namespace meshtrain

@@ -1,0 +1,178 @@
+// Failure is loud and fast: dead peers, stuck peers, mismatched arguments and
+// bad arguments all end in an error that names the rank and the operation.
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "harness.h"
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/util/error.h"
+
+using meshtrain::ConfigError;
+using meshtrain::comm::Communicator;
+using meshtrain::comm::MismatchError;
+using meshtrain::comm::PeerFailure;
+using meshtrain::comm::ReduceOp;
+using meshtrain::comm::TimeoutError;
+using meshtrain::testing::RankOptions;
+using meshtrain::testing::run_ranks;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// One rank is SIGKILLed while all ranks loop on large all-reduces: every
+// survivor raises PeerFailure naming it within 5 s (the timeout is 60 s, so
+// only failure detection can explain a fast error).
+TEST(Failures, DeadPeerMidCollectiveIsNamedWithinSeconds) {
+  RankOptions options;
+  options.comm_timeout = std::chrono::seconds(60);
+  options.may_die = {1};
+  run_ranks(3, [](Communicator& comm) {
+    auto t = torch::ones({1 << 20});
+    comm.all_reduce(t);  // everyone is up
+    if (comm.rank() == 1) {
+      std::thread([] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        kill(getpid(), SIGKILL);
+      }).detach();
+    }
+    const auto t0 = Clock::now();
+    try {
+      for (int i = 0; i < 100000; ++i) comm.all_reduce(t);
+      ADD_FAILURE() << "all_reduce kept working after rank 1 was killed";
+    } catch (const PeerFailure& e) {
+      const double elapsed = seconds_since(t0);
+      EXPECT_EQ(e.rank(), 1) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("all_reduce"), std::string::npos) << e.what();
+      EXPECT_LT(elapsed, 5.0) << "took " << elapsed << " s: " << e.what();
+      std::cout << "rank " << comm.rank() << " after " << elapsed << " s: " << e.what() << "\n";
+    }
+    // The communicator refuses further work with the original cause.
+    EXPECT_THROW(comm.all_reduce(t), meshtrain::comm::CommError);
+  }, options);
+}
+
+// A stopped (SIGSTOP) rank keeps its connections open: the others raise
+// TimeoutError at the communicator's timeout, naming the operation.
+TEST(Failures, StuckPeerGivesTimeoutError) {
+  RankOptions options;
+  options.comm_timeout = std::chrono::seconds(2);
+  options.may_die = {2};
+  run_ranks(3, [](Communicator& comm) {
+    auto t = torch::ones({1000});
+    comm.all_reduce(t);
+    if (comm.rank() == 2) raise(SIGSTOP);
+    const auto t0 = Clock::now();
+    try {
+      comm.all_reduce(t);
+      ADD_FAILURE() << "all_reduce completed without rank 2";
+    } catch (const TimeoutError& e) {
+      const double elapsed = seconds_since(t0);
+      EXPECT_GE(elapsed, 1.9);
+      EXPECT_LT(elapsed, 10.0);
+      EXPECT_NE(std::string(e.what()).find("all_reduce"), std::string::npos) << e.what();
+      std::cout << "rank " << comm.rank() << " after " << elapsed << " s: " << e.what() << "\n";
+    }
+  }, options);
+}
+
+TEST(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
+  run_ranks(3, [](Communicator& comm) {
+    const int r = comm.rank();
+    // dtype differs on rank 1
+    auto a = r == 1 ? torch::ones({4}, torch::kFloat64) : torch::ones({4}, torch::kFloat32);
+    try {
+      comm.all_reduce(a);
+      ADD_FAILURE() << "no error for a dtype mismatch";
+    } catch (const MismatchError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1 passed Double[4]"), std::string::npos) << e.what();
+    }
+  });
+  run_ranks(2, [](Communicator& comm) {
+    auto b = comm.rank() == 0 ? torch::ones({2, 3}) : torch::ones({3, 2});
+    EXPECT_THROW(comm.all_reduce(b), MismatchError);
+  });
+  run_ranks(2, [](Communicator& comm) {
+    auto c = torch::ones({5});
+    try {
+      if (comm.rank() == 0) comm.all_reduce(c); else comm.broadcast(c, 0);
+      ADD_FAILURE() << "no error for different collectives";
+    } catch (const MismatchError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called all_reduce"), std::string::npos) << e.what();
+    }
+  });
+  run_ranks(2, [](Communicator& comm) {
+    // reduce_scatter inputs of different sizes
+    auto d = torch::ones({comm.rank() == 0 ? 10 : 12});
+    EXPECT_THROW(comm.reduce_scatter(d), MismatchError);
+  });
+  run_ranks(2, [](Communicator& comm) {
+    // A receive into a tensor of another shape: the receiver raises; the sender's
+    // message is never taken, so its send fails once the receiver has gone.
+    if (comm.rank() == 0) {
+      EXPECT_THROW(comm.send(torch::ones({8}), 1), meshtrain::comm::CommError);
+    } else {
+      auto small = torch::zeros({4});
+      EXPECT_THROW(comm.recv(small, 0), MismatchError);
+    }
+  });
+}
+
+TEST(Failures, BadArgumentsAreRejectedBeforeCommunication) {
+  run_ranks(2, [](Communicator& comm) {
+    auto t = torch::ones({4});
+    EXPECT_THROW(comm.broadcast(t, 2), ConfigError);
+    EXPECT_THROW(comm.reduce(t, -1), ConfigError);
+    EXPECT_THROW(comm.send(t, comm.rank()), ConfigError);  // to self
+    EXPECT_THROW(comm.all_reduce(torch::ones({3}, torch::kBool)), ConfigError);
+    EXPECT_THROW(comm.all_reduce(torch::ones({3}, torch::kInt64), ReduceOp::kAvg), ConfigError);
+    EXPECT_THROW(comm.reduce_scatter(torch::ones({10}), ReduceOp::kSum, {3, 3}), ConfigError);
+    EXPECT_THROW(comm.all_gather_into(torch::zeros({3}), torch::ones({2})), ConfigError);
+    // None of that reached the wire: the communicator still works.
+    comm.all_reduce(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({4}, 2.0f)));
+  });
+}
+
+// Sub-communicators run collectives concurrently with their parent.
+TEST(Split, ByColorAndByRankListConcurrentWithParent) {
+  run_ranks(4, [](Communicator& comm) {
+    const int r = comm.rank();
+    auto parity = comm.split(r % 2, r, "parity");
+    ASSERT_TRUE(parity);
+    EXPECT_EQ(parity->size(), 2);
+    EXPECT_EQ(parity->rank(), r / 2);
+    EXPECT_EQ(parity->global_ranks(), (std::vector<int>{r % 2, r % 2 + 2}));
+    auto pair = comm.split(std::vector<int>{3, 1}, "pair");  // rank 3 becomes 0
+    EXPECT_EQ(static_cast<bool>(pair), r == 1 || r == 3);
+    if (pair) EXPECT_EQ(pair->rank(), r == 3 ? 0 : 1);
+    for (int i = 0; i < 20; ++i) {
+      auto sub = torch::full({1000}, static_cast<float>(r));
+      auto all = torch::full({1000}, static_cast<float>(r));
+      auto w1 = parity->all_reduce_async(sub);
+      auto w2 = comm.all_reduce_async(all);
+      w1->wait();
+      w2->wait();
+      EXPECT_TRUE(torch::equal(sub, torch::full({1000}, static_cast<float>(r % 2 == 0 ? 0 + 2 : 1 + 3))));
+      EXPECT_TRUE(torch::equal(all, torch::full({1000}, 6.0f)));
+    }
+    if (pair) {
+      auto x = torch::full({3}, static_cast<float>(r));
+      pair->broadcast(x, 0);
+      EXPECT_TRUE(torch::equal(x, torch::full({3}, 3.0f)));
+    }
+  });
+}
+
+}  // namespace

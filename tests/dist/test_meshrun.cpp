@@ -1,0 +1,164 @@
+// meshrun end to end: environment, prefixed output, failure propagation,
+// restarts, no orphans, and two meshrun "nodes" forming one group on loopback.
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace {
+
+const std::string kBin = MESHTRAIN_BIN_DIR;
+
+struct Shell {
+  int exit_code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+// Runs a shell command, capturing stdout and stderr together.
+Shell sh(const std::string& cmd) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Shell r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+bool contains(const std::string& s, const std::string& needle) { return s.find(needle) != std::string::npos; }
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+bool alive(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return false;
+  std::string s;
+  std::getline(stat, s);
+  const auto close_paren = s.rfind(')');
+  return close_paren != std::string::npos && s.size() > close_paren + 2 && s[close_paren + 2] != 'Z';
+}
+
+const std::string kMeshrun = kBin + "/meshrun --master-port 0 ";
+const std::string kHelper = kBin + "/meshrun_helper";
+
+}  // namespace
+
+TEST(Meshrun, SetsTorchrunEnvironmentAndPrefixesEveryLine) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 3 -- " + kHelper + " env");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string p = "[rank" + std::to_string(rank) + "]: ";
+    EXPECT_TRUE(contains(r.output, p + "RANK=" + std::to_string(rank) + "\n")) << r.output;
+    EXPECT_TRUE(contains(r.output, p + "LOCAL_RANK=" + std::to_string(rank) + "\n")) << r.output;
+    EXPECT_TRUE(contains(r.output, p + "WORLD_SIZE=3\n")) << r.output;
+    EXPECT_TRUE(contains(r.output, p + "OMP_NUM_THREADS=")) << r.output;
+    EXPECT_TRUE(contains(r.output, p + "line without newline\n")) << r.output;
+  }
+}
+
+TEST(Meshrun, FailedRankStopsTheOthersAndIsNamed) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 3 --grace-seconds 2 -- " + kHelper + " fail 1 7");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 1 (node 0, local rank 1) failed with exit code 7")) << r.output;
+  EXPECT_LT(r.seconds, 15.0) << "the sleeping ranks were not stopped:\n" << r.output;
+}
+
+TEST(Meshrun, RestartsTheGroupUpToMaxRestarts) {
+  Shell ok = sh(kMeshrun + "--nproc-per-node 2 --max-restarts 2 -- " + kHelper + " fail-first 0");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_TRUE(contains(ok.output, "restarting the whole group (restart 1 of 2)")) << ok.output;
+  EXPECT_TRUE(contains(ok.output, "[rank1]: attempt 1 ok")) << ok.output;
+  Shell bad = sh(kMeshrun + "--nproc-per-node 2 --max-restarts 2 --grace-seconds 1 -- " + kHelper + " fail 0 5");
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "restart 2 of 2")) << bad.output;
+  EXPECT_TRUE(contains(bad.output, "(after 2 restarts)")) << bad.output;
+}
+
+TEST(Meshrun, NoOrphansWhenMeshrunIsKilled) {
+  char tmpl[] = "/tmp/meshrun-orphans-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const std::string cmd = kBin + "/meshrun";
+    execl(cmd.c_str(), cmd.c_str(), "--master-port", "0", "--nproc-per-node", "2", "--",
+          kHelper.c_str(), "grandchild", dir.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::vector<pid_t> pids;
+  for (int i = 0; i < 200 && pids.size() < 4; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    pids.clear();
+    for (const char* name : {"rank0", "rank1", "grandchild0", "grandchild1"}) {
+      std::ifstream in(dir + "/" + name);
+      pid_t p = 0;
+      if (in >> p) pids.push_back(p);
+    }
+  }
+  ASSERT_EQ(pids.size(), 4u) << "ranks did not start";
+  kill(pid, SIGKILL);  // meshrun dies without any chance to clean up
+  waitpid(pid, nullptr, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  for (pid_t p : pids) EXPECT_FALSE(alive(p)) << "pid " << p << " outlived meshrun";
+  // SIGTERM to meshrun: it stops the ranks (and their children) and exits.
+  Shell r = sh("(" + kBin + "/meshrun --master-port 0 --nproc-per-node 2 --grace-seconds 1 -- " + kHelper +
+             " grandchild " + dir + " & M=$!; sleep 1.5; kill -TERM $M; wait $M; echo meshrun-exit=$?)");
+  EXPECT_TRUE(contains(r.output, "meshrun-exit=143")) << r.output;
+  pids.clear();
+  for (const char* name : {"rank0", "rank1", "grandchild0", "grandchild1"}) {
+    std::ifstream in(dir + "/" + name);
+    pid_t p = 0;
+    if (in >> p) pids.push_back(p);
+  }
+  for (pid_t p : pids) EXPECT_FALSE(alive(p)) << "pid " << p << " outlived meshrun's SIGTERM";
+}
+
+TEST(Meshrun, TwoNodesOnLoopbackFormOneGroup) {
+  const std::string port = std::to_string(free_port());
+  const std::string common = kBin + "/meshrun --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port " + port;
+  Shell r = sh("(" + common + " --node-rank 1 -- " + kHelper + " allreduce > /tmp/meshrun-node1-" + port + ".log 2>&1 & " +
+             common + " --node-rank 0 -- " + kHelper + " allreduce; wait; cat /tmp/meshrun-node1-" + port + ".log)");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_TRUE(contains(r.output, "[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " of 4 sum 10"))
+        << r.output;
+  }
+}
+
+TEST(Meshrun, BadArgumentsGiveUsage) {
+  Shell r = sh(kBin + "/meshrun --nproc-per-node 0 -- true");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.output, "--nproc-per-node 0 must be at least 1")) << r.output;
+  r = sh(kBin + "/meshrun --nnodes 2 --master-port 0 -- true");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.output, "works on one node only")) << r.output;
+  r = sh(kBin + "/meshrun --nproc-per-node 2");
+  EXPECT_TRUE(contains(r.output, "no program given")) << r.output;
+  r = sh(kBin + "/meshrun --bogus 1 -- true");
+  EXPECT_TRUE(contains(r.output, "unknown flag '--bogus'")) << r.output;
+  r = sh(kBin + "/meshrun --nproc-per-node 1 --master-port 0 -- /nonexistent/program");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "cannot execute '/nonexistent/program'")) << r.output;
+}

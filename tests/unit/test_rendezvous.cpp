@@ -1,0 +1,176 @@
+// Environment parsing, init strings and the store, without any communicator.
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <thread>
+
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm/store.h"
+#include "meshtrain/util/error.h"
+
+using namespace meshtrain;
+using namespace meshtrain::comm;
+
+namespace {
+
+DistEnv parse(const std::map<std::string, std::string>& vars) {
+  return parse_dist_env([&](const std::string& k) -> std::optional<std::string> {
+    auto it = vars.find(k);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+// The error names the variable.
+void expect_error_naming(const std::map<std::string, std::string>& vars, const std::string& needle) {
+  try {
+    parse(vars);
+    ADD_FAILURE() << "no error; expected one naming " << needle;
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(DistEnv, TorchrunVariables) {
+  auto e = parse({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                  {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(e.source, "torchrun");
+  EXPECT_EQ(e.rank, 3);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 2);
+  EXPECT_EQ(e.master_addr, "10.0.0.1");
+  EXPECT_EQ(e.master_port, 1234);
+}
+
+TEST(DistEnv, OpenMpiAndSlurmVariables) {
+  auto m = parse({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                  {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+  EXPECT_EQ(m.source, "openmpi");
+  EXPECT_EQ(m.rank, 2);
+  EXPECT_EQ(m.master_addr, "127.0.0.1");  // one node: loopback
+  auto s = parse({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                  {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_JOB_NODELIST", "gpu[07-08],cpu1"}});
+  EXPECT_EQ(s.source, "slurm");
+  EXPECT_EQ(s.rank, 5);
+  EXPECT_EQ(s.master_addr, "gpu07");
+  EXPECT_EQ(s.master_port, 29500);
+}
+
+TEST(DistEnv, NoVariablesMeansOneProcess) {
+  auto e = parse({});
+  EXPECT_EQ(e.source, "single");
+  EXPECT_EQ(e.world_size, 1);
+}
+
+TEST(DistEnv, BadValuesNameTheVariable) {
+  expect_error_naming({{"RANK", "4"}, {"WORLD_SIZE", "4"}}, "RANK=4");
+  expect_error_naming({{"RANK", "0"}}, "WORLD_SIZE");
+  expect_error_naming({{"RANK", "x"}, {"WORLD_SIZE", "2"}}, "RANK='x'");
+  expect_error_naming({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}, "MASTER_PORT");
+  expect_error_naming({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}}, "MASTER_ADDR");
+  expect_error_naming({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "h"}}, "LOCAL_RANK=3");
+  expect_error_naming({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}, "MASTER_ADDR");
+}
+
+TEST(DistEnv, SlurmNodeLists) {
+  EXPECT_EQ(first_host_of_nodelist("node01"), "node01");
+  EXPECT_EQ(first_host_of_nodelist("node[001-004]"), "node001");
+  EXPECT_EQ(first_host_of_nodelist("node[3,5-7],other[1-2]"), "node3");
+  EXPECT_EQ(first_host_of_nodelist("a,b"), "a");
+  EXPECT_EQ(first_host_of_nodelist("rack[2-3]-n1"), "rack2-n1");
+  EXPECT_THROW(first_host_of_nodelist("node[1-3"), ConfigError);
+}
+
+TEST(InitMethod, TcpUrls) {
+  EXPECT_EQ(parse_tcp_url("tcp://127.0.0.1:29500"), std::make_pair(std::string("127.0.0.1"), 29500));
+  EXPECT_EQ(parse_tcp_url("tcp://[::1]:80"), std::make_pair(std::string("::1"), 80));
+  EXPECT_EQ(parse_tcp_url("tcp://host.example:1"), std::make_pair(std::string("host.example"), 1));
+  for (const char* bad : {"127.0.0.1:29500", "tcp://127.0.0.1", "tcp://:80", "tcp://h:0", "tcp://h:x",
+                          "tcp://h:99999", "udp://h:1", "tcp://[::1]80"}) {
+    EXPECT_THROW(parse_tcp_url(bad), ConfigError) << bad;
+  }
+}
+
+TEST(Store, SetGetAddAndWait) {
+  StoreServer server("127.0.0.1", 0);
+  TcpStore a("127.0.0.1", server.port(), std::chrono::seconds(5));
+  TcpStore b("127.0.0.1", server.port(), std::chrono::seconds(5));
+  std::thread setter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    b.set("k", std::string("v\0w", 3));
+  });
+  EXPECT_EQ(a.get("k"), std::string("v\0w", 3));  // waits for the setter
+  setter.join();
+  EXPECT_EQ(a.add("n", 5), 5);
+  EXPECT_EQ(b.add("n", -2), 3);
+  EXPECT_TRUE(a.check("n"));
+  EXPECT_FALSE(a.check("absent"));
+  PrefixStore p("job", std::make_shared<TcpStore>("127.0.0.1", server.port(), std::chrono::seconds(5)));
+  p.set("x", "1");
+  EXPECT_EQ(a.get("job/x"), "1");
+}
+
+TEST(Store, GetTimesOutNamingTheKey) {
+  StoreServer server("127.0.0.1", 0);
+  TcpStore a("127.0.0.1", server.port(), std::chrono::milliseconds(200));
+  try {
+    a.get("never");
+    ADD_FAILURE();
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Store, ClosedConnectionWithoutByeIsPushedToWatchers) {
+  StoreServer server("127.0.0.1", 0);
+  std::mutex m;
+  std::vector<FailureReport> seen;
+  FailureWatcher watcher("127.0.0.1", server.port(), "g0/", std::chrono::seconds(5),
+                         [&](const FailureReport& r) {
+                           std::lock_guard<std::mutex> lock(m);
+                           seen.push_back(r);
+                         });
+  {
+    TcpStore polite("127.0.0.1", server.port(), std::chrono::seconds(5));
+    polite.hello("g0/r0");
+    polite.bye();
+  }
+  {
+    TcpStore other_group("127.0.0.1", server.port(), std::chrono::seconds(5));
+    other_group.hello("g1/r0");  // another attempt's label: not watched
+  }
+  {
+    TcpStore dying("127.0.0.1", server.port(), std::chrono::seconds(5));
+    dying.hello("g0/r3");
+  }  // closes without bye, as a killed process would
+  for (int i = 0; i < 200; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      if (!seen.empty()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::lock_guard<std::mutex> lock(m);
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].label, "g0/r3");
+  EXPECT_EQ(server.failures().size(), 2u);  // g1/r0 recorded too, not pushed
+}
+
+TEST(Store, ServerBindsOnlyTheGivenAddressAndReportsTakenPorts) {
+  StoreServer server("127.0.0.1", 0);
+  try {
+    StoreServer again("127.0.0.1", server.port());
+    ADD_FAILURE() << "second server on a taken port";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("already in use"), std::string::npos) << e.what();
+  }
+  // 127.0.0.2 is loopback too, but the server did not bind it.
+  EXPECT_THROW(TcpStore("127.0.0.2", server.port(), std::chrono::milliseconds(300)), TimeoutError);
+}

@@ -1,0 +1,18 @@
+// meshrun: the launcher. Logic lives in src/launch (meshtrain::launch).
+#include <iostream>
+
+#include "meshtrain/launch/launcher.h"
+#include "meshtrain/util/error.h"
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    return meshtrain::launch::run_launcher(meshtrain::launch::parse_launch_args(args));
+  } catch (const meshtrain::ConfigError& e) {
+    std::cerr << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "meshrun: " << e.what() << std::endl;
+    return 1;
+  }
+}
