@@ -141,6 +141,7 @@ bool GlooCommunicator::try_run_head(std::unique_lock<std::mutex>& lock, OpWork* 
         CommError(str_cat(where(op->name_), ": the communicator is unusable after an earlier "
                                             "error: ", broken)));
   } else {
+    running_op_ = op->name_;
     run_op(*op);
   }
   lock.lock();
@@ -195,6 +196,7 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
   t.is_recv = false;
   t.bytes = bytes;
   t.kind = kind;
+  t.op = kind == OpKind::kVerify ? running_op_.load() : op_name(kind);
   t.buf->send(peer, slot);
   return t;
 }
@@ -207,6 +209,7 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   t.is_recv = true;
   t.bytes = bytes;
   t.kind = kind;
+  t.op = kind == OpKind::kVerify ? running_op_.load() : op_name(kind);
   t.buf->recv(peer, slot);
   return t;
 }
@@ -222,7 +225,7 @@ std::string GlooCommunicator::peer_name(int peer) const {
 
 void GlooCommunicator::wait(Transfer& t) {
   if (!t.buf) return;
-  const char* op = op_name(t.kind);
+  const char* op = t.op;
   process_->register_wait(t.buf.get());
   bool completed = false;
   try {
@@ -329,6 +332,7 @@ WorkPtr GlooCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
   auto data = tensor.contiguous();
   auto h = std::make_shared<Transfer>(
       post_send(header.get(), sizeof(Header), dst, p2p_slot(tag, false), OpKind::kVerify));
+  h->op = "send";
   auto d = std::make_shared<Transfer>();
   if (data.numel() > 0) {
     *d = post_send(data.data_ptr(), data.nbytes(), dst, p2p_slot(tag, true), OpKind::kSend);
@@ -346,6 +350,7 @@ WorkPtr GlooCommunicator::irecv(at::Tensor tensor, int src, int tag) {
   auto header = std::make_shared<Header>();
   auto h = std::make_shared<Transfer>(
       post_recv(header.get(), sizeof(Header), src, p2p_slot(tag, false), OpKind::kVerify));
+  h->op = "recv";
   return std::make_shared<P2PWork>([this, header, h, tensor, src, tag](std::vector<at::Tensor>& out) {
     wait(*h);
     const Header mine = describe(tensor);
@@ -371,6 +376,7 @@ WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
   auto header = std::make_shared<Header>();
   auto h = std::make_shared<Transfer>(
       post_recv(header.get(), sizeof(Header), src, p2p_slot(tag, false), OpKind::kVerify));
+  h->op = "recv";
   return std::make_shared<P2PWork>([this, header, h, src, tag](std::vector<at::Tensor>& out) {
     wait(*h);
     if (header->magic != Header().magic || header->ndim < 0 || header->ndim > 8) {

@@ -15,6 +15,7 @@
 
 #include <gloo/context.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -51,6 +52,7 @@ struct Transfer {
   bool is_recv = false;
   size_t bytes = 0;
   OpKind kind = OpKind::kSend;
+  const char* op = "";  // the operation it belongs to, for error messages
 };
 
 class OpWork;
@@ -133,8 +135,7 @@ class GlooCommunicator final : public Communicator,
   bool stopping_ = false;
   uint64_t seq_ = 0;           // sequence number of the running op
   std::string broken_;         // non-empty after a communication error
-  const char* current_op_ = "";
-  OpKind current_kind_ = OpKind::kBarrier;
+  std::atomic<const char*> running_op_{""};  // the collective now running (one at a time)
   std::thread worker_;
 };
 
