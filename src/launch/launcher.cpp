@@ -240,6 +240,23 @@ bool all_exited(const std::vector<std::unique_ptr<RankProcess>>& ranks) {
   return true;
 }
 
+// Forwards what is left in the ranks' pipes, up to end of file. A child the
+// rank left behind may hold a pipe open: after 2 s its group is killed.
+void drain(std::vector<std::unique_ptr<RankProcess>>& ranks) {
+  const auto deadline = Clock::now() + std::chrono::seconds(2);
+  bool killed = false;
+  while (true) {
+    bool open = false;
+    for (auto& r : ranks) open = open || r->out.fd >= 0 || r->err.fd >= 0;
+    if (!open) return;
+    if (!killed && Clock::now() > deadline) {
+      for (auto& r : ranks) killpg(r->pid, SIGKILL);
+      killed = true;
+    }
+    pump(ranks, std::chrono::milliseconds(20));
+  }
+}
+
 // SIGTERM (or `sig`) to every live rank's process group, SIGKILL after the grace period.
 void stop_all(std::vector<std::unique_ptr<RankProcess>>& ranks, int sig, std::chrono::milliseconds grace) {
   for (auto& r : ranks) if (!r->exited) killpg(r->pid, sig);
@@ -254,12 +271,7 @@ void stop_all(std::vector<std::unique_ptr<RankProcess>>& ranks, int sig, std::ch
   }
   // Whatever the ranks' own children left behind in their groups goes too.
   for (auto& r : ranks) killpg(r->pid, SIGKILL);
-  while (true) {
-    bool open = false;
-    for (auto& r : ranks) open = open || r->out.fd >= 0 || r->err.fd >= 0;
-    if (!open) break;
-    pump(ranks, std::chrono::milliseconds(20));
-  }
+  drain(ranks);
 }
 
 // Waits until the integer at `key` reaches `target` (agents' barriers).
@@ -339,6 +351,7 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
     }
     if (all_exited(ranks)) break;
   }
+  drain(ranks);
   // Every local rank succeeded; the job is done when every node's ranks are.
   store.add(gen + "/nodes_done", 1);
   const auto deadline = Clock::now() + std::chrono::hours(24 * 365);

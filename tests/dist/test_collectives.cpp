@@ -233,7 +233,9 @@ TEST_P(Collectives, PointToPointRingWithTagsAndUnknownShapes) {
 TEST_P(Collectives, TrafficCountsTheRingBytes) {
   run_ranks(GetParam(), [](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
-    const int64_t numel = 1003;
+    // Above CommOptions::inline_bytes: the ring algorithms.
+    const int64_t numel = 100003;
+    ASSERT_GT(numel * 4, comm.options().inline_bytes);
     auto counts = meshtrain::shard_sizes(numel, n);
     comm.reset_traffic();
     auto t = torch::ones({numel}, torch::kFloat32);
@@ -250,6 +252,28 @@ TEST_P(Collectives, TrafficCountsTheRingBytes) {
     // It receives every chunk but its left neighbour's (the one it sends first).
     EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, n == 1 ? 0 : 4 * (numel - counts[(r + n - 1) % n]));
     if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
+  });
+}
+
+TEST_P(Collectives, SmallPayloadsTravelInTheHeaderRound) {
+  run_ranks(GetParam(), [](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    const int64_t numel = 1003;  // 4012 bytes: inline
+    auto counts = meshtrain::shard_sizes(numel, n);
+    comm.reset_traffic();
+    auto t = torch::ones({numel});
+    comm.all_reduce(t);
+    auto traffic = comm.traffic();
+    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, 4 * numel * (n - 1));  // the whole buffer to each peer
+    // Only the headers remain under "verify": one per peer, each way.
+    EXPECT_EQ(traffic[OpKind::kVerify].bytes_sent, traffic[OpKind::kVerify].bytes_received);
+    EXPECT_EQ(traffic[OpKind::kVerify].bytes_sent % (n == 1 ? 1 : n - 1), 0);
+    comm.reset_traffic();
+    comm.reduce_scatter(t);
+    traffic = comm.traffic();
+    // Each peer gets only its shard: the ring's volume, in one round.
+    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, 4 * (numel - counts[r]));
+    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, 4 * counts[r] * (n - 1));
   });
 }
 

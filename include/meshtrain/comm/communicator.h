@@ -55,10 +55,15 @@ struct CommOptions {
   bool verify = true;
   // A name for error messages and traffic tables ("world", "dp", "tp", ...).
   std::string label = "world";
+  // Collectives whose per-peer payload is at most this many bytes travel inside
+  // the header round: one round of messages instead of a ring's 2(n-1) steps.
+  // Must be equal on all ranks.
+  int64_t inline_bytes = 32 * 1024;
 
   CommOptions& set_timeout(std::chrono::milliseconds t) { timeout = t; return *this; }
   CommOptions& set_verify(bool v) { verify = v; return *this; }
   CommOptions& set_label(std::string l) { label = std::move(l); return *this; }
+  CommOptions& set_inline_bytes(int64_t b) { inline_bytes = b; return *this; }
 };
 
 class Communicator {

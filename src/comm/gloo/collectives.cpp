@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "communicator.h"
 #include "meshtrain/comm/errors.h"
@@ -118,25 +119,74 @@ void check_reduce_op(ReduceOp op, const at::Tensor& t, const std::string& where)
 }
 }  // namespace
 
-// ---- header exchange
+// ---- the header round
 
-std::vector<Header> GlooCommunicator::exchange_headers(const Header& mine) {
+// Note [Header round]
+// Every collective that verifies its arguments, or whose payload is small,
+// starts with one round in which each rank sends every peer a fixed-size
+// Header, followed in the same message by an inline payload when it fits
+// (CommOptions::inline_bytes). Receivers always post buffers of header +
+// inline_bytes, so a peer with different arguments can never overflow them (a
+// larger-than-posted message would crash gloo's event loop); the headers are
+// then compared on every rank, and all raise the same MismatchError. For small
+// payloads this round *is* the collective (one round instead of a ring's
+// 2(n-1) steps); the data is then combined locally in rank order, which gives
+// bit-identical results on every rank.
+
+Round GlooCommunicator::header_round(const Header& mine,
+                                     const std::function<const at::Tensor*(int)>& inline_for) {
   const int n = size();
-  std::vector<Header> all(n);
-  all[rank_] = mine;
-  std::vector<Transfer> transfers;
-  for (int p = 0; p < n; ++p) {
-    if (p == rank_) continue;
-    transfers.push_back(post_recv(&all[p], sizeof(Header), p, collective_slot(kHeaderSub), OpKind::kVerify));
-    transfers.push_back(post_send(&mine, sizeof(Header), p, collective_slot(kHeaderSub), OpKind::kVerify));
-  }
-  for (auto& t : transfers) wait(t);
-  for (int p = 0; p < n; ++p) {
-    if (all[p].magic != Header().magic) {
-      throw CommError(str_cat(where("verify"), ": malformed header from ", peer_name(p)));
+  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+  if (static_cast<int>(round_recv_.size()) != n) {
+    round_recv_.assign(n, at::Tensor());
+    round_send_.assign(n, at::Tensor());
+    for (int p = 0; p < n; ++p) {
+      if (p == rank_) continue;
+      round_recv_[p] = at::empty({capacity}, at::kByte);
+      round_send_[p] = at::empty({capacity}, at::kByte);
     }
   }
-  return all;
+  Round round;
+  round.headers.assign(n, Header());
+  round.headers[rank_] = mine;
+  round.payload.assign(n, nullptr);
+  std::vector<Transfer> transfers;
+  std::vector<int64_t> inline_sent(n, 0);
+  for (int p = 0; p < n; ++p) {
+    if (p == rank_) continue;
+    transfers.push_back(post_recv(round_recv_[p].data_ptr(), capacity, p, collective_slot(kHeaderSub), OpKind::kVerify));
+    Header h = mine;
+    const at::Tensor* data = inline_for ? inline_for(p) : nullptr;
+    h.inline_bytes = data ? static_cast<int64_t>(data->nbytes()) : 0;
+    uint8_t* out = round_send_[p].data_ptr<uint8_t>();
+    std::memcpy(out, &h, sizeof(Header));
+    if (h.inline_bytes > 0) std::memcpy(out + sizeof(Header), data->data_ptr(), h.inline_bytes);
+    inline_sent[p] = h.inline_bytes;
+    transfers.push_back(post_send(out, sizeof(Header) + h.inline_bytes, p, collective_slot(kHeaderSub), OpKind::kVerify));
+  }
+  for (auto& t : transfers) wait(t);
+  const OpKind kind = static_cast<OpKind>(mine.kind);
+  for (int p = 0; p < n; ++p) {
+    if (p == rank_) continue;
+    const uint8_t* in = round_recv_[p].data_ptr<uint8_t>();
+    std::memcpy(&round.headers[p], in, sizeof(Header));
+    const Header& h = round.headers[p];
+    if (h.magic != Header().magic || h.inline_bytes < 0 || h.inline_bytes > options_.inline_bytes) {
+      throw CommError(str_cat(where("verify"), ": malformed header from ", peer_name(p)));
+    }
+    if (h.inline_bytes > 0) round.payload[p] = in + sizeof(Header);
+    // wait() counted the posted capacity; count what arrived, and the inline
+    // payload as the operation's data rather than verification.
+    counter_.add_received(OpKind::kVerify, static_cast<int64_t>(sizeof(Header)) - capacity);
+    counter_.add_received(kind, h.inline_bytes);
+    counter_.add_sent(kind, inline_sent[p]);
+    counter_.add_sent(OpKind::kVerify, -inline_sent[p]);
+  }
+  return round;
+}
+
+std::vector<Header> GlooCommunicator::exchange_headers(const Header& mine) {
+  return header_round(mine, nullptr).headers;
 }
 
 void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* op,
@@ -160,6 +210,8 @@ void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* o
                         " but rank 0 passed ", reduce_op_name(static_cast<ReduceOp>(ref.op)));
     } else if (h.aux != ref.aux) {
       problem = str_cat("rank ", r, " and rank 0 passed different shard sizes");
+    } else if (h.inlined != ref.inlined) {
+      problem = str_cat("rank ", r, " and rank 0 use different CommOptions::inline_bytes");
     }
     if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
   }
@@ -249,13 +301,33 @@ void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_
 
 // ---- entry points
 
+namespace {
+
+// A view of an inline payload as a tensor shaped like `like` (valid until the next operation).
+at::Tensor inline_view(const Round& round, int rank, const at::Tensor& like) {
+  return at::from_blob(const_cast<uint8_t*>(round.payload[rank]), like.sizes(), like.options());
+}
+
+}  // namespace
+
 WorkPtr GlooCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   check_tensor(tensor, "all_reduce", "tensor");
   check_reduce_op(op, tensor, where("all_reduce"));
   return enqueue(OpKind::kAllReduce, "all_reduce", [this, tensor, op](std::vector<at::Tensor>& result) mutable {
-    if (options_.verify) verify_same(exchange_headers(header_of(tensor, OpKind::kAllReduce, op, 0)), "all_reduce", true);
     at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
-    ring_all_reduce(work.view(-1), op);
+    const bool small = fits_inline(work.nbytes()) && size() > 1;
+    if (small || options_.verify) {
+      Header h = header_of(work, OpKind::kAllReduce, op, 0);
+      h.inlined = small;
+      Round round = header_round(h, [&](int) { return small ? &work : nullptr; });
+      verify_same(round.headers, "all_reduce", true);
+      if (small) {  // everyone has everything: combine in rank order, identically everywhere
+        at::Tensor acc = (rank_ == 0 ? work : inline_view(round, 0, work)).clone();
+        for (int p = 1; p < size(); ++p) reduce_inplace(acc, p == rank_ ? work : inline_view(round, p, work), op);
+        work.copy_(acc);
+      }
+    }
+    if (!small) ring_all_reduce(work.view(-1), op);
     finish_avg(work, op, size());
     if (!tensor.is_contiguous()) tensor.copy_(work);
     result = {tensor};
@@ -266,9 +338,16 @@ WorkPtr GlooCommunicator::broadcast_async(at::Tensor tensor, int root) {
   check_tensor(tensor, "broadcast", "tensor");
   check_root(root, "broadcast");
   return enqueue(OpKind::kBroadcast, "broadcast", [this, tensor, root](std::vector<at::Tensor>& result) mutable {
-    if (options_.verify) verify_same(exchange_headers(header_of(tensor, OpKind::kBroadcast, ReduceOp::kSum, root)), "broadcast", true);
     at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
-    if (work.numel() > 0 && size() > 1) {
+    const bool small = fits_inline(work.nbytes()) && size() > 1;
+    if (small || options_.verify) {
+      Header h = header_of(work, OpKind::kBroadcast, ReduceOp::kSum, root);
+      h.inlined = small;
+      Round round = header_round(h, [&](int) { return small && rank_ == root ? &work : nullptr; });
+      verify_same(round.headers, "broadcast", true);
+      if (small && rank_ != root && work.numel() > 0) work.copy_(inline_view(round, root, work));
+    }
+    if (!small && work.numel() > 0 && size() > 1) {
       std::vector<Transfer> ts;
       if (rank_ == root) {
         for (int p = 0; p < size(); ++p)
@@ -288,27 +367,39 @@ WorkPtr GlooCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op)
   check_root(root, "reduce");
   check_reduce_op(op, tensor, where("reduce"));
   return enqueue(OpKind::kReduce, "reduce", [this, tensor, root, op](std::vector<at::Tensor>& result) mutable {
-    if (options_.verify) verify_same(exchange_headers(header_of(tensor, OpKind::kReduce, op, root)), "reduce", true);
     at::Tensor work = tensor.contiguous();
+    const bool small = fits_inline(work.nbytes()) && size() > 1;
+    std::vector<at::Tensor> parts(size());  // every rank's buffer, on root
+    if (small || options_.verify) {
+      Header h = header_of(work, OpKind::kReduce, op, root);
+      h.inlined = small;
+      Round round = header_round(h, [&](int p) { return small && p == root ? &work : nullptr; });
+      verify_same(round.headers, "reduce", true);
+      if (small && rank_ == root) {
+        for (int p = 0; p < size(); ++p) if (p != root && work.numel() > 0) parts[p] = inline_view(round, p, work);
+      }
+    }
     if (rank_ != root) {
-      if (work.numel() > 0) {
+      if (!small && work.numel() > 0) {
         Transfer t = post_send(work.data_ptr(), work.nbytes(), root, collective_slot(0), OpKind::kReduce);
         wait(t);
       }
       result = {tensor};
       return;
     }
-    // Root: receive everyone's buffer, then reduce in rank order (deterministic).
-    std::vector<at::Tensor> parts(size());
-    std::vector<Transfer> ts;
-    for (int p = 0; p < size(); ++p) {
-      if (p == root || work.numel() == 0) continue;
-      parts[p] = at::empty_like(work);
-      ts.push_back(post_recv(parts[p].data_ptr(), work.nbytes(), p, collective_slot(0), OpKind::kReduce));
+    if (!small) {
+      std::vector<Transfer> ts;
+      for (int p = 0; p < size(); ++p) {
+        if (p == root || work.numel() == 0) continue;
+        parts[p] = at::empty_like(work);
+        ts.push_back(post_recv(parts[p].data_ptr(), work.nbytes(), p, collective_slot(0), OpKind::kReduce));
+      }
+      for (auto& t : ts) wait(t);
     }
-    for (auto& t : ts) wait(t);
-    at::Tensor acc = work.clone();
-    for (int p = 0; p < size(); ++p) if (parts[p].defined()) reduce_inplace(acc, parts[p], op);
+    parts[root] = work;
+    // Reduce in rank order, so the result does not depend on arrival order.
+    at::Tensor acc = parts[0].defined() ? parts[0].clone() : work.clone();
+    for (int p = 1; p < size(); ++p) if (parts[p].defined()) reduce_inplace(acc, parts[p], op);
     finish_avg(acc, op, size());
     tensor.copy_(acc);
     result = {tensor};
@@ -323,12 +414,21 @@ WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor o
                     ": output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type());
   }
   return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) mutable {
-    // Sizes may differ by rank, so the header exchange always runs here.
+    // Sizes may differ by rank, so the header round always runs here.
+    at::Tensor mine_data = input.contiguous();
+    const bool small = fits_inline(mine_data.nbytes());
     Header mine = header_of(input, OpKind::kAllGather, ReduceOp::kSum, 0);
     mine.aux = output.defined() ? output.numel() : -1;
-    std::vector<Header> all = exchange_headers(mine);
+    mine.inlined = small;
+    Round round = header_round(mine, [&](int) { return small ? &mine_data : nullptr; });
+    const std::vector<Header>& all = round.headers;
     std::vector<Header> kinds = all;
-    for (auto& h : kinds) h.aux = 0;
+    bool all_inline = true;
+    for (auto& h : kinds) {
+      all_inline = all_inline && h.inlined;
+      h.aux = 0;
+      h.inlined = 0;
+    }
     verify_same(kinds, "all_gather", false);
     std::vector<int64_t> counts(size());
     for (int r = 0; r < size(); ++r) counts[r] = all[r].numel;
@@ -343,8 +443,15 @@ WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor o
     at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1)
                                                                  : at::empty({total}, input.options());
     const auto offsets = offsets_of(counts);
-    flat.narrow(0, offsets[rank_], counts[rank_]).copy_(input.reshape(-1));
-    if (size() > 1) ring_all_gather(flat, counts);
+    flat.narrow(0, offsets[rank_], counts[rank_]).copy_(mine_data.view(-1));
+    if (all_inline) {
+      for (int r = 0; r < size(); ++r) {
+        if (r == rank_ || counts[r] == 0) continue;
+        flat.narrow(0, offsets[r], counts[r]).copy_(inline_view(round, r, flat.narrow(0, 0, counts[r])));
+      }
+    } else if (size() > 1) {
+      ring_all_gather(flat, counts);
+    }
     if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
     result = {output.defined() ? output : flat};
     for (int r = 0; r < size(); ++r) {
@@ -376,17 +483,32 @@ WorkPtr GlooCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp
                     " with ", output.numel());
   }
   return enqueue(OpKind::kReduceScatter, "reduce_scatter", [this, input, op, output, counts](std::vector<at::Tensor>& result) mutable {
-    if (options_.verify) {
+    at::Tensor flat = contiguous_flat(input);
+    const auto offsets = offsets_of(counts);
+    const int64_t max_count = *std::max_element(counts.begin(), counts.end());
+    const bool small = fits_inline(max_count * flat.element_size()) && size() > 1;
+    at::Tensor out = output.defined() && output.is_contiguous() ? output.view(-1)
+                                                                : at::empty({counts[rank_]}, input.options());
+    if (small || options_.verify) {
       Header h = header_of(input, OpKind::kReduceScatter, op, 0);
       h.ndim = 1;
       h.shape[0] = input.numel();
       for (int d = 1; d < 8; ++d) h.shape[d] = 0;
       h.aux = hash_sizes(counts);
-      verify_same(exchange_headers(h), "reduce_scatter", true);
+      h.inlined = small;
+      // Each peer receives only its own shard of this rank's input: the ring's volume in one round.
+      std::vector<at::Tensor> shards(size());
+      for (int p = 0; p < size(); ++p) shards[p] = flat.narrow(0, offsets[p], counts[p]);
+      Round round = header_round(h, [&](int p) { return small && counts[p] > 0 ? &shards[p] : nullptr; });
+      verify_same(round.headers, "reduce_scatter", true);
+      if (small) {
+        const at::Tensor& mine = shards[rank_];
+        at::Tensor acc = (rank_ == 0 || mine.numel() == 0 ? mine : inline_view(round, 0, mine)).clone();
+        for (int p = 1; p < size() && mine.numel() > 0; ++p) reduce_inplace(acc, p == rank_ ? mine : inline_view(round, p, mine), op);
+        out.copy_(acc);
+      }
     }
-    at::Tensor out = output.defined() && output.is_contiguous() ? output.view(-1)
-                                                                : at::empty({counts[rank_]}, input.options());
-    ring_reduce_scatter(contiguous_flat(input), out, counts, op);
+    if (!small) ring_reduce_scatter(flat, out, counts, op);
     finish_avg(out, op, size());
     if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(out);
     result = {output.defined() ? output : out};
@@ -397,11 +519,15 @@ WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
   check_tensor(input, "gather", "input");
   check_root(root, "gather");
   return enqueue(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
-    std::vector<Header> all = exchange_headers(header_of(input, OpKind::kGather, ReduceOp::kSum, root));
-    verify_same(all, "gather", false);
     at::Tensor data = input.contiguous();
+    Header mine = header_of(input, OpKind::kGather, ReduceOp::kSum, root);
+    mine.inlined = fits_inline(data.nbytes());
+    Round round = header_round(mine, [&](int p) { return mine.inlined && p == root ? &data : nullptr; });
+    std::vector<Header> kinds = round.headers;
+    for (auto& h : kinds) h.inlined = 0;
+    verify_same(kinds, "gather", false);
     if (rank_ != root) {
-      if (data.numel() > 0) {
+      if (!mine.inlined && data.numel() > 0) {
         Transfer t = post_send(data.data_ptr(), data.nbytes(), root, collective_slot(0), OpKind::kGather);
         wait(t);
       }
@@ -411,14 +537,19 @@ WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
     result.assign(size(), at::Tensor());
     std::vector<Transfer> ts;
     for (int p = 0; p < size(); ++p) {
-      std::vector<int64_t> shape(all[p].shape, all[p].shape + all[p].ndim);
+      const Header& h = round.headers[p];
+      std::vector<int64_t> shape(h.shape, h.shape + h.ndim);
       if (p == root) {
         result[p] = data.clone();
         continue;
       }
       result[p] = at::empty(shape, input.options());
-      if (result[p].numel() > 0)
+      if (result[p].numel() == 0) continue;
+      if (h.inlined) {
+        result[p].copy_(inline_view(round, p, result[p]));
+      } else {
         ts.push_back(post_recv(result[p].data_ptr(), result[p].nbytes(), p, collective_slot(0), OpKind::kGather));
+      }
     }
     for (auto& t : ts) wait(t);
   });
@@ -437,36 +568,42 @@ WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tenso
     }
   }
   return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) mutable {
+    std::vector<at::Tensor> sources(inputs.size());
+    for (size_t p = 0; p < inputs.size(); ++p) sources[p] = inputs[p].contiguous();
     Header mine = header_of(output, OpKind::kScatter, ReduceOp::kSum, root);
     if (rank_ == root) {
       std::vector<int64_t> sizes;
       for (const auto& t : inputs) sizes.push_back(t.numel());
       mine.aux = hash_sizes(sizes);
     }
-    std::vector<Header> all = exchange_headers(mine);
-    std::vector<Header> kinds = all;
+    // The root inlines each rank's piece when it fits; a receiver learns which from the root's header.
+    Round round = header_round(mine, [&](int p) {
+      return rank_ == root && sources[p].numel() > 0 && fits_inline(sources[p].nbytes()) ? &sources[p] : nullptr;
+    });
+    std::vector<Header> kinds = round.headers;
     for (auto& h : kinds) h.aux = 0;
     verify_same(kinds, "scatter", false);
     std::vector<int64_t> out_sizes;
-    for (const auto& h : all) out_sizes.push_back(h.numel);
-    if (hash_sizes(out_sizes) != all[root].aux) {
+    for (const auto& h : round.headers) out_sizes.push_back(h.numel);
+    if (hash_sizes(out_sizes) != round.headers[root].aux) {
       throw MismatchError(str_cat(where("scatter"), ": the root's inputs do not match the ranks' output sizes"));
     }
     at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
-    std::vector<at::Tensor> keep;
     std::vector<Transfer> ts;
     if (rank_ == root) {
       for (int p = 0; p < size(); ++p) {
-        at::Tensor src = inputs[p].contiguous();
         if (p == root) {
-          out.view(-1).copy_(src.view(-1));
-        } else if (src.numel() > 0) {
-          keep.push_back(src);
-          ts.push_back(post_send(src.data_ptr(), src.nbytes(), p, collective_slot(0), OpKind::kScatter));
+          out.view(-1).copy_(sources[p].view(-1));
+        } else if (sources[p].numel() > 0 && !fits_inline(sources[p].nbytes())) {
+          ts.push_back(post_send(sources[p].data_ptr(), sources[p].nbytes(), p, collective_slot(0), OpKind::kScatter));
         }
       }
     } else if (out.numel() > 0) {
-      ts.push_back(post_recv(out.data_ptr(), out.nbytes(), root, collective_slot(0), OpKind::kScatter));
+      if (round.payload[root]) {
+        out.copy_(inline_view(round, root, out));
+      } else {
+        ts.push_back(post_recv(out.data_ptr(), out.nbytes(), root, collective_slot(0), OpKind::kScatter));
+      }
     }
     for (auto& t : ts) wait(t);
     if (!output.is_contiguous()) output.copy_(out);

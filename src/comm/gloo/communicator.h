@@ -43,6 +43,15 @@ struct Header {
   int64_t numel = 0;
   int64_t aux = 0;  // operation-specific (output size, hash of per-rank sizes)
   int64_t shape[8] = {0};
+  int64_t inline_bytes = 0;  // payload bytes that follow this header in the same message
+  int32_t inlined = 0;       // 1: this rank sends its data inline (small-message path)
+  int32_t pad = 0;
+};
+
+// What the first round of a collective delivered. See Note [Header round].
+struct Round {
+  std::vector<Header> headers;          // every rank's, this rank's included
+  std::vector<const uint8_t*> payload;  // inline payload received from each peer, or nullptr
 };
 
 // One posted send or receive.
@@ -111,7 +120,11 @@ class GlooCommunicator final : public Communicator,
   void check_tensor(const at::Tensor& t, const char* op, const char* what) const;
   void check_root(int root, const char* op) const;
   void check_peer(int peer, const char* op) const;
+  // Sends `mine` to every peer, with payload inline_for(peer) (or none) in the
+  // same message; receives every peer's. One round of small messages.
+  Round header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for);
   std::vector<Header> exchange_headers(const Header& mine);
+  bool fits_inline(int64_t bytes) const { return bytes <= options_.inline_bytes; }
   void verify_same(const std::vector<Header>& all, const char* op, bool same_shape) const;
 
   // ---- algorithms (collectives.cpp)
@@ -137,6 +150,8 @@ class GlooCommunicator final : public Communicator,
   std::string broken_;         // non-empty after a communication error
   std::atomic<const char*> running_op_{""};  // the collective now running (one at a time)
   std::thread worker_;
+  // Reused buffers of the header round (one per peer), sized header + inline_bytes.
+  std::vector<at::Tensor> round_send_, round_recv_;
 };
 
 }  // namespace gloo_backend
