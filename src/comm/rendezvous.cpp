@@ -214,11 +214,15 @@ CommPtr init_from_env(CommOptions options) {
   apply_thread_settings();
   if (e.source == "single") {
     // A world of one still runs through the same code path, with a private store.
-    return join("127.0.0.1", 0, 0, 1, "single", /*host_store=*/true, std::move(options));
+    return make_single_process_world(std::move(options));
   }
   const std::string group = str_cat("g", e.restart_count);
   return join(e.master_addr, e.master_port, e.rank, e.world_size, group,
               /*host_store=*/!e.agent_store && e.rank == 0, std::move(options));
+}
+
+CommPtr make_single_process_world(CommOptions options) {
+  return join("127.0.0.1", 0, 0, 1, "single", /*host_store=*/true, std::move(options));
 }
 
 CommPtr init_tcp(const std::string& url, int rank, int world_size, CommOptions options) {

@@ -24,7 +24,19 @@ namespace testing {
 
 namespace {
 
-int g_call_index = 0;  // which run_ranks call of the current test body this is
+// Which run_ranks call of the current test this is (the parent and the ranks
+// count the same way, because both run the same test body from its start).
+int next_call_index() {
+  static std::string test;
+  static int index = 0;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string name = std::string(info->test_suite_name()) + "." + info->name();
+  if (name != test) {
+    test = name;
+    index = 0;
+  }
+  return index++;
+}
 
 const char* env(const char* name) { return std::getenv(name); }
 
@@ -118,11 +130,20 @@ std::string describe_status(int status) {
 
 bool in_rank_process() { return env("MESHTRAIN_HARNESS_RANK") != nullptr; }
 
-void run_ranks(int world_size, const std::function<void(comm::Communicator&)>& fn,
+std::string shared_dir() {
+  const char* d = env("MESHTRAIN_HARNESS_DIR");
+  return d ? d : "";
+}
+
+RankRun::~RankRun() {
+  if (!dir_.empty() && !in_rank_process()) std::system(("rm -rf '" + dir_ + "'").c_str());
+}
+
+RankRun run_ranks(int world_size, const std::function<void(comm::Communicator&)>& fn,
                const RankOptions& options) {
-  const int call = g_call_index++;
+  const int call = next_call_index();
   if (in_rank_process()) {
-    if (std::atoi(env("MESHTRAIN_HARNESS_CALL")) != call) return;  // another call's ranks
+    if (std::atoi(env("MESHTRAIN_HARNESS_CALL")) != call) return RankRun("");  // another call's ranks
     run_as_rank(fn, options);
   }
 
@@ -138,6 +159,7 @@ void run_ranks(int world_size, const std::function<void(comm::Communicator&)>& f
         "MESHTRAIN_HARNESS_CALL=" + std::to_string(call),
         "MESHTRAIN_HARNESS_PORT=" + std::to_string(store.port()),
         "MESHTRAIN_HARNESS_GROUP=" + group,
+        "MESHTRAIN_HARNESS_DIR=" + dir,
         "OMP_NUM_THREADS=1",
         "OPENBLAS_NUM_THREADS=1",
     };
@@ -196,8 +218,8 @@ void run_ranks(int world_size, const std::function<void(comm::Communicator&)>& f
                   << (timed_out ? " (time limit reached)" : "") << ":\n" << report;
   } else {
     for (int r = 0; r < world_size; ++r) std::remove(children[r].log.c_str());
-    rmdir(dir.c_str());
   }
+  return RankRun(dir);
 }
 
 }  // namespace testing

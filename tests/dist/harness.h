@@ -36,12 +36,28 @@ struct RankOptions {
   std::vector<std::string> env;
 };
 
+// A directory shared by the parent and the ranks of one run_ranks call: ranks
+// write results there (shared_dir() inside a rank) and the parent reads them.
+class RankRun {
+ public:
+  explicit RankRun(std::string dir) : dir_(std::move(dir)) {}
+  ~RankRun();
+  RankRun(RankRun&& other) noexcept : dir_(std::move(other.dir_)) { other.dir_.clear(); }
+  const std::string& dir() const { return dir_; }
+  std::string file(const std::string& name) const { return dir_ + "/" + name; }
+
+ private:
+  std::string dir_;
+};
+
 // Runs fn on world_size processes; fn receives the world communicator.
-void run_ranks(int world_size, const std::function<void(comm::Communicator&)>& fn,
-               const RankOptions& options = RankOptions());
+RankRun run_ranks(int world_size, const std::function<void(comm::Communicator&)>& fn,
+                  const RankOptions& options = RankOptions());
 
 // True inside a rank process.
 bool in_rank_process();
+// Inside a rank: the directory of its run_ranks call (see RankRun).
+std::string shared_dir();
 
 }  // namespace testing
 }  // namespace meshtrain

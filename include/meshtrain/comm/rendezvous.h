@@ -56,6 +56,8 @@ void apply_thread_settings();
 CommPtr init_from_env(CommOptions options = {});
 // The article's init method: rank 0 hosts the store at host:port.
 CommPtr init_tcp(const std::string& url, int rank, int world_size, CommOptions options = {});
+// A world of one process (its own private store): single-process references.
+CommPtr make_single_process_world(CommOptions options = {});
 // Joins through a store that is already running at host:port (launchers, tests).
 // `group` namespaces this job attempt's keys and failure labels.
 CommPtr init_with_store(const std::string& host, int port, int rank, int world_size,

@@ -1,0 +1,95 @@
+#pragma once
+// meshtrain::dp::DistributedDataParallel: PyTorch's DDP for any torch::nn::Module.
+//
+//   grad = (1/n) * sum over ranks of each rank's local gradient
+//
+// At construction every rank's parameter list is checked against the others
+// (ConfigError naming the first mismatch), then parameters and buffers are
+// broadcast from rank 0. During backward, each parameter's gradient is copied
+// into its bucket as soon as autograd has accumulated it; a full bucket's
+// all-reduce starts at once (asynchronously, in bucket order on every rank),
+// overlapping the rest of backward. At the end of backward the averaged
+// gradients are written back to .grad. Buckets follow the order gradients
+// became ready in the first iteration (reverse registration order before it).
+//
+//   dp::DistributedDataParallel ddp(model, world);
+//   auto loss = loss_fn(ddp.forward([&] { return model->forward(x); }), y);
+//   loss.backward();          // gradients are averaged across ranks here
+//   optimizer.step();
+//   { auto guard = ddp.no_sync(); ... }   // accumulate without communicating
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+
+#include "meshtrain/comm/communicator.h"
+
+namespace meshtrain {
+namespace dp {
+
+struct DistributedDataParallelOptions {
+  // Bucket size cap (torch's default: 25 MiB) and the smaller first bucket.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  // Parameters may get no gradient in an iteration (found by walking the
+  // autograd graph after forward). Off: such a parameter is an error naming it.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  // Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 before each forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  // Start each bucket's all-reduce during backward; off: all after backward (for measurements).
+  TORCH_ARG(bool, overlap) = true;
+};
+
+class Reducer;
+
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::CommPtr comm,
+                          DistributedDataParallelOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // Runs fn (the module's forward) between pre_forward() and post_forward().
+  template <typename Fn>
+  auto forward(Fn&& fn) -> decltype(fn()) {
+    pre_forward();
+    auto out = fn();
+    post_forward(outputs_of(out));
+    return out;
+  }
+  // Broadcasts buffers (when enabled). Call before forward if you do not use forward(fn).
+  void pre_forward();
+  // Finds unused parameters from the outputs' autograd graph (when enabled).
+  void post_forward(const std::vector<at::Tensor>& outputs);
+
+  // While the guard lives, backward only accumulates .grad locally.
+  class NoSync {
+   public:
+    explicit NoSync(Reducer* r);
+    ~NoSync();
+    NoSync(NoSync&& other) noexcept;
+
+   private:
+    Reducer* reducer_;
+  };
+  NoSync no_sync();
+
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+  comm::Communicator& comm() const { return *comm_; }
+  // Parameter names per bucket, in launch order.
+  std::vector<std::vector<std::string>> buckets() const;
+
+ private:
+  static std::vector<at::Tensor> outputs_of(const at::Tensor& t) { return {t}; }
+  static std::vector<at::Tensor> outputs_of(const std::vector<at::Tensor>& v) { return v; }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  comm::CommPtr comm_;
+  DistributedDataParallelOptions options_;
+  std::shared_ptr<Reducer> reducer_;
+};
+
+}  // namespace dp
+}  // namespace meshtrain

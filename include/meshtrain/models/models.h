@@ -1,0 +1,94 @@
+#pragma once
+// The built-in models: an MLP classifier and a GPT-style decoder (token and
+// position embeddings, pre-LayerNorm blocks with causal multi-head
+// self-attention and an MLP, a final LayerNorm and an LM head tied to the token
+// embedding by default). Both are built from pieces (stage.h) and from the
+// tensor-parallel layers (tp/layers.h), plain when tp is absent or 1.
+
+#include <torch/nn/modules/normalization.h>
+
+#include <string>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/models/stage.h"
+#include "meshtrain/tp/layers.h"
+
+namespace meshtrain {
+namespace models {
+
+struct ModelConfig {
+  std::string kind = "gpt";  // "gpt" or "mlp"
+  // GPT
+  int64_t vocab = 128;
+  int64_t seq_len = 32;
+  int64_t hidden = 64;
+  int64_t heads = 4;
+  int64_t layers = 2;
+  bool tie_embeddings = true;
+  // MLP: `layers` linear layers in -> hidden -> ... -> classes
+  int64_t features = 32;
+  int64_t classes = 8;
+  uint64_t seed = 1234;
+};
+
+// Where this rank's model parts sit in a mesh (tensor-parallel group; more later).
+struct BuildContext {
+  comm::CommPtr tp;              // null: no tensor parallelism
+  bool sequence_parallel = false;
+};
+
+// Pieces: MLP: `layers` linear layers; GPT: embed, layers blocks, head.
+int64_t num_pieces(const ModelConfig& config);
+// A stage holding pieces [first, last). The whole model: build_stage(c, 0, num_pieces(c), ctx).
+Stage build_stage(const ModelConfig& config, int64_t first, int64_t last, const BuildContext& ctx = {});
+// Mean loss of the model's output against targets (GPT: token cross-entropy;
+// MLP: cross-entropy over classes).
+at::Tensor loss(const ModelConfig& config, const at::Tensor& output, const at::Tensor& targets,
+                const BuildContext& ctx = {});
+// Parameter count of the whole (unsharded) model.
+int64_t parameter_count(const ModelConfig& config);
+
+// ---- GPT pieces (exposed for users who assemble their own models).
+
+struct GptEmbeddingImpl : torch::nn::Module {
+  GptEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx);
+  at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> [B, T, H]
+  tp::VocabParallelEmbedding tok{nullptr};
+  at::Tensor pos;  // [seq_len, hidden], replicated
+};
+TORCH_MODULE(GptEmbedding);
+
+struct GptBlockImpl : torch::nn::Module {
+  GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
+  at::Tensor attention(const at::Tensor& x);
+  int64_t local_heads, head_dim;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr}, fc1{nullptr};
+  tp::RowParallelLinear proj{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(GptBlock);
+
+struct GptHeadImpl : torch::nn::Module {
+  // `tied`: the embedding's weight when both live in this process; otherwise
+  // the head owns a copy initialized with the embedding's values.
+  GptHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> logits [B, T, vocab/tp]
+  at::Tensor out_weight() const { return tied.defined() ? tied : weight; }
+  torch::nn::LayerNorm ln{nullptr};
+  at::Tensor weight;  // [vocab/tp, H], registered when not tied
+  at::Tensor tied;    // not registered: owned by the embedding
+  comm::CommPtr tp;
+};
+TORCH_MODULE(GptHead);
+
+struct MlpLayerImpl : torch::nn::Module {
+  MlpLayerImpl(int64_t in, int64_t out, bool relu, uint64_t seed, const std::string& name);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;
+  bool relu;
+};
+TORCH_MODULE(MlpLayer);
+
+}  // namespace models
+}  // namespace meshtrain

@@ -1,0 +1,48 @@
+#pragma once
+// A model as a sequence of pieces (MLP: its layers; GPT: embedding, blocks,
+// head). A Stage holds a contiguous run of pieces — the whole model, or one
+// pipeline stage — as one Module whose parameters keep the full model's names
+// ("blocks.3.attn.q.weight" whichever stage holds block 3), so checkpoints and
+// comparisons line up across layouts.
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+namespace models {
+
+class StageImpl : public torch::nn::Module {
+ public:
+  // Appends a piece. `group` nests it ("blocks" + key "3" -> "blocks.3"); an
+  // empty group registers it at the top ("embed").
+  template <typename ModuleHolder>
+  void append(const std::string& group, const std::string& key, ModuleHolder piece) {
+    if (group.empty()) {
+      register_module(key, piece.ptr());
+    } else {
+      dict(group)->update({{key, piece.ptr()}});
+    }
+    pieces_.emplace_back(piece);
+    names_.push_back(group.empty() ? key : group + "." + key);
+  }
+  // Applies the pieces in order.
+  at::Tensor forward(at::Tensor x);
+  // Applies pieces [first, last) only (pipeline virtual stages, tests).
+  at::Tensor forward_range(at::Tensor x, size_t first, size_t last);
+  size_t num_pieces() const { return pieces_.size(); }
+  const std::vector<std::string>& piece_names() const { return names_; }
+
+ private:
+  torch::nn::ModuleDict dict(const std::string& group);
+  std::vector<torch::nn::AnyModule> pieces_;
+  std::vector<std::string> names_;
+};
+TORCH_MODULE(Stage);
+
+}  // namespace models
+}  // namespace meshtrain

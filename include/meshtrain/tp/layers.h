@@ -1,0 +1,120 @@
+#pragma once
+// Tensor-parallel layers (Megatron-style). With no tp communicator (or one of
+// size 1) each is exactly its dense counterpart, so models are written once.
+// Every parameter is initialized from the unsharded tensor's deterministic
+// values (util/init.h), sliced: every tp degree starts from the same model.
+//
+//   ColumnParallelLinear  Y = X W^T + b, W [out, in] split by output rows:
+//                         rank r holds W[r*out/tp : (r+1)*out/tp, :]
+//   RowParallelLinear     Y = X W^T + b, W [out, in] split by input columns:
+//                         rank r holds W[:, r*in/tp : (r+1)*in/tp]; partial
+//                         outputs are summed across tp (b added once)
+//   VocabParallelEmbedding  E [vocab, dim] split by rows; each rank looks up
+//                         its range, zeros elsewhere, summed across tp
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/util/init.h"
+
+namespace meshtrain {
+namespace tp {
+
+int tp_size(const comm::CommPtr& tp);
+int tp_rank(const comm::CommPtr& tp);
+
+// Where a parameter's values come from: the seed, its full name, its spec.
+struct ParamSource {
+  uint64_t seed = 0;
+  std::string name;
+  InitSpec spec;
+};
+
+struct ColumnParallelLinearOptions {
+  ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  // All-gather the output so every rank gets all out_features.
+  TORCH_ARG(bool, gather_output) = false;
+  // Input is split along the sequence (dim 1) and all-gathered first.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(comm::CommPtr, tp) = nullptr;
+  TORCH_ARG(uint64_t, seed) = 0;
+  // Prefix of the parameters' full names ("blocks.0.attn.q"): seeds their values.
+  TORCH_ARG(std::string, name) = "linear";
+  TORCH_ARG(InitSpec, weight_init) = InitSpec::normal(0, 0.02);
+  TORCH_ARG(InitSpec, bias_init) = InitSpec::constant(0);
+};
+
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  explicit ColumnParallelLinearImpl(ColumnParallelLinearOptions options);
+  at::Tensor forward(const at::Tensor& input);
+  ColumnParallelLinearOptions options;
+  at::Tensor weight;  // [out/tp, in]
+  at::Tensor bias;    // [out/tp] or undefined
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+struct RowParallelLinearOptions {
+  RowParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  // The input already holds this rank's in_features/tp slice (the output of a
+  // ColumnParallelLinear); otherwise it is split here.
+  TORCH_ARG(bool, input_is_parallel) = true;
+  // Reduce-scatter the output along the sequence (dim 1) instead of all-reducing it.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(comm::CommPtr, tp) = nullptr;
+  TORCH_ARG(uint64_t, seed) = 0;
+  TORCH_ARG(std::string, name) = "linear";
+  TORCH_ARG(InitSpec, weight_init) = InitSpec::normal(0, 0.02);
+  TORCH_ARG(InitSpec, bias_init) = InitSpec::constant(0);
+};
+
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  explicit RowParallelLinearImpl(RowParallelLinearOptions options);
+  at::Tensor forward(const at::Tensor& input);
+  RowParallelLinearOptions options;
+  at::Tensor weight;  // [out, in/tp]
+  at::Tensor bias;    // [out] (replicated) or undefined
+};
+TORCH_MODULE(RowParallelLinear);
+
+struct VocabParallelEmbeddingOptions {
+  VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim)
+      : num_embeddings_(num_embeddings), embedding_dim_(embedding_dim) {}
+  TORCH_ARG(int64_t, num_embeddings);
+  TORCH_ARG(int64_t, embedding_dim);
+  TORCH_ARG(comm::CommPtr, tp) = nullptr;
+  // Reduce-scatter the output along the sequence instead of all-reducing it.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(uint64_t, seed) = 0;
+  TORCH_ARG(std::string, name) = "embedding";
+  TORCH_ARG(InitSpec, weight_init) = InitSpec::normal(0, 0.02);
+};
+
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  explicit VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options);
+  at::Tensor forward(const at::Tensor& ids);
+  VocabParallelEmbeddingOptions options;
+  at::Tensor weight;  // [vocab/tp, dim]
+  int64_t vocab_start = 0, vocab_end = 0;  // this rank's rows of the full vocabulary
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// A parameter shard initialized from the full tensor's deterministic values:
+// rows/cols [start, start + length) along `dim` of `full_shape`.
+at::Tensor make_shard(const ParamSource& source, const std::vector<int64_t>& full_shape, int64_t dim,
+                      int64_t start, int64_t length);
+
+}  // namespace tp
+}  // namespace meshtrain

@@ -1,0 +1,62 @@
+#pragma once
+// The trainer's configuration: parsed from flags (pure, unit-tested) and
+// resolved against the world size before any communication, so that bad flags
+// and impossible layouts fail with a message naming the value and the fix.
+
+#include <string>
+#include <vector>
+
+#include "meshtrain/models/models.h"
+
+namespace meshtrain {
+namespace train {
+
+struct TrainConfig {
+  models::ModelConfig model;
+  // Layout: degrees of the mesh axes (0 = derive dp from the world size).
+  int dp = 0, pp = 1, tp = 1;
+  std::string strategy = "ddp";  // data axis: ddp | dp (the article's master DP)
+  int zero = 0;                  // ZeRO stage on the data axis (0 = plain DDP)
+  std::string schedule = "1f1b"; // pipeline: naive | gpipe | 1f1b | interleaved
+  int microbatches = 0;          // pipeline micro-batches (0 = derive)
+  int virtual_stages = 1;
+  bool sequence_parallel = false;
+  // Batches: samples per step over all data-parallel ranks, and per forward.
+  int64_t global_batch = 16;
+  int64_t micro_batch = 0;  // 0 = global_batch / dp (no accumulation)
+  int steps = 20;
+  std::string optimizer = "adamw";  // sgd | adam | adamw
+  double lr = 3e-3;
+  double weight_decay = 0.0;
+  double momentum = 0.0;
+  uint64_t seed = 1234;
+  int log_every = 1;
+  std::string data;         // text file (byte tokens); empty: built-in synthetic task
+  std::string metrics_out;  // JSON file
+  double bucket_cap_mb = 25.0;
+  bool overlap = true;      // DDP: all-reduce during backward
+  int eval_problems = 100;  // task accuracy at the end (0: skip)
+  std::string plot;         // SVG file of the loss curve (optional)
+  // Checkpoints.
+  std::string save_dir;
+  int save_every = 0;
+  bool resume = false;
+  std::string trace;        // pipeline timeline (Chrome trace JSON + SVG)
+};
+
+// Parses trainer flags ("--name value" or "--name=value"). Throws ConfigError.
+TrainConfig parse_train_args(const std::vector<std::string>& args);
+std::string train_usage();
+
+// Fills derived values (dp, micro_batch, microbatches) for `world_size` ranks
+// and checks every constraint. Throws ConfigError naming the values.
+TrainConfig resolve(TrainConfig config, int world_size);
+
+// Gradient-accumulation steps per optimizer step on one data-parallel rank.
+int64_t accumulation_steps(const TrainConfig& resolved);
+
+// The resolved configuration as a JSON object.
+std::string to_json(const TrainConfig& config);
+
+}  // namespace train
+}  // namespace meshtrain

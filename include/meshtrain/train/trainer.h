@@ -1,0 +1,37 @@
+#pragma once
+// The trainer: runs the configured layout on the built-in models and reports
+// what a user needs to compare layouts: per-step global-batch losses,
+// throughput, memory per rank, traffic per rank and operation, and the task
+// accuracy. `meshtrain` (tools/meshtrain) is a thin main() around run_training.
+
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/train/config.h"
+
+namespace meshtrain {
+namespace train {
+
+struct RunOptions {
+  bool verbose = true;    // progress lines and the final report on rank 0
+  bool evaluate = true;   // task accuracy at the end
+};
+
+struct TrainResult {
+  std::vector<double> losses;      // global-batch loss of every step (every rank)
+  std::vector<double> step_times;  // seconds
+  double accuracy = std::numeric_limits<double>::quiet_NaN();
+  // The full, unsharded parameters under the single-process model's names (rank 0).
+  std::map<std::string, at::Tensor> full_parameters;
+  std::string metrics_json;  // rank 0
+};
+
+// Runs training on `world` (every rank calls it). `config` must be resolved
+// (train::resolve) for world->size() ranks.
+TrainResult run_training(const TrainConfig& config, comm::CommPtr world, const RunOptions& options = {});
+
+}  // namespace train
+}  // namespace meshtrain

@@ -1,0 +1,33 @@
+#pragma once
+// A minimal JSON writer (no dependencies): values are built as text.
+
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+namespace json {
+
+std::string quote(const std::string& s);
+std::string number(double v);
+
+// An object under construction: add fields in order, str() closes it.
+class Object {
+ public:
+  Object& raw(const std::string& key, const std::string& json_value);
+  Object& str(const std::string& key, const std::string& value) { return raw(key, quote(value)); }
+  Object& num(const std::string& key, double value) { return raw(key, number(value)); }
+  Object& integer(const std::string& key, long long value) { return raw(key, std::to_string(value)); }
+  Object& boolean(const std::string& key, bool value) { return raw(key, value ? "true" : "false"); }
+  std::string str() const { return "{" + body_ + "}"; }
+
+ private:
+  std::string body_;
+};
+
+std::string array(const std::vector<std::string>& json_values);
+std::string numbers(const std::vector<double>& values);
+
+}  // namespace json
+}  // namespace meshtrain

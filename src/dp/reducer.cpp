@@ -1,0 +1,214 @@
+#include "reducer.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <set>
+
+#include "meshtrain/dp/buckets.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace dp {
+
+namespace {
+
+// Runs after autograd accumulated a parameter's gradient into .grad (a post
+// hook of its AccumulateGrad node, as c10d's reducer does; these autograd
+// internals exist in libtorch 1.13 and 2.x).
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::weak_ptr<Reducer> reducer, size_t index) : reducer_(std::move(reducer)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto r = reducer_.lock()) r->on_grad_ready(index_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<Reducer> reducer_;
+  size_t index_;
+};
+
+}  // namespace
+
+Reducer::Reducer(std::vector<NamedParam> params, comm::CommPtr comm, DistributedDataParallelOptions options)
+    : params_(std::move(params)), comm_(std::move(comm)), options_(options) {
+  MESHTRAIN_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
+                  "DistributedDataParallel: bucket caps must be positive (bucket_cap_mb ", options_.bucket_cap_mb(),
+                  ", first_bucket_cap_mb ", options_.first_bucket_cap_mb(), ")");
+  std::vector<size_t> reverse;
+  for (size_t i = params_.size(); i-- > 0;) reverse.push_back(i);
+  build_buckets(reverse);  // until the first backward shows the real order
+  ready_.assign(params_.size(), false);
+  used_.assign(params_.size(), 0);
+}
+
+void Reducer::install_hooks() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i].tensor);
+    acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), i));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void Reducer::build_buckets(const std::vector<size_t>& order) {
+  std::vector<BucketParam> sizes;
+  for (const auto& p : params_) sizes.push_back({static_cast<int64_t>(p.tensor.nbytes()), static_cast<int>(p.tensor.scalar_type())});
+  // A cap below one parameter's size means one bucket per parameter; the
+  // first bucket is never larger than the others.
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_cap_mb() * (1 << 20)));
+  const int64_t first = std::min(cap, std::max<int64_t>(1, static_cast<int64_t>(options_.first_bucket_cap_mb() * (1 << 20))));
+  const auto assignment = assign_buckets(sizes, order, first, cap);
+  buckets_.clear();
+  bucket_of_.assign(params_.size(), 0);
+  slot_of_.assign(params_.size(), 0);
+  for (const auto& members : assignment) {
+    Bucket b;
+    int64_t numel = 0;
+    for (size_t idx : members) {
+      b.params.push_back(idx);
+      b.offsets.push_back(numel);
+      bucket_of_[idx] = buckets_.size();
+      slot_of_[idx] = b.params.size() - 1;
+      numel += params_[idx].tensor.numel();
+    }
+    b.flat = at::zeros({numel}, params_[members.front()].tensor.options().requires_grad(false));
+    b.pending = members.size();
+    buckets_.push_back(std::move(b));
+  }
+}
+
+void Reducer::on_grad_ready(size_t index) {
+  if (!sync_) return;
+  if (!callback_queued_) {
+    // Runs once the whole backward pass is done.
+    std::weak_ptr<Reducer> weak = weak_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto r = weak.lock()) r->finalize();
+    });
+    callback_queued_ = true;
+  }
+  mark_ready(index, /*used=*/true);
+}
+
+void Reducer::mark_ready(size_t index, bool used) {
+  if (ready_[index]) return;
+  ready_[index] = true;
+  used_[index] = used ? 1 : 0;
+  ready_order_.push_back(index);
+  Bucket& b = buckets_[bucket_of_[index]];
+  const at::Tensor& p = params_[index].tensor;
+  at::Tensor slot = b.flat.narrow(0, b.offsets[slot_of_[index]], p.numel());
+  if (used && p.grad().defined()) {
+    slot.copy_(p.grad().reshape({-1}));
+  } else {
+    slot.zero_();
+  }
+  if (--b.pending == 0 && options_.overlap()) launch_full_buckets_in_order();
+}
+
+void Reducer::launch_full_buckets_in_order() {
+  // Every rank launches buckets in index order, whatever order they fill in.
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_++];
+    b.work = comm_->all_reduce_async(b.flat, comm::ReduceOp::kAvg);
+  }
+}
+
+void Reducer::mark_unused_from_graph(const std::vector<at::Tensor>& outputs) {
+  if (!options_.find_unused_parameters() || !sync_) return;
+  // Walk the graph from the outputs; a parameter whose AccumulateGrad node is
+  // not reached gets no gradient this iteration.
+  std::set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& o : outputs)
+    if (o.defined() && o.grad_fn()) stack.push_back(o.grad_fn().get());
+  while (!stack.empty()) {
+    torch::autograd::Node* n = stack.back();
+    stack.pop_back();
+    if (!seen.insert(n).second) continue;
+    for (const auto& edge : n->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!seen.count(accumulators_[i].get())) mark_ready(i, /*used=*/false);
+  }
+}
+
+void Reducer::finalize() {
+  callback_queued_ = false;
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i]) continue;
+    if (options_.find_unused_parameters()) {
+      mark_ready(i, /*used=*/false);
+    } else {
+      missing.push_back(params_[i].name);
+    }
+  }
+  if (!missing.empty()) {
+    std::string names;
+    for (const auto& m : missing) names += (names.empty() ? "" : ", ") + m;
+    reset_iteration();
+    throw ConfigError(str_cat("DistributedDataParallel: parameters received no gradient in this backward: [", names,
+                              "]. If the model leaves some parameters unused in some iterations, construct it with "
+                              "DistributedDataParallelOptions().find_unused_parameters(true)"));
+  }
+  launch_full_buckets_in_order();
+  at::Tensor globally_used;
+  if (options_.find_unused_parameters()) {
+    // A parameter unused on every rank keeps an undefined gradient, as in one process.
+    globally_used = at::from_blob(used_.data(), {static_cast<int64_t>(used_.size())}, at::kByte).clone();
+    comm_->all_reduce(globally_used, comm::ReduceOp::kMax);
+  }
+  for (auto& b : buckets_) b.work->wait();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (globally_used.defined() && globally_used[i].item<uint8_t>() == 0) continue;
+    const Bucket& b = buckets_[bucket_of_[i]];
+    at::Tensor& p = params_[i].tensor;
+    at::Tensor avg = b.flat.narrow(0, b.offsets[slot_of_[i]], p.numel()).view_as(p);
+    if (p.grad().defined()) {
+      p.mutable_grad().copy_(avg);
+    } else {
+      p.mutable_grad() = avg.clone();
+    }
+  }
+  if (!rebuilt_) {
+    // Rank 0's observed order becomes everyone's bucket order (same on all ranks).
+    at::Tensor order = at::empty({static_cast<int64_t>(ready_order_.size())}, at::kLong);
+    for (size_t i = 0; i < ready_order_.size(); ++i) order[i] = static_cast<int64_t>(ready_order_[i]);
+    comm_->broadcast(order, 0);
+    std::vector<size_t> observed;
+    for (int64_t i = 0; i < order.numel(); ++i) observed.push_back(static_cast<size_t>(order[i].item<int64_t>()));
+    build_buckets(observed);
+    rebuilt_ = true;
+  }
+  reset_iteration();
+}
+
+void Reducer::reset_iteration() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(used_.begin(), used_.end(), 0);
+  ready_order_.clear();
+  next_launch_ = 0;
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.work.reset();
+  }
+}
+
+std::vector<std::vector<std::string>> Reducer::bucket_names() const {
+  std::vector<std::vector<std::string>> out;
+  for (const auto& b : buckets_) {
+    out.emplace_back();
+    for (size_t idx : b.params) out.back().push_back(params_[idx].name);
+  }
+  return out;
+}
+
+}  // namespace dp
+}  // namespace meshtrain

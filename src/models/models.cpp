@@ -1,0 +1,172 @@
+#include "meshtrain/models/models.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace models {
+
+namespace {
+
+void check_config(const ModelConfig& c) {
+  MESHTRAIN_CHECK(c.kind == "gpt" || c.kind == "mlp", "unknown model '", c.kind, "'; use gpt or mlp");
+  MESHTRAIN_CHECK(c.layers >= 1, "--layers ", c.layers, " must be at least 1");
+  if (c.kind == "gpt") {
+    MESHTRAIN_CHECK(c.hidden >= 1 && c.heads >= 1 && c.hidden % c.heads == 0, "--hidden ", c.hidden,
+                    " must be a positive multiple of --heads ", c.heads);
+    MESHTRAIN_CHECK(c.vocab >= 2 && c.seq_len >= 2, "--vocab and --seq-len must be at least 2");
+  } else {
+    MESHTRAIN_CHECK(c.features >= 1 && c.hidden >= 1 && c.classes >= 2, "mlp sizes must be positive");
+  }
+}
+
+torch::nn::LayerNorm layer_norm(int64_t h) {
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}));  // weight 1, bias 0: deterministic
+}
+
+}  // namespace
+
+int64_t num_pieces(const ModelConfig& c) { return c.kind == "gpt" ? c.layers + 2 : c.layers; }
+
+GptEmbeddingImpl::GptEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx) {
+  tok = register_module("tok", tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(c.vocab, c.hidden)
+                                                              .tp(ctx.tp)
+                                                              .seed(c.seed)
+                                                              .name("embed.tok")));
+  pos = register_parameter("pos", init_full(c.seed, "embed.pos", InitSpec::normal(0, 0.01), {c.seq_len, c.hidden}));
+}
+
+at::Tensor GptEmbeddingImpl::forward(const at::Tensor& tokens) {
+  MESHTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) <= pos.size(0), "GPT input must be [batch, seq <= ",
+                  pos.size(0), "] token ids; got ", tokens.sizes());
+  return tok->forward(tokens) + pos.narrow(0, 0, tokens.size(1));
+}
+
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx) {
+  const std::string p = "blocks." + std::to_string(index);
+  const int tp_n = tp::tp_size(ctx.tp);
+  MESHTRAIN_CHECK(c.heads % tp_n == 0, "tp size ", tp_n, " does not divide --heads ", c.heads,
+                  "; choose tp among the divisors of ", c.heads);
+  local_heads = c.heads / tp_n;
+  head_dim = c.hidden / c.heads;
+  // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
+  const InitSpec residual = InitSpec::normal(0, 0.02 / std::sqrt(2.0 * c.layers));
+  auto col = [&](const std::string& name, int64_t in, int64_t out) {
+    return tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(in, out).tp(ctx.tp).seed(c.seed).name(p + "." + name)
+                                        .sequence_parallel(ctx.sequence_parallel));
+  };
+  auto row = [&](const std::string& name, int64_t in, int64_t out) {
+    return tp::RowParallelLinear(tp::RowParallelLinearOptions(in, out).tp(ctx.tp).seed(c.seed).name(p + "." + name)
+                                     .weight_init(residual).sequence_parallel(ctx.sequence_parallel));
+  };
+  ln1 = register_module("ln1", layer_norm(c.hidden));
+  q = register_module("q", col("q", c.hidden, c.hidden));
+  k = register_module("k", col("k", c.hidden, c.hidden));
+  v = register_module("v", col("v", c.hidden, c.hidden));
+  proj = register_module("proj", row("proj", c.hidden, c.hidden));
+  ln2 = register_module("ln2", layer_norm(c.hidden));
+  fc1 = register_module("fc1", col("fc1", c.hidden, 4 * c.hidden));
+  fc2 = register_module("fc2", row("fc2", 4 * c.hidden, c.hidden));
+}
+
+at::Tensor GptBlockImpl::attention(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1);
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
+  at::Tensor qh = heads(q->forward(x)), kh = heads(k->forward(x)), vh = heads(v->forward(x));
+  at::Tensor scores = at::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+  at::Tensor future = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  at::Tensor y = at::matmul(at::softmax(scores, -1), vh);  // [B, heads, T, head_dim]
+  return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
+}
+
+at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x + attention(ln1->forward(x));
+  return h + fc2->forward(at::gelu(fc1->forward(ln2->forward(h))));
+}
+
+GptHeadImpl::GptHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied_weight)
+    : tied(std::move(tied_weight)), tp(ctx.tp) {
+  ln = register_module("ln", layer_norm(c.hidden));
+  if (!tied.defined()) {
+    // Untied, or tied to an embedding in another process: a copy with the
+    // embedding's values when tied (its gradient is summed with the embedding's).
+    const std::string source = c.tie_embeddings ? "embed.tok.weight" : "head.out.weight";
+    const int64_t local = c.vocab / tp::tp_size(ctx.tp);
+    weight = register_parameter("out_weight", tp::make_shard({c.seed, source, InitSpec::normal(0, 0.02)},
+                                                             {c.vocab, c.hidden}, 0, local * tp::tp_rank(ctx.tp), local));
+  }
+}
+
+at::Tensor GptHeadImpl::forward(const at::Tensor& x) {
+  MESHTRAIN_CHECK(tp::tp_size(tp) == 1, "GptHead: tensor parallelism is not implemented yet");
+  return at::matmul(ln->forward(x), out_weight().t());
+}
+
+MlpLayerImpl::MlpLayerImpl(int64_t in, int64_t out, bool relu_after, uint64_t seed, const std::string& name)
+    : relu(relu_after) {
+  // torch.nn.Linear's default range, from the deterministic generator.
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  weight = register_parameter("weight", init_full(seed, name + ".weight", InitSpec::uniform(-bound, bound), {out, in}));
+  bias = register_parameter("bias", init_full(seed, name + ".bias", InitSpec::uniform(-bound, bound), {out}));
+}
+
+at::Tensor MlpLayerImpl::forward(const at::Tensor& x) {
+  at::Tensor y = at::linear(x, weight, bias);
+  return relu ? at::relu(y) : y;
+}
+
+Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const BuildContext& ctx) {
+  check_config(c);
+  const int64_t n = num_pieces(c);
+  MESHTRAIN_CHECK(first >= 0 && first < last && last <= n, "build_stage: pieces [", first, ", ", last,
+                  ") out of range for a model of ", n, " pieces");
+  Stage stage;
+  if (c.kind == "mlp") {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t in = i == 0 ? c.features : c.hidden;
+      const int64_t out = i == c.layers - 1 ? c.classes : c.hidden;
+      stage->append("layers", std::to_string(i), MlpLayer(in, out, i != c.layers - 1, c.seed, "layers." + std::to_string(i)));
+    }
+    return stage;
+  }
+  at::Tensor embedding_weight;
+  for (int64_t i = first; i < last; ++i) {
+    if (i == 0) {
+      GptEmbedding e(c, ctx);
+      embedding_weight = e->tok->weight;
+      stage->append("", "embed", e);
+    } else if (i == n - 1) {
+      stage->append("", "head", GptHead(c, ctx, c.tie_embeddings ? embedding_weight : at::Tensor()));
+    } else {
+      stage->append("blocks", std::to_string(i - 1), GptBlock(c, i - 1, ctx));
+    }
+  }
+  return stage;
+}
+
+at::Tensor loss(const ModelConfig& c, const at::Tensor& output, const at::Tensor& targets, const BuildContext& ctx) {
+  if (c.kind == "mlp") return at::cross_entropy_loss(output, targets);
+  MESHTRAIN_CHECK(tp::tp_size(ctx.tp) == 1, "vocab-parallel cross-entropy is not implemented yet");
+  return at::cross_entropy_loss(output.reshape({-1, output.size(-1)}), targets.reshape({-1}));
+}
+
+int64_t parameter_count(const ModelConfig& c) {
+  if (c.kind == "mlp") {
+    int64_t total = 0;
+    for (int64_t i = 0; i < c.layers; ++i) {
+      const int64_t in = i == 0 ? c.features : c.hidden, out = i == c.layers - 1 ? c.classes : c.hidden;
+      total += in * out + out;
+    }
+    return total;
+  }
+  const int64_t h = c.hidden;
+  const int64_t block = 2 * 2 * h + 4 * (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h);
+  return c.vocab * h + c.seq_len * h + c.layers * block + 2 * h + (c.tie_embeddings ? 0 : c.vocab * h);
+}
+
+}  // namespace models
+}  // namespace meshtrain

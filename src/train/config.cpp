@@ -1,0 +1,199 @@
+#include "meshtrain/train/config.h"
+
+#include <functional>
+#include <map>
+
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/json.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+int64_t to_int(const std::string& flag, const std::string& v) {
+  try {
+    size_t pos = 0;
+    const long long x = std::stoll(v, &pos);
+    if (pos == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  throw ConfigError(str_cat("meshtrain: ", flag, " '", v, "' is not an integer"));
+}
+
+double to_double(const std::string& flag, const std::string& v) {
+  try {
+    size_t pos = 0;
+    const double x = std::stod(v, &pos);
+    if (pos == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  throw ConfigError(str_cat("meshtrain: ", flag, " '", v, "' is not a number"));
+}
+
+using Setter = std::function<void(TrainConfig&, const std::string&, const std::string&)>;
+
+const std::map<std::string, Setter>& value_flags() {
+  static const std::map<std::string, Setter> flags = {
+      {"--model", [](TrainConfig& c, const std::string&, const std::string& v) { c.model.kind = v; }},
+      {"--layers", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.layers = to_int(f, v); }},
+      {"--hidden", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.hidden = to_int(f, v); }},
+      {"--heads", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.heads = to_int(f, v); }},
+      {"--vocab", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.vocab = to_int(f, v); }},
+      {"--seq-len", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.seq_len = to_int(f, v); }},
+      {"--features", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.features = to_int(f, v); }},
+      {"--classes", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.classes = to_int(f, v); }},
+      {"--strategy", [](TrainConfig& c, const std::string&, const std::string& v) { c.strategy = v; }},
+      {"--zero", [](TrainConfig& c, const std::string& f, const std::string& v) { c.zero = static_cast<int>(to_int(f, v)); }},
+      {"--dp", [](TrainConfig& c, const std::string& f, const std::string& v) { c.dp = static_cast<int>(to_int(f, v)); }},
+      {"--pp", [](TrainConfig& c, const std::string& f, const std::string& v) { c.pp = static_cast<int>(to_int(f, v)); }},
+      {"--tp", [](TrainConfig& c, const std::string& f, const std::string& v) { c.tp = static_cast<int>(to_int(f, v)); }},
+      {"--schedule", [](TrainConfig& c, const std::string&, const std::string& v) { c.schedule = v; }},
+      {"--microbatches", [](TrainConfig& c, const std::string& f, const std::string& v) { c.microbatches = static_cast<int>(to_int(f, v)); }},
+      {"--virtual-stages", [](TrainConfig& c, const std::string& f, const std::string& v) { c.virtual_stages = static_cast<int>(to_int(f, v)); }},
+      {"--global-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.global_batch = to_int(f, v); }},
+      {"--micro-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.micro_batch = to_int(f, v); }},
+      {"--steps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.steps = static_cast<int>(to_int(f, v)); }},
+      {"--optimizer", [](TrainConfig& c, const std::string&, const std::string& v) { c.optimizer = v; }},
+      {"--lr", [](TrainConfig& c, const std::string& f, const std::string& v) { c.lr = to_double(f, v); }},
+      {"--weight-decay", [](TrainConfig& c, const std::string& f, const std::string& v) { c.weight_decay = to_double(f, v); }},
+      {"--momentum", [](TrainConfig& c, const std::string& f, const std::string& v) { c.momentum = to_double(f, v); }},
+      {"--seed", [](TrainConfig& c, const std::string& f, const std::string& v) {
+         c.seed = static_cast<uint64_t>(to_int(f, v));
+         c.model.seed = c.seed;
+       }},
+      {"--log-every", [](TrainConfig& c, const std::string& f, const std::string& v) { c.log_every = static_cast<int>(to_int(f, v)); }},
+      {"--data", [](TrainConfig& c, const std::string&, const std::string& v) { c.data = v; }},
+      {"--metrics-out", [](TrainConfig& c, const std::string&, const std::string& v) { c.metrics_out = v; }},
+      {"--bucket-cap-mb", [](TrainConfig& c, const std::string& f, const std::string& v) { c.bucket_cap_mb = to_double(f, v); }},
+      {"--eval-problems", [](TrainConfig& c, const std::string& f, const std::string& v) { c.eval_problems = static_cast<int>(to_int(f, v)); }},
+      {"--plot", [](TrainConfig& c, const std::string&, const std::string& v) { c.plot = v; }},
+      {"--save-dir", [](TrainConfig& c, const std::string&, const std::string& v) { c.save_dir = v; }},
+      {"--save-every", [](TrainConfig& c, const std::string& f, const std::string& v) { c.save_every = static_cast<int>(to_int(f, v)); }},
+      {"--trace", [](TrainConfig& c, const std::string&, const std::string& v) { c.trace = v; }},
+  };
+  return flags;
+}
+
+const std::map<std::string, std::function<void(TrainConfig&)>>& switch_flags() {
+  static const std::map<std::string, std::function<void(TrainConfig&)>> flags = {
+      {"--sequence-parallel", [](TrainConfig& c) { c.sequence_parallel = true; }},
+      {"--no-overlap", [](TrainConfig& c) { c.overlap = false; }},
+      {"--untied", [](TrainConfig& c) { c.model.tie_embeddings = false; }},
+      {"--resume", [](TrainConfig& c) { c.resume = true; }},
+  };
+  return flags;
+}
+
+}  // namespace
+
+std::string train_usage() {
+  return "usage: meshtrain [--model gpt|mlp] [--layers N --hidden H --heads A --vocab V --seq-len T]\n"
+         "                 [--features F --classes C]  (mlp)\n"
+         "                 [--dp D --pp P --tp T] [--strategy ddp|dp] [--zero 0|1|2|3]\n"
+         "                 [--schedule naive|gpipe|1f1b|interleaved --microbatches M --virtual-stages V]\n"
+         "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
+         "                 [--optimizer sgd|adam|adamw] [--lr LR] [--weight-decay W] [--momentum M]\n"
+         "                 [--seed S] [--log-every N] [--data FILE] [--metrics-out FILE] [--plot FILE.svg]\n"
+         "                 [--bucket-cap-mb MB] [--no-overlap] [--untied] [--eval-problems N]\n"
+         "                 [--save-dir DIR --save-every N] [--resume] [--trace FILE]\n"
+         "       meshtrain plan ...   (the planner; meshtrain plan --help)\n"
+         "Run under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n";
+}
+
+TrainConfig parse_train_args(const std::vector<std::string>& args) {
+  TrainConfig c;
+  c.model.seed = c.seed;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string flag = args[i], value;
+    bool has_inline = false;
+    const auto eq = flag.find('=');
+    if (flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+      has_inline = true;
+    }
+    if (flag == "--help" || flag == "-h") throw ConfigError(train_usage());
+    auto sw = switch_flags().find(flag);
+    if (sw != switch_flags().end()) {
+      sw->second(c);
+      continue;
+    }
+    auto vf = value_flags().find(flag);
+    MESHTRAIN_CHECK(vf != value_flags().end(), "meshtrain: unknown flag '", args[i], "'\n", train_usage());
+    if (!has_inline) {
+      MESHTRAIN_CHECK(i + 1 < args.size(), "meshtrain: ", flag, " needs a value");
+      value = args[++i];
+    }
+    vf->second(c, flag, value);
+  }
+  return c;
+}
+
+TrainConfig resolve(TrainConfig c, int world) {
+  auto& m = c.model;
+  MESHTRAIN_CHECK(m.kind == "gpt" || m.kind == "mlp", "--model '", m.kind, "' is unknown; use gpt or mlp");
+  MESHTRAIN_CHECK(c.strategy == "ddp" || c.strategy == "dp", "--strategy '", c.strategy,
+                  "' is unknown; use ddp (DistributedDataParallel) or dp (the article's master DP)");
+  MESHTRAIN_CHECK(c.zero >= 0 && c.zero <= 3, "--zero ", c.zero, " must be 0, 1, 2 or 3");
+  MESHTRAIN_CHECK(c.optimizer == "sgd" || c.optimizer == "adam" || c.optimizer == "adamw", "--optimizer '",
+                  c.optimizer, "' is unknown; use sgd, adam or adamw");
+  MESHTRAIN_CHECK(c.pp >= 1 && c.tp >= 1 && c.dp >= 0, "--dp, --pp and --tp must be positive (got dp ", c.dp,
+                  ", pp ", c.pp, ", tp ", c.tp, ")");
+  MESHTRAIN_CHECK(c.steps >= 1, "--steps ", c.steps, " must be at least 1");
+  MESHTRAIN_CHECK(c.lr > 0, "--lr ", c.lr, " must be positive");
+  MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");
+  if (c.dp == 0) {
+    MESHTRAIN_CHECK(world % (c.pp * c.tp) == 0, "the world size ", world, " is not divisible by pp x tp = ", c.pp,
+                    " x ", c.tp, "; choose pp and tp whose product divides ", world);
+    c.dp = world / (c.pp * c.tp);
+  }
+  MESHTRAIN_CHECK(c.dp * c.pp * c.tp == world, "the layout dp ", c.dp, " x pp ", c.pp, " x tp ", c.tp, " = ",
+                  c.dp * c.pp * c.tp, " ranks does not match the world size ", world,
+                  "; run with --nproc-per-node ", c.dp * c.pp * c.tp, " or change the degrees");
+  MESHTRAIN_CHECK(c.strategy == "ddp" || c.zero == 0, "--strategy dp (master DP) cannot be combined with --zero ",
+                  c.zero, "; ZeRO partitions DDP's state: use --strategy ddp");
+  MESHTRAIN_CHECK(c.pp == 1 && c.tp == 1, "--pp and --tp > 1 are not available yet (pipeline and tensor "
+                  "parallelism arrive with their issues)");
+  MESHTRAIN_CHECK(c.zero == 0, "--zero ", c.zero, " is not available yet");
+  MESHTRAIN_CHECK(c.global_batch >= 1 && c.global_batch % c.dp == 0, "--global-batch ", c.global_batch,
+                  " must be a positive multiple of the data-parallel degree ", c.dp);
+  const int64_t local = c.global_batch / c.dp;
+  if (c.micro_batch == 0) c.micro_batch = local;
+  MESHTRAIN_CHECK(c.micro_batch >= 1 && local % c.micro_batch == 0, "--global-batch ", c.global_batch,
+                  " is not divisible by dp x micro-batch = ", c.dp, " x ", c.micro_batch,
+                  "; each data-parallel rank gets ", local, " samples per step, to be split into micro-batches of ",
+                  c.micro_batch);
+  if (!c.data.empty() && m.kind == "gpt") m.vocab = std::max<int64_t>(m.vocab, 256);  // byte tokens
+  m.seed = c.seed;
+  return c;
+}
+
+int64_t accumulation_steps(const TrainConfig& c) { return c.global_batch / c.dp / c.micro_batch; }
+
+std::string to_json(const TrainConfig& c) {
+  json::Object model;
+  model.str("kind", c.model.kind).integer("layers", c.model.layers).integer("hidden", c.model.hidden);
+  if (c.model.kind == "gpt") {
+    model.integer("heads", c.model.heads).integer("vocab", c.model.vocab).integer("seq_len", c.model.seq_len)
+        .boolean("tie_embeddings", c.model.tie_embeddings);
+  } else {
+    model.integer("features", c.model.features).integer("classes", c.model.classes);
+  }
+  model.integer("parameters", models::parameter_count(c.model));
+  json::Object o;
+  o.raw("model", model.str())
+      .integer("dp", c.dp).integer("pp", c.pp).integer("tp", c.tp)
+      .str("strategy", c.strategy).integer("zero", c.zero)
+      .str("schedule", c.schedule).integer("microbatches", c.microbatches).integer("virtual_stages", c.virtual_stages)
+      .boolean("sequence_parallel", c.sequence_parallel)
+      .integer("global_batch", c.global_batch).integer("micro_batch", c.micro_batch)
+      .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)
+      .str("optimizer", c.optimizer).num("lr", c.lr).num("weight_decay", c.weight_decay).num("momentum", c.momentum)
+      .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "synthetic" : c.data)
+      .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap);
+  return o.str();
+}
+
+}  // namespace train
+}  // namespace meshtrain

@@ -1,0 +1,36 @@
+#pragma once
+// One training step for one layout (internal to the trainer). Each strategy
+// (DDP, master DP; ZeRO, pipeline and tensor parallel compose here) provides an
+// Engine; the trainer loop is the same for all.
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/train/data.h"
+#include "meshtrain/train/metrics.h"
+
+namespace meshtrain {
+namespace train {
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  // One optimizer step on the global batch of `step`. Returns this rank's
+  // contribution to the global-batch loss (the trainer sums contributions).
+  virtual double step(int64_t step) = 0;
+  // Full parameters under the single-process model's names, on rank 0.
+  virtual std::map<std::string, at::Tensor> full_parameters() = 0;
+  virtual StateBytes state_bytes() const = 0;
+  // Traffic of the training communicators of this rank.
+  virtual comm::Traffic traffic() const = 0;
+  virtual void reset_traffic() = 0;
+};
+
+std::unique_ptr<Engine> make_engine(const TrainConfig& config, comm::CommPtr world);
+std::unique_ptr<Dataset> make_dataset(const TrainConfig& config);
+
+}  // namespace train
+}  // namespace meshtrain

@@ -1,0 +1,162 @@
+// Engines for the data axis alone: DDP and the article's master DP.
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "engine.h"
+#include "meshtrain/dp/ddp.h"
+#include "meshtrain/dp/master_dp.h"
+#include "meshtrain/dp/params.h"
+#include "meshtrain/models/models.h"
+#include "meshtrain/train/optim.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+std::vector<at::Tensor> tensors_of(const std::vector<dp::NamedParam>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.tensor);
+  return out;
+}
+
+int64_t grad_bytes(const std::vector<dp::NamedParam>& params) {
+  int64_t n = 0;
+  for (const auto& p : params)
+    if (p.tensor.grad().defined()) n += p.tensor.grad().nbytes();
+  return n;
+}
+
+std::map<std::string, at::Tensor> clone_all(const std::vector<dp::NamedParam>& params) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : params) out[p.name] = p.tensor.detach().clone();
+  return out;
+}
+
+class DdpEngine : public Engine {
+ public:
+  DdpEngine(const TrainConfig& c, comm::CommPtr comm)
+      : c_(c), comm_(std::move(comm)), data_(make_dataset(c)) {
+    model_ = models::build_stage(c.model, 0, models::num_pieces(c.model));
+    ddp_ = std::make_unique<dp::DistributedDataParallel>(
+        model_.ptr(), comm_, dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap));
+    params_ = dp::unique_parameters(*model_);
+    optimizer_ = make_optimizer(c, tensors_of(params_));
+  }
+
+  double step(int64_t step) override {
+    const int64_t local = c_.global_batch / c_.dp, m = c_.micro_batch, accum = local / m;
+    const int64_t first = step * c_.global_batch + comm_->rank() * local;
+    optimizer_->zero_grad();
+    double contribution = 0;
+    for (int64_t j = 0; j < accum; ++j) {
+      Batch b = data_->samples(first + j * m, m);
+      std::optional<dp::DistributedDataParallel::NoSync> no_sync;
+      if (j + 1 < accum) no_sync.emplace(ddp_->no_sync());  // communicate on the last micro-batch only
+      at::Tensor out = ddp_->forward([&] { return model_->forward(b.inputs); });
+      // Scaled so the sum over micro-batches and the mean over ranks give the global-batch mean.
+      at::Tensor loss = models::loss(c_.model, out, b.targets) * (static_cast<double>(m) / local);
+      loss.backward();
+      contribution += loss.item<double>() / c_.dp;
+    }
+    optimizer_->step();
+    return contribution;
+  }
+
+  std::map<std::string, at::Tensor> full_parameters() override {
+    return comm_->rank() == 0 ? clone_all(params_) : std::map<std::string, at::Tensor>{};
+  }
+
+  StateBytes state_bytes() const override {
+    StateBytes s;
+    s.parameters = dp::total_bytes(tensors_of(params_));
+    s.gradients = grad_bytes(params_);
+    s.optimizer = optimizer_state_bytes(*optimizer_);
+    s.buffers = s.parameters;  // the gradient buckets mirror the parameters
+    return s;
+  }
+
+  comm::Traffic traffic() const override { return comm_->traffic(); }
+  void reset_traffic() override { comm_->reset_traffic(); }
+
+ private:
+  TrainConfig c_;
+  comm::CommPtr comm_;
+  std::unique_ptr<Dataset> data_;
+  models::Stage model_{nullptr};
+  std::unique_ptr<dp::DistributedDataParallel> ddp_;
+  std::vector<dp::NamedParam> params_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+class MasterDpEngine : public Engine {
+ public:
+  MasterDpEngine(const TrainConfig& c, comm::CommPtr comm)
+      : c_(c), comm_(std::move(comm)), data_(make_dataset(c)) {
+    model_ = models::build_stage(c.model, 0, models::num_pieces(c.model));
+    mdp_ = std::make_unique<dp::MasterDataParallel>(model_.ptr(), comm_, [this](const at::Tensor& y, const at::Tensor& t) {
+      return models::loss(c_.model, y, t) * scale_;
+    });
+    params_ = dp::unique_parameters(*model_);
+    if (comm_->rank() == 0) optimizer_ = make_optimizer(c, tensors_of(params_));  // only the master steps
+  }
+
+  double step(int64_t step) override {
+    // Rank 0 reads the global batch in chunks of dp x micro-batch samples.
+    const int64_t chunk = c_.dp * c_.micro_batch, chunks = c_.global_batch / chunk;
+    const bool root = comm_->rank() == 0;
+    if (root) optimizer_->zero_grad();
+    scale_ = static_cast<double>(chunk) / c_.global_batch;
+    double loss = 0;
+    for (int64_t j = 0; j < chunks; ++j) {
+      Batch b = root ? data_->samples(step * c_.global_batch + j * chunk, chunk) : Batch{};
+      at::Tensor l = mdp_->step(b.inputs, b.targets, [this](const at::Tensor& x) { return model_->forward(x); });
+      if (root) loss += l.item<double>();
+    }
+    if (root) optimizer_->step();
+    return loss;  // the trainer sums: only rank 0 contributes
+  }
+
+  std::map<std::string, at::Tensor> full_parameters() override {
+    return comm_->rank() == 0 ? clone_all(params_) : std::map<std::string, at::Tensor>{};
+  }
+
+  StateBytes state_bytes() const override {
+    StateBytes s;
+    s.parameters = dp::total_bytes(tensors_of(params_));
+    s.gradients = grad_bytes(params_);
+    s.optimizer = optimizer_ ? optimizer_state_bytes(*optimizer_) : 0;
+    return s;
+  }
+
+  comm::Traffic traffic() const override { return comm_->traffic(); }
+  void reset_traffic() override { comm_->reset_traffic(); }
+
+ private:
+  TrainConfig c_;
+  comm::CommPtr comm_;
+  std::unique_ptr<Dataset> data_;
+  models::Stage model_{nullptr};
+  std::unique_ptr<dp::MasterDataParallel> mdp_;
+  std::vector<dp::NamedParam> params_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  double scale_ = 1.0;
+};
+
+}  // namespace
+
+std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
+  if (!c.data.empty()) return make_text_dataset(c.data, c.seed, c.model.seq_len);
+  if (c.model.kind == "gpt") return make_arithmetic_dataset(c.seed, c.model.seq_len);
+  return make_classification_dataset(c.seed, c.model.features, c.model.classes);
+}
+
+std::unique_ptr<Engine> make_engine(const TrainConfig& c, comm::CommPtr world) {
+  if (c.strategy == "dp") return std::make_unique<MasterDpEngine>(c, world);
+  return std::make_unique<DdpEngine>(c, world);
+}
+
+}  // namespace train
+}  // namespace meshtrain

@@ -1,0 +1,109 @@
+#include "meshtrain/train/metrics.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/json.h"
+
+namespace meshtrain {
+namespace train {
+
+int64_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+
+std::string state_bytes_json(const StateBytes& s) {
+  return json::Object()
+      .integer("parameters", s.parameters)
+      .integer("gradients", s.gradients)
+      .integer("optimizer", s.optimizer)
+      .integer("buffers", s.buffers)
+      .integer("model_state", s.model_state())
+      .str();
+}
+
+std::string traffic_json(const comm::Traffic& total, int steps) {
+  json::Object ops;
+  for (int k = 0; k < comm::kNumOpKinds; ++k) {
+    const auto& t = total.ops[k];
+    if (t.calls == 0 && t.bytes_sent == 0 && t.bytes_received == 0) continue;
+    ops.raw(comm::op_name(static_cast<comm::OpKind>(k)), json::Object()
+                                                             .num("calls", static_cast<double>(t.calls) / steps)
+                                                             .num("bytes_sent", static_cast<double>(t.bytes_sent) / steps)
+                                                             .num("bytes_received", static_cast<double>(t.bytes_received) / steps)
+                                                             .str());
+  }
+  const auto p = total.payload_total();
+  ops.raw("total", json::Object()
+                       .num("calls", static_cast<double>(p.calls) / steps)
+                       .num("bytes_sent", static_cast<double>(p.bytes_sent) / steps)
+                       .num("bytes_received", static_cast<double>(p.bytes_received) / steps)
+                       .str());
+  return ops.str();
+}
+
+std::string ascii_plot(const std::vector<double>& values, int width, int height) {
+  if (values.empty()) return "";
+  const double lo = *std::min_element(values.begin(), values.end());
+  const double hi = *std::max_element(values.begin(), values.end());
+  const double span = hi > lo ? hi - lo : 1.0;
+  std::vector<std::string> grid(height, std::string(width, ' '));
+  const int n = static_cast<int>(values.size());
+  for (int x = 0; x < width; ++x) {
+    // The mean of the values that fall in this column.
+    const int a = x * n / width, b = std::max(a + 1, (x + 1) * n / width);
+    if (a >= n) break;
+    double sum = 0;
+    for (int i = a; i < b && i < n; ++i) sum += values[i];
+    const double v = sum / (std::min(b, n) - a);
+    const int y = static_cast<int>(std::lround((hi - v) / span * (height - 1)));
+    grid[std::clamp(y, 0, height - 1)][x] = '*';
+  }
+  std::string out;
+  char label[32];
+  for (int y = 0; y < height; ++y) {
+    const double v = hi - span * y / (height - 1);
+    std::snprintf(label, sizeof label, "%8.4f |", v);
+    out += label + grid[y] + "\n";
+  }
+  out += std::string(9, ' ') + "+" + std::string(width, '-') + "\n";
+  std::snprintf(label, sizeof label, "step 1");
+  out += std::string(10, ' ') + label + std::string(std::max(1, width - 12), ' ') + std::to_string(n) + "\n";
+  return out;
+}
+
+void write_svg_plot(const std::string& path, const std::vector<double>& values, const std::string& title) {
+  std::ofstream out(path);
+  MESHTRAIN_CHECK(out.good(), "cannot write the plot to ", path);
+  const int W = 640, H = 360, L = 60, R = 20, T = 40, B = 40;
+  const double lo = values.empty() ? 0 : *std::min_element(values.begin(), values.end());
+  const double hi = values.empty() ? 1 : *std::max_element(values.begin(), values.end());
+  const double span = hi > lo ? hi - lo : 1.0;
+  auto px = [&](size_t i) { return L + (values.size() > 1 ? (W - L - R) * static_cast<double>(i) / (values.size() - 1) : 0); };
+  auto py = [&](double v) { return T + (H - T - B) * (hi - v) / span; };
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << "<text x=\"" << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << title << "</text>\n"
+      << "<line x1=\"" << L << "\" y1=\"" << H - B << "\" x2=\"" << W - R << "\" y2=\"" << H - B << "\" stroke=\"black\"/>\n"
+      << "<line x1=\"" << L << "\" y1=\"" << T << "\" x2=\"" << L << "\" y2=\"" << H - B << "\" stroke=\"black\"/>\n";
+  for (int k = 0; k <= 4; ++k) {
+    const double v = lo + span * k / 4;
+    char label[32];
+    std::snprintf(label, sizeof label, "%.3f", v);
+    out << "<text x=\"" << L - 6 << "\" y=\"" << py(v) + 4 << "\" text-anchor=\"end\">" << label << "</text>\n";
+  }
+  out << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\">step (1 to " << values.size()
+      << ")</text>\n<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"";
+  for (size_t i = 0; i < values.size(); ++i) out << px(i) << "," << py(values[i]) << " ";
+  out << "\"/>\n</svg>\n";
+}
+
+}  // namespace train
+}  // namespace meshtrain

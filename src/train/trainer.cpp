@@ -1,0 +1,142 @@
+#include "meshtrain/train/trainer.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "engine.h"
+#include "meshtrain/dp/params.h"
+#include "meshtrain/models/models.h"
+#include "meshtrain/train/evaluate.h"
+#include "meshtrain/train/metrics.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/json.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t current_rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * 4096;
+}
+
+void print_progress(const TrainConfig& c, int64_t step, double loss, double seconds) {
+  const double samples = c.global_batch / seconds;
+  const double tokens = c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0;
+  std::printf("step %4lld/%d | loss %8.4f | %9.1f samples/s | %10.0f tokens/s | %7.3f s/step | rss %5.0f MiB\n",
+              static_cast<long long>(step + 1), c.steps, loss, samples, tokens, seconds,
+              current_rss_bytes() / 1048576.0);
+  std::fflush(stdout);
+}
+
+// Strings from every rank, in rank order (sizes may differ).
+std::vector<std::string> gather_strings(comm::Communicator& comm, const std::string& mine) {
+  at::Tensor bytes = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  std::vector<std::string> out;
+  for (const auto& t : comm.all_gather(bytes)) out.emplace_back(static_cast<const char*>(t.data_ptr()), t.numel());
+  return out;
+}
+
+double mean_after_first(const std::vector<double>& xs) {
+  if (xs.size() < 2) return xs.empty() ? 0.0 : xs[0];
+  double sum = 0;
+  for (size_t i = 1; i < xs.size(); ++i) sum += xs[i];
+  return sum / (xs.size() - 1);
+}
+
+double accuracy_of(const TrainConfig& c, const std::map<std::string, at::Tensor>& full) {
+  models::Stage dense = models::build_stage(c.model, 0, models::num_pieces(c.model));
+  at::NoGradGuard no_grad;
+  for (auto& p : dp::unique_parameters(*dense)) {
+    auto it = full.find(p.name);
+    MESHTRAIN_CHECK(it != full.end(), "evaluation: parameter ", p.name, " missing from the consolidated state");
+    p.tensor.copy_(it->second);
+  }
+  return evaluate_accuracy(c, *dense, c.eval_problems);
+}
+
+}  // namespace
+
+TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOptions& options) {
+  // Logging and reporting use their own communicator, so the training
+  // communicators' traffic is the training's alone.
+  comm::CommPtr metrics = world->split(0, world->rank(), "metrics");
+  const bool chief = world->rank() == 0;
+  std::unique_ptr<Engine> engine = make_engine(c, world);
+  engine->reset_traffic();  // count steps, not set-up
+
+  TrainResult result;
+  for (int64_t step = 0; step < c.steps; ++step) {
+    const auto t0 = Clock::now();
+    at::Tensor loss = at::tensor({engine->step(step)}, at::kDouble);
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    metrics->all_reduce(loss);  // the sum of the ranks' contributions is the global-batch loss
+    result.losses.push_back(loss.item<double>());
+    result.step_times.push_back(seconds);
+    if (chief && options.verbose && ((step + 1) % c.log_every == 0 || step + 1 == c.steps)) {
+      print_progress(c, step, result.losses.back(), seconds);
+    }
+  }
+
+  const comm::Traffic traffic = engine->traffic();
+  const StateBytes state = engine->state_bytes();
+  result.full_parameters = engine->full_parameters();
+  if (chief && options.evaluate && c.eval_problems > 0) result.accuracy = accuracy_of(c, result.full_parameters);
+
+  const std::string mine = json::Object()
+                               .integer("rank", world->rank())
+                               .integer("peak_rss_bytes", peak_rss_bytes())
+                               .raw("state_bytes", state_bytes_json(state))
+                               .raw("traffic", traffic_json(traffic, c.steps))
+                               .str();
+  const std::vector<std::string> ranks = gather_strings(*metrics, mine);
+  if (chief) {
+    const double step_time = mean_after_first(result.step_times);
+    const double samples = c.global_batch / step_time;
+    std::vector<std::string> rss, states, traffics;
+    for (const auto& r : ranks) rss.push_back(r);
+    result.metrics_json = json::Object()
+                              .raw("config", to_json(c))
+                              .integer("world_size", world->size())
+                              .raw("losses", json::numbers(result.losses))
+                              .raw("step_times_s", json::numbers(result.step_times))
+                              .num("step_time_s", step_time)
+                              .num("samples_per_s", samples)
+                              .num("tokens_per_s", c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0)
+                              .num("accuracy", result.accuracy)
+                              .raw("ranks", json::array(rss))
+                              .str();
+    if (!c.metrics_out.empty()) {
+      std::ofstream out(c.metrics_out);
+      MESHTRAIN_CHECK(out.good(), "--metrics-out ", c.metrics_out, ": cannot write the file");
+      out << result.metrics_json << "\n";
+    }
+    if (options.verbose) {
+      std::printf("\nloss per step (global batch):\n%s", ascii_plot(result.losses).c_str());
+      if (!std::isnan(result.accuracy)) {
+        std::printf("task accuracy: %.1f%% (%s)\n", 100 * result.accuracy,
+                    c.model.kind == "gpt" ? "exact answers to held-out a+b= problems" : "held-out classification");
+      }
+      if (!c.plot.empty()) {
+        write_svg_plot(c.plot, result.losses, "meshtrain: loss per step");
+        std::printf("loss curve written to %s\n", c.plot.c_str());
+      }
+      std::fflush(stdout);
+    }
+  }
+  return result;
+}
+
+}  // namespace train
+}  // namespace meshtrain

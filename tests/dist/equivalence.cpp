@@ -1,0 +1,106 @@
+#include "equivalence.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "harness.h"
+#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/train/trainer.h"
+#include "meshtrain/util/tensor_io.h"
+
+namespace meshtrain {
+namespace testing {
+
+train::TrainConfig tiny_gpt() {
+  train::TrainConfig c;
+  c.model.kind = "gpt";
+  c.model.vocab = 64;
+  c.model.seq_len = 16;
+  c.model.hidden = 32;
+  c.model.heads = 4;
+  c.model.layers = 3;
+  c.global_batch = 24;
+  c.steps = 4;
+  c.lr = 1e-2;
+  c.eval_problems = 0;
+  c.log_every = 1000;
+  return c;
+}
+
+train::TrainConfig tiny_mlp() {
+  train::TrainConfig c;
+  c.model.kind = "mlp";
+  c.model.features = 16;
+  c.model.hidden = 32;
+  c.model.classes = 5;
+  c.model.layers = 4;
+  c.global_batch = 24;
+  c.steps = 4;
+  c.lr = 1e-2;
+  c.eval_problems = 0;
+  c.log_every = 1000;
+  return c;
+}
+
+void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol) {
+  train::RunOptions quiet;
+  quiet.verbose = false;
+  quiet.evaluate = false;
+  RankRun run = run_ranks(world, [&](comm::Communicator& comm) {
+    auto self = std::shared_ptr<comm::Communicator>(&comm, [](comm::Communicator*) {});
+    const train::TrainConfig resolved = train::resolve(config, comm.size());
+    train::TrainResult r = train::run_training(resolved, self, quiet);
+    if (comm.rank() == 0) {
+      auto out = r.full_parameters;
+      out["__losses__"] = torch::tensor(r.losses, torch::kDouble);
+      save_tensors(shared_dir() + "/result.bin", out);
+    }
+  });
+  if (in_rank_process() || ::testing::Test::HasFailure()) return;
+
+  train::TrainConfig single = config;
+  single.dp = 0;
+  single.pp = 1;
+  single.tp = 1;
+  single.zero = 0;
+  single.strategy = "ddp";
+  single.micro_batch = 0;
+  single.sequence_parallel = false;
+  single.microbatches = 0;
+  single.virtual_stages = 1;
+  train::TrainResult ref = train::run_training(train::resolve(single, 1), comm::make_single_process_world(), quiet);
+  auto got = load_tensors(run.file("result.bin"));
+  at::Tensor losses = got.at("__losses__");
+  ASSERT_EQ(losses.numel(), static_cast<int64_t>(ref.losses.size()));
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    const double a = losses[s].item<double>(), b = ref.losses[s];
+    EXPECT_LE(std::abs(a - b), tol.loss_atol + tol.loss_rtol * std::abs(b))
+        << "step " << s << ": loss " << a << " on " << world << " ranks vs " << b << " in one process";
+  }
+  ASSERT_EQ(got.size() - 1, ref.full_parameters.size()) << "different parameter sets";
+  double worst = 0, worst_abs = 0, worst_loss = 0;
+  std::string worst_name;
+  for (size_t s = 0; s < ref.losses.size(); ++s) worst_loss = std::max(worst_loss, std::abs(losses[s].item<double>() - ref.losses[s]));
+  for (const auto& kv : ref.full_parameters) {
+    auto it = got.find(kv.first);
+    ASSERT_NE(it, got.end()) << "parameter " << kv.first << " missing from the distributed run";
+    ASSERT_EQ(it->second.sizes(), kv.second.sizes()) << kv.first;
+    const double excess = ((it->second - kv.second).abs() - (tol.weight_atol + tol.weight_rtol * kv.second.abs()))
+                              .max().item<double>();
+    if (excess > worst || worst_name.empty()) {
+      worst = excess;
+      worst_name = kv.first;
+    }
+    worst_abs = std::max(worst_abs, (it->second - kv.second).abs().max().item<double>());
+    EXPECT_LE(excess, 0.0) << "parameter " << kv.first << " differs from one process by "
+                           << (it->second - kv.second).abs().max().item<double>() << " (max abs) after "
+                           << ref.losses.size() << " steps";
+  }
+  std::cout << "equivalence on " << world << " ranks: max |loss diff| " << worst_loss << ", max |weight diff| "
+            << worst_abs << "\n";
+}
+
+}  // namespace testing
+}  // namespace meshtrain

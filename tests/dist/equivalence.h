@@ -1,0 +1,35 @@
+#pragma once
+// The project's central test: a layout trains exactly like one process.
+// expect_trains_like_one_process runs the trainer on `world` ranks (rank 0
+// writes its losses and consolidated weights to the run's shared directory),
+// runs the same configuration in this process on a world of one, and compares
+// every step's loss and every final weight.
+
+#include <string>
+
+#include "meshtrain/train/config.h"
+
+namespace meshtrain {
+namespace testing {
+
+// Float32 training on different layouts differs only by the order in which
+// sums are taken (all-reduce vs one batch reduction): a few ulps per step,
+// which Adam's normalization magnifies a little over a few steps. Measured on
+// the data-parallel matrix (tiny GPT, 4 steps): losses within 7e-7, weights
+// within 8e-6; the bounds below leave a margin of about 5x, while a wrong
+// gradient scale (sum instead of mean) already misses them by 1e-4 to 1e-2.
+struct Tolerance {
+  double loss_rtol = 2e-6;
+  double loss_atol = 1e-6;
+  double weight_rtol = 2e-4;
+  double weight_atol = 2e-5;
+};
+
+void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol = {});
+
+// A tiny GPT that trains in seconds on two cores with 8 ranks.
+train::TrainConfig tiny_gpt();
+train::TrainConfig tiny_mlp();
+
+}  // namespace testing
+}  // namespace meshtrain

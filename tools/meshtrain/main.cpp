@@ -1,0 +1,36 @@
+// meshtrain: the trainer (and, as "meshtrain plan", the planner). Logic lives
+// in the library (meshtrain::train, meshtrain::plan).
+#include <iostream>
+
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/train/trainer.h"
+#include "meshtrain/util/error.h"
+
+using namespace meshtrain;
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    train::TrainConfig config = train::parse_train_args(args);
+    // Everything that can be checked is checked before any communication.
+    const comm::DistEnv env = comm::dist_env_from_process();
+    config = train::resolve(config, env.world_size);
+    comm::CommPtr world = comm::init_from_env();
+    if (world->rank() == 0) {
+      std::cout << "meshtrain: " << train::to_json(config) << std::endl;
+    }
+    train::run_training(config, world);
+    return 0;
+  } catch (const ConfigError& e) {
+    std::cerr << e.what() << std::endl;
+    return 2;
+  } catch (const comm::CommError& e) {
+    std::cerr << "meshtrain: communication failed: " << e.what() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "meshtrain: " << e.what() << std::endl;
+    return 1;
+  }
+}
