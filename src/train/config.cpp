@@ -64,6 +64,7 @@ const std::map<std::string, Setter>& value_flags() {
        }},
       {"--log-every", [](TrainConfig& c, const std::string& f, const std::string& v) { c.log_every = static_cast<int>(to_int(f, v)); }},
       {"--data", [](TrainConfig& c, const std::string&, const std::string& v) { c.data = v; }},
+      {"--digits", [](TrainConfig& c, const std::string& f, const std::string& v) { c.digits = static_cast<int>(to_int(f, v)); }},
       {"--metrics-out", [](TrainConfig& c, const std::string&, const std::string& v) { c.metrics_out = v; }},
       {"--bucket-cap-mb", [](TrainConfig& c, const std::string& f, const std::string& v) { c.bucket_cap_mb = to_double(f, v); }},
       {"--eval-problems", [](TrainConfig& c, const std::string& f, const std::string& v) { c.eval_problems = static_cast<int>(to_int(f, v)); }},
@@ -94,7 +95,7 @@ std::string train_usage() {
          "                 [--schedule naive|gpipe|1f1b|interleaved --microbatches M --virtual-stages V]\n"
          "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
          "                 [--optimizer sgd|adam|adamw] [--lr LR] [--weight-decay W] [--momentum M]\n"
-         "                 [--seed S] [--log-every N] [--data FILE] [--metrics-out FILE] [--plot FILE.svg]\n"
+         "                 [--seed S] [--log-every N] [--data FILE | --digits D] [--metrics-out FILE] [--plot FILE.svg]\n"
          "                 [--bucket-cap-mb MB] [--no-overlap] [--untied] [--eval-problems N]\n"
          "                 [--save-dir DIR --save-every N] [--resume] [--trace FILE]\n"
          "       meshtrain plan ...   (the planner; meshtrain plan --help)\n"
@@ -142,6 +143,7 @@ TrainConfig resolve(TrainConfig c, int world) {
                   ", pp ", c.pp, ", tp ", c.tp, ")");
   MESHTRAIN_CHECK(c.steps >= 1, "--steps ", c.steps, " must be at least 1");
   MESHTRAIN_CHECK(c.lr > 0, "--lr ", c.lr, " must be positive");
+  MESHTRAIN_CHECK(c.digits >= 1 && c.digits <= 6, "--digits ", c.digits, " must be in [1, 6]");
   MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");
   if (c.dp == 0) {
     MESHTRAIN_CHECK(world % (c.pp * c.tp) == 0, "the world size ", world, " is not divisible by pp x tp = ", c.pp,
@@ -190,7 +192,7 @@ std::string to_json(const TrainConfig& c) {
       .integer("global_batch", c.global_batch).integer("micro_batch", c.micro_batch)
       .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)
       .str("optimizer", c.optimizer).num("lr", c.lr).num("weight_decay", c.weight_decay).num("momentum", c.momentum)
-      .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "synthetic" : c.data)
+      .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap);
   return o.str();
 }

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -13,10 +14,11 @@ namespace train {
 
 namespace {
 
-// Two-digit operands: answers up to 198.
-std::string arithmetic_line(uint64_t key, uint64_t counter) {
-  const int a = static_cast<int>(hash_uniform(key, 2 * counter) * 100);
-  const int b = static_cast<int>(hash_uniform(key, 2 * counter + 1) * 100);
+// Operands of up to `digits` digits.
+std::string arithmetic_line(uint64_t key, uint64_t counter, int digits) {
+  const double range = std::pow(10.0, digits);
+  const int a = static_cast<int>(hash_uniform(key, 2 * counter) * range);
+  const int b = static_cast<int>(hash_uniform(key, 2 * counter + 1) * range);
   return std::to_string(a) + "+" + std::to_string(b) + "=" + std::to_string(a + b) + "\n";
 }
 
@@ -31,10 +33,10 @@ Batch next_token_batch(const std::vector<std::string>& texts, int64_t seq_len) {
 
 class ArithmeticDataset : public Dataset {
  public:
-  ArithmeticDataset(uint64_t seed, int64_t seq_len) : seed_(seed), seq_len_(seq_len) {}
+  ArithmeticDataset(uint64_t seed, int64_t seq_len, int digits) : seed_(seed), seq_len_(seq_len), digits_(digits) {}
   Batch samples(int64_t first, int64_t count) const override {
     std::vector<std::string> texts;
-    for (int64_t i = first; i < first + count; ++i) texts.push_back(arithmetic_text(seed_, i, seq_len_ + 1));
+    for (int64_t i = first; i < first + count; ++i) texts.push_back(arithmetic_text(seed_, i, seq_len_ + 1, digits_));
     return next_token_batch(texts, seq_len_);
   }
   int64_t tokens_per_sample() const override { return seq_len_; }
@@ -43,6 +45,7 @@ class ArithmeticDataset : public Dataset {
  private:
   uint64_t seed_;
   int64_t seq_len_;
+  int digits_;
 };
 
 class TextDataset : public Dataset {
@@ -99,29 +102,30 @@ class ClassificationDataset : public Dataset {
 
 }  // namespace
 
-std::string arithmetic_text(uint64_t seed, int64_t sample, int64_t length) {
+std::string arithmetic_text(uint64_t seed, int64_t sample, int64_t length, int digits) {
   const uint64_t key = hash_key(seed, "arithmetic");
   std::string text;
   for (uint64_t line = 0; static_cast<int64_t>(text.size()) < length; ++line) {
-    text += arithmetic_line(key, static_cast<uint64_t>(sample) * 64 + line);
+    text += arithmetic_line(key, static_cast<uint64_t>(sample) * 64 + line, digits);
   }
   return text.substr(0, length);
 }
 
-std::vector<ArithmeticProblem> arithmetic_eval_problems(uint64_t seed, int count) {
+std::vector<ArithmeticProblem> arithmetic_eval_problems(uint64_t seed, int count, int digits) {
   // A key of its own: evaluation problems are not training windows.
   const uint64_t key = hash_key(seed, "arithmetic-eval");
   std::vector<ArithmeticProblem> problems;
   for (int i = 0; i < count; ++i) {
-    const std::string line = arithmetic_line(key, i);
+    const std::string line = arithmetic_line(key, i, digits);
     const size_t eq = line.find('=');
     problems.push_back({line.substr(0, eq + 1), line.substr(eq + 1, line.size() - eq - 2)});
   }
   return problems;
 }
 
-std::unique_ptr<Dataset> make_arithmetic_dataset(uint64_t seed, int64_t seq_len) {
-  return std::make_unique<ArithmeticDataset>(seed, seq_len);
+std::unique_ptr<Dataset> make_arithmetic_dataset(uint64_t seed, int64_t seq_len, int digits) {
+  MESHTRAIN_CHECK(digits >= 1 && digits <= 6, "--digits ", digits, " must be in [1, 6]");
+  return std::make_unique<ArithmeticDataset>(seed, seq_len, digits);
 }
 
 std::unique_ptr<Dataset> make_text_dataset(const std::string& path, uint64_t seed, int64_t seq_len) {

@@ -149,7 +149,7 @@ class MasterDpEngine : public Engine {
 
 std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
   if (!c.data.empty()) return make_text_dataset(c.data, c.seed, c.model.seq_len);
-  if (c.model.kind == "gpt") return make_arithmetic_dataset(c.seed, c.model.seq_len);
+  if (c.model.kind == "gpt") return make_arithmetic_dataset(c.seed, c.model.seq_len, c.digits);
   return make_classification_dataset(c.seed, c.model.features, c.model.classes);
 }
 

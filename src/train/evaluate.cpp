@@ -34,7 +34,7 @@ double evaluate_accuracy(const TrainConfig& c, models::StageImpl& model, int pro
   torch::autograd::GradMode::set_enabled(false);
   int correct = 0;
   if (c.model.kind == "gpt") {
-    for (const auto& p : arithmetic_eval_problems(c.seed, problems)) {
+    for (const auto& p : arithmetic_eval_problems(c.seed, problems, c.digits)) {
       correct += greedy_answer(model, p.prompt, c.model.seq_len, 4) == p.answer;
     }
   } else {

@@ -22,7 +22,7 @@ struct TrainConfig {
   int virtual_stages = 1;
   bool sequence_parallel = false;
   // Batches: samples per step over all data-parallel ranks, and per forward.
-  int64_t global_batch = 16;
+  int64_t global_batch = 24;
   int64_t micro_batch = 0;  // 0 = global_batch / dp (no accumulation)
   int steps = 20;
   std::string optimizer = "adamw";  // sgd | adam | adamw
@@ -32,6 +32,7 @@ struct TrainConfig {
   uint64_t seed = 1234;
   int log_every = 1;
   std::string data;         // text file (byte tokens); empty: built-in synthetic task
+  int digits = 1;           // operand digits of the built-in arithmetic task
   std::string metrics_out;  // JSON file
   double bucket_cap_mb = 25.0;
   bool overlap = true;      // DDP: all-reduce during backward

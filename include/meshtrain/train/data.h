@@ -28,9 +28,10 @@ class Dataset {
   virtual std::string describe() const = 0;
 };
 
-// Lines of arithmetic ("17+25=42\n") as byte tokens; sample i is a window of
-// seq_len + 1 bytes starting at a line. Learnable: the answers follow the prompt.
-std::unique_ptr<Dataset> make_arithmetic_dataset(uint64_t seed, int64_t seq_len);
+// Lines of arithmetic ("17+25=42\n" with digits = 2) as byte tokens; sample i
+// is a window of seq_len + 1 bytes starting at a line. Learnable: the answers
+// follow the prompt. Operands have up to `digits` digits.
+std::unique_ptr<Dataset> make_arithmetic_dataset(uint64_t seed, int64_t seq_len, int digits = 1);
 // Windows of seq_len + 1 bytes of a text file at positions drawn from (seed, i).
 std::unique_ptr<Dataset> make_text_dataset(const std::string& path, uint64_t seed, int64_t seq_len);
 // Gaussian features; the label is the argmax of a fixed random linear teacher.
@@ -41,9 +42,9 @@ struct ArithmeticProblem {
   std::string prompt;
   std::string answer;
 };
-std::vector<ArithmeticProblem> arithmetic_eval_problems(uint64_t seed, int count);
+std::vector<ArithmeticProblem> arithmetic_eval_problems(uint64_t seed, int count, int digits = 1);
 // The byte text of arithmetic sample i (for tests and examples).
-std::string arithmetic_text(uint64_t seed, int64_t sample, int64_t length);
+std::string arithmetic_text(uint64_t seed, int64_t sample, int64_t length, int digits = 1);
 
 }  // namespace train
 }  // namespace meshtrain

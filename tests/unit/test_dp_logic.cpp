@@ -1,0 +1,137 @@
+// Pure logic of data parallelism and the trainer: bucket assignment, flag
+// parsing and validation, layout-independent initialization, global data order.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "meshtrain/dp/buckets.h"
+#include "meshtrain/models/models.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/train/data.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/init.h"
+#include "meshtrain/util/tensor_io.h"
+
+using namespace meshtrain;
+
+TEST(Buckets, FollowTheReadyOrderAndRespectCaps) {
+  // Five float parameters of 40, 40, 100, 10, 10 bytes; one double of 8.
+  std::vector<dp::BucketParam> p = {{40, 0}, {40, 0}, {100, 0}, {10, 0}, {10, 0}, {8, 1}};
+  std::vector<size_t> reverse = {5, 4, 3, 2, 1, 0};
+  auto b = dp::assign_buckets(p, reverse, /*first_cap=*/20, /*cap=*/90);
+  // dtype 1 alone; first float bucket capped at 20 bytes: {4, 3}; then 100 > cap alone; then {1, 0}.
+  ASSERT_EQ(b.size(), 4u);
+  EXPECT_EQ(b[0], (std::vector<size_t>{5}));
+  EXPECT_EQ(b[1], (std::vector<size_t>{4, 3}));
+  EXPECT_EQ(b[2], (std::vector<size_t>{2}));
+  EXPECT_EQ(b[3], (std::vector<size_t>{1, 0}));
+  // One cap larger than everything: one bucket per dtype.
+  EXPECT_EQ(dp::assign_buckets(p, reverse, 1 << 20, 1 << 20).size(), 2u);
+  // A cap of one byte: one bucket per parameter.
+  EXPECT_EQ(dp::assign_buckets(p, reverse, 1, 1).size(), 6u);
+  EXPECT_THROW(dp::assign_buckets(p, {0, 1}, 1, 1), ConfigError);
+}
+
+TEST(TrainConfig, ParsesFlagsInBothSpellings) {
+  auto c = train::parse_train_args({"--model", "mlp", "--layers=5", "--global-batch", "48", "--micro-batch=4",
+                                    "--optimizer", "sgd", "--lr", "0.1", "--no-overlap", "--seed", "9"});
+  EXPECT_EQ(c.model.kind, "mlp");
+  EXPECT_EQ(c.model.layers, 5);
+  EXPECT_EQ(c.global_batch, 48);
+  EXPECT_EQ(c.micro_batch, 4);
+  EXPECT_EQ(c.optimizer, "sgd");
+  EXPECT_DOUBLE_EQ(c.lr, 0.1);
+  EXPECT_FALSE(c.overlap);
+  EXPECT_EQ(c.model.seed, 9u);
+  EXPECT_THROW(train::parse_train_args({"--bogus", "1"}), ConfigError);
+  EXPECT_THROW(train::parse_train_args({"--steps", "ten"}), ConfigError);
+  EXPECT_THROW(train::parse_train_args({"--steps"}), ConfigError);
+}
+
+TEST(TrainConfig, ResolveDerivesTheLayoutAndRejectsImpossibleOnes) {
+  auto c = train::resolve(train::parse_train_args({"--global-batch", "24"}), 3);
+  EXPECT_EQ(c.dp, 3);
+  EXPECT_EQ(c.micro_batch, 8);
+  EXPECT_EQ(train::accumulation_steps(c), 1);
+  c = train::resolve(train::parse_train_args({"--global-batch", "24", "--micro-batch", "2"}), 3);
+  EXPECT_EQ(train::accumulation_steps(c), 4);
+  auto error_of = [](std::vector<std::string> args, int world) {
+    try {
+      train::resolve(train::parse_train_args(args), world);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of({"--global-batch", "10"}, 3).find("--global-batch 10"), std::string::npos);
+  EXPECT_NE(error_of({"--global-batch", "24", "--micro-batch", "5"}, 3).find("dp x micro-batch = 3 x 5"), std::string::npos);
+  EXPECT_NE(error_of({"--dp", "2"}, 3).find("does not match the world size 3"), std::string::npos);
+  EXPECT_NE(error_of({"--strategy", "fsdp"}, 1).find("--strategy 'fsdp'"), std::string::npos);
+  EXPECT_NE(error_of({"--optimizer", "lamb"}, 1).find("--optimizer 'lamb'"), std::string::npos);
+  EXPECT_NE(error_of({"--strategy", "dp", "--zero", "1"}, 2).find("cannot be combined with --zero"), std::string::npos);
+}
+
+TEST(Init, AnySliceEqualsTheSliceOfTheFullTensor) {
+  const std::vector<int64_t> shape = {6, 10};
+  auto full = init_full(7, "w", InitSpec::normal(0, 1), shape);
+  EXPECT_NEAR(full.mean().item<double>(), 0.0, 0.5);
+  EXPECT_TRUE(torch::equal(init_slice(7, "w", InitSpec::normal(0, 1), shape, 0, 2, 3), full.slice(0, 2, 5)));
+  EXPECT_TRUE(torch::equal(init_slice(7, "w", InitSpec::normal(0, 1), shape, 1, 4, 5), full.slice(1, 4, 9)));
+  // Other names or seeds give other values.
+  EXPECT_FALSE(torch::equal(init_full(7, "v", InitSpec::normal(0, 1), shape), full));
+  EXPECT_FALSE(torch::equal(init_full(8, "w", InitSpec::normal(0, 1), shape), full));
+  auto u = init_full(1, "u", InitSpec::uniform(-2, 3), {1000});
+  EXPECT_GE(u.min().item<float>(), -2.0f);
+  EXPECT_LT(u.max().item<float>(), 3.0f);
+}
+
+TEST(Init, ModelsStartFromTheSameWeightsWhateverTheStageSplit) {
+  models::ModelConfig c;
+  c.layers = 3;
+  auto whole = models::build_stage(c, 0, models::num_pieces(c));
+  auto first = models::build_stage(c, 0, 2), second = models::build_stage(c, 2, models::num_pieces(c));
+  auto all = whole->named_parameters();
+  for (auto* part : {&first, &second}) {
+    for (const auto& kv : (*part)->named_parameters()) {
+      if (kv.key() == "head.out_weight") {  // the head's copy of the tied embedding
+        EXPECT_TRUE(torch::equal(kv.value(), all["embed.tok.weight"]));
+        continue;
+      }
+      ASSERT_TRUE(all.contains(kv.key())) << kv.key();
+      EXPECT_TRUE(torch::equal(kv.value(), all[kv.key()])) << kv.key();
+    }
+  }
+  EXPECT_EQ(models::parameter_count(c), [&] {
+    int64_t n = 0;
+    for (const auto& p : whole->parameters()) n += p.numel();
+    return n;
+  }());
+}
+
+TEST(Data, GlobalOrderDoesNotDependOnHowItIsSplit) {
+  auto d = train::make_arithmetic_dataset(3, 16);
+  auto all = d->samples(10, 6);
+  auto a = d->samples(10, 2), b = d->samples(12, 4);
+  EXPECT_TRUE(torch::equal(all.inputs, torch::cat({a.inputs, b.inputs})));
+  EXPECT_TRUE(torch::equal(all.targets.slice(1, 0, 15), all.inputs.slice(1, 1, 16)));  // next-token targets
+  const std::string text = train::arithmetic_text(3, 10, 17);
+  EXPECT_EQ(text.size(), 17u);
+  EXPECT_EQ(all.inputs[0][0].item<int64_t>(), static_cast<unsigned char>(text[0]));
+  for (const auto& p : train::arithmetic_eval_problems(3, 20)) {
+    const auto plus = p.prompt.find('+');
+    EXPECT_EQ(std::stoi(p.prompt.substr(0, plus)) + std::stoi(p.prompt.substr(plus + 1)), std::stoi(p.answer));
+  }
+  auto m = train::make_classification_dataset(3, 8, 4);
+  EXPECT_TRUE(torch::equal(m->samples(0, 4).inputs.slice(0, 2, 4), m->samples(2, 2).inputs));
+}
+
+TEST(TensorIo, RoundTripsAndNamesTheProblemWhenCorrupt) {
+  std::map<std::string, at::Tensor> t = {{"a.b", torch::arange(6, torch::kFloat).view({2, 3})},
+                                         {"c", torch::tensor({1, 2}, torch::kLong)}};
+  auto back = deserialize_tensors(serialize_tensors(t), "mem");
+  EXPECT_TRUE(torch::equal(back["a.b"], t["a.b"]));
+  EXPECT_TRUE(torch::equal(back["c"], t["c"]));
+  std::string bytes = serialize_tensors(t);
+  EXPECT_THROW(deserialize_tensors(bytes.substr(0, bytes.size() - 3), "x"), ConfigError);
+  EXPECT_THROW(deserialize_tensors("garbage-garbage-garbage", "x"), ConfigError);
+}
