@@ -19,41 +19,38 @@ MasterDataParallel::MasterDataParallel(std::shared_ptr<torch::nn::Module> module
   for (const auto& p : named) params_.push_back(p.tensor);
 }
 
-// Rank 0 sends each rank its rows; the others learn the shape first.
-at::Tensor MasterDataParallel::scatter_batch(const at::Tensor& batch_on_root, const std::vector<int64_t>& sizes) {
+// Rank 0 sends each rank its rows; the others learn dtype and shape first
+// (one small broadcast: [dtype, ndim, dims...]).
+at::Tensor MasterDataParallel::scatter_batch(const at::Tensor& batch_on_root, std::vector<int64_t>* sizes) {
   const int r = comm_->rank();
-  at::Tensor meta = r == 0 ? at::tensor(std::vector<int64_t>(batch_on_root.sizes().begin(), batch_on_root.sizes().end()))
-                           : at::Tensor();
-  at::Tensor ndim = at::tensor({r == 0 ? meta.numel() : int64_t{0}});
-  comm_->broadcast(ndim, 0);
-  if (r != 0) meta = at::zeros({ndim.item<int64_t>()}, at::kLong);
-  at::Tensor dtype = at::tensor({r == 0 ? static_cast<int64_t>(batch_on_root.scalar_type()) : int64_t{0}});
-  comm_->broadcast(meta, 0);
-  comm_->broadcast(dtype, 0);
-  std::vector<int64_t> shape(meta.data_ptr<int64_t>(), meta.data_ptr<int64_t>() + meta.numel());
-  shape[0] = sizes[r];
-  at::Tensor mine = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype.item<int64_t>())));
-  std::vector<at::Tensor> pieces;
+  at::Tensor meta = at::zeros({10}, at::kLong);
   if (r == 0) {
-    MESHTRAIN_CHECK(batch_on_root.size(0) == std::accumulate(sizes.begin(), sizes.end(), int64_t{0}),
-                    "MasterDataParallel: batch size mismatch");
-    pieces = batch_on_root.split_with_sizes(sizes, 0);
+    MESHTRAIN_CHECK(batch_on_root.dim() >= 1 && batch_on_root.dim() <= 8, "MasterDataParallel: batch tensors must have 1 to 8 dims");
+    meta[0] = static_cast<int64_t>(batch_on_root.scalar_type());
+    meta[1] = batch_on_root.dim();
+    for (int64_t d = 0; d < batch_on_root.dim(); ++d) meta[2 + d] = batch_on_root.size(d);
   }
+  comm_->broadcast(meta, 0);
+  std::vector<int64_t> shape(meta.data_ptr<int64_t>() + 2, meta.data_ptr<int64_t>() + 2 + meta[1].item<int64_t>());
+  MESHTRAIN_CHECK(shape[0] >= comm_->size(), "MasterDataParallel: a batch of ", shape[0], " samples cannot feed ",
+                  comm_->size(), " ranks");
+  *sizes = shard_sizes(shape[0], comm_->size());
+  shape[0] = (*sizes)[r];
+  at::Tensor mine = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(meta[0].item<int64_t>())));
+  std::vector<at::Tensor> pieces;
+  if (r == 0) pieces = batch_on_root.split_with_sizes(*sizes, 0);
   comm_->scatter(mine, pieces, 0);
   return mine;
 }
 
 at::Tensor MasterDataParallel::step(const at::Tensor& inputs, const at::Tensor& targets, const ForwardFn& forward) {
-  const int r = comm_->rank(), n = comm_->size();
+  const int r = comm_->rank();
   // 1. Replicate rank 0's parameters.
   broadcast_coalesced(*comm_, params_, 0);
-  // 2. Scatter the minibatches (sizes may differ by one).
-  at::Tensor batch_size = at::tensor({r == 0 ? inputs.size(0) : int64_t{0}});
-  comm_->broadcast(batch_size, 0);
-  const int64_t B = batch_size.item<int64_t>();
-  MESHTRAIN_CHECK(B >= n, "MasterDataParallel: a batch of ", B, " samples cannot feed ", n, " ranks");
-  const std::vector<int64_t> sizes = shard_sizes(B, n);
-  at::Tensor x = scatter_batch(inputs, sizes);
+  // 2. Scatter the minibatches (sizes may differ by one; the batch size
+  // travels in the inputs' shape, so every rank derives the same split).
+  std::vector<int64_t> sizes;
+  at::Tensor x = scatter_batch(inputs, &sizes);
   // 3. Forward locally; outputs to rank 0.
   at::Tensor y = forward(x);
   std::vector<at::Tensor> outputs = comm_->gather(y.detach(), 0);

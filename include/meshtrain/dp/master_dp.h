@@ -45,7 +45,7 @@ class MasterDataParallel {
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
 
  private:
-  at::Tensor scatter_batch(const at::Tensor& batch_on_root, const std::vector<int64_t>& sizes);
+  at::Tensor scatter_batch(const at::Tensor& batch_on_root, std::vector<int64_t>* sizes);
 
   std::shared_ptr<torch::nn::Module> module_;
   comm::CommPtr comm_;

@@ -1,0 +1,71 @@
+#!/usr/bin/python3
+"""Renders bench/ddp/run.sh's results into markdown and replaces the
+data-parallel section of docs/BENCHMARKS.md. Standard library only."""
+import argparse, glob, json, os, statistics
+
+
+def med(paths, key):
+    vals = [json.load(open(p))[key] for p in paths]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def replace_section(doc_path, name, title, text):
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    doc = open(doc_path).read() if os.path.exists(doc_path) else "# Benchmarks\n"
+    block = f"{begin}\n{text}{end}"
+    if begin in doc:
+        doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip("\n") + f"\n\n## {title}\n\n" + block + "\n"
+    open(doc_path, "w").write(doc)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("dir")
+    p.add_argument("--doc")
+    p.add_argument("--header", default="")
+    a = p.parse_args()
+    g = lambda pat: sorted(glob.glob(os.path.join(a.dir, pat)))
+    runs = len(g("mt_w2_[0-9]*.json"))
+    t1, t2 = med(g("torch_w1_*.json"), "samples_per_s"), med(g("torch_w2_*.json"), "samples_per_s")
+    m1, m2 = med(g("mt_w1_*.json"), "samples_per_s"), med(g("mt_w2_[0-9]*.json"), "samples_per_s")
+    m2n = med(g("mt_w2_nooverlap_*.json"), "samples_per_s")
+    L = [a.header, "",
+         "### DDP vs PyTorch DDP", "",
+         f"4 x Linear(1024, 1024) MLP, MSE, SGD, 64 samples per rank, 1 thread per rank; "
+         f"samples/s, median of {runs} runs, each the mean of the timed steps (max over ranks).", "",
+         "| | 1 process | 2 ranks (DDP) | scaling 2 ranks / 1 |", "|---|---|---|---|",
+         f"| PyTorch (Python, Gloo) | {t1:.0f} | {t2:.0f} | {t2 / t1:.2f}x |",
+         f"| meshtrain | {m1:.0f} | {m2:.0f} | {m2 / m1:.2f}x |",
+         f"| **ratio meshtrain / PyTorch** | {m1 / t1:.2f} | **{m2 / t2:.2f}** | |", "",
+         "### All-reduce overlapped with backward, or after it", "",
+         "| model (2 ranks) | overlapped: step s | after backward: step s | gain |", "|---|---|---|---|"]
+    for model, pat in (("MLP 4x1024, 64/rank", "mt_w2"), ("GPT 4x256, seq 128, 4/rank", "mtgpt_w2")):
+        on, off = med(g(pat + "_[0-9]*.json"), "step_time_s"), med(g(pat + "_nooverlap_*.json"), "step_time_s")
+        L.append(f"| {model} | {on:.4f} | {off:.4f} | {off / on:.2f}x |")
+    L += ["", "### Bytes and calls per step: the article's master DP vs DDP", "",
+          "From the trainer's `--metrics-out` (traffic of the training communicator per step, payload only; "
+          "global batch 24, 10 steps; DDP adds one broadcast in its first step, when buckets are rebuilt in gradient-ready order). Rank 0 is the master; 'other' is rank 1.", "",
+          "| model | ranks | DP calls | DDP calls | DP bytes rank 0 | DP bytes other | DDP bytes per rank | "
+          "DP/DDP bytes, rank 0 | DP/DDP calls |", "|---|---|---|---|---|---|---|---|---|"]
+    for model in ("mlp", "gpt"):
+        for w in (2, 3, 4):
+            try:
+                dp = json.load(open(os.path.join(a.dir, f"traffic_{model}_dp_w{w}.json")))["ranks"]
+                ddp = json.load(open(os.path.join(a.dir, f"traffic_{model}_ddp_w{w}.json")))["ranks"]
+            except FileNotFoundError:
+                continue
+            tot = lambda r: r["traffic"]["total"]
+            b = lambda r: tot(r)["bytes_sent"] + tot(r)["bytes_received"]
+            L.append(f"| {model} | {w} | {tot(dp[0])['calls']:.0f} | {tot(ddp[0])['calls']:.1f} | {b(dp[0]):,.0f} | "
+                     f"{b(dp[1]):,.0f} | {b(ddp[0]):,.0f} | {b(dp[0]) / b(ddp[0]):.2f} | "
+                     f"{tot(dp[0])['calls'] / tot(ddp[0])['calls']:.1f}x |")
+    text = "\n".join(L) + "\n"
+    print(text)
+    if a.doc:
+        replace_section(a.doc, "ddp", "Data parallelism", text)
+
+
+if __name__ == "__main__":
+    main()
