@@ -1,38 +1,15 @@
 #include "reducer.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <set>
 
 #include "meshtrain/dp/buckets.h"
 #include "meshtrain/util/error.h"
+#include "util/autograd_hooks.h"
 
 namespace meshtrain {
 namespace dp {
-
-namespace {
-
-// Runs after autograd accumulated a parameter's gradient into .grad (a post
-// hook of its AccumulateGrad node, as c10d's reducer does; these autograd
-// internals exist in libtorch 1.13 and 2.x).
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  GradReadyHook(std::weak_ptr<Reducer> reducer, size_t index) : reducer_(std::move(reducer)), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    if (auto r = reducer_.lock()) r->on_grad_ready(index_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<Reducer> reducer_;
-  size_t index_;
-};
-
-}  // namespace
 
 Reducer::Reducer(std::vector<NamedParam> params, comm::CommPtr comm, DistributedDataParallelOptions options)
     : params_(std::move(params)), comm_(std::move(comm)), options_(options) {
@@ -47,11 +24,10 @@ Reducer::Reducer(std::vector<NamedParam> params, comm::CommPtr comm, Distributed
 }
 
 void Reducer::install_hooks() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i].tensor);
-    acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), i));
-    accumulators_.push_back(std::move(acc));
-  }
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  Reducer* self = this;
+  accumulators_ = hooks::on_grad_ready(tensors, weak_from_this(), [self](size_t i) { self->on_grad_ready(i); });
 }
 
 void Reducer::build_buckets(const std::vector<size_t>& order) {
@@ -84,11 +60,8 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
 void Reducer::on_grad_ready(size_t index) {
   if (!sync_) return;
   if (!callback_queued_) {
-    // Runs once the whole backward pass is done.
-    std::weak_ptr<Reducer> weak = weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto r = weak.lock()) r->finalize();
-    });
+    Reducer* self = this;
+    hooks::at_end_of_backward(weak_from_this(), [self] { self->finalize(); });
     callback_queued_ = true;
   }
   mark_ready(index, /*used=*/true);

@@ -157,7 +157,6 @@ TrainConfig resolve(TrainConfig c, int world) {
                   c.zero, "; ZeRO partitions DDP's state: use --strategy ddp");
   MESHTRAIN_CHECK(c.pp == 1 && c.tp == 1, "--pp and --tp > 1 are not available yet (pipeline and tensor "
                   "parallelism arrive with their issues)");
-  MESHTRAIN_CHECK(c.zero == 0, "--zero ", c.zero, " is not available yet");
   MESHTRAIN_CHECK(c.global_batch >= 1 && c.global_batch % c.dp == 0, "--global-batch ", c.global_batch,
                   " must be a positive multiple of the data-parallel degree ", c.dp);
   const int64_t local = c.global_batch / c.dp;

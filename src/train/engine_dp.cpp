@@ -153,8 +153,11 @@ std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
   return make_classification_dataset(c.seed, c.model.features, c.model.classes);
 }
 
+std::unique_ptr<Engine> make_zero_engine(const TrainConfig& c, comm::CommPtr world);
+
 std::unique_ptr<Engine> make_engine(const TrainConfig& c, comm::CommPtr world) {
   if (c.strategy == "dp") return std::make_unique<MasterDpEngine>(c, world);
+  if (c.zero > 0) return make_zero_engine(c, world);
   return std::make_unique<DdpEngine>(c, world);
 }
 

@@ -13,6 +13,11 @@
 //
 // A rank that fails (an assertion or an exception) reports itself to the store
 // so the other ranks stop at once with PeerFailure instead of waiting for it.
+//
+// Because every rank process reruns the test body from its start, code before
+// a run_ranks call must take the same path in the parent and in the ranks: do
+// not return early on in_rank_process() before a later run_ranks call; pass
+// data from the parent to a later call's ranks through RankOptions::env.
 
 #include <chrono>
 #include <functional>

@@ -35,6 +35,7 @@ class StageImpl : public torch::nn::Module {
   // Applies pieces [first, last) only (pipeline virtual stages, tests).
   at::Tensor forward_range(at::Tensor x, size_t first, size_t last);
   size_t num_pieces() const { return pieces_.size(); }
+  std::shared_ptr<torch::nn::Module> piece(size_t i) const { return pieces_.at(i).ptr(); }
   const std::vector<std::string>& piece_names() const { return names_; }
 
  private:

@@ -29,5 +29,28 @@ class Object {
 std::string array(const std::vector<std::string>& json_values);
 std::string numbers(const std::vector<double>& values);
 
+// A parsed JSON value (for manifests, metrics and tests).
+class Value {
+ public:
+  enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
+  Type type = Type::kNull;
+  bool boolean = false;
+  double number = 0;
+  std::string string;
+  std::vector<Value> items;
+  std::map<std::string, Value> fields;
+
+  // Object field; throws ConfigError naming the key when absent.
+  const Value& operator[](const std::string& key) const;
+  const Value& operator[](size_t index) const;
+  bool has(const std::string& key) const { return fields.count(key) > 0; }
+  double num() const;
+  const std::string& str() const;
+  size_t size() const { return type == Type::kArray ? items.size() : fields.size(); }
+};
+
+// Parses JSON text; throws ConfigError with the position on malformed input.
+Value parse(const std::string& text);
+
 }  // namespace json
 }  // namespace meshtrain

@@ -268,7 +268,9 @@ void GlooCommunicator::ring_reduce_scatter(const at::Tensor& in, at::Tensor out,
   for (int s = 0; s < n - 1; ++s) {
     const RingStep st = reduce_scatter_step(rank_, n, s);
     at::Tensor src = s == 0 ? in_chunk(st.send_chunk) : partial;
-    at::Tensor dst = s == n - 2 ? out : tmp[s % 2].narrow(0, 0, counts[st.recv_chunk]);
+    // The last step lands in a temporary too: `out` may alias this rank's own
+    // input chunk (ZeRO reduces a gradient buffer in place).
+    at::Tensor dst = tmp[s % 2].narrow(0, 0, counts[st.recv_chunk]);
     Transfer recv, send;
     if (dst.numel() > 0)
       recv = post_recv(dst.data_ptr(), dst.numel() * elem, left, collective_slot(s), OpKind::kReduceScatter);
@@ -279,6 +281,7 @@ void GlooCommunicator::ring_reduce_scatter(const at::Tensor& in, at::Tensor out,
     if (dst.numel() > 0) reduce_inplace(dst, in_chunk(st.recv_chunk), op);
     partial = dst;
   }
+  out.copy_(partial);
 }
 
 void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {

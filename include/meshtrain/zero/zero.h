@@ -1,0 +1,127 @@
+#pragma once
+// ZeRO (arXiv 1910.02054) for any libtorch module and any elementwise
+// torch::optim optimizer (SGD, Adam, AdamW, ...), with parameter groups.
+//
+//   stage 1  ZeroRedundancyOptimizer(stage 1): optimizer state partitioned.
+//            Gradients are reduce-scattered (each rank gets the average of its
+//            shard), each rank steps its shard, the updated parameters are
+//            all-gathered: DDP's traffic, 8Psi + 8Psi/N bytes per rank (fp32 Adam).
+//   stage 2  ZeroRedundancyOptimizer(stage 2): gradients partitioned too; each
+//            bucket is reduce-scattered during backward as soon as it is full and
+//            only the shard is kept: 4Psi + 12Psi/N.
+//   stage 3  FullyShardedDataParallel: parameters partitioned too; a unit's full
+//            parameters are all-gathered before its forward and again before its
+//            backward, freed after use, the next unit's gather prefetched:
+//            16Psi/N plus the gathered units, 1.5x DDP's traffic.
+//
+// Shards follow zero/layout.h: parameters flat, cut into buckets (units for
+// stage 3), every bucket split over the ranks (sizes need not divide).
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "meshtrain/comm/communicator.h"
+
+namespace meshtrain {
+namespace zero {
+
+// Training state gathered in full: parameters and per-parameter optimizer
+// state ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "step"),
+// by the module's parameter names. Loads into any stage and world size.
+struct FullState {
+  std::map<std::string, at::Tensor> parameters;
+  std::map<std::string, std::map<std::string, at::Tensor>> optimizer;
+};
+
+// Bytes this rank holds (for the memory model).
+struct HeldBytes {
+  int64_t parameters = 0, gradients = 0, optimizer = 0, buffers = 0;
+};
+
+class ShardedCore;
+
+struct ZeroOptions {
+  TORCH_ARG(int, stage) = 1;  // 1 or 2; stage 3 is FullyShardedDataParallel
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  // Reduce-scatter each bucket during backward (off: after backward).
+  TORCH_ARG(bool, overlap) = true;
+};
+
+class ZeroRedundancyOptimizer {
+ public:
+  // `optimizer` was built over `module`'s parameters (any parameter groups); from
+  // now on it steps only this rank's shard. Parameters are broadcast from rank 0.
+  ZeroRedundancyOptimizer(std::shared_ptr<torch::nn::Module> module,
+                          std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm,
+                          ZeroOptions options = {});
+  ~ZeroRedundancyOptimizer();
+
+  void zero_grad();
+  // Completes the gradient reduction, steps the shard, all-gathers the parameters.
+  void step();
+  // While alive, backward accumulates full gradients locally (gradient accumulation).
+  class NoSync {
+   public:
+    explicit NoSync(ShardedCore* core);
+    ~NoSync();
+    NoSync(NoSync&& o) noexcept;
+
+   private:
+    ShardedCore* core_;
+  };
+  NoSync no_sync();
+
+  FullState consolidated_state(int root = 0);  // collective; complete on root
+  void load_state(const FullState& state);     // every rank passes the same state
+  HeldBytes held_bytes() const;
+  torch::optim::Optimizer& optimizer();
+
+ private:
+  std::shared_ptr<ShardedCore> core_;
+};
+
+struct FsdpOptions {
+  // All-gather the next unit while this one computes.
+  TORCH_ARG(bool, prefetch) = true;
+  // Units kept gathered from their first use to the end of backward (e.g. an
+  // embedding whose weight the LM head also uses).
+  TORCH_ARG(std::set<size_t>, keep_gathered) = {};
+};
+
+class FullyShardedDataParallel {
+ public:
+  // `units`: submodules whose parameters are gathered together, in forward
+  // order. Parameters outside every unit form one more unit, gathered for the
+  // whole step (with no units: the whole module is one unit).
+  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                           std::vector<std::shared_ptr<torch::nn::Module>> units,
+                           std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm,
+                           FsdpOptions options = {});
+  ~FullyShardedDataParallel();
+
+  // Runs fn (a unit's forward) with unit `unit` gathered; frees it afterwards
+  // and arranges for it to be gathered again before its backward.
+  at::Tensor run_unit(size_t unit, const std::function<at::Tensor()>& fn);
+  // Runs fn with every unit gathered (a module without units).
+  at::Tensor forward(const std::function<at::Tensor()>& fn);
+  size_t num_units() const;
+
+  void zero_grad();
+  void step();
+  FullState consolidated_state(int root = 0);
+  void load_state(const FullState& state);
+  HeldBytes held_bytes() const;
+  torch::optim::Optimizer& optimizer();
+
+ private:
+  std::shared_ptr<class FsdpCore> core_;
+};
+
+}  // namespace zero
+}  // namespace meshtrain

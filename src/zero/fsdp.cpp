@@ -1,0 +1,380 @@
+// ZeRO stage 3 (see zero.h). Each unit's full parameters live in one flat
+// tensor whose storage is allocated and all-gathered only around the unit's
+// forward and backward; the module's parameters are views into it.
+//
+// Note [Freeing gathered parameters]
+// Autograd saves views of a unit's parameters for backward. We therefore free
+// and refill the *storage* (StorageImpl::reset / set_data_ptr), never swap
+// tensors: saved views keep pointing at the same storage and see the values
+// again once the unit is regathered, which RegatherBeforeBackward ensures
+// before any of the unit's backward runs. Gathers write through an alias
+// tensor with its own version counter, so refilling does not look like an
+// in-place modification to autograd's saved-variable checks.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "meshtrain/util/error.h"
+#include "meshtrain/zero/zero.h"
+#include "optimizer_state.h"
+#include "pieces.h"
+#include "util/autograd_hooks.h"
+
+namespace meshtrain {
+namespace zero {
+
+namespace {
+
+void free_storage(const at::Tensor& t) { t.storage().unsafeGetStorageImpl()->reset(); }
+
+void allocate_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == nbytes && s->data()) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+}  // namespace
+
+class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
+ public:
+  FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::shared_ptr<torch::nn::Module>> units,
+           std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm, FsdpOptions options);
+  void install_hooks();
+  at::Tensor run_unit(size_t u, const std::function<at::Tensor()>& fn);
+  at::Tensor forward_all(const std::function<at::Tensor()>& fn);
+  void before_backward(int64_t unit);  // -1: every unit
+  size_t num_units() const { return units_.size(); }
+  void zero_grad() { shard_grads_.zero_(); }
+  void step() { optimizer_->step(); }
+  FullState consolidated_state(int root);
+  void load_state(const FullState& state);
+  HeldBytes held_bytes() const;
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+
+ private:
+  struct Unit {
+    std::vector<size_t> params;
+    int bucket = -1;   // -1: a unit without parameters
+    at::Tensor full;   // flat values; storage allocated only while gathered
+    at::Tensor alias;  // same storage, own version counter (see the Note)
+    bool gathered = false;
+    bool keep = false;
+    comm::WorkPtr gathering;
+    size_t pending = 0;  // parameters whose gradient has not arrived this backward
+    bool reduced = false;
+    at::Tensor staging, reduced_shard;
+    comm::WorkPtr reducing;
+  };
+  void launch_gather(size_t u);
+  void gather(size_t u);
+  void release(size_t u);
+  void on_grad_ready(size_t param);
+  void reduce_unit(size_t u);
+  void finalize();
+  void reset_backward();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::vector<dp::NamedParam> params_;
+  comm::CommPtr comm_;
+  FsdpOptions options_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::vector<Unit> units_;
+  std::vector<size_t> unit_of_param_;
+  std::vector<int64_t> offset_in_unit_;
+  Layout layout_;
+  at::Tensor shard_params_, shard_grads_;
+  Pieces pieces_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<bool> ready_;
+  bool in_backward_ = false;
+  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+};
+
+// Identity in forward; in backward, regathers the unit before its own backward runs.
+struct RegatherBeforeBackward : public torch::autograd::Function<RegatherBeforeBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, int64_t core, int64_t unit) {
+    ctx->saved_data["core"] = core;
+    ctx->saved_data["unit"] = unit;
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    reinterpret_cast<FsdpCore*>(ctx->saved_data["core"].toInt())->before_backward(ctx->saved_data["unit"].toInt());
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::shared_ptr<torch::nn::Module>> units,
+                   std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm, FsdpOptions options)
+    : module_(std::move(module)), comm_(std::move(comm)), options_(options), optimizer_(std::move(optimizer)) {
+  MESHTRAIN_CHECK(optimizer_ && module_ && comm_, "FullyShardedDataParallel needs a module, an optimizer and a communicator");
+  check_elementwise(*optimizer_);
+  params_ = dp::unique_parameters(*module_);
+  dp::verify_same_parameters(*comm_, params_, "FullyShardedDataParallel");
+  for (const auto& p : params_) {
+    MESHTRAIN_CHECK(p.tensor.scalar_type() == at::kFloat, "FullyShardedDataParallel: parameter '", p.name, "' is ",
+                    p.tensor.scalar_type(), "; ZeRO shards float32 parameters");
+  }
+  // Each parameter belongs to the first unit that holds it; the rest form a last unit.
+  unit_of_param_.assign(params_.size(), SIZE_MAX);
+  auto index_of = [&](const at::Tensor& t) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].tensor.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return i;
+    return SIZE_MAX;
+  };
+  for (size_t u = 0; u < units.size(); ++u) {
+    units_.emplace_back();
+    for (const auto& t : units[u]->parameters()) {
+      const size_t i = index_of(t);
+      if (i != SIZE_MAX && unit_of_param_[i] == SIZE_MAX) {
+        unit_of_param_[i] = u;
+        units_[u].params.push_back(i);
+      }
+    }
+  }
+  Unit rest;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (unit_of_param_[i] == SIZE_MAX) {
+      unit_of_param_[i] = units_.size();
+      rest.params.push_back(i);
+    }
+  }
+  if (!rest.params.empty() || units_.empty()) {
+    rest.keep = true;  // used around the units, so gathered for the whole step
+    units_.push_back(rest);
+  }
+  for (size_t u : options_.keep_gathered()) {
+    MESHTRAIN_CHECK(u < units_.size(), "FsdpOptions::keep_gathered: unit ", u, " does not exist");
+    units_[u].keep = true;
+  }
+  // Layout: unit after unit, one bucket each.
+  std::vector<size_t> order, boundaries;
+  std::vector<int64_t> numels;
+  for (const auto& p : params_) numels.push_back(p.tensor.numel());
+  for (const auto& unit : units_) {
+    boundaries.push_back(order.size());
+    for (size_t i : unit.params) order.push_back(i);
+  }
+  layout_ = make_layout(order, numels, INT64_MAX, comm_->size(), boundaries);
+  offset_in_unit_.assign(params_.size(), 0);
+  int bucket = 0;
+  for (auto& unit : units_) {
+    if (unit.params.empty()) continue;
+    unit.bucket = bucket++;
+    const Bucket& b = layout_.buckets[unit.bucket];
+    unit.full = at::empty({b.numel()}, at::kFloat);
+    unit.alias = at::empty({0}, at::kFloat);
+    unit.alias.set_(unit.full.storage(), 0, {b.numel()}, {1});
+  }
+  // Rank 0's values, then each rank keeps its shard; parameters become views of the full buffers.
+  shard_params_ = at::empty({layout_.shard_numel(comm_->rank())}, at::kFloat);
+  shard_grads_ = at::zeros_like(shard_params_);
+  at::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    if (unit.bucket < 0) continue;
+    const Bucket& b = layout_.buckets[unit.bucket];
+    for (const auto& e : layout_.entries) {
+      if (e.offset < b.begin || e.offset >= b.end) continue;
+      at::Tensor& p = params_[e.param].tensor;
+      offset_in_unit_[e.param] = e.offset - b.begin;
+      unit.full.narrow(0, e.offset - b.begin, e.numel).copy_(p.detach().reshape({-1}));
+      p.set_data(unit.full.narrow(0, e.offset - b.begin, e.numel).view(p.sizes()));
+    }
+    comm_->broadcast(unit.full, 0);
+    const Range own = b.shard(comm_->rank());
+    shard_params_.narrow(0, layout_.shard_offset(comm_->rank(), unit.bucket), own.size)
+        .copy_(unit.full.narrow(0, own.offset - b.begin, own.size));
+    free_storage(unit.full);
+  }
+  pieces_.pieces = layout_.pieces(comm_->rank());
+  for (const auto& piece : pieces_.pieces) pieces_.values.push_back(shard_params_.narrow(0, piece.shard_offset, piece.numel));
+  pieces_.attach(*optimizer_, params_, [this](const ShardPiece& piece) {
+    return shard_grads_.narrow(0, piece.shard_offset, piece.numel);
+  });
+  ready_.assign(params_.size(), false);
+  reset_backward();
+}
+
+void FsdpCore::install_hooks() {
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  FsdpCore* self = this;
+  accumulators_ = hooks::on_grad_ready(tensors, weak_from_this(), [self](size_t i) { self->on_grad_ready(i); });
+}
+
+void FsdpCore::launch_gather(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.bucket < 0 || unit.gathered || unit.gathering) return;
+  const Bucket& b = layout_.buckets[unit.bucket];
+  allocate_storage(unit.full, b.numel() * sizeof(float));
+  gathered_bytes_ += b.numel() * sizeof(float);
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  const int r = comm_->rank();
+  unit.gathering = comm_->all_gather_async(shard_params_.narrow(0, layout_.shard_offset(r, unit.bucket), b.shard(r).size),
+                                           unit.alias);
+}
+
+void FsdpCore::gather(size_t u) {
+  launch_gather(u);
+  Unit& unit = units_[u];
+  if (unit.gathering) {
+    unit.gathering->wait();
+    unit.gathering.reset();
+    unit.gathered = true;
+  }
+}
+
+void FsdpCore::release(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.bucket < 0 || !unit.gathered || unit.keep) return;
+  free_storage(unit.full);
+  unit.gathered = false;
+  gathered_bytes_ -= layout_.buckets[unit.bucket].numel() * sizeof(float);
+}
+
+at::Tensor FsdpCore::run_unit(size_t u, const std::function<at::Tensor()>& fn) {
+  MESHTRAIN_CHECK(u < units_.size(), "FullyShardedDataParallel::run_unit: unit ", u, " of ", units_.size());
+  for (size_t k = 0; k < units_.size(); ++k)
+    if (units_[k].keep) launch_gather(k);
+  gather(u);
+  if (options_.prefetch() && u + 1 < units_.size()) launch_gather(u + 1);
+  for (size_t k = 0; k < units_.size(); ++k)
+    if (units_[k].keep) gather(k);
+  at::Tensor out = fn();
+  release(u);
+  if (!at::GradMode::is_enabled() || !out.requires_grad()) return out;
+  return RegatherBeforeBackward::apply(out, reinterpret_cast<int64_t>(this), static_cast<int64_t>(u));
+}
+
+at::Tensor FsdpCore::forward_all(const std::function<at::Tensor()>& fn) {
+  for (size_t u = 0; u < units_.size(); ++u) launch_gather(u);
+  for (size_t u = 0; u < units_.size(); ++u) gather(u);
+  at::Tensor out = fn();
+  for (size_t u = 0; u < units_.size(); ++u) release(u);
+  if (!at::GradMode::is_enabled() || !out.requires_grad()) return out;
+  return RegatherBeforeBackward::apply(out, reinterpret_cast<int64_t>(this), -1);
+}
+
+void FsdpCore::before_backward(int64_t unit) {
+  if (unit < 0) {
+    for (size_t u = 0; u < units_.size(); ++u) launch_gather(u);
+    for (size_t u = 0; u < units_.size(); ++u) gather(u);
+    return;
+  }
+  gather(static_cast<size_t>(unit));
+  if (options_.prefetch() && unit > 0) launch_gather(static_cast<size_t>(unit - 1));
+}
+
+void FsdpCore::on_grad_ready(size_t i) {
+  if (!in_backward_) {
+    in_backward_ = true;
+    FsdpCore* self = this;
+    hooks::at_end_of_backward(weak_from_this(), [self] { self->finalize(); });
+  }
+  if (ready_[i]) return;
+  ready_[i] = true;
+  const size_t u = unit_of_param_[i];
+  if (--units_[u].pending == 0) reduce_unit(u);
+}
+
+// All of a unit's gradients are in: reduce-scatter them, keep the shard, free the rest.
+void FsdpCore::reduce_unit(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.reduced || unit.bucket < 0) return;
+  unit.reduced = true;
+  const Bucket& b = layout_.buckets[unit.bucket];
+  unit.staging = at::zeros({b.numel()}, at::kFloat);
+  for (size_t i : unit.params) {
+    at::Tensor& p = params_[i].tensor;
+    if (p.grad().defined()) {
+      unit.staging.narrow(0, offset_in_unit_[i], p.numel()).copy_(p.grad().reshape({-1}));
+      p.mutable_grad().reset();
+    }
+  }
+  unit.reduced_shard = at::empty({b.shard(comm_->rank()).size}, at::kFloat);
+  unit.reducing = comm_->reduce_scatter_async(unit.staging, comm::ReduceOp::kAvg, unit.reduced_shard, b.shard_sizes);
+  release(u);
+}
+
+void FsdpCore::finalize() {
+  // Units some of whose parameters got no gradient: their zeros join the reduction now.
+  for (size_t u = 0; u < units_.size(); ++u) reduce_unit(u);
+  const int r = comm_->rank();
+  for (auto& unit : units_) {
+    if (!unit.reducing) continue;
+    unit.reducing->wait();
+    shard_grads_.narrow(0, layout_.shard_offset(r, unit.bucket), unit.reduced_shard.numel()).add_(unit.reduced_shard);
+    unit.reducing.reset();
+    unit.staging = at::Tensor();
+    unit.reduced_shard = at::Tensor();
+  }
+  // The step is over for the kept units too.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const bool keep = units_[u].keep;
+    units_[u].keep = false;
+    release(u);
+    units_[u].keep = keep;
+  }
+  reset_backward();
+}
+
+void FsdpCore::reset_backward() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (auto& unit : units_) {
+    unit.pending = unit.params.size();
+    unit.reduced = false;
+  }
+  in_backward_ = false;
+}
+
+FullState FsdpCore::consolidated_state(int root) {
+  FullState s;
+  std::vector<at::Tensor> full = gather_full(*comm_, layout_, shard_params_, params_, root);
+  for (size_t i = 0; i < full.size(); ++i) s.parameters[params_[i].name] = full[i];
+  s.optimizer = consolidate_optimizer(*comm_, layout_, pieces_, *optimizer_, params_, root);
+  return s;
+}
+
+void FsdpCore::load_state(const FullState& state) {
+  load_pieces(state, pieces_, *optimizer_, params_);
+  for (size_t u = 0; u < units_.size(); ++u) {  // stale gathered values go
+    const bool keep = units_[u].keep;
+    units_[u].keep = false;
+    release(u);
+    units_[u].keep = keep;
+  }
+}
+
+HeldBytes FsdpCore::held_bytes() const {
+  HeldBytes h;
+  h.parameters = shard_params_.nbytes();
+  h.gradients = shard_grads_.nbytes();
+  h.optimizer = const_cast<Pieces&>(pieces_).optimizer_bytes(*optimizer_);
+  h.buffers = peak_gathered_bytes_;
+  return h;
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                   std::vector<std::shared_ptr<torch::nn::Module>> units,
+                                                   std::unique_ptr<torch::optim::Optimizer> optimizer,
+                                                   comm::CommPtr comm, FsdpOptions options)
+    : core_(std::make_shared<FsdpCore>(std::move(module), std::move(units), std::move(optimizer), std::move(comm),
+                                       options)) {
+  core_->install_hooks();
+}
+FullyShardedDataParallel::~FullyShardedDataParallel() = default;
+at::Tensor FullyShardedDataParallel::run_unit(size_t unit, const std::function<at::Tensor()>& fn) {
+  return core_->run_unit(unit, fn);
+}
+at::Tensor FullyShardedDataParallel::forward(const std::function<at::Tensor()>& fn) { return core_->forward_all(fn); }
+size_t FullyShardedDataParallel::num_units() const { return core_->num_units(); }
+void FullyShardedDataParallel::zero_grad() { core_->zero_grad(); }
+void FullyShardedDataParallel::step() { core_->step(); }
+FullState FullyShardedDataParallel::consolidated_state(int root) { return core_->consolidated_state(root); }
+void FullyShardedDataParallel::load_state(const FullState& state) { core_->load_state(state); }
+HeldBytes FullyShardedDataParallel::held_bytes() const { return core_->held_bytes(); }
+torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return core_->optimizer(); }
+
+}  // namespace zero
+}  // namespace meshtrain

@@ -1,0 +1,44 @@
+#pragma once
+// What the ZeRO stages share (internal): this rank's shard pieces as tensors,
+// the optimizer moved onto them, and consolidation / loading of full state.
+
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/dp/params.h"
+#include "meshtrain/zero/layout.h"
+#include "meshtrain/zero/zero.h"
+
+namespace meshtrain {
+namespace zero {
+
+struct Pieces {
+  std::vector<ShardPiece> pieces;
+  std::vector<at::Tensor> values;  // 1-D views of this rank's parameter values, one per piece
+  // Points each piece's .grad at grads(piece) and hands the pieces to the
+  // optimizer, keeping each parameter's group.
+  void attach(torch::optim::Optimizer& optimizer, const std::vector<dp::NamedParam>& params,
+              const std::function<at::Tensor(const ShardPiece&)>& grads);
+  int64_t optimizer_bytes(torch::optim::Optimizer& optimizer) const;
+};
+
+// Full parameter-shaped tensors on `root` from every rank's shard buffer (the
+// concatenation of its pieces' values in layout order); empty elsewhere.
+std::vector<at::Tensor> gather_full(comm::Communicator& comm, const Layout& layout, const at::Tensor& my_shard,
+                                    const std::vector<dp::NamedParam>& params, int root);
+
+// The optimizer part of a FullState, gathered from the pieces.
+std::map<std::string, std::map<std::string, at::Tensor>> consolidate_optimizer(
+    comm::Communicator& comm, const Layout& layout, const Pieces& pieces, torch::optim::Optimizer& optimizer,
+    const std::vector<dp::NamedParam>& params, int root);
+
+// Loads this rank's pieces of `state` (values and optimizer state).
+void load_pieces(const FullState& state, const Pieces& pieces, torch::optim::Optimizer& optimizer,
+                 const std::vector<dp::NamedParam>& params);
+
+}  // namespace zero
+}  // namespace meshtrain
