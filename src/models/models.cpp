@@ -91,14 +91,18 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
 GptHeadImpl::GptHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied_weight)
     : tied(std::move(tied_weight)), tp(ctx.tp) {
   ln = register_module("ln", layer_norm(c.hidden));
-  if (!tied.defined()) {
-    // Untied, or tied to an embedding in another process: a copy with the
-    // embedding's values when tied (its gradient is summed with the embedding's).
-    const std::string source = c.tie_embeddings ? "embed.tok.weight" : "head.out.weight";
+  if (!c.tie_embeddings) {
     const int64_t local = c.vocab / tp::tp_size(ctx.tp);
-    weight = register_parameter("out_weight", tp::make_shard({c.seed, source, InitSpec::normal(0, 0.02)},
+    weight = register_parameter("out_weight", tp::make_shard({c.seed, "head.out_weight", InitSpec::normal(0, 0.02)},
                                                              {c.vocab, c.hidden}, 0, local * tp::tp_rank(ctx.tp), local));
   }
+}
+
+at::Tensor GptHeadImpl::out_weight() const {
+  if (weight.defined()) return weight;
+  MESHTRAIN_CHECK(tied.defined(), "GptHead: the LM head is tied to an embedding on another pipeline stage and has "
+                  "not been given its weight (set_tied) for this step");
+  return tied;
 }
 
 at::Tensor GptHeadImpl::forward(const at::Tensor& x) {

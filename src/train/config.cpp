@@ -3,6 +3,7 @@
 #include <functional>
 #include <map>
 
+#include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/json.h"
 
@@ -155,12 +156,31 @@ TrainConfig resolve(TrainConfig c, int world) {
                   "; run with --nproc-per-node ", c.dp * c.pp * c.tp, " or change the degrees");
   MESHTRAIN_CHECK(c.strategy == "ddp" || c.zero == 0, "--strategy dp (master DP) cannot be combined with --zero ",
                   c.zero, "; ZeRO partitions DDP's state: use --strategy ddp");
-  MESHTRAIN_CHECK(c.pp == 1 && c.tp == 1, "--pp and --tp > 1 are not available yet (pipeline and tensor "
-                  "parallelism arrive with their issues)");
+  MESHTRAIN_CHECK(c.tp == 1, "--tp > 1 is not available yet (tensor parallelism arrives with its issue)");
+  MESHTRAIN_CHECK(c.strategy == "ddp" || (c.pp == 1 && c.tp == 1), "--strategy dp (the article's master DP) runs the "
+                  "whole model on every rank and computes the loss on rank 0; it cannot be combined with --pp ", c.pp,
+                  " or --tp ", c.tp, ". Use --strategy ddp (optionally with --zero) for the data axis of a mesh");
   MESHTRAIN_CHECK(c.global_batch >= 1 && c.global_batch % c.dp == 0, "--global-batch ", c.global_batch,
                   " must be a positive multiple of the data-parallel degree ", c.dp);
   const int64_t local = c.global_batch / c.dp;
-  if (c.micro_batch == 0) c.micro_batch = local;
+  if (c.pp > 1 || c.virtual_stages > 1) {
+    // Pipeline micro-batches: --microbatches M, or derived from --micro-batch, or pp.
+    if (c.microbatches == 0) c.microbatches = c.micro_batch > 0 ? static_cast<int>(local / c.micro_batch) : c.pp;
+    MESHTRAIN_CHECK(c.microbatches >= 1 && local % c.microbatches == 0, "each data-parallel rank gets ", local,
+                    " samples per step (--global-batch ", c.global_batch, " / dp ", c.dp, "), which --microbatches ",
+                    c.microbatches, " does not divide; choose a divisor of ", local);
+    MESHTRAIN_CHECK(c.micro_batch == 0 || c.micro_batch * c.microbatches == local, "--micro-batch ", c.micro_batch,
+                    " x --microbatches ", c.microbatches, " must equal the samples per data-parallel rank, ", local);
+    c.micro_batch = local / c.microbatches;
+    pp::validate(pp::ScheduleSpec{c.schedule, c.pp, c.microbatches, c.virtual_stages});
+    MESHTRAIN_CHECK(models::num_pieces(m) >= c.pp * c.virtual_stages, "the model has ", models::num_pieces(m),
+                    " pieces (", m.kind == "gpt" ? "embedding, blocks, head" : "layers", "), fewer than pp x virtual "
+                    "stages = ", c.pp * c.virtual_stages, "; use more --layers or fewer stages");
+  } else {
+    if (c.micro_batch == 0) c.micro_batch = local;
+    MESHTRAIN_CHECK(c.microbatches == 0, "--microbatches is for pipelines (--pp > 1); use --micro-batch for "
+                    "gradient accumulation");
+  }
   MESHTRAIN_CHECK(c.micro_batch >= 1 && local % c.micro_batch == 0, "--global-batch ", c.global_batch,
                   " is not divisible by dp x micro-batch = ", c.dp, " x ", c.micro_batch,
                   "; each data-parallel rank gets ", local, " samples per step, to be split into micro-batches of ",

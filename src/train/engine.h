@@ -8,6 +8,7 @@
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/pp/executor.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/metrics.h"
@@ -26,10 +27,16 @@ class Engine {
   virtual StateBytes state_bytes() const = 0;
   // Traffic of the training communicators of this rank.
   virtual comm::Traffic traffic() const = 0;
+  // The same, per mesh axis ("dp", "pp", "tp").
+  virtual std::map<std::string, comm::Traffic> traffic_by_axis() const { return {}; }
   virtual void reset_traffic() = 0;
+  // The last step's pipeline timeline on this rank (empty without a pipeline).
+  virtual std::vector<pp::TraceEvent> last_trace() const { return {}; }
+  virtual int max_activations_in_flight() const { return 0; }
 };
 
 std::unique_ptr<Engine> make_engine(const TrainConfig& config, comm::CommPtr world);
+std::unique_ptr<Engine> make_mesh_engine(const TrainConfig& config, comm::CommPtr world);
 std::unique_ptr<Dataset> make_dataset(const TrainConfig& config);
 
 }  // namespace train

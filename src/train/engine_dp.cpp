@@ -1,11 +1,11 @@
-// Engines for the data axis alone: DDP and the article's master DP.
+// The article's master DP engine (everything else runs on the mesh engine), and
+// the engine and dataset factories.
 
 #include <ATen/ATen.h>
 
 #include <optional>
 
 #include "engine.h"
-#include "meshtrain/dp/ddp.h"
 #include "meshtrain/dp/master_dp.h"
 #include "meshtrain/dp/params.h"
 #include "meshtrain/models/models.h"
@@ -34,62 +34,6 @@ std::map<std::string, at::Tensor> clone_all(const std::vector<dp::NamedParam>& p
   for (const auto& p : params) out[p.name] = p.tensor.detach().clone();
   return out;
 }
-
-class DdpEngine : public Engine {
- public:
-  DdpEngine(const TrainConfig& c, comm::CommPtr comm)
-      : c_(c), comm_(std::move(comm)), data_(make_dataset(c)) {
-    model_ = models::build_stage(c.model, 0, models::num_pieces(c.model));
-    ddp_ = std::make_unique<dp::DistributedDataParallel>(
-        model_.ptr(), comm_, dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap));
-    params_ = dp::unique_parameters(*model_);
-    optimizer_ = make_optimizer(c, tensors_of(params_));
-  }
-
-  double step(int64_t step) override {
-    const int64_t local = c_.global_batch / c_.dp, m = c_.micro_batch, accum = local / m;
-    const int64_t first = step * c_.global_batch + comm_->rank() * local;
-    optimizer_->zero_grad();
-    double contribution = 0;
-    for (int64_t j = 0; j < accum; ++j) {
-      Batch b = data_->samples(first + j * m, m);
-      std::optional<dp::DistributedDataParallel::NoSync> no_sync;
-      if (j + 1 < accum) no_sync.emplace(ddp_->no_sync());  // communicate on the last micro-batch only
-      at::Tensor out = ddp_->forward([&] { return model_->forward(b.inputs); });
-      // Scaled so the sum over micro-batches and the mean over ranks give the global-batch mean.
-      at::Tensor loss = models::loss(c_.model, out, b.targets) * (static_cast<double>(m) / local);
-      loss.backward();
-      contribution += loss.item<double>() / c_.dp;
-    }
-    optimizer_->step();
-    return contribution;
-  }
-
-  std::map<std::string, at::Tensor> full_parameters() override {
-    return comm_->rank() == 0 ? clone_all(params_) : std::map<std::string, at::Tensor>{};
-  }
-
-  StateBytes state_bytes() const override {
-    StateBytes s;
-    s.parameters = dp::total_bytes(tensors_of(params_));
-    s.gradients = grad_bytes(params_);
-    s.optimizer = optimizer_state_bytes(*optimizer_);
-    s.buffers = s.parameters;  // the gradient buckets mirror the parameters
-    return s;
-  }
-
-  comm::Traffic traffic() const override { return comm_->traffic(); }
-  void reset_traffic() override { comm_->reset_traffic(); }
-
- private:
-  TrainConfig c_;
-  comm::CommPtr comm_;
-  std::unique_ptr<Dataset> data_;
-  models::Stage model_{nullptr};
-  std::unique_ptr<dp::DistributedDataParallel> ddp_;
-  std::vector<dp::NamedParam> params_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
-};
 
 class MasterDpEngine : public Engine {
  public:
@@ -153,12 +97,9 @@ std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
   return make_classification_dataset(c.seed, c.model.features, c.model.classes);
 }
 
-std::unique_ptr<Engine> make_zero_engine(const TrainConfig& c, comm::CommPtr world);
-
 std::unique_ptr<Engine> make_engine(const TrainConfig& c, comm::CommPtr world) {
   if (c.strategy == "dp") return std::make_unique<MasterDpEngine>(c, world);
-  if (c.zero > 0) return make_zero_engine(c, world);
-  return std::make_unique<DdpEngine>(c, world);
+  return make_mesh_engine(c, world);
 }
 
 }  // namespace train

@@ -70,14 +70,18 @@ struct GptBlockImpl : torch::nn::Module {
 TORCH_MODULE(GptBlock);
 
 struct GptHeadImpl : torch::nn::Module {
-  // `tied`: the embedding's weight when both live in this process; otherwise
-  // the head owns a copy initialized with the embedding's values.
+  // Untied: the head owns its weight. Tied (the default) to `tied`, the
+  // embedding's weight, when both live in this stage; when the embedding lives
+  // on another pipeline stage the pipeline supplies it with set_tied() every
+  // step (see Note [Tied embeddings across pipeline stages]).
   GptHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> logits [B, T, vocab/tp]
-  at::Tensor out_weight() const { return tied.defined() ? tied : weight; }
+  at::Tensor out_weight() const;
+  void set_tied(at::Tensor w) { tied = std::move(w); }
+  bool needs_tied_weight() const { return !weight.defined(); }
   torch::nn::LayerNorm ln{nullptr};
-  at::Tensor weight;  // [vocab/tp, H], registered when not tied
-  at::Tensor tied;    // not registered: owned by the embedding
+  at::Tensor weight;  // [vocab/tp, H], registered when untied
+  at::Tensor tied;    // not registered: the embedding owns it
   comm::CommPtr tp;
 };
 TORCH_MODULE(GptHead);

@@ -1,0 +1,112 @@
+#pragma once
+// Per-device estimates for one layout: memory (model state, activations,
+// communication buffers), bytes communicated per step, and the time those
+// bytes take on the links. Each formula is a small named function citing its
+// source; estimate_layout puts them together, stage by stage.
+//
+// Notation: s sequence length, b micro-batch, h hidden, a heads, v vocabulary,
+// t tp degree, n the size of the group a collective runs in.
+
+#include <cstdint>
+#include <vector>
+
+#include "meshtrain/plan/input.h"
+#include "meshtrain/plan/model.h"
+
+namespace meshtrain {
+namespace plan {
+
+struct MemoryBytes {
+  int64_t parameters = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;
+  int64_t total() const { return parameters + gradients + optimizer + activations + buffers; }
+};
+
+// Bytes one device sends per optimizer step, by mesh axis.
+struct CommBytes {
+  int64_t dp = 0, pp = 0, tp = 0;
+  int64_t total() const { return dp + pp + tp; }
+};
+
+// Seconds those bytes take on the link each axis uses (no overlap assumed).
+struct CommSeconds {
+  double dp = 0, pp = 0, tp = 0;
+  double total() const { return dp + pp + tp; }
+};
+
+struct Estimate {
+  Layout layout;
+  int64_t microbatches = 1;  // per dp rank per step: global / (micro * dp)
+  int memory_stage = 0;      // the pipeline stage whose memory is reported (the largest)
+  MemoryBytes memory;
+  int comm_stage = 0;        // the stage whose communication is reported (the slowest)
+  CommBytes comm;
+  CommSeconds seconds;
+  bool tp_in_node = true;    // each tp group lies inside one node
+  bool fits = false;         // memory.total() <= usable_memory
+};
+
+// ---- Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation
+// in Large Transformer Models", §4).
+
+// One transformer layer, one micro-batch, 16-bit activations, tensor parallel
+// without sequence parallelism (§4.2.2): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes;
+// t = 1 gives §4.1's s*b*h*(34 + 5*a*s/h). For fp32 every value doubles
+// (an over-estimate: the paper's 1-byte dropout masks are counted as 2 bytes,
+// and meshtrain's GPT has no dropout at all).
+int64_t layer_activation_bytes(const GptShape& shape, int64_t micro_batch, int tp, Precision precision);
+
+// With full activation checkpointing a layer keeps only its input, s*b*h
+// values (2*s*b*h bytes in 16-bit, §5), replicated over tp.
+int64_t checkpointed_layer_bytes(const GptShape& shape, int64_t micro_batch, Precision precision);
+
+// The final LayerNorm, output projection and cross-entropy on the last stage,
+// 4*s*b*h*(1 + v/h)/t bytes in 16-bit (§4.3), doubled for fp32.
+int64_t output_layer_activation_bytes(const GptShape& shape, int64_t micro_batch, int tp, Precision precision);
+
+// Micro-batches whose activations stage `stage` holds at once under 1F1B
+// (Narayanan et al. 2021, PipeDream-Flush): pp - stage on stage `stage`, at
+// most the number of micro-batches; without a pipeline, one (accumulation).
+int64_t microbatches_in_flight(int pp, int stage, int64_t microbatches);
+
+// ---- Communication per device per step.
+
+// A ring all-reduce of `bytes` over n ranks sends 2 (n-1)/n * bytes per rank
+// (reduce-scatter + all-gather, each (n-1)/n).
+int64_t ring_all_reduce_bytes(int64_t bytes, int n);
+
+// The data axis, for psi parameters (ZeRO paper §7): DDP and stage 1 all-reduce
+// the gradients once per step, 2 psi (n-1)/n; stage 2 reduce-scatters them
+// psi (n-1)/n and all-gathers the parameters psi (n-1)/n; stage 3 gathers the
+// parameters twice and reduce-scatters the gradients, 3 psi (n-1)/n. Under
+// gradient accumulation meshtrain's stages 2 and 3 reduce every micro-batch
+// (docs/zero.md), so their reduce-scatter (and stage 3's gathers) repeat
+// `microbatches` times; with one micro-batch this is exactly the paper's.
+int64_t dp_comm_bytes(int64_t psi, int value_bytes, int zero, int dp, int64_t microbatches);
+
+// The pipeline axis: per micro-batch, the activation (forward) and its
+// gradient (backward), b*s*h values, cross each stage boundary; a stage sends
+// one to each neighbour it has.
+int64_t pp_comm_bytes(const GptShape& shape, int64_t micro_batch, int pp, int stage, int64_t microbatches,
+                      Precision precision);
+
+// The tensor axis (Megatron-LM, Shoeybi et al. 2019, §3): per block and
+// micro-batch 4 all-reduces of b*s*h values (2 forward: attention and MLP
+// outputs; 2 backward: their inputs' gradients), ring volume 2 (t-1)/t each.
+int64_t tp_comm_bytes(const GptShape& shape, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
+                      Precision precision);
+
+// ---- Putting it together.
+
+// Every layout of input.devices ranks meshtrain could run: dp * pp * tp =
+// devices, tp dividing heads and vocabulary, pp <= layers, dp dividing the
+// micro-batches of a step; ZeRO 0-3 when dp > 1. Only dp when the shape is unknown.
+std::vector<Layout> candidate_layouts(const PlanInput& input);
+
+// The per-device estimate of one layout (the worst stage for memory and for time).
+Estimate estimate_layout(const PlanInput& input, const Layout& layout);
+
+// The memory of one pipeline stage (exposed for the scenario and for tests).
+MemoryBytes stage_memory(const PlanInput& input, const Layout& layout, int stage, int64_t microbatches);
+
+}  // namespace plan
+}  // namespace meshtrain

@@ -1,0 +1,60 @@
+#pragma once
+// What `meshtrain plan` is asked: a model (meshtrain's GPT shape, or a bare
+// parameter count), how it is trained (precision, optimizer, batch) and the
+// cluster (devices, memory, nodes, links). Parsed from command-line flags,
+// checked as a whole: every error names the flag, the value and the fix.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "meshtrain/plan/model.h"
+
+namespace meshtrain {
+namespace plan {
+
+struct PlanInput {
+  // The model: a GPT shape, or only a parameter count (then the planner knows
+  // no tensor sizes: no activations, no pipeline or tensor parallel layouts).
+  std::optional<GptShape> gpt;
+  int64_t params = 0;  // --params; with a shape, gpt_parameter_count(*gpt)
+
+  // Training.
+  int64_t micro_batch = 1;
+  int64_t global_batch = 0;  // 0: micro_batch * devices (see global_batch_of)
+  Precision precision = Precision::kFp32;
+  OptimizerKind optimizer = OptimizerKind::kAdam;
+  bool momentum = false;  // SGD only
+  bool activation_checkpointing = false;
+
+  // The cluster. Bandwidths are per device and direction.
+  int devices = 0;
+  int64_t device_memory = 0;  // bytes
+  int devices_per_node = 0;   // 0: all devices in one node
+  double intra_node_bandwidth = 300e9;  // NVLink-class, bytes/s
+  double inter_node_bandwidth = 25e9;   // one 200 Gb/s NIC per device, bytes/s
+  double memory_margin = 0.10;          // keep this fraction of each device free
+
+  bool json = false;
+};
+
+// Parses `meshtrain plan` flags ("--name value" or "--name=value"); throws
+// ConfigError on unknown flags, bad values or an inconsistent whole.
+PlanInput parse_plan_args(const std::vector<std::string>& args);
+
+// Throws ConfigError unless the input is complete and consistent (a model,
+// devices and memory given, devices a multiple of devices_per_node, ...).
+void check_plan_input(const PlanInput& input);
+
+// The resolved defaults.
+int64_t global_batch_of(const PlanInput& input);
+int devices_per_node_of(const PlanInput& input);
+// Device memory the planner may fill: device_memory * (1 - memory_margin).
+double usable_memory(const PlanInput& input);
+
+std::string precision_name(Precision precision);
+std::string optimizer_name(OptimizerKind optimizer);
+
+}  // namespace plan
+}  // namespace meshtrain

@@ -1,0 +1,89 @@
+#pragma once
+// meshtrain plan: which of the article's three scenarios a model is in on a
+// cluster, every layout's per-device estimate, and the layout to use.
+//
+//   scenario 1  the model, its activations and its optimizer state fit on one
+//               device (plain DDP fits): data parallel (DDP, ZeRO)
+//   scenario 2  they do not, but the largest single tensor with its gradient
+//               and optimizer state does: pipeline and/or tensor parallel (or ZeRO-3)
+//   scenario 3  even that tensor does not fit: tensor parallel (split the tensor)
+//
+// "Fits" always means within usable_memory(): device memory minus the margin.
+
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "meshtrain/plan/estimate.h"
+#include "meshtrain/plan/input.h"
+
+namespace meshtrain {
+namespace plan {
+
+struct Scenario {
+  int number = 1;      // 1, 2 or 3
+  std::string reason;  // one sentence, with the numbers that decided it
+};
+
+struct Recommendation {
+  Estimate estimate;
+  std::string reason;
+};
+
+// The smallest cluster (whole nodes of the same devices) on which some layout fits.
+struct ClusterSize {
+  int devices = 0;
+  int nodes = 0;
+  Estimate estimate;  // the layout it would use
+};
+
+struct Plan {
+  PlanInput input;
+  Scenario scenario;
+  std::vector<Estimate> candidates;               // every layout, in (tp, pp, zero) order
+  std::optional<Recommendation> recommendation;   // absent when nothing fits
+  std::optional<ClusterSize> smallest_cluster;    // searched only when nothing fits
+  std::string no_fit_message;                     // non-empty when nothing fits
+  std::vector<std::string> notes;                 // what the estimate leaves out
+};
+
+// Largest cluster the "smallest cluster" search tries.
+constexpr int kMaxSearchDevices = 65536;
+
+Scenario classify_scenario(const PlanInput& input);
+
+// "dp=8 pp=1 tp=1 ZeRO-0 (DDP)".
+std::string describe_layout(const Layout& layout);
+
+// Orders fitting layouts, best first: tp inside a node, then the fewest model
+// splits (pp * tp: split the model only when it must be, since neither the
+// pipeline bubble nor compute is in the estimate), then the least estimated
+// communication time, then the lower ZeRO stage, then less memory.
+bool better_layout(const Estimate& a, const Estimate& b);
+
+// The best fitting layout of input's cluster, if any.
+std::optional<Recommendation> recommend(const PlanInput& input, const std::vector<Estimate>& candidates);
+
+// Tries clusters of k * devices_per_node devices, k = 1, 2, ... up to
+// kMaxSearchDevices; the first on which a layout fits.
+std::optional<ClusterSize> find_smallest_cluster(const PlanInput& input);
+
+// Everything above for one input.
+Plan make_plan(const PlanInput& input);
+
+// The plan as a table with the scenario and the recommendation, or as one JSON object.
+std::string format_plan_text(const Plan& plan);
+std::string format_plan_json(const Plan& plan);
+
+// `meshtrain plan` flags and what they mean.
+std::string plan_usage();
+
+// `meshtrain plan ARGS`: prints the plan (text, or JSON with --json) to `out`.
+// Returns 0 when a layout fits, 2 on bad input or when nothing fits (the
+// message, and the smallest cluster that would fit, are printed to `out`;
+// with --json as {"error": ...} or inside the plan object).
+int run_plan(const std::vector<std::string>& args, std::ostream& out);
+
+}  // namespace plan
+}  // namespace meshtrain

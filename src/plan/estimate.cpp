@@ -1,0 +1,207 @@
+#include "meshtrain/plan/estimate.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace plan {
+
+namespace {
+
+// meshtrain's (and torch's) DDP / ZeRO bucket cap: 25 MiB.
+constexpr int64_t kBucketCapBytes = 25 * 1024 * 1024;
+
+// b*s*h values: one micro-batch's activation between two blocks.
+int64_t hidden_state_values(const GptShape& s, int64_t micro_batch) { return micro_batch * s.seq_len * s.hidden; }
+
+// Parameters one rank of `stage` holds before ZeRO: the stage's share for a
+// GPT, the whole count when only --params is known (then pp = tp = 1).
+int64_t stage_params(const PlanInput& in, const Layout& l, int stage) {
+  return in.gpt ? stage_parameter_count(*in.gpt, l.pp, l.tp, stage) : in.params;
+}
+
+int64_t stage_activations(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
+  if (!in.gpt) return 0;  // no shape, no activation estimate (reported as a note)
+  const GptShape& s = *in.gpt;
+  const int64_t blocks = blocks_on_stage(s.layers, l.pp, stage);
+  const int64_t in_flight = microbatches_in_flight(l.pp, stage, microbatches);
+  const int64_t full_layer = layer_activation_bytes(s, in.micro_batch, l.tp, in.precision);
+  int64_t bytes = 0;
+  if (in.activation_checkpointing) {
+    // Layer inputs for every micro-batch in flight, plus one layer's full
+    // activations while it is recomputed during backward.
+    bytes = blocks * in_flight * checkpointed_layer_bytes(s, in.micro_batch, in.precision) + (blocks > 0 ? full_layer : 0);
+  } else {
+    bytes = blocks * in_flight * full_layer;
+  }
+  // The last stage runs each micro-batch's backward right after its forward:
+  // one micro-batch of output-layer activations.
+  if (stage == l.pp - 1) bytes += output_layer_activation_bytes(s, in.micro_batch, l.tp, in.precision);
+  return bytes;
+}
+
+// Memory held for communication, beyond the model state.
+int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t psi) {
+  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum);
+  int64_t bytes = 0;
+  if (l.dp > 1 && l.zero == 0) bytes += b.gradients * psi;  // DDP's buckets mirror the gradients (engine_dp.cpp)
+  // Stage 1 reduce-scatters in place in its full gradient buffer: nothing extra.
+  if (l.dp > 1 && l.zero == 2) bytes += std::min<int64_t>(2 * kBucketCapBytes, b.gradients * psi);  // filling + reducing
+  if (l.dp > 1 && l.zero == 3 && in.gpt) {
+    // The unit being used and the prefetched one, gathered; one unit's full gradient before its reduce-scatter.
+    const int64_t unit = largest_unit_parameter_count(*in.gpt, l.pp, l.tp, stage);
+    bytes += (2 * b.parameters + b.gradients) * unit;
+  }
+  if (l.pp > 1 && in.gpt) {
+    // One receive and one send buffer of b*s*h values.
+    bytes += 2 * hidden_state_values(*in.gpt, in.micro_batch) * activation_bytes_per_value(in.precision);
+  }
+  return bytes;
+}
+
+CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
+  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum);
+  CommBytes c;
+  c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.dp, microbatches);
+  if (in.gpt) {
+    const int64_t blocks = blocks_on_stage(in.gpt->layers, l.pp, stage);
+    c.pp = pp_comm_bytes(*in.gpt, in.micro_batch, l.pp, stage, microbatches, in.precision);
+    c.tp = tp_comm_bytes(*in.gpt, in.micro_batch, l.tp, blocks, microbatches, in.precision);
+  }
+  return c;
+}
+
+// Each axis uses the fast link when all its groups lie inside a node. Ranks
+// follow arange(world).view(dp, pp, tp), so a tp group is tp consecutive
+// ranks, a pp group spans pp * tp consecutive ranks, and a dp group spans the world.
+CommSeconds comm_seconds(const PlanInput& in, const Layout& l, const CommBytes& c) {
+  const int per_node = devices_per_node_of(in);
+  auto link = [&](bool in_node) { return in_node ? in.intra_node_bandwidth : in.inter_node_bandwidth; };
+  CommSeconds t;
+  t.tp = c.tp / link(per_node % l.tp == 0);
+  t.pp = c.pp / link(per_node % (l.pp * l.tp) == 0);
+  t.dp = c.dp / link(in.devices <= per_node);
+  return t;
+}
+
+}  // namespace
+
+int64_t layer_activation_bytes(const GptShape& s, int64_t micro_batch, int tp, Precision precision) {
+  const double sbh = static_cast<double>(s.seq_len) * micro_batch * s.hidden;
+  const double per_value = 10.0 + 24.0 / tp + 5.0 * s.heads * s.seq_len / (static_cast<double>(s.hidden) * tp);
+  const double scale = activation_bytes_per_value(precision) / 2.0;  // the formula counts 16-bit values
+  return std::llround(sbh * per_value * scale);
+}
+
+int64_t checkpointed_layer_bytes(const GptShape& s, int64_t micro_batch, Precision precision) {
+  return hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
+}
+
+int64_t output_layer_activation_bytes(const GptShape& s, int64_t micro_batch, int tp, Precision precision) {
+  const double sbh = static_cast<double>(s.seq_len) * micro_batch * s.hidden;
+  const double scale = activation_bytes_per_value(precision) / 2.0;
+  return std::llround(4.0 * sbh * (1.0 + static_cast<double>(s.vocab) / s.hidden) / tp * scale);
+}
+
+int64_t microbatches_in_flight(int pp, int stage, int64_t microbatches) {
+  if (pp == 1) return 1;
+  return std::min<int64_t>(pp - stage, microbatches);
+}
+
+int64_t ring_all_reduce_bytes(int64_t bytes, int n) {
+  return n <= 1 ? 0 : std::llround(2.0 * (n - 1) / n * static_cast<double>(bytes));
+}
+
+int64_t dp_comm_bytes(int64_t psi, int value_bytes, int zero, int dp, int64_t microbatches) {
+  if (dp <= 1) return 0;
+  const double one_pass = static_cast<double>(psi) * value_bytes * (dp - 1) / dp;  // reduce-scatter or all-gather
+  double passes = 2;                                                              // DDP, stage 1
+  if (zero == 2) passes = static_cast<double>(microbatches) + 1;                  // RS per micro-batch + AG
+  if (zero == 3) passes = 3.0 * static_cast<double>(microbatches);                // AG fwd + AG bwd + RS
+  return std::llround(passes * one_pass);
+}
+
+int64_t pp_comm_bytes(const GptShape& s, int64_t micro_batch, int pp, int stage, int64_t microbatches,
+                      Precision precision) {
+  const int neighbours = (stage > 0 ? 1 : 0) + (stage < pp - 1 ? 1 : 0);
+  return neighbours * microbatches * hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
+}
+
+int64_t tp_comm_bytes(const GptShape& s, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
+                      Precision precision) {
+  const int64_t one = hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
+  return 4 * blocks * microbatches * ring_all_reduce_bytes(one, tp);
+}
+
+std::vector<Layout> candidate_layouts(const PlanInput& in) {
+  std::vector<Layout> layouts;
+  const int64_t micro_steps = global_batch_of(in) / in.micro_batch;
+  // Without a shape only data parallelism can be estimated; with one, tp
+  // divides the heads and pp is at most the number of blocks.
+  const int64_t max_tp = in.gpt ? std::min<int64_t>(in.devices, in.gpt->heads) : 1;
+  for (int tp = 1; tp <= max_tp; ++tp) {
+    if (in.devices % tp != 0) continue;
+    const int64_t max_pp = in.gpt ? std::min<int64_t>(in.devices / tp, in.gpt->layers) : 1;
+    for (int pp = 1; pp <= max_pp; ++pp) {
+      if ((in.devices / tp) % pp != 0) continue;
+      const int dp = in.devices / tp / pp;
+      if (in.gpt && !layout_problem(*in.gpt, Layout{dp, pp, tp, 0}).empty()) continue;
+      if (micro_steps % dp != 0) continue;
+      for (int zero = 0; zero <= (dp > 1 ? 3 : 0); ++zero) layouts.push_back({dp, pp, tp, zero});
+    }
+  }
+  return layouts;
+}
+
+MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
+  const int64_t psi = stage_params(in, l, stage);
+  const ModelStateBytes state =
+      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum), l.zero, l.dp);
+  MemoryBytes m;
+  m.parameters = state.parameters;
+  m.gradients = state.gradients;
+  m.optimizer = state.optimizer;
+  m.activations = stage_activations(in, l, stage, microbatches);
+  m.buffers = stage_buffers(in, l, stage, psi);
+  return m;
+}
+
+// Note [Worst stages]
+// A middle stage s (0 < s < pp-1) never needs more memory than stage 0 nor
+// more time than stage 1: blocks_on_stage never grows with s, stage 0 also
+// holds the embeddings and the most micro-batches in flight (pp - s), and
+// stages 1..pp-2 all have two pipeline neighbours on the same links. So the
+// worst stage is among 0, 1 and pp-1, and the search over cluster sizes
+// (planner.cpp) costs three stages per layout instead of pp.
+Estimate estimate_layout(const PlanInput& in, const Layout& l) {
+  const int64_t micro_steps = global_batch_of(in) / in.micro_batch;
+  MESHTRAIN_CHECK(l.dp * l.pp * l.tp == in.devices && micro_steps % l.dp == 0, "layout dp=", l.dp, " pp=", l.pp,
+                  " tp=", l.tp, " does not fit ", in.devices, " devices and ", micro_steps, " micro-batches per step");
+  Estimate e;
+  e.layout = l;
+  e.microbatches = micro_steps / l.dp;
+  // See Note [Worst stages]: stages 0, 1 and pp-1 bound all the others.
+  for (int stage : {0, 1, l.pp - 1}) {
+    if (stage >= l.pp) continue;
+    const MemoryBytes memory = stage_memory(in, l, stage, e.microbatches);
+    if (stage == 0 || memory.total() > e.memory.total()) {
+      e.memory = memory;
+      e.memory_stage = stage;
+    }
+    const CommBytes comm = stage_comm(in, l, stage, e.microbatches);
+    const CommSeconds seconds = comm_seconds(in, l, comm);
+    if (stage == 0 || seconds.total() > e.seconds.total()) {
+      e.comm = comm;
+      e.seconds = seconds;
+      e.comm_stage = stage;
+    }
+  }
+  e.tp_in_node = devices_per_node_of(in) % l.tp == 0;
+  e.fits = static_cast<double>(e.memory.total()) <= usable_memory(in);
+  return e;
+}
+
+}  // namespace plan
+}  // namespace meshtrain

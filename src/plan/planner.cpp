@@ -1,0 +1,205 @@
+#include "meshtrain/plan/planner.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "meshtrain/plan/units.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace plan {
+
+namespace {
+
+// "16 GB", "85.9 GB": device sizes without needless decimals.
+std::string device_size(int64_t bytes) {
+  const bool whole = bytes % 1000000000 == 0;
+  return gigabytes(static_cast<double>(bytes), whole ? 0 : 1) + " GB";
+}
+
+// "the 14.4 GB usable of a 16 GB device".
+std::string usable_of(const PlanInput& in) {
+  const std::string device = device_size(in.device_memory);
+  return "the " + gigabytes(usable_memory(in)) + " GB usable of " + a_or_an(device) + " " + device + " device";
+}
+
+// "fp32 Adam", "bf16-mixed SGD with momentum".
+std::string training_name(const PlanInput& in) {
+  const std::string opt = in.optimizer == OptimizerKind::kAdam ? "Adam" : (in.momentum ? "SGD with momentum" : "SGD");
+  return precision_name(in.precision) + " " + opt;
+}
+
+std::string tensor_name(const TensorShape& t) {
+  return "the " + with_commas(t.rows) + " x " + with_commas(t.cols) + " " + t.name;
+}
+
+std::vector<Estimate> estimate_all(const PlanInput& in) {
+  std::vector<Estimate> estimates;
+  for (const Layout& layout : candidate_layouts(in)) estimates.push_back(estimate_layout(in, layout));
+  return estimates;
+}
+
+// What --activation-checkpointing would change when nothing fits: this
+// cluster, or the smallest one, with only layer inputs kept.
+std::string checkpointing_hint(const PlanInput& in) {
+  PlanInput checkpointed = in;
+  checkpointed.activation_checkpointing = true;
+  if (recommend(checkpointed, estimate_all(checkpointed)))
+    return str_cat(" With --activation-checkpointing it fits on these ", in.devices, " devices.");
+  if (const auto cluster = find_smallest_cluster(checkpointed))
+    return str_cat(" With --activation-checkpointing the smallest cluster that fits has ", cluster->devices,
+                   " devices: ", describe_layout(cluster->estimate.layout), " at ",
+                   gigabytes(cluster->estimate.memory.total()), " GB per device.");
+  return "";
+}
+
+// Why nothing fits this cluster, and what would.
+std::string no_fit_message(const Plan& plan) {
+  const PlanInput& in = plan.input;
+  std::string msg;
+  if (plan.candidates.empty()) {
+    msg = str_cat("no layout of ", in.devices, " devices suits this model and batch: dp must divide the ",
+                  global_batch_of(in) / in.micro_batch, " micro-batches of a step (global batch / micro-batch)",
+                  in.gpt ? str_cat(", tp must divide --heads ", in.gpt->heads, " and --vocab ", in.gpt->vocab,
+                                   ", pp at most --layers ", in.gpt->layers)
+                         : std::string(", and pp = tp = 1 without a GPT shape"),
+                  ".");
+  } else {
+    const Estimate& least = *std::min_element(plan.candidates.begin(), plan.candidates.end(),
+                                              [](const Estimate& a, const Estimate& b) {
+                                                return a.memory.total() < b.memory.total();
+                                              });
+    msg = str_cat("nothing fits: the layout needing the least memory, ", describe_layout(least.layout), ", needs ",
+                  gigabytes(least.memory.total()), " GB per device, more than ", usable_of(in), ".");
+  }
+  if (plan.smallest_cluster) {
+    const ClusterSize& c = *plan.smallest_cluster;
+    msg += str_cat(" The smallest cluster that fits has ", c.devices, " devices (", c.nodes, c.nodes == 1 ? " node" : " nodes",
+                   " of ", devices_per_node_of(in), "): ", describe_layout(c.estimate.layout), " at ",
+                   gigabytes(c.estimate.memory.total()), " GB per device", c.estimate.tp_in_node ? "." : " (tp across nodes).");
+  } else {
+    msg += str_cat(" No cluster of up to ", with_commas(kMaxSearchDevices), " devices (in nodes of ",
+                   devices_per_node_of(in), ") fits: try a smaller --micro-batch, --activation-checkpointing, ",
+                   "or devices with more memory.");
+  }
+  if (!in.activation_checkpointing && in.gpt) msg += checkpointing_hint(in);
+  return msg;
+}
+
+std::vector<std::string> notes_for(const PlanInput& in) {
+  std::vector<std::string> notes;
+  if (!in.gpt)
+    notes.push_back("only the parameter count is known: activations, pipeline and tensor parallel layouts and "
+                    "ZeRO-3's gathered units are not estimated; give the GPT shape for them");
+  if (in.gpt && in.precision == Precision::kFp32)
+    notes.push_back("fp32 activations are estimated as twice Megatron's 16-bit figures (an upper bound)");
+  notes.push_back("communication times assume full link bandwidth and no overlap with compute; compute time and the "
+                  "pipeline bubble ((pp-1)/(m+pp-1) of a step) are not estimated");
+  notes.push_back("memory excludes the framework's own use (CUDA context, allocator fragmentation): the margin covers it");
+  return notes;
+}
+
+}  // namespace
+
+std::string describe_layout(const Layout& l) {
+  static const char* kZeroNames[] = {"DDP", "optimizer state sharded", "+ gradients sharded", "fully sharded"};
+  return str_cat("dp=", l.dp, " pp=", l.pp, " tp=", l.tp, " ZeRO-", l.zero, l.dp > 1 ? str_cat(" (", kZeroNames[l.zero], ")") : "");
+}
+
+Scenario classify_scenario(const PlanInput& in) {
+  const MemoryBytes one = stage_memory(in, Layout{1, 1, 1, 0}, 0, 1);  // the whole model on one device
+  const int64_t state = one.parameters + one.gradients + one.optimizer;
+  const double usable = usable_memory(in);
+  if (state + one.activations <= usable) {
+    return {1, str_cat("the whole model (", with_commas(in.params), " parameters) needs ", gigabytes(state),
+                       " GB of state with ", training_name(in), " and ", gigabytes(one.activations),
+                       " GB of activations per device with DDP: it fits ", usable_of(in),
+                       ": scenario 1, data parallel (DDP or ZeRO)")};
+  }
+  const std::string too_big = str_cat("the model needs ", gigabytes(state + one.activations),
+                                      " GB per device with DDP (state and activations), more than ", usable_of(in));
+  if (!in.gpt) {
+    return {2, too_big + ": scenario 2 (without the GPT shape the largest tensor is unknown: give the shape to rule "
+                         "out scenario 3)"};
+  }
+  const TensorShape largest = largest_tensor(*in.gpt);
+  const int per_param = state_bytes_per_param(in.precision, in.optimizer, in.momentum).total();
+  const double tensor_bytes = static_cast<double>(largest.numel()) * per_param;
+  if (tensor_bytes > usable) {
+    return {3, str_cat("the largest single tensor, ", tensor_name(largest), ", needs ", gigabytes(tensor_bytes),
+                       " GB with ", training_name(in), " (", per_param, " bytes per parameter): it does not fit ",
+                       usable_of(in), ": scenario 3, tensor parallel")};
+  }
+  return {2, str_cat(too_big, ", but its largest tensor, ", tensor_name(largest), ", needs only ",
+                     gigabytes(tensor_bytes), " GB with ", training_name(in),
+                     ": scenario 2, pipeline and/or tensor parallel (or ZeRO-3)")};
+}
+
+bool better_layout(const Estimate& a, const Estimate& b) {
+  if (a.tp_in_node != b.tp_in_node) return a.tp_in_node;
+  const int splits_a = a.layout.pp * a.layout.tp, splits_b = b.layout.pp * b.layout.tp;
+  if (splits_a != splits_b) return splits_a < splits_b;
+  if (a.seconds.total() != b.seconds.total()) return a.seconds.total() < b.seconds.total();
+  if (a.layout.zero != b.layout.zero) return a.layout.zero < b.layout.zero;
+  return a.memory.total() < b.memory.total();
+}
+
+std::optional<Recommendation> recommend(const PlanInput& in, const std::vector<Estimate>& candidates) {
+  const Estimate* best = nullptr;
+  int fitting = 0;
+  for (const Estimate& e : candidates) {
+    if (!e.fits) continue;
+    ++fitting;
+    if (!best || better_layout(e, *best)) best = &e;
+  }
+  if (!best) return std::nullopt;
+  const Layout& l = best->layout;
+  std::string reason = str_cat(describe_layout(l), ": needs ", gigabytes(best->memory.total()), " GB of ",
+                               usable_of(in), "; of the ", fitting, " layouts that fit, it splits the model the least (pp x tp = ",
+                               l.pp * l.tp, ") and, among those, has the least estimated communication (",
+                               seconds_text(best->seconds.total()), " s per step)");
+  if (l.tp > 1 && best->tp_in_node) reason += str_cat("; tp=", l.tp, " stays inside a node of ", devices_per_node_of(in));
+  if (!best->tp_in_node) reason += "; no layout fits with tp inside a node, so tp crosses the slower inter-node link";
+  return Recommendation{*best, reason};
+}
+
+std::optional<ClusterSize> find_smallest_cluster(const PlanInput& in) {
+  const int per_node = devices_per_node_of(in);
+  // No layout exists beyond (micro-batches) x (max tp) x (max pp) devices.
+  const int64_t max_model_splits = in.gpt ? in.gpt->heads * in.gpt->layers : 1;
+  // Every parameter's state is held at least once across the cluster, so
+  // fewer devices than state / usable memory cannot fit.
+  const double state = static_cast<double>(in.params) * state_bytes_per_param(in.precision, in.optimizer, in.momentum).total();
+  const int64_t least_nodes = static_cast<int64_t>(std::ceil(state / usable_memory(in) / per_node));
+  for (int64_t devices = std::max<int64_t>(1, least_nodes) * per_node; devices <= kMaxSearchDevices; devices += per_node) {
+    PlanInput cluster = in;
+    cluster.devices = static_cast<int>(devices);
+    cluster.devices_per_node = per_node;
+    if (in.global_batch > 0 && devices > in.global_batch / in.micro_batch * max_model_splits) break;
+    if (auto best = recommend(cluster, estimate_all(cluster)))
+      return ClusterSize{cluster.devices, cluster.devices / per_node, best->estimate};
+  }
+  return std::nullopt;
+}
+
+Plan make_plan(const PlanInput& in) {
+  check_plan_input(in);
+  Plan plan;
+  plan.input = in;
+  plan.scenario = classify_scenario(in);
+  plan.candidates = estimate_all(in);
+  plan.recommendation = recommend(in, plan.candidates);
+  if (plan.recommendation && plan.scenario.number == 3 && plan.recommendation->estimate.layout.tp == 1) {
+    plan.recommendation->reason += "; ZeRO-3 shards the largest tensor's state over the dp ranks instead of splitting "
+                                   "it with tp (it gathers the full tensor for its layer's compute only)";
+  }
+  if (!plan.recommendation) {
+    plan.smallest_cluster = find_smallest_cluster(in);
+    plan.no_fit_message = no_fit_message(plan);
+  }
+  plan.notes = notes_for(in);
+  return plan;
+}
+
+}  // namespace plan
+}  // namespace meshtrain

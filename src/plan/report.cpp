@@ -1,0 +1,216 @@
+// How a Plan is shown: a table for people, one JSON object for programs, and
+// `meshtrain plan`'s entry point.
+#include <algorithm>
+#include <cstdio>
+#include <ostream>
+#include <sstream>
+
+#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan/units.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/json.h"
+
+namespace meshtrain {
+namespace plan {
+
+namespace {
+
+bool same_layout(const Layout& a, const Layout& b) {
+  return a.dp == b.dp && a.pp == b.pp && a.tp == b.tp && a.zero == b.zero;
+}
+
+std::string model_line(const PlanInput& in) {
+  if (!in.gpt) return str_cat(with_commas(in.params), " parameters (--params)");
+  const GptShape& s = *in.gpt;
+  return str_cat("GPT, ", s.layers, " layers, hidden ", with_commas(s.hidden), ", ", s.heads, " heads, vocab ",
+                 with_commas(s.vocab), ", seq-len ", with_commas(s.seq_len), s.tie_embeddings ? ", tied" : ", untied",
+                 " head: ", with_commas(in.params), " parameters");
+}
+
+std::string header(const PlanInput& in) {
+  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum);
+  const int per_node = devices_per_node_of(in);
+  std::ostringstream os;
+  os << "model     " << model_line(in) << "\n"
+     << "training  " << precision_name(in.precision) << " " << optimizer_name(in.optimizer)
+     << (in.momentum ? " with momentum" : "") << " (" << b.parameters << " + " << b.gradients << " + " << b.optimizer
+     << " bytes per parameter), micro-batch " << in.micro_batch << ", global batch " << global_batch_of(in)
+     << ", activation checkpointing " << (in.activation_checkpointing ? "on" : "off") << "\n"
+     << "cluster   " << in.devices << " devices in " << in.devices / per_node << " node(s) of " << per_node << ", "
+     << gigabytes(static_cast<double>(in.device_memory)) << " GB each (" << gigabytes(usable_memory(in))
+     << " GB usable, margin " << in.memory_margin * 100 << "%); links " << gigabytes(in.intra_node_bandwidth)
+     << " GB/s in a node, " << gigabytes(in.inter_node_bandwidth) << " GB/s between nodes\n";
+  return os.str();
+}
+
+std::string table_row(const Estimate& e, bool recommended) {
+  auto gb = [](int64_t bytes) { return gigabytes(static_cast<double>(bytes), 2); };
+  const MemoryBytes& m = e.memory;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s\n",
+                recommended ? "*" : " ", e.layout.dp, e.layout.pp, e.layout.tp, e.layout.zero, gb(m.parameters).c_str(),
+                gb(m.gradients).c_str(), gb(m.optimizer).c_str(), gb(m.activations).c_str(), gb(m.buffers).c_str(),
+                gb(m.total()).c_str(), e.fits ? "yes" : "no", gb(e.comm.total()).c_str(),
+                seconds_text(e.seconds.total()).c_str());
+  return buf;
+}
+
+std::string table(const Plan& plan) {
+  // Widths follow table_row: 23 characters of layout, 61 of memory.
+  std::string out = std::string(23, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') + "| per step\n" +
+                    "     dp   pp   tp zero |   params    grads    optim    activ  buffers     total  fits |    comm GB"
+                    "    comm s\n";
+  for (const Estimate& e : plan.candidates) {
+    const bool chosen = plan.recommendation && same_layout(plan.recommendation->estimate.layout, e.layout);
+    out += table_row(e, chosen);
+  }
+  return out;
+}
+
+std::string memory_json(const MemoryBytes& m) {
+  return json::Object()
+      .integer("parameters", m.parameters)
+      .integer("gradients", m.gradients)
+      .integer("optimizer", m.optimizer)
+      .integer("activations", m.activations)
+      .integer("buffers", m.buffers)
+      .integer("total", m.total())
+      .str();
+}
+
+std::string layout_json(const Layout& l) {
+  return json::Object().integer("dp", l.dp).integer("pp", l.pp).integer("tp", l.tp).integer("zero", l.zero).str();
+}
+
+std::string estimate_json(const Estimate& e) {
+  return json::Object()
+      .raw("layout", layout_json(e.layout))
+      .integer("microbatches", e.microbatches)
+      .integer("memory_stage", e.memory_stage)
+      .raw("memory_bytes", memory_json(e.memory))
+      .boolean("fits", e.fits)
+      .integer("comm_stage", e.comm_stage)
+      .raw("comm_bytes", json::Object().integer("dp", e.comm.dp).integer("pp", e.comm.pp).integer("tp", e.comm.tp)
+                             .integer("total", e.comm.total()).str())
+      .raw("comm_seconds", json::Object().num("dp", e.seconds.dp).num("pp", e.seconds.pp).num("tp", e.seconds.tp)
+                               .num("total", e.seconds.total()).str())
+      .boolean("tp_in_node", e.tp_in_node)
+      .str();
+}
+
+std::string input_json(const PlanInput& in) {
+  json::Object o;
+  if (in.gpt) {
+    const GptShape& s = *in.gpt;
+    o.raw("gpt", json::Object().integer("layers", s.layers).integer("hidden", s.hidden).integer("heads", s.heads)
+                     .integer("vocab", s.vocab).integer("seq_len", s.seq_len).boolean("tied", s.tie_embeddings).str());
+  }
+  return o.integer("parameters", in.params)
+      .str("precision", precision_name(in.precision))
+      .str("optimizer", optimizer_name(in.optimizer))
+      .boolean("momentum", in.momentum)
+      .integer("micro_batch", in.micro_batch)
+      .integer("global_batch", global_batch_of(in))
+      .boolean("activation_checkpointing", in.activation_checkpointing)
+      .integer("devices", in.devices)
+      .integer("devices_per_node", devices_per_node_of(in))
+      .integer("device_memory_bytes", in.device_memory)
+      .num("usable_memory_bytes", usable_memory(in))
+      .num("intra_node_bandwidth", in.intra_node_bandwidth)
+      .num("inter_node_bandwidth", in.inter_node_bandwidth)
+      .str();
+}
+
+}  // namespace
+
+std::string format_plan_text(const Plan& plan) {
+  std::string out = header(plan.input) + "\nscenario " + std::to_string(plan.scenario.number) + ": " +
+                    plan.scenario.reason + "\n\n" + table(plan) + "\n";
+  if (plan.recommendation) out += "recommended (*): " + plan.recommendation->reason + "\n";
+  if (!plan.no_fit_message.empty()) out += plan.no_fit_message + "\n";
+  out += "\nnotes:\n";
+  for (const std::string& note : plan.notes) out += "  - " + note + "\n";
+  return out;
+}
+
+std::string format_plan_json(const Plan& plan) {
+  std::vector<std::string> candidates, notes;
+  for (const Estimate& e : plan.candidates) candidates.push_back(estimate_json(e));
+  for (const std::string& n : plan.notes) notes.push_back(json::quote(n));
+  json::Object o;
+  o.raw("input", input_json(plan.input))
+      .raw("scenario", json::Object().integer("number", plan.scenario.number).str("reason", plan.scenario.reason).str())
+      .raw("candidates", json::array(candidates));
+  if (plan.recommendation) {
+    o.raw("recommendation", json::Object()
+                                .raw("estimate", estimate_json(plan.recommendation->estimate))
+                                .str("reason", plan.recommendation->reason)
+                                .str());
+  } else {
+    o.raw("recommendation", "null");
+  }
+  if (plan.smallest_cluster) {
+    const ClusterSize& c = *plan.smallest_cluster;
+    o.raw("smallest_cluster", json::Object().integer("devices", c.devices).integer("nodes", c.nodes)
+                                  .raw("estimate", estimate_json(c.estimate)).str());
+  }
+  if (!plan.no_fit_message.empty()) o.str("error", plan.no_fit_message);
+  return o.raw("notes", json::array(notes)).str() + "\n";
+}
+
+std::string plan_usage() {
+  return R"(usage: meshtrain plan MODEL CLUSTER [TRAINING] [--json]
+
+Estimates per-device memory and communication for every layout dp x pp x tp
+(with ZeRO 0-3 on dp) of a cluster, names the article's scenario (1: data
+parallel, 2: pipeline/tensor parallel, 3: tensor parallel) and recommends a layout.
+
+model (a GPT shape, as meshtrain's GPT, or a parameter count):
+  --layers N --hidden H --heads A --vocab V --seq-len T
+  --untied                   the LM head has its own weight (default: tied to the embedding)
+  --params COUNT             instead of a shape: 7.5e9, 7.5B, 350M (data parallel only)
+training:
+  --micro-batch B            sequences per micro-batch (default 1)
+  --global-batch G           sequences per step (default: micro-batch x devices)
+  --precision P              fp32 (default), bf16-mixed or fp16-mixed
+  --optimizer O              adam (default) or sgd
+  --momentum                 sgd keeps a momentum buffer
+  --activation-checkpointing keep only each layer's input, recompute the rest
+cluster:
+  --devices N                number of devices (required)
+  --device-memory SIZE       memory per device, e.g. 80GB or 80GiB (required)
+  --devices-per-node M       default: all devices in one node
+  --intra-node-bandwidth BW  per device, default 300GB/s
+  --inter-node-bandwidth BW  per device, default 25GB/s
+  --margin F                 device memory kept free, 0.1 or 10% (default 10%)
+output:
+  --json                     one JSON object instead of the table
+
+sizes: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024);
+bandwidths: the same followed by /s. See docs/plan.md for the formulas.
+)";
+}
+
+int run_plan(const std::vector<std::string>& args, std::ostream& out) {
+  const bool json_output = std::find(args.begin(), args.end(), "--json") != args.end();
+  if (std::find(args.begin(), args.end(), "--help") != args.end() ||
+      std::find(args.begin(), args.end(), "-h") != args.end()) {
+    out << plan_usage();
+    return 0;
+  }
+  try {
+    const Plan plan = make_plan(parse_plan_args(args));
+    out << (json_output ? format_plan_json(plan) : format_plan_text(plan));
+    return plan.recommendation ? 0 : 2;
+  } catch (const ConfigError& e) {
+    if (json_output) {
+      out << json::Object().str("error", e.what()).str() << "\n";
+    } else {
+      out << "meshtrain plan: " << e.what() << "\n";
+    }
+    return 2;
+  }
+}
+
+}  // namespace plan
+}  // namespace meshtrain

@@ -1,0 +1,48 @@
+#pragma once
+// A model chunk (the pieces one pipeline stage holds, or the whole model) with
+// its data-parallel wrapper and optimizer (internal to the trainer):
+//   plain  dp == 1: the optimizer alone
+//   ddp    DistributedDataParallel over the dp communicator
+//   zero   ZeRO stage 1 or 2 (ZeroRedundancyOptimizer)
+//   fsdp   ZeRO stage 3 (FullyShardedDataParallel), one unit per piece
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/models/models.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/train/metrics.h"
+
+namespace meshtrain {
+namespace train {
+
+class ChunkTrainer {
+ public:
+  virtual ~ChunkTrainer() = default;
+  virtual at::Tensor forward(const at::Tensor& x) = 0;
+  virtual void zero_grad() = 0;
+  virtual void step() = 0;
+  // Wraps one micro-batch's backward: whether gradients are synchronized now
+  // (the last micro-batch of the step) or only accumulated.
+  virtual void begin_backward(bool last_microbatch) = 0;
+  virtual void end_backward() = 0;
+  // Parameters under their full names, on dp rank 0 (a collective over dp).
+  virtual std::map<std::string, at::Tensor> parameters_on_dp_root() = 0;
+  virtual StateBytes held() const = 0;
+  models::Stage& stage() { return stage_; }
+
+ protected:
+  explicit ChunkTrainer(models::Stage stage) : stage_(std::move(stage)) {}
+  models::Stage stage_;
+};
+
+// `keep_first_unit`: ZeRO-3 keeps the first piece gathered for the whole step
+// (an embedding whose weight a tied head uses).
+std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainConfig& c, models::Stage stage, comm::CommPtr dp,
+                                                 bool keep_first_unit);
+
+}  // namespace train
+}  // namespace meshtrain

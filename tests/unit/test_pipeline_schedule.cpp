@@ -1,0 +1,95 @@
+// Pipeline schedules without communication: every schedule runs to the end
+// with blocking receives (no deadlock), every forward precedes its backward,
+// sends pair with receives, and activations in flight stay within the bound.
+
+#include <gtest/gtest.h>
+
+#include "meshtrain/pp/schedule.h"
+#include "meshtrain/util/error.h"
+
+using namespace meshtrain;
+using namespace meshtrain::pp;
+
+namespace {
+
+int bound(const ScheduleSpec& s, int rank) {
+  if (s.kind == "naive") return 1;
+  if (s.kind == "gpipe") return s.microbatches;
+  if (s.kind == "1f1b") return std::min(s.ranks - rank, s.microbatches);
+  // Interleaved: the warm-up forwards plus one.
+  return std::min(s.microbatches * s.virtual_stages, (s.ranks - rank - 1) * 2 + (s.virtual_stages - 1) * s.ranks + 1);
+}
+
+}  // namespace
+
+TEST(Schedules, EveryKindRunsToTheEndWithinItsActivationBound) {
+  for (const char* kind : {"naive", "gpipe", "1f1b", "interleaved"}) {
+    for (int p = 1; p <= 5; ++p) {
+      for (int m = 1; m <= 8; ++m) {
+        for (int v = 1; v <= (std::string(kind) == "interleaved" ? 3 : 1); ++v) {
+          ScheduleSpec s{kind, p, m, v};
+          if (s.kind == "interleaved" && m % p != 0) continue;
+          auto sched = make_schedule(s);
+          Replay r = replay(s, sched);
+          ASSERT_TRUE(r.completes) << kind << " p=" << p << " m=" << m << " v=" << v << ": " << r.problem;
+          for (int rank = 0; rank < p; ++rank) {
+            EXPECT_LE(r.max_in_flight[rank], bound(s, rank))
+                << kind << " p=" << p << " m=" << m << " v=" << v << " rank " << rank;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Schedules, OneFOneBHoldsFewerActivationsThanGPipe) {
+  ScheduleSpec g{"gpipe", 4, 8, 1}, f{"1f1b", 4, 8, 1};
+  Replay rg = replay(g, make_schedule(g)), rf = replay(f, make_schedule(f));
+  EXPECT_EQ(rg.max_in_flight[0], 8);
+  EXPECT_EQ(rf.max_in_flight[0], 4);
+  EXPECT_EQ(rf.max_in_flight[3], 1);
+}
+
+TEST(Schedules, PrintableAsText) {
+  auto s = make_schedule({"1f1b", 2, 3, 1});
+  EXPECT_EQ(to_string(s[0]), "0F0 send 0F0>1 0F1 send 0F1>1 recv 1B0<1 0B0 0F2 send 0F2>1 recv 1B1<1 0B1 recv 1B2<1 0B2");
+  EXPECT_EQ(to_string(s[1]), "recv 0F0<0 1F0 1B0 send 1B0>0 recv 0F1<0 1F1 1B1 send 1B1>0 recv 0F2<0 1F2 1B2 send 1B2>0");
+  auto n = make_schedule({"naive", 2, 1, 1});
+  EXPECT_EQ(to_string(n[0]), "0F0 send 0F0>1 recv 1B0<1 0B0");
+}
+
+TEST(Schedules, ABrokenScheduleIsCaught) {
+  ScheduleSpec s{"1f1b", 2, 2, 1};
+  // Backward before forward on rank 0.
+  auto bad = make_schedule(s);
+  std::reverse(bad[0].begin(), bad[0].end());
+  EXPECT_FALSE(replay(s, bad).completes);
+  // A lost send: the receiver waits forever.
+  auto lost = make_schedule(s);
+  lost[0].erase(lost[0].begin() + 1);
+  Replay r = replay(s, lost);
+  EXPECT_FALSE(r.completes);
+  EXPECT_NE(r.problem.find("deadlock"), std::string::npos) << r.problem;
+}
+
+TEST(Schedules, BadSpecsAreRejected) {
+  EXPECT_THROW(make_schedule({"zigzag", 2, 2, 1}), ConfigError);
+  EXPECT_THROW(make_schedule({"interleaved", 2, 3, 2}), ConfigError);  // m % p != 0
+  EXPECT_THROW(make_schedule({"1f1b", 2, 2, 2}), ConfigError);         // V > 1 needs interleaved
+}
+
+TEST(Schedules, IdealBubble) {
+  EXPECT_DOUBLE_EQ(ideal_bubble({"1f1b", 4, 8, 1}), 3.0 / 11.0);
+  EXPECT_DOUBLE_EQ(ideal_bubble({"interleaved", 4, 8, 2}), 3.0 / 11.0 / 2);
+  EXPECT_DOUBLE_EQ(ideal_bubble({"naive", 4, 1, 1}), 0.75);
+}
+
+TEST(Partition, BalancedContiguousStages) {
+  EXPECT_EQ(partition_balanced({1, 1, 1, 1}, 2), (std::vector<int64_t>{0, 2, 4}));
+  EXPECT_EQ(partition_balanced({10, 1, 1, 1, 1, 10}, 3), (std::vector<int64_t>{0, 1, 5, 6}));
+  auto b = partition_balanced({3, 3, 3, 3, 3}, 2);  // 5 layers on 2 stages
+  EXPECT_EQ(b.front(), 0);
+  EXPECT_EQ(b.back(), 5);
+  EXPECT_TRUE(b[1] == 2 || b[1] == 3);
+  EXPECT_THROW(partition_balanced({1, 2}, 3), ConfigError);
+}
