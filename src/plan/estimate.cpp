@@ -25,14 +25,15 @@ int64_t stage_params(const PlanInput& in, const Layout& l, int stage) {
 int64_t stage_activations(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   if (!in.gpt) return 0;  // no shape, no activation estimate (reported as a note)
   const GptShape& s = *in.gpt;
-  const int64_t blocks = blocks_on_stage(s.layers, l.pp, stage);
+  const int64_t blocks = blocks_on_stage(s, l.pp, stage);
   const int64_t in_flight = microbatches_in_flight(l.pp, stage, microbatches);
   const int64_t full_layer = layer_activation_bytes(s, in.micro_batch, l.tp, in.precision);
   int64_t bytes = 0;
   if (in.activation_checkpointing) {
     // Layer inputs for every micro-batch in flight, plus one layer's full
     // activations while it is recomputed during backward.
-    bytes = blocks * in_flight * checkpointed_layer_bytes(s, in.micro_batch, in.precision) + (blocks > 0 ? full_layer : 0);
+    bytes =
+        blocks * in_flight * checkpointed_layer_bytes(s, in.micro_batch, in.precision) + (blocks > 0 ? full_layer : 0);
   } else {
     bytes = blocks * in_flight * full_layer;
   }
@@ -48,11 +49,16 @@ int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t p
   int64_t bytes = 0;
   if (l.dp > 1 && l.zero == 0) bytes += b.gradients * psi;  // DDP's buckets mirror the gradients (engine_dp.cpp)
   // Stage 1 reduce-scatters in place in its full gradient buffer: nothing extra.
-  if (l.dp > 1 && l.zero == 2) bytes += std::min<int64_t>(2 * kBucketCapBytes, b.gradients * psi);  // filling + reducing
+  if (l.dp > 1 && l.zero == 2)
+    bytes += std::min<int64_t>(2 * kBucketCapBytes, b.gradients * psi);  // filling + reducing
   if (l.dp > 1 && l.zero == 3 && in.gpt) {
     // The unit being used and the prefetched one, gathered; one unit's full gradient before its reduce-scatter.
     const int64_t unit = largest_unit_parameter_count(*in.gpt, l.pp, l.tp, stage);
     bytes += (2 * b.parameters + b.gradients) * unit;
+  }
+  if (in.gpt) {
+    // A head tied to an embedding on another stage receives its weight each step and sends back the gradient.
+    bytes += (b.parameters + b.gradients) * tied_weight_copy_count(*in.gpt, l.pp, l.tp, stage);
   }
   if (l.pp > 1 && in.gpt) {
     // One receive and one send buffer of b*s*h values.
@@ -66,7 +72,7 @@ CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t mi
   CommBytes c;
   c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.dp, microbatches);
   if (in.gpt) {
-    const int64_t blocks = blocks_on_stage(in.gpt->layers, l.pp, stage);
+    const int64_t blocks = blocks_on_stage(*in.gpt, l.pp, stage);
     c.pp = pp_comm_bytes(*in.gpt, in.micro_batch, l.pp, stage, microbatches, in.precision);
     c.tp = tp_comm_bytes(*in.gpt, in.micro_batch, l.tp, blocks, microbatches, in.precision);
   }
@@ -105,6 +111,15 @@ int64_t output_layer_activation_bytes(const GptShape& s, int64_t micro_batch, in
   return std::llround(4.0 * sbh * (1.0 + static_cast<double>(s.vocab) / s.hidden) / tp * scale);
 }
 
+double gpt_training_flops_per_token(const GptShape& s, int64_t params, bool checkpointing) {
+  const double attention = static_cast<double>(s.layers) * s.seq_len * s.hidden;
+  return checkpointing ? 8.0 * params + 16.0 * attention : 6.0 * params + 12.0 * attention;
+}
+
+double pipeline_bubble_seconds(double compute_seconds, int pp, int64_t microbatches) {
+  return compute_seconds * (pp - 1) / static_cast<double>(microbatches);
+}
+
 int64_t microbatches_in_flight(int pp, int stage, int64_t microbatches) {
   if (pp == 1) return 1;
   return std::min<int64_t>(pp - stage, microbatches);
@@ -117,9 +132,9 @@ int64_t ring_all_reduce_bytes(int64_t bytes, int n) {
 int64_t dp_comm_bytes(int64_t psi, int value_bytes, int zero, int dp, int64_t microbatches) {
   if (dp <= 1) return 0;
   const double one_pass = static_cast<double>(psi) * value_bytes * (dp - 1) / dp;  // reduce-scatter or all-gather
-  double passes = 2;                                                              // DDP, stage 1
-  if (zero == 2) passes = static_cast<double>(microbatches) + 1;                  // RS per micro-batch + AG
-  if (zero == 3) passes = 3.0 * static_cast<double>(microbatches);                // AG fwd + AG bwd + RS
+  double passes = 2;                                                               // DDP, stage 1
+  if (zero == 2) passes = static_cast<double>(microbatches) + 1;                   // RS per micro-batch + AG
+  if (zero == 3) passes = 3.0 * static_cast<double>(microbatches);                 // AG fwd + AG bwd + RS
   return std::llround(passes * one_pass);
 }
 
@@ -139,11 +154,11 @@ std::vector<Layout> candidate_layouts(const PlanInput& in) {
   std::vector<Layout> layouts;
   const int64_t micro_steps = global_batch_of(in) / in.micro_batch;
   // Without a shape only data parallelism can be estimated; with one, tp
-  // divides the heads and pp is at most the number of blocks.
+  // divides the heads and pp is at most the number of pieces.
   const int64_t max_tp = in.gpt ? std::min<int64_t>(in.devices, in.gpt->heads) : 1;
   for (int tp = 1; tp <= max_tp; ++tp) {
     if (in.devices % tp != 0) continue;
-    const int64_t max_pp = in.gpt ? std::min<int64_t>(in.devices / tp, in.gpt->layers) : 1;
+    const int64_t max_pp = in.gpt ? std::min<int64_t>(in.devices / tp, num_pieces(*in.gpt)) : 1;
     for (int pp = 1; pp <= max_pp; ++pp) {
       if ((in.devices / tp) % pp != 0) continue;
       const int dp = in.devices / tp / pp;
@@ -168,13 +183,6 @@ MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_
   return m;
 }
 
-// Note [Worst stages]
-// A middle stage s (0 < s < pp-1) never needs more memory than stage 0 nor
-// more time than stage 1: blocks_on_stage never grows with s, stage 0 also
-// holds the embeddings and the most micro-batches in flight (pp - s), and
-// stages 1..pp-2 all have two pipeline neighbours on the same links. So the
-// worst stage is among 0, 1 and pp-1, and the search over cluster sizes
-// (planner.cpp) costs three stages per layout instead of pp.
 Estimate estimate_layout(const PlanInput& in, const Layout& l) {
   const int64_t micro_steps = global_batch_of(in) / in.micro_batch;
   MESHTRAIN_CHECK(l.dp * l.pp * l.tp == in.devices && micro_steps % l.dp == 0, "layout dp=", l.dp, " pp=", l.pp,
@@ -182,9 +190,9 @@ Estimate estimate_layout(const PlanInput& in, const Layout& l) {
   Estimate e;
   e.layout = l;
   e.microbatches = micro_steps / l.dp;
-  // See Note [Worst stages]: stages 0, 1 and pp-1 bound all the others.
-  for (int stage : {0, 1, l.pp - 1}) {
-    if (stage >= l.pp) continue;
+  // Balanced stages differ (the first holds the embeddings and the most
+  // micro-batches in flight, the last the head): report the worst of each.
+  for (int stage = 0; stage < l.pp; ++stage) {
     const MemoryBytes memory = stage_memory(in, l, stage, e.microbatches);
     if (stage == 0 || memory.total() > e.memory.total()) {
       e.memory = memory;
@@ -197,6 +205,14 @@ Estimate estimate_layout(const PlanInput& in, const Layout& l) {
       e.seconds = seconds;
       e.comm_stage = stage;
     }
+  }
+  if (in.gpt) {
+    // The step's FLOPs spread evenly over the devices (tp splits the matrices,
+    // pp the layers, dp the batch); without a shape the tokens are unknown.
+    const double tokens = static_cast<double>(global_batch_of(in)) * in.gpt->seq_len;
+    const double flops = tokens * gpt_training_flops_per_token(*in.gpt, in.params, in.activation_checkpointing);
+    e.compute_seconds = flops / in.devices / in.device_flops;
+    e.bubble_seconds = pipeline_bubble_seconds(e.compute_seconds, l.pp, e.microbatches);
   }
   e.tp_in_node = devices_per_node_of(in) % l.tp == 0;
   e.fits = static_cast<double>(e.memory.total()) <= usable_memory(in);

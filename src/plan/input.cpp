@@ -1,8 +1,8 @@
 #include "meshtrain/plan/input.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <algorithm>
 #include <functional>
 #include <set>
 
@@ -69,6 +69,15 @@ double parse_margin(const std::string& value) {
   return v;
 }
 
+// "100" -> 1e14 FLOP/s.
+double parse_tflops(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  const double v = std::strtod(value.c_str(), &end);
+  MESHTRAIN_CHECK(!value.empty() && end == value.c_str() + value.size() && v > 0 && v < 1e6, flag, " '", value,
+                  "': expected the achieved TFLOP/s of one device, e.g. ", flag, " 100");
+  return v * 1e12;
+}
+
 const std::vector<FlagSpec>& flag_specs() {
   static const std::vector<FlagSpec> specs = {
       {"--layers", true, shape_field(&GptShape::layers)},
@@ -95,6 +104,7 @@ const std::vector<FlagSpec>& flag_specs() {
        [](Draft& d, auto& f, auto& v) { d.input.intra_node_bandwidth = parse_bandwidth(f, v); }},
       {"--inter-node-bandwidth", true,
        [](Draft& d, auto& f, auto& v) { d.input.inter_node_bandwidth = parse_bandwidth(f, v); }},
+      {"--device-tflops", true, [](Draft& d, auto& f, auto& v) { d.input.device_flops = parse_tflops(f, v); }},
       {"--margin", true, [](Draft& d, auto&, auto& v) { d.input.memory_margin = parse_margin(v); }},
       {"--json", false, [](Draft& d, auto&, auto&) { d.input.json = true; }},
   };
@@ -110,11 +120,13 @@ const FlagSpec& find_flag(const std::string& name) {
 // Turns the flags into a PlanInput: a GPT shape needs all five of its sizes.
 PlanInput assemble(const Draft& d) {
   PlanInput in = d.input;
-  MESHTRAIN_CHECK(!(d.params_given && !d.shape_flags.empty()), "give either --params or the GPT shape, not both (got --params and ",
-                  d.shape_flags.front(), ")");
+  MESHTRAIN_CHECK(!(d.params_given && !d.shape_flags.empty()),
+                  "give either --params or the GPT shape, not both (got --params and ", d.shape_flags.front(), ")");
   if (!d.shape_flags.empty()) {
-    const std::pair<const char*, int64_t> sizes[] = {{"--layers", d.shape.layers}, {"--hidden", d.shape.hidden},
-                                                     {"--heads", d.shape.heads},   {"--vocab", d.shape.vocab},
+    const std::pair<const char*, int64_t> sizes[] = {{"--layers", d.shape.layers},
+                                                     {"--hidden", d.shape.hidden},
+                                                     {"--heads", d.shape.heads},
+                                                     {"--vocab", d.shape.vocab},
                                                      {"--seq-len", d.shape.seq_len}};
     for (const auto& size : sizes)
       MESHTRAIN_CHECK(size.second > 0, size.first, " is missing: the GPT shape needs --layers, --hidden, --heads, ",
@@ -157,7 +169,8 @@ void check_plan_input(const PlanInput& in) {
   MESHTRAIN_CHECK(in.params > 0, "no model given: pass the GPT shape (--layers --hidden --heads --vocab --seq-len) ",
                   "or a parameter count (--params 7.5B)");
   MESHTRAIN_CHECK(in.devices > 0, "--devices is missing: how many devices (GPUs) the cluster has, e.g. --devices 8");
-  MESHTRAIN_CHECK(in.device_memory > 0, "--device-memory is missing: the memory of one device, e.g. --device-memory 80GB");
+  MESHTRAIN_CHECK(in.device_memory > 0,
+                  "--device-memory is missing: the memory of one device, e.g. --device-memory 80GB");
   const int per_node = devices_per_node_of(in);
   MESHTRAIN_CHECK(in.devices % per_node == 0, "--devices ", in.devices, " is not a multiple of --devices-per-node ",
                   per_node, "; use whole nodes, e.g. --devices ", std::max(per_node, in.devices / per_node * per_node));

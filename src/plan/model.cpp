@@ -1,6 +1,10 @@
 #include "meshtrain/plan/model.h"
 
 #include <algorithm>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "meshtrain/plan/units.h"
 #include "meshtrain/util/error.h"
@@ -32,7 +36,8 @@ StateBytesPerParam state_bytes_per_param(Precision precision, OptimizerKind opti
 int activation_bytes_per_value(Precision precision) { return precision == Precision::kFp32 ? 4 : 2; }
 
 void check_gpt_shape(const GptShape& s) {
-  MESHTRAIN_CHECK(s.layers >= 1 && s.hidden >= 1 && s.heads >= 1, "the GPT shape needs --layers, --hidden and --heads >= 1");
+  MESHTRAIN_CHECK(s.layers >= 1 && s.hidden >= 1 && s.heads >= 1,
+                  "the GPT shape needs --layers, --hidden and --heads >= 1");
   MESHTRAIN_CHECK(s.hidden % s.heads == 0, "--hidden ", s.hidden, " is not a multiple of --heads ", s.heads,
                   "; choose --heads among the divisors of ", s.hidden, ": ", divisors_of(s.hidden));
   MESHTRAIN_CHECK(s.vocab >= 2 && s.seq_len >= 2, "--vocab ", s.vocab, " and --seq-len ", s.seq_len,
@@ -45,9 +50,11 @@ std::string layout_problem(const GptShape& s, const Layout& l) {
   if (s.heads % l.tp != 0)
     return str_cat("tp ", l.tp, " does not divide --heads ", s.heads, "; choose tp in ", divisors_of(s.heads));
   if (s.vocab % l.tp != 0)
-    return str_cat("tp ", l.tp, " does not divide --vocab ", s.vocab, " (the embedding is split by rows); choose tp in ",
-                   divisors_of(s.vocab));
-  if (l.pp > s.layers) return str_cat("pp ", l.pp, " is more than --layers ", s.layers, "; each stage needs a block");
+    return str_cat("tp ", l.tp, " does not divide --vocab ", s.vocab,
+                   " (the embedding is split by rows); choose tp in ", divisors_of(s.vocab));
+  if (l.pp > num_pieces(s))
+    return str_cat("pp ", l.pp, " is more than the ", num_pieces(s), " pieces of the GPT (embedding, ", s.layers,
+                   " blocks, head); choose pp <= ", num_pieces(s));
   return "";
 }
 
@@ -60,32 +67,109 @@ int64_t gpt_parameter_count(const GptShape& s) {
 
 int64_t block_parameter_count(int64_t h, int tp) {
   const int64_t layer_norms = 2 * 2 * h;
-  const int64_t qkv = 3 * (h * h / tp + h / tp);   // column-parallel: weight and bias split
+  const int64_t qkv = 3 * (h * h / tp + h / tp);    // column-parallel: weight and bias split
   const int64_t proj = h * h / tp + h;              // row-parallel: bias replicated
   const int64_t fc1 = 4 * h * h / tp + 4 * h / tp;  // column-parallel
   const int64_t fc2 = 4 * h * h / tp + h;           // row-parallel
   return layer_norms + qkv + proj + fc1 + fc2;
 }
 
-int64_t blocks_on_stage(int64_t layers, int pp, int stage) { return shard_of(layers, pp, stage); }
+int64_t num_pieces(const GptShape& s) { return s.layers + 2; }
+
+int64_t piece_parameter_count(const GptShape& s, int tp, int64_t piece) {
+  const int64_t h = s.hidden;
+  if (piece == 0) return s.vocab / tp * h + s.seq_len * h;
+  if (piece <= s.layers) return block_parameter_count(h, tp);
+  return 2 * h + (s.tie_embeddings ? 0 : s.vocab / tp * h);
+}
+
+std::vector<int64_t> piece_costs(const GptShape& s) {
+  std::vector<int64_t> costs;
+  for (int64_t i = 0; i < num_pieces(s); ++i) costs.push_back(piece_parameter_count(s, 1, i));
+  if (s.tie_embeddings) costs.back() += s.vocab * s.hidden;
+  return costs;
+}
+
+// Note [Stage partition]
+// meshtrain's trainer cuts the pieces into stages with pp::partition_balanced
+// (src/pp/schedule.cpp): the contiguous partition minimizing the largest
+// stage's cost, by dynamic programming, ties broken towards the smallest cut
+// (the most pieces on the later stages). This is the same algorithm, kept
+// here so the planner builds without the rest of the library; a stage that
+// differs from the trainer's would make every per-stage estimate wrong, so
+// when the two are linked together, prefer calling pp::partition_balanced.
+namespace {
+
+std::vector<int64_t> partition_min_max(const std::vector<int64_t>& costs, int parts) {
+  const int n = static_cast<int>(costs.size());
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  // best[k][i]: the least largest cost of cutting the first i pieces into k parts.
+  std::vector<std::vector<int64_t>> best(parts + 1, std::vector<int64_t>(n + 1, INT64_MAX));
+  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= parts; ++k) {
+    for (int i = k; i <= n; ++i) {
+      for (int j = k - 1; j < i; ++j) {
+        if (best[k - 1][j] == INT64_MAX) continue;
+        const int64_t v = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        if (v < best[k][i]) {
+          best[k][i] = v;
+          cut[k][i] = j;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> bounds(parts + 1);
+  bounds[parts] = n;
+  for (int k = parts, i = n; k > 0; --k) {
+    i = cut[k][i];
+    bounds[k - 1] = i;
+  }
+  return bounds;
+}
+
+}  // namespace
+
+std::vector<int64_t> stage_bounds(const GptShape& s, int pp) {
+  MESHTRAIN_CHECK(pp >= 1 && pp <= num_pieces(s), "pp ", pp, " is more than the ", num_pieces(s),
+                  " pieces of the GPT (embedding, ", s.layers, " blocks, head)");
+  // The planner asks for the same few partitions for every layout and cluster
+  // size it tries: remember them (the dynamic program is O(pp * pieces^2)).
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int>;
+  static std::mutex mutex;
+  static std::map<Key, std::vector<int64_t>> cache;
+  const Key key{s.layers, s.hidden, s.vocab, s.seq_len, s.tie_embeddings, pp};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, partition_min_max(piece_costs(s), pp)).first;
+  return it->second;
+}
+
+int64_t blocks_on_stage(const GptShape& s, int pp, int stage) {
+  const std::vector<int64_t> b = stage_bounds(s, pp);
+  // Blocks are pieces 1..layers.
+  const int64_t first = std::max<int64_t>(b[stage], 1), last = std::min<int64_t>(b[stage + 1], s.layers + 1);
+  return std::max<int64_t>(0, last - first);
+}
 
 int64_t stage_parameter_count(const GptShape& s, int pp, int tp, int stage) {
-  const int64_t h = s.hidden;
-  int64_t n = blocks_on_stage(s.layers, pp, stage) * block_parameter_count(h, tp);
-  if (stage == 0) n += s.vocab / tp * h + s.seq_len * h;
-  if (stage == pp - 1) {
-    // A tied head on another stage than the embedding owns a copy (models.cpp, GptHeadImpl).
-    const bool own_weight = !s.tie_embeddings || pp > 1;
-    n += 2 * h + (own_weight ? s.vocab / tp * h : 0);
-  }
+  const std::vector<int64_t> b = stage_bounds(s, pp);
+  int64_t n = 0;
+  for (int64_t piece = b[stage]; piece < b[stage + 1]; ++piece) n += piece_parameter_count(s, tp, piece);
   return n;
 }
 
 int64_t largest_unit_parameter_count(const GptShape& s, int pp, int tp, int stage) {
-  int64_t unit = blocks_on_stage(s.layers, pp, stage) > 0 ? block_parameter_count(s.hidden, tp) : 0;
-  if (stage == 0) unit = std::max(unit, s.vocab / tp * s.hidden + s.seq_len * s.hidden);
-  if (stage == pp - 1 && (!s.tie_embeddings || pp > 1)) unit = std::max(unit, s.vocab / tp * s.hidden);
+  const std::vector<int64_t> b = stage_bounds(s, pp);
+  int64_t unit = 0;
+  for (int64_t piece = b[stage]; piece < b[stage + 1]; ++piece)
+    unit = std::max(unit, piece_parameter_count(s, tp, piece));
   return unit;
+}
+
+int64_t tied_weight_copy_count(const GptShape& s, int pp, int tp, int stage) {
+  return s.tie_embeddings && pp > 1 && stage == pp - 1 ? s.vocab / tp * s.hidden : 0;
 }
 
 TensorShape largest_tensor(const GptShape& s) {
@@ -100,8 +184,8 @@ TensorShape largest_tensor(const GptShape& s) {
 
 ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& b, int zero, int dp_size, int dp_rank) {
   MESHTRAIN_CHECK(zero >= 0 && zero <= 3, "ZeRO stage ", zero, " does not exist; use 0, 1, 2 or 3");
-  MESHTRAIN_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "dp_rank ", dp_rank, " is outside [0, ",
-                  dp_size, ")");
+  MESHTRAIN_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "dp_rank ", dp_rank, " is outside [0, ", dp_size,
+                  ")");
   const int64_t shard = shard_of(psi, dp_size, dp_rank);
   ModelStateBytes m;
   m.parameters = b.parameters * (zero >= 3 ? shard : psi);

@@ -61,22 +61,22 @@ std::string no_fit_message(const Plan& plan) {
     msg = str_cat("no layout of ", in.devices, " devices suits this model and batch: dp must divide the ",
                   global_batch_of(in) / in.micro_batch, " micro-batches of a step (global batch / micro-batch)",
                   in.gpt ? str_cat(", tp must divide --heads ", in.gpt->heads, " and --vocab ", in.gpt->vocab,
-                                   ", pp at most --layers ", in.gpt->layers)
+                                   ", pp at most --layers + 2 = ", in.gpt->layers + 2)
                          : std::string(", and pp = tp = 1 without a GPT shape"),
                   ".");
   } else {
-    const Estimate& least = *std::min_element(plan.candidates.begin(), plan.candidates.end(),
-                                              [](const Estimate& a, const Estimate& b) {
-                                                return a.memory.total() < b.memory.total();
-                                              });
+    const Estimate& least =
+        *std::min_element(plan.candidates.begin(), plan.candidates.end(),
+                          [](const Estimate& a, const Estimate& b) { return a.memory.total() < b.memory.total(); });
     msg = str_cat("nothing fits: the layout needing the least memory, ", describe_layout(least.layout), ", needs ",
                   gigabytes(least.memory.total()), " GB per device, more than ", usable_of(in), ".");
   }
   if (plan.smallest_cluster) {
     const ClusterSize& c = *plan.smallest_cluster;
-    msg += str_cat(" The smallest cluster that fits has ", c.devices, " devices (", c.nodes, c.nodes == 1 ? " node" : " nodes",
-                   " of ", devices_per_node_of(in), "): ", describe_layout(c.estimate.layout), " at ",
-                   gigabytes(c.estimate.memory.total()), " GB per device", c.estimate.tp_in_node ? "." : " (tp across nodes).");
+    msg += str_cat(" The smallest cluster that fits has ", c.devices, " devices (", c.nodes,
+                   c.nodes == 1 ? " node" : " nodes", " of ", devices_per_node_of(in),
+                   "): ", describe_layout(c.estimate.layout), " at ", gigabytes(c.estimate.memory.total()),
+                   " GB per device", c.estimate.tp_in_node ? "." : " (tp across nodes).");
   } else {
     msg += str_cat(" No cluster of up to ", with_commas(kMaxSearchDevices), " devices (in nodes of ",
                    devices_per_node_of(in), ") fits: try a smaller --micro-batch, --activation-checkpointing, ",
@@ -89,13 +89,17 @@ std::string no_fit_message(const Plan& plan) {
 std::vector<std::string> notes_for(const PlanInput& in) {
   std::vector<std::string> notes;
   if (!in.gpt)
-    notes.push_back("only the parameter count is known: activations, pipeline and tensor parallel layouts and "
-                    "ZeRO-3's gathered units are not estimated; give the GPT shape for them");
+    notes.push_back(
+        "only the parameter count is known: activations, pipeline and tensor parallel layouts and "
+        "ZeRO-3's gathered units are not estimated; give the GPT shape for them");
   if (in.gpt && in.precision == Precision::kFp32)
     notes.push_back("fp32 activations are estimated as twice Megatron's 16-bit figures (an upper bound)");
-  notes.push_back("communication times assume full link bandwidth and no overlap with compute; compute time and the "
-                  "pipeline bubble ((pp-1)/(m+pp-1) of a step) are not estimated");
-  notes.push_back("memory excludes the framework's own use (CUDA context, allocator fragmentation): the margin covers it");
+  notes.push_back(
+      "step times add compute (at --device-tflops), the 1F1B pipeline bubble and communication at full link "
+      "bandwidth, with no overlap: a rough ranking, not a prediction");
+  if (!in.gpt) notes.push_back("without the GPT shape the tokens per step are unknown: compute time is not estimated");
+  notes.push_back(
+      "memory excludes the framework's own use (CUDA context, allocator fragmentation): the margin covers it");
   return notes;
 }
 
@@ -103,7 +107,8 @@ std::vector<std::string> notes_for(const PlanInput& in) {
 
 std::string describe_layout(const Layout& l) {
   static const char* kZeroNames[] = {"DDP", "optimizer state sharded", "+ gradients sharded", "fully sharded"};
-  return str_cat("dp=", l.dp, " pp=", l.pp, " tp=", l.tp, " ZeRO-", l.zero, l.dp > 1 ? str_cat(" (", kZeroNames[l.zero], ")") : "");
+  return str_cat("dp=", l.dp, " pp=", l.pp, " tp=", l.tp, " ZeRO-", l.zero,
+                 l.dp > 1 ? str_cat(" (", kZeroNames[l.zero], ")") : "");
 }
 
 Scenario classify_scenario(const PlanInput& in) {
@@ -111,16 +116,18 @@ Scenario classify_scenario(const PlanInput& in) {
   const int64_t state = one.parameters + one.gradients + one.optimizer;
   const double usable = usable_memory(in);
   if (state + one.activations <= usable) {
+    const std::string activations = in.gpt ? str_cat(" and ", gigabytes(one.activations), " GB of activations")
+                                           : std::string(" (activations unknown without the GPT shape)");
     return {1, str_cat("the whole model (", with_commas(in.params), " parameters) needs ", gigabytes(state),
-                       " GB of state with ", training_name(in), " and ", gigabytes(one.activations),
-                       " GB of activations per device with DDP: it fits ", usable_of(in),
-                       ": scenario 1, data parallel (DDP or ZeRO)")};
+                       " GB of state with ", training_name(in), activations, " per device with DDP: it fits ",
+                       usable_of(in), ": scenario 1, data parallel (DDP or ZeRO)")};
   }
   const std::string too_big = str_cat("the model needs ", gigabytes(state + one.activations),
                                       " GB per device with DDP (state and activations), more than ", usable_of(in));
   if (!in.gpt) {
-    return {2, too_big + ": scenario 2 (without the GPT shape the largest tensor is unknown: give the shape to rule "
-                         "out scenario 3)"};
+    return {2, too_big +
+                   ": scenario 2 (without the GPT shape the largest tensor is unknown: give the shape to rule "
+                   "out scenario 3)"};
   }
   const TensorShape largest = largest_tensor(*in.gpt);
   const int per_param = state_bytes_per_param(in.precision, in.optimizer, in.momentum).total();
@@ -132,15 +139,13 @@ Scenario classify_scenario(const PlanInput& in) {
   }
   return {2, str_cat(too_big, ", but its largest tensor, ", tensor_name(largest), ", needs only ",
                      gigabytes(tensor_bytes), " GB with ", training_name(in),
-                     ": scenario 2, pipeline and/or tensor parallel (or ZeRO-3)")};
+                     ": scenario 2, pipeline and/or tensor parallel, or ZeRO to shard the state")};
 }
 
 bool better_layout(const Estimate& a, const Estimate& b) {
   if (a.tp_in_node != b.tp_in_node) return a.tp_in_node;
-  const int splits_a = a.layout.pp * a.layout.tp, splits_b = b.layout.pp * b.layout.tp;
-  if (splits_a != splits_b) return splits_a < splits_b;
-  if (a.seconds.total() != b.seconds.total()) return a.seconds.total() < b.seconds.total();
-  if (a.layout.zero != b.layout.zero) return a.layout.zero < b.layout.zero;
+  if (a.step_seconds() != b.step_seconds()) return a.step_seconds() < b.step_seconds();
+  if (a.layout.zero != b.layout.zero) return a.layout.zero < b.layout.zero;  // DDP overlaps more than ZeRO-1
   return a.memory.total() < b.memory.total();
 }
 
@@ -154,11 +159,13 @@ std::optional<Recommendation> recommend(const PlanInput& in, const std::vector<E
   }
   if (!best) return std::nullopt;
   const Layout& l = best->layout;
-  std::string reason = str_cat(describe_layout(l), ": needs ", gigabytes(best->memory.total()), " GB of ",
-                               usable_of(in), "; of the ", fitting, " layouts that fit, it splits the model the least (pp x tp = ",
-                               l.pp * l.tp, ") and, among those, has the least estimated communication (",
-                               seconds_text(best->seconds.total()), " s per step)");
-  if (l.tp > 1 && best->tp_in_node) reason += str_cat("; tp=", l.tp, " stays inside a node of ", devices_per_node_of(in));
+  std::string reason =
+      str_cat(describe_layout(l), ": needs ", gigabytes(best->memory.total()), " GB of ", usable_of(in), "; of the ",
+              fitting, " layouts that fit, it has the shortest estimated step, ", seconds_text(best->step_seconds()),
+              " s (compute ", seconds_text(best->compute_seconds), ", pipeline bubble ",
+              seconds_text(best->bubble_seconds), ", communication ", seconds_text(best->seconds.total()), ")");
+  if (l.tp > 1 && best->tp_in_node)
+    reason += str_cat("; tp=", l.tp, " stays inside a node of ", devices_per_node_of(in));
   if (!best->tp_in_node) reason += "; no layout fits with tp inside a node, so tp crosses the slower inter-node link";
   return Recommendation{*best, reason};
 }
@@ -166,12 +173,14 @@ std::optional<Recommendation> recommend(const PlanInput& in, const std::vector<E
 std::optional<ClusterSize> find_smallest_cluster(const PlanInput& in) {
   const int per_node = devices_per_node_of(in);
   // No layout exists beyond (micro-batches) x (max tp) x (max pp) devices.
-  const int64_t max_model_splits = in.gpt ? in.gpt->heads * in.gpt->layers : 1;
+  const int64_t max_model_splits = in.gpt ? in.gpt->heads * num_pieces(*in.gpt) : 1;
   // Every parameter's state is held at least once across the cluster, so
   // fewer devices than state / usable memory cannot fit.
-  const double state = static_cast<double>(in.params) * state_bytes_per_param(in.precision, in.optimizer, in.momentum).total();
+  const double state =
+      static_cast<double>(in.params) * state_bytes_per_param(in.precision, in.optimizer, in.momentum).total();
   const int64_t least_nodes = static_cast<int64_t>(std::ceil(state / usable_memory(in) / per_node));
-  for (int64_t devices = std::max<int64_t>(1, least_nodes) * per_node; devices <= kMaxSearchDevices; devices += per_node) {
+  for (int64_t devices = std::max<int64_t>(1, least_nodes) * per_node; devices <= kMaxSearchDevices;
+       devices += per_node) {
     PlanInput cluster = in;
     cluster.devices = static_cast<int>(devices);
     cluster.devices_per_node = per_node;
@@ -190,8 +199,9 @@ Plan make_plan(const PlanInput& in) {
   plan.candidates = estimate_all(in);
   plan.recommendation = recommend(in, plan.candidates);
   if (plan.recommendation && plan.scenario.number == 3 && plan.recommendation->estimate.layout.tp == 1) {
-    plan.recommendation->reason += "; ZeRO-3 shards the largest tensor's state over the dp ranks instead of splitting "
-                                   "it with tp (it gathers the full tensor for its layer's compute only)";
+    plan.recommendation->reason +=
+        "; ZeRO shards the largest tensor's state over the dp ranks instead of splitting "
+        "it with tp";
   }
   if (!plan.recommendation) {
     plan.smallest_cluster = find_smallest_cluster(in);

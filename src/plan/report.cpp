@@ -39,7 +39,8 @@ std::string header(const PlanInput& in) {
      << "cluster   " << in.devices << " devices in " << in.devices / per_node << " node(s) of " << per_node << ", "
      << gigabytes(static_cast<double>(in.device_memory)) << " GB each (" << gigabytes(usable_memory(in))
      << " GB usable, margin " << in.memory_margin * 100 << "%); links " << gigabytes(in.intra_node_bandwidth)
-     << " GB/s in a node, " << gigabytes(in.inter_node_bandwidth) << " GB/s between nodes\n";
+     << " GB/s in a node, " << gigabytes(in.inter_node_bandwidth) << " GB/s between nodes; " << in.device_flops / 1e12
+     << " TFLOP/s per device\n";
   return os.str();
 }
 
@@ -47,19 +48,21 @@ std::string table_row(const Estimate& e, bool recommended) {
   auto gb = [](int64_t bytes) { return gigabytes(static_cast<double>(bytes), 2); };
   const MemoryBytes& m = e.memory;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s\n",
+  std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s %9s %9s\n",
                 recommended ? "*" : " ", e.layout.dp, e.layout.pp, e.layout.tp, e.layout.zero, gb(m.parameters).c_str(),
                 gb(m.gradients).c_str(), gb(m.optimizer).c_str(), gb(m.activations).c_str(), gb(m.buffers).c_str(),
                 gb(m.total()).c_str(), e.fits ? "yes" : "no", gb(e.comm.total()).c_str(),
-                seconds_text(e.seconds.total()).c_str());
+                seconds_text(e.seconds.total()).c_str(), seconds_text(e.bubble_seconds).c_str(),
+                seconds_text(e.step_seconds()).c_str());
   return buf;
 }
 
 std::string table(const Plan& plan) {
   // Widths follow table_row: 23 characters of layout, 61 of memory.
-  std::string out = std::string(23, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') + "| per step\n" +
+  std::string out = std::string(23, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') +
+                    "| per step, estimated\n" +
                     "     dp   pp   tp zero |   params    grads    optim    activ  buffers     total  fits |    comm GB"
-                    "    comm s\n";
+                    "    comm s  bubble s    step s\n";
   for (const Estimate& e : plan.candidates) {
     const bool chosen = plan.recommendation && same_layout(plan.recommendation->estimate.layout, e.layout);
     out += table_row(e, chosen);
@@ -90,10 +93,21 @@ std::string estimate_json(const Estimate& e) {
       .raw("memory_bytes", memory_json(e.memory))
       .boolean("fits", e.fits)
       .integer("comm_stage", e.comm_stage)
-      .raw("comm_bytes", json::Object().integer("dp", e.comm.dp).integer("pp", e.comm.pp).integer("tp", e.comm.tp)
-                             .integer("total", e.comm.total()).str())
-      .raw("comm_seconds", json::Object().num("dp", e.seconds.dp).num("pp", e.seconds.pp).num("tp", e.seconds.tp)
-                               .num("total", e.seconds.total()).str())
+      .raw("comm_bytes", json::Object()
+                             .integer("dp", e.comm.dp)
+                             .integer("pp", e.comm.pp)
+                             .integer("tp", e.comm.tp)
+                             .integer("total", e.comm.total())
+                             .str())
+      .raw("comm_seconds", json::Object()
+                               .num("dp", e.seconds.dp)
+                               .num("pp", e.seconds.pp)
+                               .num("tp", e.seconds.tp)
+                               .num("total", e.seconds.total())
+                               .str())
+      .num("compute_seconds", e.compute_seconds)
+      .num("bubble_seconds", e.bubble_seconds)
+      .num("step_seconds", e.step_seconds())
       .boolean("tp_in_node", e.tp_in_node)
       .str();
 }
@@ -102,8 +116,14 @@ std::string input_json(const PlanInput& in) {
   json::Object o;
   if (in.gpt) {
     const GptShape& s = *in.gpt;
-    o.raw("gpt", json::Object().integer("layers", s.layers).integer("hidden", s.hidden).integer("heads", s.heads)
-                     .integer("vocab", s.vocab).integer("seq_len", s.seq_len).boolean("tied", s.tie_embeddings).str());
+    o.raw("gpt", json::Object()
+                     .integer("layers", s.layers)
+                     .integer("hidden", s.hidden)
+                     .integer("heads", s.heads)
+                     .integer("vocab", s.vocab)
+                     .integer("seq_len", s.seq_len)
+                     .boolean("tied", s.tie_embeddings)
+                     .str());
   }
   return o.integer("parameters", in.params)
       .str("precision", precision_name(in.precision))
@@ -118,6 +138,7 @@ std::string input_json(const PlanInput& in) {
       .num("usable_memory_bytes", usable_memory(in))
       .num("intra_node_bandwidth", in.intra_node_bandwidth)
       .num("inter_node_bandwidth", in.inter_node_bandwidth)
+      .num("device_flops", in.device_flops)
       .str();
 }
 
@@ -151,8 +172,11 @@ std::string format_plan_json(const Plan& plan) {
   }
   if (plan.smallest_cluster) {
     const ClusterSize& c = *plan.smallest_cluster;
-    o.raw("smallest_cluster", json::Object().integer("devices", c.devices).integer("nodes", c.nodes)
-                                  .raw("estimate", estimate_json(c.estimate)).str());
+    o.raw("smallest_cluster", json::Object()
+                                  .integer("devices", c.devices)
+                                  .integer("nodes", c.nodes)
+                                  .raw("estimate", estimate_json(c.estimate))
+                                  .str());
   }
   if (!plan.no_fit_message.empty()) o.str("error", plan.no_fit_message);
   return o.raw("notes", json::array(notes)).str() + "\n";
@@ -182,6 +206,7 @@ cluster:
   --devices-per-node M       default: all devices in one node
   --intra-node-bandwidth BW  per device, default 300GB/s
   --inter-node-bandwidth BW  per device, default 25GB/s
+  --device-tflops F          achieved TFLOP/s per device, for the compute and bubble time (default 100)
   --margin F                 device memory kept free, 0.1 or 10% (default 10%)
 output:
   --json                     one JSON object instead of the table

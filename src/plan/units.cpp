@@ -17,8 +17,8 @@ namespace {
 // (strtod alone would also take "inf", "nan" and "0x..", which no size means).
 std::pair<double, std::string> split_number(const std::string& flag, const std::string& text,
                                             const std::string& example) {
-  const bool decimal = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) || text[0] == '.') &&
-                       text.find_first_of("xX") == std::string::npos;
+  const bool hex = text.size() > 1 && text[0] == '0' && (text[1] == 'x' || text[1] == 'X');
+  const bool decimal = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) || text[0] == '.') && !hex;
   char* end = nullptr;
   const double value = decimal ? std::strtod(text.c_str(), &end) : 0;
   MESHTRAIN_CHECK(decimal && end != text.c_str() && std::isfinite(value) && value > 0, flag, " '", text,
@@ -31,8 +31,9 @@ std::pair<double, std::string> split_number(const std::string& flag, const std::
 // Bytes per unit, or 0 when the unit is unknown.
 double unit_bytes(const std::string& unit) {
   static const std::pair<const char*, double> kUnits[] = {
-      {"B", 1.0},       {"KB", 1e3},           {"MB", 1e6},           {"GB", 1e9},          {"TB", 1e12},
-      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+      {"B", 1.0},         {"KB", 1e3},           {"MB", 1e6},
+      {"GB", 1e9},        {"TB", 1e12},          {"KiB", 1024.0},
+      {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
   for (const auto& u : kUnits)
     if (unit == u.first) return u.second;
   return 0;

@@ -38,11 +38,15 @@ struct Estimate {
   int64_t microbatches = 1;  // per dp rank per step: global / (micro * dp)
   int memory_stage = 0;      // the pipeline stage whose memory is reported (the largest)
   MemoryBytes memory;
-  int comm_stage = 0;        // the stage whose communication is reported (the slowest)
+  int comm_stage = 0;  // the stage whose communication is reported (the slowest)
   CommBytes comm;
   CommSeconds seconds;
-  bool tp_in_node = true;    // each tp group lies inside one node
-  bool fits = false;         // memory.total() <= usable_memory
+  double compute_seconds = 0;  // forward + backward at the devices' throughput, no bubble
+  double bubble_seconds = 0;   // the pipeline's idle time
+  bool tp_in_node = true;      // each tp group lies inside one node
+  bool fits = false;           // memory.total() <= usable_memory
+  // Estimated step time: compute, bubble and communication, nothing overlapped.
+  double step_seconds() const { return compute_seconds + bubble_seconds + seconds.total(); }
 };
 
 // ---- Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation
@@ -95,10 +99,22 @@ int64_t pp_comm_bytes(const GptShape& shape, int64_t micro_batch, int pp, int st
 int64_t tp_comm_bytes(const GptShape& shape, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
                       Precision precision);
 
+// ---- Compute time.
+
+// Training FLOPs per token of meshtrain's GPT: 6 per parameter (2 forward, 4
+// backward: Kaplan et al. 2020, §2.1) plus attention's scores and weighted sum,
+// 12 * layers * s * h (forward 4*s*h per layer, backward twice that); with
+// activation checkpointing the forward runs twice: 8 per parameter, 16 * L*s*h.
+double gpt_training_flops_per_token(const GptShape& shape, int64_t params, bool checkpointing);
+
+// 1F1B keeps pp - 1 of its m + pp - 1 micro-batch slots idle on every stage
+// (Narayanan et al. 2021, §2.2): bubble = compute * (pp - 1) / m.
+double pipeline_bubble_seconds(double compute_seconds, int pp, int64_t microbatches);
+
 // ---- Putting it together.
 
 // Every layout of input.devices ranks meshtrain could run: dp * pp * tp =
-// devices, tp dividing heads and vocabulary, pp <= layers, dp dividing the
+// devices, tp dividing heads and vocabulary, pp <= layers + 2 (pieces), dp dividing the
 // micro-batches of a step; ZeRO 0-3 when dp > 1. Only dp when the shape is unknown.
 std::vector<Layout> candidate_layouts(const PlanInput& input);
 

@@ -30,11 +30,12 @@ struct PlanInput {
 
   // The cluster. Bandwidths are per device and direction.
   int devices = 0;
-  int64_t device_memory = 0;  // bytes
-  int devices_per_node = 0;   // 0: all devices in one node
+  int64_t device_memory = 0;            // bytes
+  int devices_per_node = 0;             // 0: all devices in one node
   double intra_node_bandwidth = 300e9;  // NVLink-class, bytes/s
   double inter_node_bandwidth = 25e9;   // one 200 Gb/s NIC per device, bytes/s
   double memory_margin = 0.10;          // keep this fraction of each device free
+  double device_flops = 100e12;         // achieved (not peak) FLOP/s per device
 
   bool json = false;
 };

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace meshtrain {
 namespace plan {
@@ -33,7 +34,7 @@ struct Layout {
 };
 
 // Why meshtrain cannot cut `shape` this way (tp must divide heads and the
-// vocabulary, pp at most the number of blocks, zero in 0..3), or "" when it can.
+// vocabulary, pp at most the number of pieces, zero in 0..3), or "" when it can.
 std::string layout_problem(const GptShape& shape, const Layout& layout);
 
 // Bytes each parameter costs, by kind of state.
@@ -68,19 +69,41 @@ int64_t gpt_parameter_count(const GptShape& shape);
 // fc2 are row-parallel (weight divided, bias replicated); LayerNorms replicated.
 int64_t block_parameter_count(int64_t hidden, int tp);
 
-// Blocks of pipeline stage `stage` out of `pp`: layers split as evenly as
-// possible, the first layers % pp stages one block more (torch.tensor_split's rule).
-int64_t blocks_on_stage(int64_t layers, int pp, int stage);
+// The GPT as meshtrain's pipeline cuts it (models::num_pieces): piece 0 the
+// embeddings, pieces 1..layers the blocks, piece layers + 1 the final
+// LayerNorm and LM head.
+int64_t num_pieces(const GptShape& shape);
 
-// Parameters one tp rank of pipeline stage `stage` holds: its blocks; on the
-// first stage the embeddings (vocabulary divided by tp, positions replicated);
-// on the last the final LayerNorm and, when the head is untied or tied to an
-// embedding on another stage, its own [V/tp, H] weight.
+// Parameters of piece `piece` held by one tp rank: the embeddings split the
+// vocabulary and replicate the positions; the head holds its LayerNorm and,
+// when untied, a [V/tp, H] weight (a tied head uses the embedding's weight).
+int64_t piece_parameter_count(const GptShape& shape, int tp, int64_t piece);
+
+// What meshtrain's trainer balances its stages by (engine_mesh.cpp,
+// piece_costs): each piece's full parameter count, a tied head counted with
+// the V*H weight it multiplies by.
+std::vector<int64_t> piece_costs(const GptShape& shape);
+
+// The pieces of each of pp stages: pp + 1 boundaries, stage s holds pieces
+// [bounds[s], bounds[s+1]). The same min-max partition as the trainer's
+// pp::partition_balanced (see Note [Stage partition] in model.cpp).
+std::vector<int64_t> stage_bounds(const GptShape& shape, int pp);
+
+// Blocks (transformer layers) on pipeline stage `stage` of `pp`.
+int64_t blocks_on_stage(const GptShape& shape, int pp, int stage);
+
+// Parameters one tp rank of pipeline stage `stage` holds: its pieces'.
 int64_t stage_parameter_count(const GptShape& shape, int pp, int tp, int stage);
 
-// Parameters of the largest unit ZeRO-3 gathers at once on this stage (a
-// block, the embeddings or the head's weight), per tp rank.
+// Parameters of the largest unit ZeRO-3 gathers at once on this stage (one
+// piece: a block, the embeddings or the head), per tp rank.
 int64_t largest_unit_parameter_count(const GptShape& shape, int pp, int tp, int stage);
+
+// Values of the embedding weight the last stage receives every step when the
+// head is tied to an embedding on another stage (Note [Tied embeddings across
+// pipeline stages], engine_mesh.cpp): a [V/tp, H] copy and its gradient, held
+// as buffers, not as parameters. 0 elsewhere.
+int64_t tied_weight_copy_count(const GptShape& shape, int pp, int tp, int stage);
 
 // The model's largest single tensor (the token embedding, or fc1 when 4H > V).
 struct TensorShape {

@@ -41,11 +41,11 @@ struct ClusterSize {
 struct Plan {
   PlanInput input;
   Scenario scenario;
-  std::vector<Estimate> candidates;               // every layout, in (tp, pp, zero) order
-  std::optional<Recommendation> recommendation;   // absent when nothing fits
-  std::optional<ClusterSize> smallest_cluster;    // searched only when nothing fits
-  std::string no_fit_message;                     // non-empty when nothing fits
-  std::vector<std::string> notes;                 // what the estimate leaves out
+  std::vector<Estimate> candidates;              // every layout, in (tp, pp, zero) order
+  std::optional<Recommendation> recommendation;  // absent when nothing fits
+  std::optional<ClusterSize> smallest_cluster;   // searched only when nothing fits
+  std::string no_fit_message;                    // non-empty when nothing fits
+  std::vector<std::string> notes;                // what the estimate leaves out
 };
 
 // Largest cluster the "smallest cluster" search tries.
@@ -56,10 +56,10 @@ Scenario classify_scenario(const PlanInput& input);
 // "dp=8 pp=1 tp=1 ZeRO-0 (DDP)".
 std::string describe_layout(const Layout& layout);
 
-// Orders fitting layouts, best first: tp inside a node, then the fewest model
-// splits (pp * tp: split the model only when it must be, since neither the
-// pipeline bubble nor compute is in the estimate), then the least estimated
-// communication time, then the lower ZeRO stage, then less memory.
+// Orders fitting layouts, best first: tp inside a node, then the shortest
+// estimated step (compute + pipeline bubble + communication; compute is the
+// same for every layout, so this is bubble + communication), then the lower
+// ZeRO stage (DDP overlaps its all-reduce with backward), then less memory.
 bool better_layout(const Estimate& a, const Estimate& b);
 
 // The best fitting layout of input's cluster, if any.

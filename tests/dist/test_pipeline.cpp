@@ -1,0 +1,85 @@
+// Pipelines train exactly like one process: every schedule, pp = 2, 3, 4,
+// micro-batches from 1 to 8, a layer count no stage count divides, and dp x pp
+// with DDP and every ZeRO stage.
+
+#include <gtest/gtest.h>
+
+#include "equivalence.h"
+
+using meshtrain::testing::expect_trains_like_one_process;
+using meshtrain::testing::tiny_gpt;
+
+namespace {
+
+struct Case {
+  std::string schedule;
+  int pp;
+  int microbatches;
+  int virtual_stages;
+  std::string optimizer = "adamw";
+};
+
+class PipelineEquivalence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PipelineEquivalence, GptMatchesOneProcess) {
+  const Case& p = GetParam();
+  auto c = tiny_gpt();
+  c.model.layers = 5;  // 7 pieces: embedding, 5 blocks, head
+  c.pp = p.pp;
+  c.schedule = p.schedule;
+  c.microbatches = p.microbatches;
+  c.virtual_stages = p.virtual_stages;
+  c.optimizer = p.optimizer;
+  if (p.optimizer == "sgd") c.momentum = 0.9;
+  expect_trains_like_one_process(c, p.pp);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int pp : {2, 3, 4}) {
+    out.push_back({"naive", pp, 1, 1});
+    for (const char* s : {"gpipe", "1f1b"}) {
+      for (int m : {1, 3, 8}) out.push_back({s, pp, m, 1});
+      out.push_back({s, pp, 8, 1, "sgd"});
+    }
+  }
+  out.push_back({"interleaved", 2, 2, 2});
+  out.push_back({"interleaved", 2, 8, 3});
+  out.push_back({"interleaved", 2, 8, 3, "sgd"});
+  out.push_back({"interleaved", 3, 6, 2});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineEquivalence, ::testing::ValuesIn(cases()), [](const auto& info) {
+  const Case& c = info.param;
+  return c.schedule + "_pp" + std::to_string(c.pp) + "_m" + std::to_string(c.microbatches) +
+         (c.virtual_stages > 1 ? "_v" + std::to_string(c.virtual_stages) : "") + "_" + c.optimizer;
+});
+
+TEST(Pipeline, DataParallelTimesPipelineWithEveryZeroStage) {
+  for (int zero : {0, 1, 2, 3}) {
+    auto c = tiny_gpt();
+    c.model.layers = 4;
+    c.dp = 2;
+    c.pp = 2;
+    c.zero = zero;
+    c.microbatches = 3;
+    c.bucket_cap_mb = 0.01;
+    expect_trains_like_one_process(c, 4);
+  }
+}
+
+TEST(Pipeline, UntiedHeadAndAnMlp) {
+  auto c = tiny_gpt();
+  c.model.tie_embeddings = false;
+  c.pp = 3;
+  c.microbatches = 4;
+  expect_trains_like_one_process(c, 3);
+  auto mlp = meshtrain::testing::tiny_mlp();
+  mlp.pp = 2;
+  mlp.schedule = "gpipe";
+  mlp.microbatches = 4;
+  expect_trains_like_one_process(mlp, 2);
+}
+
+}  // namespace
