@@ -22,7 +22,9 @@ int64_t stage_params(const PlanInput& in, const Layout& l, int stage) {
   return in.gpt ? stage_parameter_count(*in.gpt, l.pp, l.tp, stage) : in.params;
 }
 
-int64_t stage_activations(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
+}  // namespace
+
+int64_t stage_activation_bytes(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   if (!in.gpt) return 0;  // no shape, no activation estimate (reported as a note)
   const GptShape& s = *in.gpt;
   const int64_t blocks = blocks_on_stage(s, l.pp, stage);
@@ -42,6 +44,8 @@ int64_t stage_activations(const PlanInput& in, const Layout& l, int stage, int64
   if (stage == l.pp - 1) bytes += output_layer_activation_bytes(s, in.micro_batch, l.tp, in.precision);
   return bytes;
 }
+
+namespace {
 
 // Memory held for communication, beyond the model state.
 int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t psi) {
@@ -111,9 +115,13 @@ int64_t output_layer_activation_bytes(const GptShape& s, int64_t micro_batch, in
   return std::llround(4.0 * sbh * (1.0 + static_cast<double>(s.vocab) / s.hidden) / tp * scale);
 }
 
-double gpt_training_flops_per_token(const GptShape& s, int64_t params, bool checkpointing) {
-  const double attention = static_cast<double>(s.layers) * s.seq_len * s.hidden;
-  return checkpointing ? 8.0 * params + 16.0 * attention : 6.0 * params + 12.0 * attention;
+double stage_flops_per_token(const GptShape& s, int pp, int tp, int stage, bool checkpointing) {
+  const double per_weight = checkpointing ? 8.0 : 6.0;
+  const double blocks = static_cast<double>(blocks_on_stage(s, pp, stage));
+  const double attention = blocks * s.seq_len * s.hidden / tp;
+  double weights = blocks * block_parameter_count(s.hidden, tp);
+  if (stage == pp - 1) weights += static_cast<double>(s.vocab / tp) * s.hidden;  // the LM head's matmul
+  return per_weight * weights + 2 * per_weight * attention;
 }
 
 double pipeline_bubble_seconds(double compute_seconds, int pp, int64_t microbatches) {
@@ -178,7 +186,7 @@ MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_
   m.parameters = state.parameters;
   m.gradients = state.gradients;
   m.optimizer = state.optimizer;
-  m.activations = stage_activations(in, l, stage, microbatches);
+  m.activations = stage_activation_bytes(in, l, stage, microbatches);
   m.buffers = stage_buffers(in, l, stage, psi);
   return m;
 }
@@ -207,11 +215,13 @@ Estimate estimate_layout(const PlanInput& in, const Layout& l) {
     }
   }
   if (in.gpt) {
-    // The step's FLOPs spread evenly over the devices (tp splits the matrices,
-    // pp the layers, dp the batch); without a shape the tokens are unknown.
-    const double tokens = static_cast<double>(global_batch_of(in)) * in.gpt->seq_len;
-    const double flops = tokens * gpt_training_flops_per_token(*in.gpt, in.params, in.activation_checkpointing);
-    e.compute_seconds = flops / in.devices / in.device_flops;
+    // Each dp replica processes its share of the step's tokens; its slowest
+    // stage sets the pace. Without a shape the tokens are unknown.
+    const double tokens = static_cast<double>(global_batch_of(in)) * in.gpt->seq_len / l.dp;
+    double flops = 0;
+    for (int stage = 0; stage < l.pp; ++stage)
+      flops = std::max(flops, tokens * stage_flops_per_token(*in.gpt, l.pp, l.tp, stage, in.activation_checkpointing));
+    e.compute_seconds = flops / in.device_flops;
     e.bubble_seconds = pipeline_bubble_seconds(e.compute_seconds, l.pp, e.microbatches);
   }
   e.tp_in_node = devices_per_node_of(in) % l.tp == 0;

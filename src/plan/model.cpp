@@ -131,11 +131,12 @@ std::vector<int64_t> partition_min_max(const std::vector<int64_t>& costs, int pa
 
 }  // namespace
 
-std::vector<int64_t> stage_bounds(const GptShape& s, int pp) {
+const std::vector<int64_t>& stage_bounds(const GptShape& s, int pp) {
   MESHTRAIN_CHECK(pp >= 1 && pp <= num_pieces(s), "pp ", pp, " is more than the ", num_pieces(s),
                   " pieces of the GPT (embedding, ", s.layers, " blocks, head)");
   // The planner asks for the same few partitions for every layout and cluster
   // size it tries: remember them (the dynamic program is O(pp * pieces^2)).
+  // Entries are never erased, so the references handed out stay valid.
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int>;
   static std::mutex mutex;
   static std::map<Key, std::vector<int64_t>> cache;
@@ -147,21 +148,21 @@ std::vector<int64_t> stage_bounds(const GptShape& s, int pp) {
 }
 
 int64_t blocks_on_stage(const GptShape& s, int pp, int stage) {
-  const std::vector<int64_t> b = stage_bounds(s, pp);
+  const std::vector<int64_t>& b = stage_bounds(s, pp);
   // Blocks are pieces 1..layers.
   const int64_t first = std::max<int64_t>(b[stage], 1), last = std::min<int64_t>(b[stage + 1], s.layers + 1);
   return std::max<int64_t>(0, last - first);
 }
 
 int64_t stage_parameter_count(const GptShape& s, int pp, int tp, int stage) {
-  const std::vector<int64_t> b = stage_bounds(s, pp);
+  const std::vector<int64_t>& b = stage_bounds(s, pp);
   int64_t n = 0;
   for (int64_t piece = b[stage]; piece < b[stage + 1]; ++piece) n += piece_parameter_count(s, tp, piece);
   return n;
 }
 
 int64_t largest_unit_parameter_count(const GptShape& s, int pp, int tp, int stage) {
-  const std::vector<int64_t> b = stage_bounds(s, pp);
+  const std::vector<int64_t>& b = stage_bounds(s, pp);
   int64_t unit = 0;
   for (int64_t piece = b[stage]; piece < b[stage + 1]; ++piece)
     unit = std::max(unit, piece_parameter_count(s, tp, piece));

@@ -1,6 +1,7 @@
 #include "meshtrain/plan/planner.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "meshtrain/plan/units.h"
@@ -78,9 +79,15 @@ std::string no_fit_message(const Plan& plan) {
                    "): ", describe_layout(c.estimate.layout), " at ", gigabytes(c.estimate.memory.total()),
                    " GB per device", c.estimate.tp_in_node ? "." : " (tp across nodes).");
   } else {
+    const int64_t floor = activation_floor_bytes(in);
+    const std::string why =
+        static_cast<double>(floor) > usable_memory(in)
+            ? str_cat(": the activations alone need at least ", gigabytes(static_cast<double>(floor)),
+                      " GB on the busiest device, whatever the layout")
+            : "";
     msg += str_cat(" No cluster of up to ", with_commas(kMaxSearchDevices), " devices (in nodes of ",
-                   devices_per_node_of(in), ") fits: try a smaller --micro-batch, --activation-checkpointing, ",
-                   "or devices with more memory.");
+                   devices_per_node_of(in), ") fits", why, "; try a smaller --micro-batch, ",
+                   "--activation-checkpointing, or devices with more memory.");
   }
   if (!in.activation_checkpointing && in.gpt) msg += checkpointing_hint(in);
   return msg;
@@ -159,18 +166,38 @@ std::optional<Recommendation> recommend(const PlanInput& in, const std::vector<E
   }
   if (!best) return std::nullopt;
   const Layout& l = best->layout;
-  std::string reason =
-      str_cat(describe_layout(l), ": needs ", gigabytes(best->memory.total()), " GB of ", usable_of(in), "; of the ",
-              fitting, " layouts that fit, it has the shortest estimated step, ", seconds_text(best->step_seconds()),
-              " s (compute ", seconds_text(best->compute_seconds), ", pipeline bubble ",
-              seconds_text(best->bubble_seconds), ", communication ", seconds_text(best->seconds.total()), ")");
+  std::string reason = str_cat(
+      describe_layout(l), ": needs ", gigabytes(best->memory.total()), " GB of ", usable_of(in), "; of the ", fitting,
+      fitting == 1 ? " layout that fits" : " layouts that fit", ", it has the shortest estimated step, ",
+      seconds_text(best->step_seconds()), " s (compute ", seconds_text(best->compute_seconds), ", pipeline bubble ",
+      seconds_text(best->bubble_seconds), ", communication ", seconds_text(best->seconds.total()), ")");
   if (l.tp > 1 && best->tp_in_node)
     reason += str_cat("; tp=", l.tp, " stays inside a node of ", devices_per_node_of(in));
   if (!best->tp_in_node) reason += "; no layout fits with tp inside a node, so tp crosses the slower inter-node link";
   return Recommendation{*best, reason};
 }
 
+int64_t activation_floor_bytes(const PlanInput& in) {
+  if (!in.gpt) return 0;
+  int64_t floor = INT64_MAX;
+  for (int tp = 1; tp <= in.gpt->heads; ++tp) {
+    if (!layout_problem(*in.gpt, Layout{1, 1, tp, 0}).empty()) continue;
+    for (int pp = 1; pp <= num_pieces(*in.gpt); ++pp) {
+      // With the default global batch (micro-batch x devices) a step has
+      // devices / dp = pp * tp micro-batches; a given batch allows as few as 1.
+      const int64_t microbatches = in.global_batch == 0 ? static_cast<int64_t>(pp) * tp : 1;
+      int64_t busiest = 0;
+      for (int stage = 0; stage < pp && busiest < floor; ++stage)
+        busiest = std::max(busiest, stage_activation_bytes(in, Layout{1, pp, tp, 0}, stage, microbatches));
+      floor = std::min(floor, busiest);
+    }
+  }
+  return floor;
+}
+
 std::optional<ClusterSize> find_smallest_cluster(const PlanInput& in) {
+  // More devices shrink the model state per device, not the activations below this.
+  if (static_cast<double>(activation_floor_bytes(in)) > usable_memory(in)) return std::nullopt;
   const int per_node = devices_per_node_of(in);
   // No layout exists beyond (micro-batches) x (max tp) x (max pp) devices.
   const int64_t max_model_splits = in.gpt ? in.gpt->heads * num_pieces(*in.gpt) : 1;

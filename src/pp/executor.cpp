@@ -40,7 +40,17 @@ StepResult PipelineExecutor::run(const std::vector<at::Tensor>& inputs, const st
   std::map<std::pair<int, int>, at::Tensor> in, out, grad_out;
   std::map<std::pair<int, int>, at::Tensor> local;  // activations/gradients handed to a stage on this rank
   std::vector<comm::WorkPtr> sends;
-  auto receive = [&](const Action& a, int tag) {
+  // Every receive of the step is posted now, so that small activations and
+  // gradients land while this rank computes (see Note [Point-to-point messages]).
+  std::map<size_t, comm::WorkPtr> posted;
+  for (size_t i = 0; i < actions_.size(); ++i) {
+    const Action& a = actions_[i];
+    if (a.peer == me) continue;
+    if (a.kind == ActionKind::kRecvActivation) posted[i] = pp_->irecv_any(a.peer, activation_tag(a.stage, a.microbatch));
+    if (a.kind == ActionKind::kRecvGrad) posted[i] = pp_->irecv_any(a.peer, gradient_tag(a.stage, a.microbatch));
+  }
+  size_t index = 0;  // of the action being run
+  auto receive = [&](const Action& a, int) {
     if (a.peer == me) {
       auto it = local.find({a.stage, a.microbatch});
       MESHTRAIN_CHECK(it != local.end(), "pipeline: local hand-off ", to_string(a), " missing");
@@ -48,7 +58,11 @@ StepResult PipelineExecutor::run(const std::vector<at::Tensor>& inputs, const st
       local.erase(it);
       return t;
     }
-    return pp_->recv_any(a.peer, tag);
+    comm::WorkPtr& w = posted.at(index);
+    w->wait();
+    at::Tensor t = w->result().at(0);
+    w.reset();
+    return t;
   };
   auto send = [&](const Action& a, const at::Tensor& t, int tag) {
     if (a.peer == me) {
@@ -57,7 +71,8 @@ StepResult PipelineExecutor::run(const std::vector<at::Tensor>& inputs, const st
       sends.push_back(pp_->isend(t, a.peer, tag));
     }
   };
-  for (const Action& a : actions_) {
+  for (; index < actions_.size(); ++index) {
+    const Action& a = actions_[index];
     const std::pair<int, int> key{a.stage, a.microbatch};
     switch (a.kind) {
       case ActionKind::kRecvActivation: {  // the output of stage a.stage becomes the input of a.stage + 1

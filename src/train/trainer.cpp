@@ -7,10 +7,12 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include "engine.h"
 #include "meshtrain/dp/params.h"
 #include "meshtrain/models/models.h"
+#include "meshtrain/pp/trace.h"
 #include "meshtrain/train/evaluate.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/util/error.h"
@@ -89,16 +91,61 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     }
   }
 
+  // The last step's pipeline timeline, every rank's events on rank 0.
+  std::string pipeline_json;
+  if (c.pp > 1 || c.virtual_stages > 1) {
+    std::string mine_events;
+    for (const auto& e : engine->last_trace()) {
+      mine_events += str_cat(world->rank(), " ", e.stage, " ", e.microbatch, " ", e.forward ? 1 : 0, " ", e.start, " ",
+                             e.end, "\n");
+    }
+    const std::vector<std::string> all = gather_strings(*metrics, mine_events);
+    at::Tensor in_flight = at::tensor({static_cast<int64_t>(engine->max_activations_in_flight())});
+    metrics->all_reduce(in_flight, comm::ReduceOp::kMax);
+    if (chief) {
+      // Keep one pipeline (the ranks of dp 0, tp 0), renumbered by pipeline rank.
+      std::vector<pp::TraceEvent> events;
+      for (int r = 0; r < world->size(); ++r) {
+        if (r % c.tp != 0 || r >= c.pp * c.tp) continue;
+        std::istringstream in(all[r]);
+        pp::TraceEvent e{};
+        int rank = 0, fwd = 0;
+        while (in >> rank >> e.stage >> e.microbatch >> fwd >> e.start >> e.end) {
+          e.rank = r / c.tp;
+          e.forward = fwd != 0;
+          events.push_back(e);
+        }
+      }
+      const pp::BubbleStats b = pp::bubble_of(events, c.pp);
+      const pp::ScheduleSpec spec{c.schedule, c.pp, c.microbatches, c.virtual_stages};
+      pipeline_json = json::Object()
+                          .num("bubble_measured", b.bubble)
+                          .num("bubble_ideal", pp::ideal_bubble(spec))
+                          .num("last_step_span_s", b.span)
+                          .integer("max_activations_in_flight", in_flight.item<int64_t>())
+                          .str();
+      if (!c.trace.empty()) {
+        const std::string svg = pp::write_trace_files(
+            c.trace, events, c.pp,
+            str_cat(c.schedule, ", pp ", c.pp, ", ", c.microbatches, " micro-batches", c.virtual_stages > 1 ? str_cat(", V ", c.virtual_stages) : ""));
+        if (options.verbose) std::printf("pipeline timeline of the last step: %s (Chrome trace), %s\n", c.trace.c_str(), svg.c_str());
+      }
+    }
+  }
+
   const comm::Traffic traffic = engine->traffic();
   const StateBytes state = engine->state_bytes();
   result.full_parameters = engine->full_parameters();
   if (chief && options.evaluate && c.eval_problems > 0) result.accuracy = accuracy_of(c, result.full_parameters);
 
+  json::Object by_axis;
+  for (const auto& kv : engine->traffic_by_axis()) by_axis.raw(kv.first, traffic_json(kv.second, c.steps));
   const std::string mine = json::Object()
                                .integer("rank", world->rank())
                                .integer("peak_rss_bytes", peak_rss_bytes())
                                .raw("state_bytes", state_bytes_json(state))
                                .raw("traffic", traffic_json(traffic, c.steps))
+                               .raw("traffic_by_axis", by_axis.str())
                                .str();
   const std::vector<std::string> ranks = gather_strings(*metrics, mine);
   if (chief) {
@@ -115,6 +162,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                               .num("samples_per_s", samples)
                               .num("tokens_per_s", c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0)
                               .num("accuracy", result.accuracy)
+                              .raw("pipeline", pipeline_json.empty() ? "null" : pipeline_json)
                               .raw("ranks", json::array(rss))
                               .str();
     if (!c.metrics_out.empty()) {

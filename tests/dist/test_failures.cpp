@@ -118,10 +118,11 @@ TEST(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
     EXPECT_THROW(comm.reduce_scatter(d), MismatchError);
   });
   run_ranks(2, [](Communicator& comm) {
-    // A receive into a tensor of another shape: the receiver raises; the sender's
-    // message is never taken, so its send fails once the receiver has gone.
+    // A receive into a tensor of another shape: the receiver raises. (A small
+    // message was delivered whole, so the sender's send completes; a large
+    // one would fail once the receiver has gone.)
     if (comm.rank() == 0) {
-      EXPECT_THROW(comm.send(torch::ones({8}), 1), meshtrain::comm::CommError);
+      comm.send(torch::ones({8}), 1);
     } else {
       auto small = torch::zeros({4});
       EXPECT_THROW(comm.recv(small, 0), MismatchError);

@@ -41,7 +41,7 @@ struct Estimate {
   int comm_stage = 0;  // the stage whose communication is reported (the slowest)
   CommBytes comm;
   CommSeconds seconds;
-  double compute_seconds = 0;  // forward + backward at the devices' throughput, no bubble
+  double compute_seconds = 0;  // the slowest stage's forward + backward at the devices' throughput
   double bubble_seconds = 0;   // the pipeline's idle time
   bool tp_in_node = true;      // each tp group lies inside one node
   bool fits = false;           // memory.total() <= usable_memory
@@ -72,6 +72,12 @@ int64_t output_layer_activation_bytes(const GptShape& shape, int64_t micro_batch
 // most the number of micro-batches; without a pipeline, one (accumulation).
 int64_t microbatches_in_flight(int pp, int stage, int64_t microbatches);
 
+// Activations stage `stage` of layout `l` holds at its peak: its blocks times
+// the micro-batches in flight (layer inputs only, plus one layer being
+// recomputed, with checkpointing), and on the last stage the output layer's.
+// 0 without a GPT shape.
+int64_t stage_activation_bytes(const PlanInput& input, const Layout& l, int stage, int64_t microbatches);
+
 // ---- Communication per device per step.
 
 // A ring all-reduce of `bytes` over n ranks sends 2 (n-1)/n * bytes per rank
@@ -101,11 +107,13 @@ int64_t tp_comm_bytes(const GptShape& shape, int64_t micro_batch, int tp, int64_
 
 // ---- Compute time.
 
-// Training FLOPs per token of meshtrain's GPT: 6 per parameter (2 forward, 4
-// backward: Kaplan et al. 2020, §2.1) plus attention's scores and weighted sum,
-// 12 * layers * s * h (forward 4*s*h per layer, backward twice that); with
-// activation checkpointing the forward runs twice: 8 per parameter, 16 * L*s*h.
-double gpt_training_flops_per_token(const GptShape& shape, int64_t params, bool checkpointing);
+// Training FLOPs per token one tp rank of pipeline stage `stage` performs:
+// 6 per weight it multiplies by (2 forward, 4 backward: Kaplan et al. 2020,
+// §2.1) — each block's matrices, and the head's [V/tp, H] weight, tied or
+// not; the embedding lookup is free — plus attention's scores and weighted
+// sum, 12 * s * h / tp per block (4 s h forward, twice that backward). With
+// activation checkpointing the forward runs twice: 8 instead of 6, 16 instead of 12.
+double stage_flops_per_token(const GptShape& shape, int pp, int tp, int stage, bool checkpointing);
 
 // 1F1B keeps pp - 1 of its m + pp - 1 micro-batch slots idle on every stage
 // (Narayanan et al. 2021, §2.2): bubble = compute * (pp - 1) / m.

@@ -87,7 +87,7 @@ std::vector<int64_t> piece_costs(const GptShape& shape);
 // The pieces of each of pp stages: pp + 1 boundaries, stage s holds pieces
 // [bounds[s], bounds[s+1]). The same min-max partition as the trainer's
 // pp::partition_balanced (see Note [Stage partition] in model.cpp).
-std::vector<int64_t> stage_bounds(const GptShape& shape, int pp);
+const std::vector<int64_t>& stage_bounds(const GptShape& shape, int pp);
 
 // Blocks (transformer layers) on pipeline stage `stage` of `pp`.
 int64_t blocks_on_stage(const GptShape& shape, int pp, int stage);

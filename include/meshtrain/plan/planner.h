@@ -65,6 +65,11 @@ bool better_layout(const Estimate& a, const Estimate& b);
 // The best fitting layout of input's cluster, if any.
 std::optional<Recommendation> recommend(const PlanInput& input, const std::vector<Estimate>& candidates);
 
+// The least activation memory the busiest device can have on any cluster:
+// the best tp and pp, with as few micro-batches in flight as the global batch
+// allows. Above usable_memory, no cluster size fits and the search is skipped.
+int64_t activation_floor_bytes(const PlanInput& input);
+
 // Tries clusters of k * devices_per_node devices, k = 1, 2, ... up to
 // kMaxSearchDevices; the first on which a layout fits.
 std::optional<ClusterSize> find_smallest_cluster(const PlanInput& input);

@@ -320,6 +320,15 @@ class P2PWork : public Work {
 
 }  // namespace
 
+// Note [Point-to-point messages]
+// A message is a Header (dtype, shape), followed in the same gloo message by
+// the payload when it fits CommOptions::inline_bytes, else by a second message.
+// The receiver posts a buffer of header + inline_bytes at irecv time, so small
+// payloads (pipeline activations of small models) arrive while the receiver
+// computes and cost no extra round trip; a payload too large for the buffer is
+// announced by its header and received into a tensor of the announced size, so
+// a receiver can never be overrun.
+
 WorkPtr GlooCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
   check_tensor(tensor, "send", "tensor");
   check_peer(dst, "send");
@@ -328,44 +337,53 @@ WorkPtr GlooCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
   MESHTRAIN_CHECK(tensor.dim() <= 8, where("send"), ": tensors of more than 8 dims are not "
                   "supported (got ", tensor.dim(), "); reshape before sending");
   counter_.add_call(OpKind::kSend);
-  auto header = std::make_shared<Header>(describe(tensor));
-  auto data = tensor.contiguous();
-  auto h = std::make_shared<Transfer>(
-      post_send(header.get(), sizeof(Header), dst, p2p_slot(tag, false), OpKind::kVerify));
+  at::Tensor data = tensor.contiguous();
+  Header header = describe(data);
+  const bool inline_payload = fits_inline(static_cast<int64_t>(data.nbytes()));
+  header.inline_bytes = inline_payload ? static_cast<int64_t>(data.nbytes()) : 0;
+  auto message = std::make_shared<at::Tensor>(at::empty({static_cast<int64_t>(sizeof(Header)) + header.inline_bytes}, at::kByte));
+  std::memcpy(message->data_ptr(), &header, sizeof(Header));
+  if (inline_payload && data.nbytes() > 0) {
+    std::memcpy(static_cast<uint8_t*>(message->data_ptr()) + sizeof(Header), data.data_ptr(), data.nbytes());
+  }
+  auto h = std::make_shared<Transfer>(post_send(message->data_ptr(), message->nbytes(), dst, p2p_slot(tag, false), OpKind::kVerify));
   h->op = "send";
+  counter_.add_sent(OpKind::kSend, header.inline_bytes);  // the payload part of that message
+  counter_.add_sent(OpKind::kVerify, -header.inline_bytes);
   auto d = std::make_shared<Transfer>();
-  if (data.numel() > 0) {
+  if (!inline_payload && data.numel() > 0) {
     *d = post_send(data.data_ptr(), data.nbytes(), dst, p2p_slot(tag, true), OpKind::kSend);
   }
-  return std::make_shared<P2PWork>([this, header, data, h, d](std::vector<at::Tensor>&) {
+  return std::make_shared<P2PWork>([this, message, data, h, d](std::vector<at::Tensor>&) {
     wait(*h);
     wait(*d);
   });
 }
 
+namespace {
+
+// The receiving side of a point-to-point message (see the Note).
+struct Incoming {
+  at::Tensor buffer;  // header + inline capacity
+  Transfer header;
+  const Header& get() const { return *static_cast<const Header*>(buffer.data_ptr()); }
+  const uint8_t* payload() const { return static_cast<const uint8_t*>(buffer.data_ptr()) + sizeof(Header); }
+};
+
+}  // namespace
+
 WorkPtr GlooCommunicator::irecv(at::Tensor tensor, int src, int tag) {
   check_tensor(tensor, "recv", "tensor");
   check_peer(src, "recv");
-  counter_.add_call(OpKind::kRecv);
-  auto header = std::make_shared<Header>();
-  auto h = std::make_shared<Transfer>(
-      post_recv(header.get(), sizeof(Header), src, p2p_slot(tag, false), OpKind::kVerify));
-  h->op = "recv";
-  return std::make_shared<P2PWork>([this, header, h, tensor, src, tag](std::vector<at::Tensor>& out) {
-    wait(*h);
-    const Header mine = describe(tensor);
-    if (header->dtype != mine.dtype || header->numel != mine.numel || header->ndim != mine.ndim ||
-        std::memcmp(header->shape, mine.shape, sizeof mine.shape) != 0) {
-      throw MismatchError(str_cat(where("recv"), ": ", peer_name(src), " sent ",
-                                  shape_string(*header), " with tag ", tag,
-                                  " but the receiving tensor is ", shape_string(mine)));
+  auto work = irecv_any(src, tag);
+  return std::make_shared<P2PWork>([this, work, tensor, src, tag](std::vector<at::Tensor>& out) {
+    work->wait();
+    const at::Tensor& got = work->result().at(0);
+    if (got.scalar_type() != tensor.scalar_type() || got.sizes() != tensor.sizes()) {
+      throw MismatchError(str_cat(where("recv"), ": ", peer_name(src), " sent ", shape_string(describe(got)),
+                                  " with tag ", tag, " but the receiving tensor is ", shape_string(describe(tensor))));
     }
-    at::Tensor target = tensor.is_contiguous() ? tensor : at::empty_like(tensor, at::MemoryFormat::Contiguous);
-    if (target.numel() > 0) {
-      Transfer d = post_recv(target.data_ptr(), target.nbytes(), src, p2p_slot(tag, true), OpKind::kRecv);
-      wait(d);
-    }
-    if (!tensor.is_contiguous()) tensor.copy_(target);
+    tensor.copy_(got);
     out = {tensor};
   });
 }
@@ -373,21 +391,30 @@ WorkPtr GlooCommunicator::irecv(at::Tensor tensor, int src, int tag) {
 WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
   check_peer(src, "recv");
   counter_.add_call(OpKind::kRecv);
-  auto header = std::make_shared<Header>();
-  auto h = std::make_shared<Transfer>(
-      post_recv(header.get(), sizeof(Header), src, p2p_slot(tag, false), OpKind::kVerify));
-  h->op = "recv";
-  return std::make_shared<P2PWork>([this, header, h, src, tag](std::vector<at::Tensor>& out) {
-    wait(*h);
-    if (header->magic != Header().magic || header->ndim < 0 || header->ndim > 8) {
+  auto in = std::make_shared<Incoming>();
+  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+  in->buffer = at::empty({capacity}, at::kByte);
+  in->header = post_recv(in->buffer.data_ptr(), capacity, src, p2p_slot(tag, false), OpKind::kVerify);
+  in->header.op = "recv";
+  return std::make_shared<P2PWork>([this, in, capacity, src, tag](std::vector<at::Tensor>& out) {
+    wait(in->header);
+    const Header& h = in->get();
+    if (h.magic != Header().magic || h.ndim < 0 || h.ndim > 8 || h.inline_bytes < 0 || h.inline_bytes > options_.inline_bytes) {
       throw CommError(str_cat(where("recv"), ": malformed message header from ", peer_name(src)));
     }
-    std::vector<int64_t> shape(header->shape, header->shape + header->ndim);
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(header->dtype)));
-    if (t.numel() > 0) {
+    // wait() counted the posted capacity: count what arrived, the payload as data.
+    counter_.add_received(OpKind::kVerify, static_cast<int64_t>(sizeof(Header)) - capacity);
+    counter_.add_received(OpKind::kRecv, h.inline_bytes);
+    std::vector<int64_t> shape(h.shape, h.shape + h.ndim);
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(h.dtype)));
+    if (h.inline_bytes > 0) {
+      MESHTRAIN_CHECK(static_cast<int64_t>(t.nbytes()) == h.inline_bytes, where("recv"), ": inconsistent header from ", peer_name(src));
+      std::memcpy(t.data_ptr(), in->payload(), h.inline_bytes);
+    } else if (t.numel() > 0) {
       Transfer d = post_recv(t.data_ptr(), t.nbytes(), src, p2p_slot(tag, true), OpKind::kRecv);
       wait(d);
     }
+    in->buffer = at::Tensor();
     out = {t};
   });
 }
