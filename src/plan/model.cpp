@@ -1,5 +1,7 @@
 #include "meshtrain/plan/model.h"
 
+#include "meshtrain/pp/schedule.h"
+
 #include <algorithm>
 #include <climits>
 #include <map>
@@ -7,6 +9,7 @@
 #include <tuple>
 
 #include "meshtrain/plan/units.h"
+#include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
@@ -90,47 +93,9 @@ std::vector<int64_t> piece_costs(const GptShape& s) {
   return costs;
 }
 
-// Note [Stage partition]
-// meshtrain's trainer cuts the pieces into stages with pp::partition_balanced
-// (src/pp/schedule.cpp): the contiguous partition minimizing the largest
-// stage's cost, by dynamic programming, ties broken towards the smallest cut
-// (the most pieces on the later stages). This is the same algorithm, kept
-// here so the planner builds without the rest of the library; a stage that
-// differs from the trainer's would make every per-stage estimate wrong, so
-// when the two are linked together, prefer calling pp::partition_balanced.
-namespace {
-
-std::vector<int64_t> partition_min_max(const std::vector<int64_t>& costs, int parts) {
-  const int n = static_cast<int>(costs.size());
-  std::vector<int64_t> prefix(n + 1, 0);
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
-  // best[k][i]: the least largest cost of cutting the first i pieces into k parts.
-  std::vector<std::vector<int64_t>> best(parts + 1, std::vector<int64_t>(n + 1, INT64_MAX));
-  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
-  best[0][0] = 0;
-  for (int k = 1; k <= parts; ++k) {
-    for (int i = k; i <= n; ++i) {
-      for (int j = k - 1; j < i; ++j) {
-        if (best[k - 1][j] == INT64_MAX) continue;
-        const int64_t v = std::max(best[k - 1][j], prefix[i] - prefix[j]);
-        if (v < best[k][i]) {
-          best[k][i] = v;
-          cut[k][i] = j;
-        }
-      }
-    }
-  }
-  std::vector<int64_t> bounds(parts + 1);
-  bounds[parts] = n;
-  for (int k = parts, i = n; k > 0; --k) {
-    i = cut[k][i];
-    bounds[k - 1] = i;
-  }
-  return bounds;
-}
-
-}  // namespace
-
+// The stages are cut exactly as the trainer cuts them (pp::partition_balanced
+// over the same piece costs): a stage that differed would make every
+// per-stage estimate wrong.
 const std::vector<int64_t>& stage_bounds(const GptShape& s, int pp) {
   MESHTRAIN_CHECK(pp >= 1 && pp <= num_pieces(s), "pp ", pp, " is more than the ", num_pieces(s),
                   " pieces of the GPT (embedding, ", s.layers, " blocks, head)");
@@ -143,7 +108,7 @@ const std::vector<int64_t>& stage_bounds(const GptShape& s, int pp) {
   const Key key{s.layers, s.hidden, s.vocab, s.seq_len, s.tie_embeddings, pp};
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, partition_min_max(piece_costs(s), pp)).first;
+  if (it == cache.end()) it = cache.emplace(key, pp::partition_balanced(piece_costs(s), pp)).first;
   return it->second;
 }
 

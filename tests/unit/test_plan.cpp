@@ -198,6 +198,10 @@ TEST(Plan, ActivationAndCommunicationFormulas) {
   EXPECT_EQ(microbatches_in_flight(4, 0, 2), 2);
   EXPECT_EQ(microbatches_in_flight(1, 0, 8), 1);
 
+  // 1F1B bubble: (pp - 1) / m of the compute.
+  EXPECT_DOUBLE_EQ(pipeline_bubble_seconds(1.0, 4, 12), 0.25);
+  EXPECT_DOUBLE_EQ(pipeline_bubble_seconds(1.0, 1, 12), 0.0);
+
   // DDP 2 psi (n-1)/n, ZeRO-3 1.5x that (one micro-batch).
   EXPECT_EQ(dp_comm_bytes(1000, 2, 0, 4, 1), 3000);
   EXPECT_EQ(dp_comm_bytes(1000, 2, 1, 4, 1), 3000);
@@ -367,6 +371,30 @@ TEST(Plan, FitsNowhereNamesTheSmallestCluster) {
   const Plan single = make_plan(parse_plan_args(split_args(args + " --devices-per-node 1")));
   ASSERT_TRUE(single.smallest_cluster);
   EXPECT_EQ(single.smallest_cluster->devices, 9);
+}
+
+TEST(Plan, ActivationsBeyondAnyClusterSuggestCheckpointing) {
+  // 80 layers of hidden 8,192 at seq-len 4,096: under 1F1B the first stage
+  // holds about all 80 layers' activations whatever pp and tp, more than a
+  // 16 GB device; keeping only layer inputs makes it fit on more devices.
+  const std::string args =
+      "--layers 80 --hidden 8192 --heads 64 --vocab 128000 --seq-len 4096 --precision bf16-mixed "
+      "--devices 8 --device-memory 16GB";
+  const PlanInput in = parse_plan_args(split_args(args));
+  EXPECT_GT(activation_floor_bytes(in), usable_memory(in));
+  const Plan plan = make_plan(in);
+  EXPECT_FALSE(plan.recommendation);
+  EXPECT_FALSE(plan.smallest_cluster);
+  EXPECT_NE(plan.no_fit_message.find("the activations alone need at least"), std::string::npos) << plan.no_fit_message;
+  EXPECT_NE(plan.no_fit_message.find("With --activation-checkpointing the smallest cluster that fits has"),
+            std::string::npos)
+      << plan.no_fit_message;
+
+  PlanInput checkpointed = in;
+  checkpointed.activation_checkpointing = true;
+  EXPECT_LT(activation_floor_bytes(checkpointed), usable_memory(checkpointed));
+  const Layout l{1, 8, 1, 0};
+  EXPECT_LT(stage_activation_bytes(checkpointed, l, 0, 8), stage_activation_bytes(in, l, 0, 8));
 }
 
 TEST(Plan, RunPlanPrintsTableOrJson) {

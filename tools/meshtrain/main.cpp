@@ -4,6 +4,7 @@
 
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/plan/planner.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/error.h"
@@ -12,6 +13,9 @@ using namespace meshtrain;
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
+  if (!args.empty() && args[0] == "plan") {
+    return plan::run_plan(std::vector<std::string>(args.begin() + 1, args.end()), std::cout);
+  }
   try {
     train::TrainConfig config = train::parse_train_args(args);
     // Everything that can be checked is checked before any communication.

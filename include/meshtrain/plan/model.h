@@ -85,8 +85,7 @@ int64_t piece_parameter_count(const GptShape& shape, int tp, int64_t piece);
 std::vector<int64_t> piece_costs(const GptShape& shape);
 
 // The pieces of each of pp stages: pp + 1 boundaries, stage s holds pieces
-// [bounds[s], bounds[s+1]). The same min-max partition as the trainer's
-// pp::partition_balanced (see Note [Stage partition] in model.cpp).
+// [bounds[s], bounds[s+1]). The trainer's own partition (pp::partition_balanced).
 const std::vector<int64_t>& stage_bounds(const GptShape& shape, int pp);
 
 // Blocks (transformer layers) on pipeline stage `stage` of `pp`.

@@ -5,7 +5,7 @@
 //   scenario 1  the model, its activations and its optimizer state fit on one
 //               device (plain DDP fits): data parallel (DDP, ZeRO)
 //   scenario 2  they do not, but the largest single tensor with its gradient
-//               and optimizer state does: pipeline and/or tensor parallel (or ZeRO-3)
+//               and optimizer state does: pipeline and/or tensor parallel (or ZeRO)
 //   scenario 3  even that tensor does not fit: tensor parallel (split the tensor)
 //
 // "Fits" always means within usable_memory(): device memory minus the margin.
