@@ -4,12 +4,28 @@
 
 #include <cmath>
 
+#include "meshtrain/tp/ops.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
 namespace models {
 
 namespace {
+
+void check_tp(const ModelConfig& c, const BuildContext& ctx) {
+  const int t = tp::tp_size(ctx.tp);
+  if (c.kind != "gpt" || t == 1) return;
+  auto divisors = [](int64_t n) {
+    std::string out;
+    for (int64_t d = 1; d <= n && d <= 64; ++d)
+      if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+    return out;
+  };
+  MESHTRAIN_CHECK(c.heads % t == 0, "tp ", t, " does not divide --heads ", c.heads, " (attention heads are split over tp); choose tp in {", divisors(c.heads), "}");
+  MESHTRAIN_CHECK(c.vocab % t == 0, "tp ", t, " does not divide --vocab ", c.vocab, " (the vocabulary is split over tp); choose tp in {", divisors(c.vocab), "} or a vocabulary divisible by ", t);
+  MESHTRAIN_CHECK(!ctx.sequence_parallel || c.seq_len % t == 0, "--sequence-parallel splits the sequence over tp: tp ", t,
+                  " does not divide --seq-len ", c.seq_len, "; choose tp in {", divisors(c.seq_len), "}");
+}
 
 void check_config(const ModelConfig& c) {
   MESHTRAIN_CHECK(c.kind == "gpt" || c.kind == "mlp", "unknown model '", c.kind, "'; use gpt or mlp");
@@ -31,9 +47,10 @@ torch::nn::LayerNorm layer_norm(int64_t h) {
 
 int64_t num_pieces(const ModelConfig& c) { return c.kind == "gpt" ? c.layers + 2 : c.layers; }
 
-GptEmbeddingImpl::GptEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx) {
+GptEmbeddingImpl::GptEmbeddingImpl(const ModelConfig& c, const BuildContext& context) : ctx(context) {
   tok = register_module("tok", tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(c.vocab, c.hidden)
                                                               .tp(ctx.tp)
+                                                              .sequence_parallel(ctx.sequence_parallel)
                                                               .seed(c.seed)
                                                               .name("embed.tok")));
   pos = register_parameter("pos", init_full(c.seed, "embed.pos", InitSpec::normal(0, 0.01), {c.seq_len, c.hidden}));
@@ -42,10 +59,18 @@ GptEmbeddingImpl::GptEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx
 at::Tensor GptEmbeddingImpl::forward(const at::Tensor& tokens) {
   MESHTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) <= pos.size(0), "GPT input must be [batch, seq <= ",
                   pos.size(0), "] token ids; got ", tokens.sizes());
-  return tok->forward(tokens) + pos.narrow(0, 0, tokens.size(1));
+  at::Tensor x = tok->forward(tokens);
+  if (ctx.sequence_parallel && tp::tp_size(ctx.tp) > 1) {
+    // This rank holds positions [r*T/tp, (r+1)*T/tp) and adds those rows, so
+    // each rank's gradient covers its rows only: copy_to_tp (before slicing)
+    // sums them into the full gradient on every rank.
+    const int64_t part = x.size(1);
+    return x + tp::copy_to_tp(pos, ctx.tp).narrow(0, part * tp::tp_rank(ctx.tp), part);
+  }
+  return x + pos.narrow(0, 0, tokens.size(1));
 }
 
-GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx) {
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& context) : ctx(context) {
   const std::string p = "blocks." + std::to_string(index);
   const int tp_n = tp::tp_size(ctx.tp);
   MESHTRAIN_CHECK(c.heads % tp_n == 0, "tp size ", tp_n, " does not divide --heads ", c.heads,
@@ -54,9 +79,10 @@ GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildConte
   head_dim = c.hidden / c.heads;
   // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
   const InitSpec residual = InitSpec::normal(0, 0.02 / std::sqrt(2.0 * c.layers));
+  // q, k, v (and fc1) read one input, prepared once by the block (enter()).
   auto col = [&](const std::string& name, int64_t in, int64_t out) {
     return tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(in, out).tp(ctx.tp).seed(c.seed).name(p + "." + name)
-                                        .sequence_parallel(ctx.sequence_parallel));
+                                        .sequence_parallel(ctx.sequence_parallel).input_is_prepared(true));
   };
   auto row = [&](const std::string& name, int64_t in, int64_t out) {
     return tp::RowParallelLinear(tp::RowParallelLinearOptions(in, out).tp(ctx.tp).seed(c.seed).name(p + "." + name)
@@ -83,31 +109,47 @@ at::Tensor GptBlockImpl::attention(const at::Tensor& x) {
   return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
+namespace {
+
+// Into a tensor-parallel region: all-gather the sequence (SP) or copy_to_tp.
+at::Tensor enter(const at::Tensor& x, const BuildContext& ctx) {
+  return ctx.sequence_parallel ? tp::gather_from_sp(x, ctx.tp) : tp::copy_to_tp(x, ctx.tp);
+}
+
+at::Tensor norm(const torch::nn::LayerNorm& ln, const at::Tensor& x, const BuildContext& ctx) {
+  return tp::layer_norm(x, ln->weight, ln->bias, ctx.tp, ctx.sequence_parallel);
+}
+
+}  // namespace
+
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
-  at::Tensor h = x + attention(ln1->forward(x));
-  return h + fc2->forward(at::gelu(fc1->forward(ln2->forward(h))));
+  at::Tensor h = x + attention(enter(norm(ln1, x, ctx), ctx));
+  return h + fc2->forward(at::gelu(fc1->forward(enter(norm(ln2, h, ctx), ctx))));
 }
 
 GptHeadImpl::GptHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied_weight)
-    : tied(std::move(tied_weight)), tp(ctx.tp) {
+    : tied(std::move(tied_weight)), tp(ctx.tp), sequence_parallel(ctx.sequence_parallel) {
   ln = register_module("ln", layer_norm(c.hidden));
   if (!c.tie_embeddings) {
-    const int64_t local = c.vocab / tp::tp_size(ctx.tp);
-    weight = register_parameter("out_weight", tp::make_shard({c.seed, "head.out_weight", InitSpec::normal(0, 0.02)},
-                                                             {c.vocab, c.hidden}, 0, local * tp::tp_rank(ctx.tp), local));
+    // Vocabulary rows split over tp, like the embedding it would be tied to.
+    out = register_module("out", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden, c.vocab)
+                                                              .bias(false).tp(ctx.tp).seed(c.seed).name("head.out")
+                                                              .input_is_prepared(true)));
   }
 }
 
 at::Tensor GptHeadImpl::out_weight() const {
-  if (weight.defined()) return weight;
+  if (out) return out->weight;
   MESHTRAIN_CHECK(tied.defined(), "GptHead: the LM head is tied to an embedding on another pipeline stage and has "
                   "not been given its weight (set_tied) for this step");
   return tied;
 }
 
 at::Tensor GptHeadImpl::forward(const at::Tensor& x) {
-  MESHTRAIN_CHECK(tp::tp_size(tp) == 1, "GptHead: tensor parallelism is not implemented yet");
-  return at::matmul(ln->forward(x), out_weight().t());
+  // Logits of this rank's vocabulary slice; the loss is vocab-parallel.
+  at::Tensor h = tp::layer_norm(x, ln->weight, ln->bias, tp, sequence_parallel);
+  h = sequence_parallel ? tp::gather_from_sp(h, tp) : tp::copy_to_tp(h, tp);
+  return at::matmul(h, out_weight().t());
 }
 
 MlpLayerImpl::MlpLayerImpl(int64_t in, int64_t out, bool relu_after, uint64_t seed, const std::string& name)
@@ -125,6 +167,7 @@ at::Tensor MlpLayerImpl::forward(const at::Tensor& x) {
 
 Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const BuildContext& ctx) {
   check_config(c);
+  check_tp(c, ctx);
   const int64_t n = num_pieces(c);
   MESHTRAIN_CHECK(first >= 0 && first < last && last <= n, "build_stage: pieces [", first, ", ", last,
                   ") out of range for a model of ", n, " pieces");
@@ -154,8 +197,7 @@ Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const Build
 
 at::Tensor loss(const ModelConfig& c, const at::Tensor& output, const at::Tensor& targets, const BuildContext& ctx) {
   if (c.kind == "mlp") return at::cross_entropy_loss(output, targets);
-  MESHTRAIN_CHECK(tp::tp_size(ctx.tp) == 1, "vocab-parallel cross-entropy is not implemented yet");
-  return at::cross_entropy_loss(output.reshape({-1, output.size(-1)}), targets.reshape({-1}));
+  return tp::vocab_parallel_cross_entropy(output.reshape({-1, output.size(-1)}), targets.reshape({-1}), ctx.tp);
 }
 
 int64_t parameter_count(const ModelConfig& c) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional.h>
 
+#include "meshtrain/tp/ops.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
@@ -31,10 +32,6 @@ int64_t split_size(int64_t total, const comm::CommPtr& tp, const std::string& wh
   return total / n;
 }
 
-void require_dense(const comm::CommPtr& tp, const char* layer) {
-  MESHTRAIN_CHECK(tp_size(tp) == 1, layer, ": tensor parallelism (tp > 1) is not implemented yet");
-}
-
 }  // namespace
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions opts) : options(std::move(opts)) {
@@ -50,8 +47,11 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  require_dense(options.tp(), "ColumnParallelLinear");
-  return at::linear(input, weight, bias);
+  const auto& tp = options.tp();
+  at::Tensor x = input;
+  if (!options.input_is_prepared()) x = options.sequence_parallel() ? gather_from_sp(input, tp) : copy_to_tp(input, tp);
+  at::Tensor y = at::linear(x, weight, bias);
+  return options.gather_output() ? gather_from_tp(y, -1, tp) : y;
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions opts) : options(std::move(opts)) {
@@ -67,8 +67,15 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions opts) : op
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
-  require_dense(options.tp(), "RowParallelLinear");
-  return at::linear(input, weight, bias);
+  const auto& tp = options.tp();
+  if (tp_size(tp) == 1) return at::linear(input, weight, bias);
+  at::Tensor x = options.input_is_parallel() ? input : scatter_to_tp(input, -1, tp);
+  at::Tensor partial = at::linear(x, weight);  // this rank's share of the sum over input features
+  at::Tensor y = options.sequence_parallel() ? reduce_scatter_to_sp(partial, tp) : reduce_from_tp(partial, tp);
+  if (!bias.defined()) return y;
+  // Under sequence parallelism each rank adds the bias to its part of the
+  // sequence only, so the bias gradients are partial: copy_to_tp sums them.
+  return y + (options.sequence_parallel() ? copy_to_tp(bias, tp) : bias);
 }
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions opts) : options(std::move(opts)) {
@@ -82,8 +89,59 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOpt
 }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
-  require_dense(options.tp(), "VocabParallelEmbedding");
-  return at::embedding(weight, ids);
+  const auto& tp = options.tp();
+  if (tp_size(tp) == 1) return at::embedding(weight, ids);
+  // Look up the ids in this rank's range; the others give zero rows; the sum
+  // over tp is the full embedding.
+  at::Tensor outside = (ids < vocab_start) | (ids >= vocab_end);
+  at::Tensor local = (ids - vocab_start).masked_fill(outside, 0);
+  at::Tensor out = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return options.sequence_parallel() ? reduce_scatter_to_sp(out, tp) : reduce_from_tp(out, tp);
+}
+
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const comm::CommPtr& tp,
+                      bool sequence_parallel) {
+  const bool partial = sequence_parallel && tp_size(tp) > 1;
+  return at::layer_norm(x, {x.size(-1)}, partial ? copy_to_tp(weight, tp) : weight, partial ? copy_to_tp(bias, tp) : bias);
+}
+
+std::map<std::string, int64_t> shard_dims(const torch::nn::Module& module) {
+  std::map<std::string, int64_t> dims;
+  for (const auto& p : module.named_parameters()) dims[p.key()] = -1;
+  for (const auto& m : module.named_modules()) {
+    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.value().get())) {
+      dims[prefix + "weight"] = 0;
+      if (c->bias.defined()) dims[prefix + "bias"] = 0;
+    } else if (dynamic_cast<RowParallelLinearImpl*>(m.value().get())) {
+      dims[prefix + "weight"] = 1;
+    } else if (dynamic_cast<VocabParallelEmbeddingImpl*>(m.value().get())) {
+      dims[prefix + "weight"] = 0;
+    }
+  }
+  return dims;
+}
+
+std::map<std::string, at::Tensor> unshard(const std::map<std::string, at::Tensor>& local,
+                                          const std::map<std::string, int64_t>& dims, comm::Communicator& tp) {
+  std::map<std::string, at::Tensor> full;
+  for (const auto& kv : local) {  // same names in the same order on every tp rank
+    auto it = dims.find(kv.first);
+    const int64_t dim = it == dims.end() ? -1 : it->second;
+    full[kv.first] = dim < 0 || tp.size() == 1 ? kv.second : all_gather_along(kv.second, dim, tp);
+  }
+  return full;
+}
+
+std::map<std::string, at::Tensor> shard(const std::map<std::string, at::Tensor>& full,
+                                        const std::map<std::string, int64_t>& dims, int tp_rank, int tp_size) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& kv : full) {
+    auto it = dims.find(kv.first);
+    const int64_t dim = it == dims.end() ? -1 : it->second;
+    out[kv.first] = dim < 0 || tp_size == 1 ? kv.second : kv.second.chunk(tp_size, dim)[tp_rank].contiguous();
+  }
+  return out;
 }
 
 }  // namespace tp

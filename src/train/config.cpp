@@ -156,7 +156,8 @@ TrainConfig resolve(TrainConfig c, int world) {
                   "; run with --nproc-per-node ", c.dp * c.pp * c.tp, " or change the degrees");
   MESHTRAIN_CHECK(c.strategy == "ddp" || c.zero == 0, "--strategy dp (master DP) cannot be combined with --zero ",
                   c.zero, "; ZeRO partitions DDP's state: use --strategy ddp");
-  MESHTRAIN_CHECK(c.tp == 1, "--tp > 1 is not available yet (tensor parallelism arrives with its issue)");
+  MESHTRAIN_CHECK(!c.sequence_parallel || c.tp > 1, "--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel ranks)");
+  MESHTRAIN_CHECK(c.tp == 1 || m.kind == "gpt", "--tp applies to the GPT (the MLP has no tensor-parallel layers)");
   MESHTRAIN_CHECK(c.strategy == "ddp" || (c.pp == 1 && c.tp == 1), "--strategy dp (the article's master DP) runs the "
                   "whole model on every rank and computes the loss on rank 0; it cannot be combined with --pp ", c.pp,
                   " or --tp ", c.tp, ". Use --strategy ddp (optionally with --zero) for the data axis of a mesh");

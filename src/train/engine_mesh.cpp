@@ -18,6 +18,7 @@
 #include "engine.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/executor.h"
+#include "meshtrain/tp/layers.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/tensor_io.h"
 
@@ -53,7 +54,9 @@ class MeshEngine : public Engine {
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
       models::Stage stage = models::build_stage(c.model, bounds[s], bounds[s + 1], ctx_);
-      const bool keep = gpt_tied && s == 0 && S > 1;  // its weight is read after the first forward
+      // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
+      // weight, on this stage or, through a copy sent after the first forward, on the last.
+      const bool keep = gpt_tied && s == 0;
       chunks_[s] = make_chunk_trainer(c, stage, mesh_.dp(), keep);
     }
     first_ = chunks_.count(0) > 0;
@@ -117,11 +120,14 @@ class MeshEngine : public Engine {
 
   std::map<std::string, at::Tensor> full_parameters() override {
     std::map<std::string, at::Tensor> mine;
-    for (auto& kv : chunks_) {
-      for (auto& p : kv.second->parameters_on_dp_root()) mine[p.first] = p.second;
-    }
-    // Every stage's dp-root (tp rank 0 for now) sends its parameters to world rank 0.
     const mesh::Coord me = mesh_.coord();
+    for (auto& kv : chunks_) {
+      std::map<std::string, at::Tensor> part = kv.second->parameters_on_dp_root();
+      // Full tensors from the tp shards (a collective within this dp-root's tp group).
+      if (c_.tp > 1 && me.dp == 0) part = tp::unshard(part, tp::shard_dims(*kv.second->stage()), *mesh_.tp());
+      for (auto& p : part) mine[p.first] = p.second;
+    }
+    // Every stage's dp-root, tp rank 0, sends its parameters to world rank 0.
     const bool sender = me.dp == 0 && me.tp == 0;
     const std::string bytes = sender ? serialize_tensors(mine) : std::string();
     at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);

@@ -52,9 +52,11 @@ int64_t parameter_count(const ModelConfig& config);
 
 struct GptEmbeddingImpl : torch::nn::Module {
   GptEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx);
-  at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> [B, T, H]
+  // [B, T] int64 -> [B, T, H] ([B, T/tp, H] under sequence parallelism)
+  at::Tensor forward(const at::Tensor& tokens);
   tp::VocabParallelEmbedding tok{nullptr};
   at::Tensor pos;  // [seq_len, hidden], replicated
+  BuildContext ctx;
 };
 TORCH_MODULE(GptEmbedding);
 
@@ -63,6 +65,7 @@ struct GptBlockImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor attention(const at::Tensor& x);
   int64_t local_heads, head_dim;
+  BuildContext ctx;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr}, fc1{nullptr};
   tp::RowParallelLinear proj{nullptr}, fc2{nullptr};
@@ -78,11 +81,12 @@ struct GptHeadImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> logits [B, T, vocab/tp]
   at::Tensor out_weight() const;
   void set_tied(at::Tensor w) { tied = std::move(w); }
-  bool needs_tied_weight() const { return !weight.defined(); }
+  bool needs_tied_weight() const { return !out; }
   torch::nn::LayerNorm ln{nullptr};
-  at::Tensor weight;  // [vocab/tp, H], registered when untied
+  tp::ColumnParallelLinear out{nullptr};  // [vocab/tp, H] when untied
   at::Tensor tied;    // not registered: the embedding owns it
   comm::CommPtr tp;
+  bool sequence_parallel = false;
 };
 TORCH_MODULE(GptHead);
 

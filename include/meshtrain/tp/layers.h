@@ -16,6 +16,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <map>
+
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/init.h"
 
@@ -42,6 +44,9 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(bool, gather_output) = false;
   // Input is split along the sequence (dim 1) and all-gathered first.
   TORCH_ARG(bool, sequence_parallel) = false;
+  // The caller already applied copy_to_tp / gather_from_sp to the input (several
+  // layers reading one input share that one communication, e.g. q, k and v).
+  TORCH_ARG(bool, input_is_prepared) = false;
   TORCH_ARG(comm::CommPtr, tp) = nullptr;
   TORCH_ARG(uint64_t, seed) = 0;
   // Prefix of the parameters' full names ("blocks.0.attn.q"): seeds their values.
@@ -115,6 +120,23 @@ TORCH_MODULE(VocabParallelEmbedding);
 // rows/cols [start, start + length) along `dim` of `full_shape`.
 at::Tensor make_shard(const ParamSource& source, const std::vector<int64_t>& full_shape, int64_t dim,
                       int64_t start, int64_t length);
+
+// LayerNorm inside a sequence-parallel region: each rank normalizes its part
+// of the sequence, so its weight and bias get partial gradients; routing them
+// through copy_to_tp sums those over tp. Outside SP: the plain LayerNorm.
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                      const comm::CommPtr& tp, bool sequence_parallel);
+
+// Dense <-> sharded parameters. shard_dims gives, for each parameter of a
+// module built from these layers, the dimension it is split along (-1:
+// replicated on every tp rank).
+std::map<std::string, int64_t> shard_dims(const torch::nn::Module& module);
+// The full tensors from every tp rank's shards (a collective over tp).
+std::map<std::string, at::Tensor> unshard(const std::map<std::string, at::Tensor>& local,
+                                          const std::map<std::string, int64_t>& dims, comm::Communicator& tp);
+// This rank's shards of full tensors.
+std::map<std::string, at::Tensor> shard(const std::map<std::string, at::Tensor>& full,
+                                        const std::map<std::string, int64_t>& dims, int tp_rank, int tp_size);
 
 }  // namespace tp
 }  // namespace meshtrain

@@ -1,0 +1,203 @@
+// Tensor parallelism: the conjugate operations, each layer against its dense
+// counterpart (forward, backward, one optimizer step), the GPT at tp 2 and 4,
+// with sequence parallelism, dp x tp and pp x tp against one process, the
+// article's 128,000 x 8,192 embedding at 1/tp per rank, and the errors.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "equivalence.h"
+#include "harness.h"
+#include "meshtrain/tp/layers.h"
+#include "meshtrain/tp/ops.h"
+#include "meshtrain/models/models.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/init.h"
+
+using meshtrain::comm::Communicator;
+using meshtrain::testing::expect_trains_like_one_process;
+using meshtrain::testing::run_ranks;
+using meshtrain::testing::tiny_gpt;
+namespace tp = meshtrain::tp;
+
+namespace {
+
+meshtrain::comm::CommPtr self(Communicator& c) { return {&c, [](Communicator*) {}}; }
+
+// Each rank's gradient is (rank + 1) * ones: sums are n(n+1)/2.
+TEST(TensorParallelOps, ForwardAndBackwardOfEveryConjugatePair) {
+  run_ranks(3, [](Communicator& comm) {
+    auto t = self(comm);
+    const int n = comm.size(), r = comm.rank();
+    const double sum = n * (n + 1) / 2.0;
+    auto x = torch::full({2, 6, 3}, static_cast<float>(r + 1), torch::requires_grad());
+    auto g = torch::full({2, 6, 3}, static_cast<float>(r + 1));
+
+    auto y = tp::copy_to_tp(x, t);  // identity | all-reduce
+    EXPECT_TRUE(torch::equal(y, x));
+    y.backward(g);
+    EXPECT_TRUE(torch::allclose(x.grad(), torch::full_like(g, sum)));
+    x.mutable_grad().reset();
+
+    y = tp::reduce_from_tp(x, t);  // all-reduce | identity
+    EXPECT_TRUE(torch::allclose(y, torch::full_like(g, sum)));
+    y.backward(g);
+    EXPECT_TRUE(torch::equal(x.grad(), g));
+    x.mutable_grad().reset();
+
+    auto full = torch::arange(2 * 6 * 6, torch::kFloat).view({2, 6, 6}).requires_grad_(true);
+    y = tp::scatter_to_tp(full, -1, t);  // split | all-gather
+    EXPECT_TRUE(torch::equal(y, full.detach().slice(2, 2 * r, 2 * r + 2)));
+    y.backward(torch::full({2, 6, 2}, static_cast<float>(r + 1)));
+    for (int p = 0; p < n; ++p) EXPECT_TRUE(torch::equal(full.grad().slice(2, 2 * p, 2 * p + 2), torch::full({2, 6, 2}, p + 1.0f)));
+
+    y = tp::gather_from_tp(x, -1, t);  // all-gather | split
+    ASSERT_EQ(y.size(2), 3 * n);
+    for (int p = 0; p < n; ++p) EXPECT_TRUE(torch::equal(y.detach().slice(2, 3 * p, 3 * p + 3), torch::full({2, 6, 3}, p + 1.0f)));
+    y.backward(torch::arange(2 * 6 * 9, torch::kFloat).view({2, 6, 9}));
+    EXPECT_TRUE(torch::equal(x.grad(), torch::arange(2 * 6 * 9, torch::kFloat).view({2, 6, 9}).slice(2, 3 * r, 3 * r + 3)));
+    x.mutable_grad().reset();
+
+    // Sequence parallel: dim 1 of [batch, seq, hidden].
+    y = tp::gather_from_sp(x, t);  // all-gather seq | reduce-scatter seq
+    ASSERT_EQ(y.size(1), 6 * n);
+    y.backward(torch::full({2, 6 * n, 3}, static_cast<float>(r + 1)));
+    EXPECT_TRUE(torch::allclose(x.grad(), torch::full_like(g, sum)));
+    x.mutable_grad().reset();
+    y = tp::reduce_scatter_to_sp(x, t);  // reduce-scatter seq | all-gather seq
+    ASSERT_EQ(y.size(1), 2);
+    EXPECT_TRUE(torch::allclose(y, torch::full({2, 2, 3}, static_cast<float>(sum))));
+    y.backward(torch::full({2, 2, 3}, static_cast<float>(r + 1)));
+    for (int p = 0; p < n; ++p) EXPECT_TRUE(torch::equal(x.grad().slice(1, 2 * p, 2 * p + 2), torch::full({2, 2, 3}, p + 1.0f)));
+  });
+}
+
+// Dense counterparts from the same deterministic init; compare outputs, the
+// input's gradient, the parameters' gradients (sharded slices), and the
+// parameters after one SGD step.
+TEST(TensorParallelLayers, EachLayerMatchesItsDenseCounterpart) {
+  run_ranks(2, [](Communicator& comm) {
+    auto t = self(comm);
+    const int r = comm.rank();
+    torch::manual_seed(1);
+    auto x = torch::randn({3, 4, 8});
+    for (bool gather : {false, true}) {
+      tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 6).tp(t).gather_output(gather).name("c"));
+      tp::ColumnParallelLinear dense(tp::ColumnParallelLinearOptions(8, 6).name("c"));
+      auto xi = x.clone().requires_grad_(true), xd = x.clone().requires_grad_(true);
+      auto y = col(xi), yd = dense(xd);
+      EXPECT_TRUE(torch::allclose(y, gather ? yd : yd.slice(2, 3 * r, 3 * r + 3), 1e-5, 1e-6));
+      y.sum().backward();
+      (gather ? yd.sum() : yd.slice(2, 0, 6).sum()).backward();
+      EXPECT_TRUE(torch::allclose(xi.grad(), xd.grad(), 1e-5, 1e-6)) << "input gradient, gather " << gather;
+      EXPECT_TRUE(torch::allclose(col->weight.grad(), dense->weight.grad().slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
+      torch::optim::SGD(col->parameters(), 0.1).step();
+      torch::optim::SGD(dense->parameters(), 0.1).step();
+      EXPECT_TRUE(torch::allclose(col->weight, dense->weight.slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(col->bias, dense->bias.slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
+    }
+    for (bool parallel_input : {true, false}) {
+      tp::RowParallelLinear row(tp::RowParallelLinearOptions(8, 5).tp(t).input_is_parallel(parallel_input).name("r"));
+      tp::RowParallelLinear dense(tp::RowParallelLinearOptions(8, 5).name("r"));
+      auto xd = x.clone().requires_grad_(true);
+      auto xi = (parallel_input ? x.slice(2, 4 * r, 4 * r + 4) : x).clone().requires_grad_(true);
+      auto y = row(xi), yd = dense(xd);
+      EXPECT_TRUE(torch::allclose(y, yd, 1e-5, 1e-6));
+      y.pow(2).sum().backward();
+      yd.pow(2).sum().backward();
+      EXPECT_TRUE(torch::allclose(xi.grad(), parallel_input ? xd.grad().slice(2, 4 * r, 4 * r + 4) : xd.grad(), 1e-4, 1e-5));
+      EXPECT_TRUE(torch::allclose(row->weight.grad(), dense->weight.grad().slice(1, 4 * r, 4 * r + 4), 1e-4, 1e-5));
+      EXPECT_TRUE(torch::allclose(row->bias.grad(), dense->bias.grad(), 1e-4, 1e-5));
+    }
+    tp::VocabParallelEmbedding emb(tp::VocabParallelEmbeddingOptions(10, 4).tp(t).name("e"));
+    tp::VocabParallelEmbedding dense(tp::VocabParallelEmbeddingOptions(10, 4).name("e"));
+    auto ids = torch::tensor({{0, 9, 4, 5}, {7, 2, 2, 1}}, torch::kLong);
+    auto y = emb(ids), yd = dense(ids);
+    EXPECT_TRUE(torch::allclose(y, yd));
+    (y * torch::arange(4, torch::kFloat)).sum().backward();
+    (yd * torch::arange(4, torch::kFloat)).sum().backward();
+    EXPECT_TRUE(torch::allclose(emb->weight.grad(), dense->weight.grad().slice(0, 5 * r, 5 * r + 5)));
+    // Vocab-parallel cross-entropy against at::cross_entropy_loss on the gathered logits.
+    torch::manual_seed(2);
+    auto logits = torch::randn({6, 10});
+    auto targets = torch::tensor({0, 9, 4, 5, 7, 3}, torch::kLong);
+    auto mine = logits.slice(1, 5 * r, 5 * r + 5).clone().requires_grad_(true);
+    auto full = logits.clone().requires_grad_(true);
+    auto l = tp::vocab_parallel_cross_entropy(mine, targets, t), ld = at::cross_entropy_loss(full, targets);
+    EXPECT_NEAR(l.item<double>(), ld.item<double>(), 1e-6);
+    l.backward();
+    ld.backward();
+    EXPECT_TRUE(torch::allclose(mine.grad(), full.grad().slice(1, 5 * r, 5 * r + 5), 1e-5, 1e-7));
+  });
+}
+
+TEST(TensorParallel, GptMatchesOneProcessAtTp2And4WithAndWithoutSequenceParallelism) {
+  for (int t : {2, 4}) {
+    for (bool sp : {false, true}) {
+      auto c = tiny_gpt();
+      c.tp = t;
+      c.sequence_parallel = sp;
+      expect_trains_like_one_process(c, t);
+    }
+  }
+  auto c = tiny_gpt();
+  c.model.tie_embeddings = false;
+  c.tp = 2;
+  c.optimizer = "sgd";
+  c.momentum = 0.9;
+  expect_trains_like_one_process(c, 2);
+}
+
+TEST(TensorParallel, DataParallelTimesTensorParallelAndPipelineTimesTensorParallel) {
+  auto c = tiny_gpt();
+  c.dp = 2;
+  c.tp = 2;
+  expect_trains_like_one_process(c, 4);
+  c.zero = 2;
+  expect_trains_like_one_process(c, 4);
+  auto p = tiny_gpt();
+  p.pp = 2;
+  p.tp = 2;
+  p.microbatches = 4;
+  p.sequence_parallel = true;
+  expect_trains_like_one_process(p, 4);
+}
+
+// The article's scenario-3 tensor: a 128,000 x 8,192 embedding (1.05 B
+// parameters) built with each of 4 ranks holding 1/4 of it, equal to the
+// matching rows of the unsharded tensor's deterministic values.
+TEST(TensorParallel, TheArticlesEmbeddingAtOneQuarterPerRank) {
+  meshtrain::testing::RankOptions options;
+  options.time_limit = std::chrono::seconds(300);
+  run_ranks(4, [](Communicator& comm) {
+    tp::VocabParallelEmbedding emb(tp::VocabParallelEmbeddingOptions(128000, 8192).tp(self(comm)).seed(7).name("embed.tok"));
+    ASSERT_EQ(emb->weight.sizes(), (std::vector<int64_t>{32000, 8192}));
+    EXPECT_EQ(emb->weight.nbytes(), 32000LL * 8192 * 4);  // 1.05 GB: a quarter of the 4.2 GB tensor
+    const int64_t row = 32000 * comm.rank() + 12345;
+    auto want = meshtrain::init_slice(7, "embed.tok.weight", meshtrain::InitSpec::normal(0, 0.02), {128000, 8192}, 0, row, 1);
+    EXPECT_TRUE(torch::equal(emb->weight.slice(0, 12345, 12346), want));
+  }, options);
+}
+
+TEST(TensorParallel, SizesThatDoNotDivideNameTheValidChoices) {
+  run_ranks(3, [](Communicator& comm) {
+    auto t = self(comm);
+    try {
+      tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(8, 8).tp(t).name("q"));
+      ADD_FAILURE();
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("tp size 3 does not divide out_features 8; choose tp in {1, 2, 4, 8}"), std::string::npos) << e.what();
+    }
+    meshtrain::models::ModelConfig m;  // 4 heads
+    meshtrain::models::BuildContext ctx;
+    ctx.tp = t;
+    try {
+      meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m), ctx);
+      ADD_FAILURE();
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("--heads 4"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
