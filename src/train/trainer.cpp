@@ -133,13 +133,15 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     }
   }
 
+  // Snapshot the training traffic before consolidation adds its own.
   const comm::Traffic traffic = engine->traffic();
+  const std::map<std::string, comm::Traffic> traffic_by_axis = engine->traffic_by_axis();
   const StateBytes state = engine->state_bytes();
   result.full_parameters = engine->full_parameters();
   if (chief && options.evaluate && c.eval_problems > 0) result.accuracy = accuracy_of(c, result.full_parameters);
 
   json::Object by_axis;
-  for (const auto& kv : engine->traffic_by_axis()) by_axis.raw(kv.first, traffic_json(kv.second, c.steps));
+  for (const auto& kv : traffic_by_axis) by_axis.raw(kv.first, traffic_json(kv.second, c.steps));
   const std::string mine = json::Object()
                                .integer("rank", world->rank())
                                .integer("peak_rss_bytes", peak_rss_bytes())
