@@ -1,0 +1,49 @@
+// MeshLayout (pure): rank <-> coordinates with tp innermost, axis groups, validation.
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "meshtrain/mesh/mesh.h"
+#include "meshtrain/util/error.h"
+
+using namespace meshtrain;
+using namespace meshtrain::mesh;
+
+TEST(MeshLayout, TpInnermostThenPpThenDp) {
+  MeshLayout l(8, 2, 2, 2);
+  EXPECT_EQ(l.coord(0), (Coord{0, 0, 0}));
+  EXPECT_EQ(l.coord(1), (Coord{0, 0, 1}));  // neighbours differ in tp
+  EXPECT_EQ(l.coord(2), (Coord{0, 1, 0}));
+  EXPECT_EQ(l.coord(5), (Coord{1, 0, 1}));
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(l.rank(l.coord(r)), r);
+  EXPECT_EQ(l.group(Axis::kTp, 5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(l.group(Axis::kPp, 5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(l.group(Axis::kDp, 5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(l.describe(), "dp 2 x pp 2 x tp 2 = 8 ranks");
+}
+
+TEST(MeshLayout, GroupsOfEveryAxisPartitionTheRanks) {
+  for (auto dims : std::vector<std::array<int, 3>>{{1, 1, 8}, {2, 4, 1}, {3, 1, 2}, {1, 3, 1}}) {
+    MeshLayout l(dims[0] * dims[1] * dims[2], dims[0], dims[1], dims[2]);
+    for (Axis a : {Axis::kDp, Axis::kPp, Axis::kTp}) {
+      std::set<int> seen;
+      for (const auto& g : l.groups(a)) {
+        EXPECT_EQ(static_cast<int>(g.size()), l.degree(a));
+        for (int r : g) EXPECT_TRUE(seen.insert(r).second) << "rank " << r << " in two " << axis_name(a) << " groups";
+      }
+      EXPECT_EQ(static_cast<int>(seen.size()), l.world());
+    }
+  }
+}
+
+TEST(MeshLayout, ValidationListsEveryDegree) {
+  try {
+    MeshLayout(8, 2, 3, 2);
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("dp 2 x pp 3 x tp 2 = 12 ranks does not match the world size 8"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(MeshLayout(4, 0, 2, 2), ConfigError);
+  EXPECT_THROW(MeshLayout(4, 2, 2, 1).coord(4), ConfigError);
+}
