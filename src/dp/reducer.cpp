@@ -150,7 +150,7 @@ void Reducer::finalize() {
       p.mutable_grad() = avg.clone();
     }
   }
-  if (!rebuilt_) {
+  if (!rebuilt_ && options_.rebuild_buckets()) {
     // Rank 0's observed order becomes everyone's bucket order (same on all ranks).
     at::Tensor order = at::empty({static_cast<int64_t>(ready_order_.size())}, at::kLong);
     for (size_t i = 0; i < ready_order_.size(); ++i) order[i] = static_cast<int64_t>(ready_order_[i]);

@@ -293,7 +293,12 @@ struct Outcome {
   bool ok = false;
   bool interrupted = false;
   std::string failure;  // who failed first and how
+  int64_t detected_ns = 0;  // wall clock when the failure was seen (for the next attempt's report)
 };
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 // Runs one generation of the group on this node.
 Outcome run_generation(const LaunchOptions& o, int generation, int store_port, comm::TcpStore& store,
@@ -338,6 +343,7 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
       outcome.failure = "a failure was reported for " + remote_reason;
     }
     if (!outcome.failure.empty()) {
+      outcome.detected_ns = wall_ns();
       say(outcome.failure + "; stopping the other ranks");
       // Other nodes learn of it through the store (a rank's own store connection
       // tells them too, but a rank may die before it connects).
@@ -398,7 +404,7 @@ int run_launcher(const LaunchOptions& o) {
     port = server->port();
   }
   comm::TcpStore store(o.master_addr, port, o.rendezvous_timeout);
-  const auto base_env = process_environment();
+  auto base_env = process_environment();
   if (o.node_rank == 0) {
     say(str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ", o.nnodes,
                 " nodes); store at ", o.master_addr, ":", port));
@@ -422,6 +428,8 @@ int run_launcher(const LaunchOptions& o) {
     if (outcome.ok) return 0;
     if (outcome.interrupted) return 128 + (g_signal ? g_signal : SIGTERM);
     failed_at = Clock::now();
+    // The next attempt reports how long after the failure it was training again.
+    base_env["MESHTRAIN_FAILURE_TIME_NS"] = std::to_string(outcome.detected_ns ? outcome.detected_ns : wall_ns());
     // Every node stops its ranks before anyone restarts.
     store.add(gen + "/nodes_stopped", 1);
     try {

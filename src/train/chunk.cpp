@@ -5,12 +5,105 @@
 #include "meshtrain/dp/ddp.h"
 #include "meshtrain/dp/params.h"
 #include "meshtrain/train/optim.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/zero/optimizer_state.h"
 #include "meshtrain/zero/zero.h"
 
 namespace meshtrain {
 namespace train {
 
 namespace {
+
+// The full shape of a parameter whose local tensor is this rank's tp slab.
+std::vector<int64_t> full_shape(const at::Tensor& local, int64_t tp_dim, int tp_size) {
+  std::vector<int64_t> shape = local.sizes().vec();
+  if (tp_dim >= 0) shape[tp_dim] *= tp_size;
+  return shape;
+}
+
+int64_t tp_dim_of(const ShardPlace& place, const std::string& name) {
+  auto it = place.tp_dims.find(name);
+  return it == place.tp_dims.end() || place.tp_size == 1 ? -1 : it->second;
+}
+
+StateChunk make_chunk(const std::string& param, const std::string& kind, const at::Tensor& local_param,
+                      const ShardPlace& place, int64_t offset, const at::Tensor& data) {
+  const int64_t dim = tp_dim_of(place, param);
+  return StateChunk{param, kind, full_shape(local_param, dim, place.tp_size), dim, dim < 0 ? 0 : place.tp_index,
+                    dim < 0 ? 1 : place.tp_size, offset, data.detach().reshape({-1})};
+}
+
+// This rank's tp slab of a full tensor read from a checkpoint.
+at::Tensor local_part(CheckpointReader& reader, const std::string& param, const std::string& kind,
+                      const at::Tensor& local_param, const ShardPlace& place) {
+  at::Tensor full = reader.full(param, kind);
+  if (!full.defined()) return full;
+  const int64_t dim = tp_dim_of(place, param);
+  MESHTRAIN_CHECK(full.numel() == local_param.numel() * (dim < 0 ? 1 : place.tp_size), "checkpoint: parameter '",
+                  param, "' has ", full.numel(), " elements in the checkpoint but the model's needs ",
+                  local_param.numel() * (dim < 0 ? 1 : place.tp_size), "; was it saved from another model shape?");
+  return (dim < 0 ? full : full.chunk(place.tp_size, dim)[place.tp_index]).contiguous().view_as(local_param);
+}
+
+// Whole parameters with their optimizer state (plain and DDP chunks, dp rank 0).
+void add_whole(const models::Stage& stage, torch::optim::Optimizer& opt, RankState& out, const ShardPlace& place) {
+  if (place.dp_rank != 0) return;  // the other dp ranks hold the same replica
+  for (const auto& p : dp::unique_parameters(*stage)) {
+    out.chunks.push_back(make_chunk(p.name, "value", p.tensor, place, 0, p.tensor));
+    for (const auto& kv : zero::state_of(opt, p.tensor)) {
+      if (kv.first == "step") out.steps[p.name] = kv.second.item<int64_t>();
+      else out.chunks.push_back(make_chunk(p.name, kv.first, p.tensor, place, 0, kv.second));
+    }
+  }
+}
+
+void load_whole(const models::Stage& stage, torch::optim::Optimizer& opt, CheckpointReader& reader, const ShardPlace& place) {
+  at::NoGradGuard no_grad;
+  for (auto& p : dp::unique_parameters(*stage)) {
+    MESHTRAIN_CHECK(reader.has(p.name), "checkpoint has no parameter '", p.name, "' (saved from another model?)");
+    p.tensor.copy_(local_part(reader, p.name, "value", p.tensor, place));
+    std::map<std::string, at::Tensor> state;
+    for (const char* kind : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) {
+      at::Tensor t = local_part(reader, p.name, kind, p.tensor, place);
+      if (t.defined()) state[kind] = t;
+    }
+    if (auto step = reader.optimizer_step(p.name)) state["step"] = at::scalar_tensor(*step, at::kLong);
+    zero::set_state(opt, p.tensor, state);
+  }
+}
+
+// ZeRO: every dp rank writes its pieces' optimizer state (values too for stage 3).
+void add_pieces(const models::Stage& stage, std::vector<zero::OwnedPiece> pieces, bool values, RankState& out,
+                const ShardPlace& place) {
+  std::map<std::string, at::Tensor> params;
+  for (const auto& p : dp::unique_parameters(*stage)) params[p.name] = p.tensor;
+  if (!values && place.dp_rank == 0) {
+    for (const auto& p : params) out.chunks.push_back(make_chunk(p.first, "value", p.second, place, 0, p.second));
+  }
+  for (const auto& piece : pieces) {
+    const at::Tensor& local = params.at(piece.param);
+    if (values) out.chunks.push_back(make_chunk(piece.param, "value", local, place, piece.offset, piece.value));
+    for (const auto& kv : piece.state) {
+      if (kv.first == "step") out.steps[piece.param] = kv.second.item<int64_t>();
+      else out.chunks.push_back(make_chunk(piece.param, kv.first, local, place, piece.offset, kv.second));
+    }
+  }
+}
+
+// ZeRO: the full (tp-local) state of the chunk, for load_state.
+zero::FullState full_state(const models::Stage& stage, CheckpointReader& reader, const ShardPlace& place) {
+  zero::FullState s;
+  for (const auto& p : dp::unique_parameters(*stage)) {
+    MESHTRAIN_CHECK(reader.has(p.name), "checkpoint has no parameter '", p.name, "' (saved from another model?)");
+    s.parameters[p.name] = local_part(reader, p.name, "value", p.tensor, place);
+    for (const char* kind : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) {
+      at::Tensor t = local_part(reader, p.name, kind, p.tensor, place);
+      if (t.defined()) s.optimizer[p.name][kind] = t;
+    }
+    if (auto step = reader.optimizer_step(p.name)) s.optimizer[p.name]["step"] = at::scalar_tensor(*step, at::kLong);
+  }
+  return s;
+}
 
 std::vector<at::Tensor> tensors(const models::Stage& stage) {
   std::vector<at::Tensor> out;
@@ -44,6 +137,8 @@ class PlainChunk : public ChunkTrainer {
   void end_backward() override {}
   std::map<std::string, at::Tensor> parameters_on_dp_root() override { return clones(stage_); }
   StateBytes held() const override { return local_bytes(stage_, *opt_); }
+  void add_to_checkpoint(RankState& out, const ShardPlace& place) override { add_whole(stage_, *opt_, out, place); }
+  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { load_whole(stage_, *opt_, r, place); }
 
  private:
   std::unique_ptr<torch::optim::Optimizer> opt_;
@@ -54,7 +149,8 @@ class DdpChunk : public ChunkTrainer {
   DdpChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp)
       : ChunkTrainer(std::move(stage)), dp_(std::move(dp)) {
     ddp_ = std::make_unique<dp::DistributedDataParallel>(
-        stage_.ptr(), dp_, dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap));
+        stage_.ptr(), dp_,
+        dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap).rebuild_buckets(false));
     opt_ = make_optimizer(c, tensors(stage_));
   }
   at::Tensor forward(const at::Tensor& x) override {
@@ -74,6 +170,8 @@ class DdpChunk : public ChunkTrainer {
     s.buffers = s.parameters;  // DDP's buckets mirror the gradients
     return s;
   }
+  void add_to_checkpoint(RankState& out, const ShardPlace& place) override { add_whole(stage_, *opt_, out, place); }
+  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { load_whole(stage_, *opt_, r, place); }
 
  private:
   comm::CommPtr dp_;
@@ -103,6 +201,10 @@ class ZeroChunk : public ChunkTrainer {
     const zero::HeldBytes h = zro_->held_bytes();
     return StateBytes{h.parameters, h.gradients, h.optimizer, h.buffers};
   }
+  void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
+    add_pieces(stage_, zro_->owned_pieces(), /*values=*/false, out, place);
+  }
+  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { zro_->load_state(full_state(stage_, r, place)); }
 
  private:
   int stage_no_;
@@ -136,6 +238,10 @@ class FsdpChunk : public ChunkTrainer {
     const zero::HeldBytes h = fsdp_->held_bytes();
     return StateBytes{h.parameters, h.gradients, h.optimizer, h.buffers};
   }
+  void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
+    add_pieces(stage_, fsdp_->owned_pieces(), /*values=*/true, out, place);
+  }
+  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { fsdp_->load_state(full_state(stage_, r, place)); }
 
  private:
   std::unique_ptr<zero::FullyShardedDataParallel> fsdp_;

@@ -13,11 +13,21 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/models/models.h"
+#include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/metrics.h"
 
 namespace meshtrain {
 namespace train {
+
+// Where a chunk's tensors sit in the full model: tp split dimensions by
+// parameter name, this rank's tp slab, and its dp rank.
+struct ShardPlace {
+  std::map<std::string, int64_t> tp_dims;
+  int tp_index = 0;
+  int tp_size = 1;
+  int dp_rank = 0;
+};
 
 class ChunkTrainer {
  public:
@@ -32,6 +42,10 @@ class ChunkTrainer {
   // Parameters under their full names, on dp rank 0 (a collective over dp).
   virtual std::map<std::string, at::Tensor> parameters_on_dp_root() = 0;
   virtual StateBytes held() const = 0;
+  // Checkpoints: this rank's share of the chunk's state (replicas are written
+  // once: by dp rank 0, or by each rank for its ZeRO shard), and loading.
+  virtual void add_to_checkpoint(RankState& out, const ShardPlace& place) = 0;
+  virtual void load_checkpoint(CheckpointReader& reader, const ShardPlace& place) = 0;
   models::Stage& stage() { return stage_; }
 
  protected:

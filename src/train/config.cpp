@@ -144,6 +144,9 @@ TrainConfig resolve(TrainConfig c, int world) {
                   ", pp ", c.pp, ", tp ", c.tp, ")");
   MESHTRAIN_CHECK(c.steps >= 1, "--steps ", c.steps, " must be at least 1");
   MESHTRAIN_CHECK(c.lr > 0, "--lr ", c.lr, " must be positive");
+  MESHTRAIN_CHECK(c.save_every >= 0, "--save-every ", c.save_every, " must be >= 0");
+  MESHTRAIN_CHECK(c.save_every == 0 || !c.save_dir.empty(), "--save-every needs --save-dir");
+  MESHTRAIN_CHECK(!c.resume || !c.save_dir.empty(), "--resume needs --save-dir (where the checkpoints are)");
   MESHTRAIN_CHECK(c.digits >= 1 && c.digits <= 6, "--digits ", c.digits, " must be in [1, 6]");
   MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");
   if (c.dp == 0) {

@@ -9,6 +9,7 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/pp/executor.h"
+#include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/metrics.h"
@@ -33,6 +34,10 @@ class Engine {
   // The last step's pipeline timeline on this rank (empty without a pipeline).
   virtual std::vector<pp::TraceEvent> last_trace() const { return {}; }
   virtual int max_activations_in_flight() const { return 0; }
+  // Checkpoints: this rank's share of the training state, and loading it back
+  // (under any layout: see checkpoint.h).
+  virtual RankState checkpoint_state() = 0;
+  virtual void load_checkpoint(CheckpointReader& reader) = 0;
 };
 
 std::unique_ptr<Engine> make_engine(const TrainConfig& config, comm::CommPtr world);

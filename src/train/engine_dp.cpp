@@ -10,6 +10,8 @@
 #include "meshtrain/dp/params.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/train/optim.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/zero/optimizer_state.h"
 
 namespace meshtrain {
 namespace train {
@@ -77,6 +79,35 @@ class MasterDpEngine : public Engine {
 
   comm::Traffic traffic() const override { return comm_->traffic(); }
   void reset_traffic() override { comm_->reset_traffic(); }
+
+  // Rank 0 holds the state that matters (its parameters are replicated every step).
+  RankState checkpoint_state() override {
+    RankState out;
+    if (comm_->rank() != 0) return out;
+    for (const auto& p : params_) {
+      out.chunks.push_back({p.name, "value", p.tensor.sizes().vec(), -1, 0, 1, 0, p.tensor.detach().reshape({-1})});
+      for (const auto& kv : zero::state_of(*optimizer_, p.tensor)) {
+        if (kv.first == "step") out.steps[p.name] = kv.second.item<int64_t>();
+        else out.chunks.push_back({p.name, kv.first, p.tensor.sizes().vec(), -1, 0, 1, 0, kv.second.reshape({-1})});
+      }
+    }
+    return out;
+  }
+  void load_checkpoint(CheckpointReader& reader) override {
+    at::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      MESHTRAIN_CHECK(reader.has(p.name), "checkpoint has no parameter '", p.name, "'");
+      p.tensor.copy_(reader.full(p.name, "value").view_as(p.tensor));
+      if (!optimizer_) continue;
+      std::map<std::string, at::Tensor> state;
+      for (const char* kind : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) {
+        at::Tensor t = reader.full(p.name, kind);
+        if (t.defined()) state[kind] = t.view_as(p.tensor);
+      }
+      if (auto step = reader.optimizer_step(p.name)) state["step"] = at::scalar_tensor(*step, at::kLong);
+      zero::set_state(*optimizer_, p.tensor, state);
+    }
+  }
 
  private:
   TrainConfig c_;

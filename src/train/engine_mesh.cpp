@@ -162,6 +162,15 @@ class MeshEngine : public Engine {
     for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp}) mesh_.axis(axis)->reset_traffic();
   }
   std::vector<pp::TraceEvent> last_trace() const override { return trace_; }
+
+  RankState checkpoint_state() override {
+    RankState out;
+    for (auto& kv : chunks_) kv.second->add_to_checkpoint(out, place(*kv.second));
+    return out;
+  }
+  void load_checkpoint(CheckpointReader& reader) override {
+    for (auto& kv : chunks_) kv.second->load_checkpoint(reader, place(*kv.second));
+  }
   int max_activations_in_flight() const override { return max_in_flight_; }
 
  private:
@@ -173,6 +182,15 @@ class MeshEngine : public Engine {
   at::Tensor embedding_weight() {
     auto& stage = chunks_.at(0)->stage();
     return std::dynamic_pointer_cast<models::GptEmbeddingImpl>(stage->piece(0))->tok->weight;
+  }
+
+  ShardPlace place(ChunkTrainer& chunk) const {
+    ShardPlace p;
+    p.tp_dims = tp::shard_dims(*chunk.stage());
+    p.tp_index = mesh_.coord().tp;
+    p.tp_size = c_.tp;
+    p.dp_rank = mesh_.coord().dp;
+    return p;
   }
 
   pp::PipelineHooks hooks(int M) {

@@ -7,12 +7,16 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <signal.h>
+#include <thread>
+#include <unistd.h>
 #include <sstream>
 
 #include "engine.h"
 #include "meshtrain/dp/params.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/pp/trace.h"
+#include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/evaluate.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/util/error.h"
@@ -50,6 +54,34 @@ std::vector<std::string> gather_strings(comm::Communicator& comm, const std::str
   return out;
 }
 
+// Test hook: MESHTRAIN_TEST_KILL_AT_STEP=k on rank MESHTRAIN_TEST_KILL_RANK (default 1),
+// first attempt only (MESHTRAIN_RESTART_COUNT unset or 0): SIGKILL shortly
+// after step k starts, i.e. in the middle of the step.
+void arm_test_kill(int64_t step) {
+  const char* at = std::getenv("MESHTRAIN_TEST_KILL_AT_STEP");
+  const char* restart = std::getenv("MESHTRAIN_RESTART_COUNT");
+  if (!at || std::atoll(at) != step || (restart && std::atoi(restart) != 0)) return;
+  const char* who = std::getenv("MESHTRAIN_TEST_KILL_RANK");
+  const char* rank = std::getenv("RANK");
+  if ((who ? std::atoi(who) : 1) != (rank ? std::atoi(rank) : 0)) return;
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::fprintf(stderr, "test hook: killing this rank (SIGKILL) in the middle of a step\n");
+    std::fflush(stderr);
+    kill(getpid(), SIGKILL);
+  }).detach();
+}
+
+// After a restart, meshrun passes the wall-clock time it detected the failure.
+void report_restart_time() {
+  const char* failed = std::getenv("MESHTRAIN_FAILURE_TIME_NS");
+  if (!failed) return;
+  const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::system_clock::now().time_since_epoch()).count();
+  std::printf("first step after the restart done %.2f s after the failure was detected\n",
+              (now - std::atoll(failed)) / 1e9);
+}
+
 double mean_after_first(const std::vector<double>& xs) {
   if (xs.size() < 2) return xs.empty() ? 0.0 : xs[0];
   double sum = 0;
@@ -79,17 +111,63 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   engine->reset_traffic();  // count steps, not set-up
 
   TrainResult result;
-  for (int64_t step = 0; step < c.steps; ++step) {
+  // Resume from the latest complete checkpoint, under this run's layout.
+  int64_t first_step = 0;
+  double load_seconds = 0;
+  if (c.resume) {
+    MESHTRAIN_CHECK(!c.save_dir.empty(), "--resume needs --save-dir (where the checkpoints are)");
+    const std::string step_dir = latest_checkpoint(c.save_dir);
+    if (!step_dir.empty()) {
+      const auto t0 = Clock::now();
+      CheckpointReader reader(step_dir);
+      engine->load_checkpoint(reader);
+      first_step = reader.step();
+      load_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (chief && options.verbose) {
+        std::printf("resumed from checkpoint step %lld (%s), loaded in %.3f s\n", static_cast<long long>(first_step),
+                    step_dir.c_str(), load_seconds);
+      }
+    } else if (chief && options.verbose) {
+      std::printf("no checkpoint in %s yet: starting from step 0\n", c.save_dir.c_str());
+    }
+    MESHTRAIN_CHECK(first_step <= c.steps, "the checkpoint is at step ", first_step, ", past --steps ", c.steps);
+  }
+  engine->reset_traffic();  // count steps, not set-up and loading
+  result.first_step = first_step;
+  double save_seconds = 0;
+  int64_t save_bytes = 0, saves = 0;
+  for (int64_t step = first_step; step < c.steps; ++step) {
+    arm_test_kill(step);
     const auto t0 = Clock::now();
     at::Tensor loss = at::tensor({engine->step(step)}, at::kDouble);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     metrics->all_reduce(loss);  // the sum of the ranks' contributions is the global-batch loss
     result.losses.push_back(loss.item<double>());
     result.step_times.push_back(seconds);
+    if (chief && options.verbose && step == first_step && first_step > 0) report_restart_time();
     if (chief && options.verbose && ((step + 1) % c.log_every == 0 || step + 1 == c.steps)) {
       print_progress(c, step, result.losses.back(), seconds);
     }
+    if (!c.save_dir.empty() && c.save_every > 0 && (step + 1) % c.save_every == 0) {
+      const SaveStats s = save_checkpoint(c.save_dir, step + 1, engine->checkpoint_state(), *metrics, to_json(c));
+      save_seconds += s.seconds;
+      save_bytes += s.bytes;
+      ++saves;
+      if (chief && options.verbose) {
+        std::printf("checkpoint step %lld saved in %.3f s\n", static_cast<long long>(step + 1), s.seconds);
+      }
+    }
   }
+  at::Tensor all_bytes = at::tensor({save_bytes}, at::kLong);
+  metrics->all_reduce(all_bytes);
+  const std::string checkpoint_json = json::Object()
+                                          .integer("resumed_from_step", first_step)
+                                          .num("load_seconds", load_seconds)
+                                          .integer("saves", saves)
+                                          .num("save_seconds", save_seconds)
+                                          .integer("save_bytes_all_ranks", all_bytes.item<int64_t>())
+                                          .num("save_mb_per_s", save_seconds > 0 ? all_bytes.item<int64_t>() / 1e6 / save_seconds : 0.0)
+                                          .str();
 
   // The last step's pipeline timeline, every rank's events on rank 0.
   std::string pipeline_json;
@@ -165,6 +243,8 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                               .num("tokens_per_s", c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0)
                               .num("accuracy", result.accuracy)
                               .raw("pipeline", pipeline_json.empty() ? "null" : pipeline_json)
+                              .integer("first_step", first_step)
+                              .raw("checkpoint", checkpoint_json)
                               .raw("ranks", json::array(rss))
                               .str();
     if (!c.metrics_out.empty()) {

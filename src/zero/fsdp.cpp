@@ -16,7 +16,7 @@
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/zero.h"
-#include "optimizer_state.h"
+#include "meshtrain/zero/optimizer_state.h"
 #include "pieces.h"
 #include "util/autograd_hooks.h"
 
@@ -49,6 +49,7 @@ class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
   void step() { optimizer_->step(); }
   FullState consolidated_state(int root);
   void load_state(const FullState& state);
+  std::vector<OwnedPiece> owned() { return owned_pieces(pieces_, *optimizer_, params_); }
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
@@ -374,6 +375,7 @@ void FullyShardedDataParallel::step() { core_->step(); }
 FullState FullyShardedDataParallel::consolidated_state(int root) { return core_->consolidated_state(root); }
 void FullyShardedDataParallel::load_state(const FullState& state) { core_->load_state(state); }
 HeldBytes FullyShardedDataParallel::held_bytes() const { return core_->held_bytes(); }
+std::vector<OwnedPiece> FullyShardedDataParallel::owned_pieces() { return core_->owned(); }
 torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return core_->optimizer(); }
 
 }  // namespace zero

@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "meshtrain/util/error.h"
-#include "optimizer_state.h"
+#include "meshtrain/zero/optimizer_state.h"
 
 namespace meshtrain {
 namespace zero {
@@ -97,6 +97,16 @@ std::map<std::string, std::map<std::string, at::Tensor>> consolidate_optimizer(
   for (size_t p = 0; p < params.size(); ++p) {
     const int64_t s = steps[p].item<int64_t>();
     if (s >= 0) out[params[p].name]["step"] = at::scalar_tensor(s, at::kLong);
+  }
+  return out;
+}
+
+std::vector<OwnedPiece> owned_pieces(const Pieces& pieces, torch::optim::Optimizer& optimizer,
+                                     const std::vector<dp::NamedParam>& params) {
+  std::vector<OwnedPiece> out;
+  for (size_t i = 0; i < pieces.values.size(); ++i) {
+    const ShardPiece& p = pieces.pieces[i];
+    out.push_back({params[p.param].name, p.param_offset, pieces.values[i], state_of(optimizer, pieces.values[i])});
   }
   return out;
 }

@@ -36,6 +36,10 @@ std::map<std::string, std::map<std::string, at::Tensor>> consolidate_optimizer(
     comm::Communicator& comm, const Layout& layout, const Pieces& pieces, torch::optim::Optimizer& optimizer,
     const std::vector<dp::NamedParam>& params, int root);
 
+// This rank's pieces with their optimizer state, by parameter name.
+std::vector<OwnedPiece> owned_pieces(const Pieces& pieces, torch::optim::Optimizer& optimizer,
+                                     const std::vector<dp::NamedParam>& params);
+
 // Loads this rank's pieces of `state` (values and optimizer state).
 void load_pieces(const FullState& state, const Pieces& pieces, torch::optim::Optimizer& optimizer,
                  const std::vector<dp::NamedParam>& params);

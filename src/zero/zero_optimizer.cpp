@@ -6,7 +6,7 @@
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/zero.h"
-#include "optimizer_state.h"
+#include "meshtrain/zero/optimizer_state.h"
 #include "pieces.h"
 #include "util/autograd_hooks.h"
 
@@ -23,6 +23,7 @@ class ShardedCore : public std::enable_shared_from_this<ShardedCore> {
   void set_sync(bool on) { sync_ = on; }
   FullState consolidated_state(int root);
   void load_state(const FullState& state);
+  std::vector<OwnedPiece> owned() { return owned_pieces(pieces_, *optimizer_, params_); }
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
@@ -256,6 +257,7 @@ void ZeroRedundancyOptimizer::step() { core_->step(); }
 FullState ZeroRedundancyOptimizer::consolidated_state(int root) { return core_->consolidated_state(root); }
 void ZeroRedundancyOptimizer::load_state(const FullState& state) { core_->load_state(state); }
 HeldBytes ZeroRedundancyOptimizer::held_bytes() const { return core_->held_bytes(); }
+std::vector<OwnedPiece> ZeroRedundancyOptimizer::owned_pieces() { return core_->owned(); }
 torch::optim::Optimizer& ZeroRedundancyOptimizer::optimizer() { return core_->optimizer(); }
 
 ZeroRedundancyOptimizer::NoSync::NoSync(ShardedCore* core) : core_(core) { core_->set_sync(false); }

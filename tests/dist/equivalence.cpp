@@ -44,6 +44,61 @@ train::TrainConfig tiny_mlp() {
   return c;
 }
 
+TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const std::vector<std::string>& env,
+                           std::chrono::seconds time_limit) {
+  train::RunOptions quiet;
+  quiet.verbose = false;
+  quiet.evaluate = false;
+  RankOptions options;
+  options.env = env;
+  options.time_limit = time_limit;
+  RankRun run = run_ranks(world, [&](comm::Communicator& comm) {
+    auto self = std::shared_ptr<comm::Communicator>(&comm, [](comm::Communicator*) {});
+    train::TrainResult r = train::run_training(train::resolve(config, comm.size()), self, quiet);
+    if (comm.rank() == 0) {
+      auto out = r.full_parameters;
+      out["__losses__"] = torch::tensor(r.losses, torch::kDouble);
+      out["__first_step__"] = torch::tensor({r.first_step}, torch::kLong);
+      save_tensors(shared_dir() + "/result.bin", out);
+    }
+  }, options);
+  TrainOutput out;
+  if (in_rank_process() || ::testing::Test::HasFailure()) return out;
+  auto got = load_tensors(run.file("result.bin"));
+  out.first_step = got.at("__first_step__").item<int64_t>();
+  at::Tensor l = got.at("__losses__");
+  for (int64_t i = 0; i < l.numel(); ++i) out.losses.push_back(l[i].item<double>());
+  got.erase("__losses__");
+  got.erase("__first_step__");
+  out.parameters = got;
+  return out;
+}
+
+TrainOutput train_in_one_process(const train::TrainConfig& config) {
+  train::RunOptions quiet;
+  quiet.verbose = false;
+  quiet.evaluate = false;
+  train::TrainResult r = train::run_training(train::resolve(config, 1), comm::make_single_process_world(), quiet);
+  return TrainOutput{r.first_step, r.losses, r.full_parameters};
+}
+
+void expect_same_training(const TrainOutput& got, const TrainOutput& want, const Tolerance& tol, const std::string& what) {
+  for (size_t i = 0; i < got.losses.size(); ++i) {
+    const size_t step = got.first_step + i, j = step - want.first_step;
+    ASSERT_LT(j, want.losses.size()) << what << ": step " << step << " missing from the reference";
+    EXPECT_LE(std::abs(got.losses[i] - want.losses[j]), tol.loss_atol + tol.loss_rtol * std::abs(want.losses[j]))
+        << what << ": step " << step << " loss " << got.losses[i] << " vs " << want.losses[j];
+  }
+  EXPECT_EQ(got.parameters.size(), want.parameters.size()) << what;
+  for (const auto& kv : want.parameters) {
+    auto it = got.parameters.find(kv.first);
+    ASSERT_NE(it, got.parameters.end()) << what << ": parameter " << kv.first << " missing";
+    const double excess = ((it->second - kv.second).abs() - (tol.weight_atol + tol.weight_rtol * kv.second.abs())).max().item<double>();
+    EXPECT_LE(excess, 0.0) << what << ": parameter " << kv.first << " differs by "
+                           << (it->second - kv.second).abs().max().item<double>();
+  }
+}
+
 void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& given) {
   Tolerance tol = given;
   if (config.optimizer != "sgd") tol.weight_atol = std::max(tol.weight_atol, 1e-2 * config.lr);  // see Tolerance

@@ -5,7 +5,12 @@
 // runs the same configuration in this process on a world of one, and compares
 // every step's loss and every final weight.
 
+#include <chrono>
+#include <map>
 #include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
 
 #include "meshtrain/train/config.h"
 
@@ -35,6 +40,21 @@ struct Tolerance {
 };
 
 void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol = {});
+
+// What rank 0 of a run_training reported, handed back to the test process.
+struct TrainOutput {
+  int64_t first_step = 0;
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> parameters;
+};
+// Runs the trainer on `world` ranks (with `env` for the ranks) and returns rank 0's result.
+TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const std::vector<std::string>& env = {},
+                           std::chrono::seconds time_limit = std::chrono::seconds(120));
+// The same in this process, on a world of one.
+TrainOutput train_in_one_process(const train::TrainConfig& config);
+// Expects the losses (from their first step on) and the parameters of `got` to
+// match `want` within the tolerance (exact with a zero tolerance).
+void expect_same_training(const TrainOutput& got, const TrainOutput& want, const Tolerance& tol, const std::string& what);
 
 // A tiny GPT that trains in seconds on two cores with 8 ranks.
 train::TrainConfig tiny_gpt();

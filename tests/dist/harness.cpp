@@ -184,8 +184,12 @@ RankRun run_ranks(int world_size, const std::function<void(comm::Communicator&)>
       if (!options.may_die.count(r)) ++running_required;
     }
     if (running == 0) break;
-    if (running_required == 0 || std::chrono::steady_clock::now() > deadline) {
-      timed_out = running_required > 0;
+    // Once the ranks that must finish have, the ones allowed to die (stopped
+    // on purpose, say) are killed; if every rank may die, wait for them.
+    const bool only_optional_left = running_required == 0 && static_cast<int>(options.may_die.size()) < world_size;
+    const bool late = std::chrono::steady_clock::now() > deadline;
+    if (only_optional_left || late) {
+      timed_out = late && !only_optional_left;
       for (auto& c : children) {
         if (!c.exited) {
           kill(c.pid, SIGKILL);

@@ -10,6 +10,7 @@
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
+#include "meshtrain/util/sha256.h"
 #include "meshtrain/util/tensor_io.h"
 
 using namespace meshtrain;
@@ -130,4 +131,16 @@ TEST(TensorIo, RoundTripsAndNamesTheProblemWhenCorrupt) {
   std::string bytes = serialize_tensors(t);
   EXPECT_THROW(deserialize_tensors(bytes.substr(0, bytes.size() - 3), "x"), ConfigError);
   EXPECT_THROW(deserialize_tensors("garbage-garbage-garbage", "x"), ConfigError);
+}
+
+TEST(Sha256, KnownVectors) {
+  EXPECT_EQ(meshtrain::sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(meshtrain::sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(meshtrain::sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  // Fed in pieces of every size, the digest is the same.
+  std::string million(1000000, 'a');
+  meshtrain::Sha256 s;
+  for (size_t i = 0, n = 1; i < million.size(); i += n, n = n % 97 + 1) s.update(million.data() + i, std::min(n, million.size() - i));
+  EXPECT_EQ(s.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
 }

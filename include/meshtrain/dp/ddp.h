@@ -39,6 +39,11 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(bool, broadcast_buffers) = true;
   // Start each bucket's all-reduce during backward; off: all after backward (for measurements).
   TORCH_ARG(bool, overlap) = true;
+  // After the first backward, re-bucket in the order gradients became ready
+  // (PyTorch's default). Off: keep reverse registration order, so that bucket
+  // boundaries, and with them the order floats are summed in, never depend on
+  // when the run started (the trainer turns it off for bitwise-exact resume).
+  TORCH_ARG(bool, rebuild_buckets) = true;
 };
 
 class Reducer;

@@ -21,7 +21,8 @@ struct RunOptions {
 };
 
 struct TrainResult {
-  std::vector<double> losses;      // global-batch loss of every step (every rank)
+  int64_t first_step = 0;          // > 0 after resuming from a checkpoint
+  std::vector<double> losses;      // global-batch loss of steps first_step, first_step + 1, ... (every rank)
   std::vector<double> step_times;  // seconds
   double accuracy = std::numeric_limits<double>::quiet_NaN();
   // The full, unsharded parameters under the single-process model's names (rank 0).

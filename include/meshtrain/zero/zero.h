@@ -39,6 +39,16 @@ struct FullState {
   std::map<std::string, std::map<std::string, at::Tensor>> optimizer;
 };
 
+// This rank's share of one parameter: the elements [offset, offset + numel)
+// of the flattened parameter, their values and their optimizer state (for
+// sharded checkpoints: every rank writes only what it owns).
+struct OwnedPiece {
+  std::string param;
+  int64_t offset = 0;
+  at::Tensor value;  // 1-D view
+  std::map<std::string, at::Tensor> state;  // "exp_avg", ..., and "step"
+};
+
 // Bytes this rank holds (for the memory model).
 struct HeldBytes {
   int64_t parameters = 0, gradients = 0, optimizer = 0, buffers = 0;
@@ -79,6 +89,7 @@ class ZeroRedundancyOptimizer {
 
   FullState consolidated_state(int root = 0);  // collective; complete on root
   void load_state(const FullState& state);     // every rank passes the same state
+  std::vector<OwnedPiece> owned_pieces();
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer();
 
@@ -116,6 +127,7 @@ class FullyShardedDataParallel {
   void step();
   FullState consolidated_state(int root = 0);
   void load_state(const FullState& state);
+  std::vector<OwnedPiece> owned_pieces();
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer();
 

@@ -1,6 +1,6 @@
 #pragma once
 // Reading and writing a torch::optim optimizer's per-parameter state by name,
-// and moving the optimizer onto shard pieces (internal to zero/).
+// and moving the optimizer onto shard pieces (ZeRO, checkpoints).
 
 #include <torch/optim/optimizer.h>
 

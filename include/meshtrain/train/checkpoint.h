@@ -1,0 +1,89 @@
+#pragma once
+// Sharded, atomic checkpoints that load under any layout.
+//
+// Saving: every rank writes only what it owns — its parameters (one replica
+// per data-parallel group), its shard of the optimizer state, its RNG state —
+// as chunks in layout-independent coordinates (parameter, kind, the tp slab of
+// the full tensor, a flat offset within it). See Note [Atomic checkpoints] in
+// checkpoint.cpp for the commit protocol: a checkpoint is complete only once
+// its manifest (layout, step, SHA-256 of every shard) has been renamed into
+// place, and `latest` only ever names complete checkpoints.
+//
+// Loading: each rank reads, from whichever shards hold them, the full tensors
+// of the parameters it holds under the *new* layout, verifying every shard's
+// checksum, and takes its part: dp, tp, pp and the ZeRO stage may all differ
+// from the saving run's.
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/util/json.h"
+
+namespace meshtrain {
+namespace train {
+
+// One piece of training state in layout-independent coordinates.
+struct StateChunk {
+  std::string param;  // the single-process model's parameter name
+  std::string kind;   // "value", or an optimizer state ("exp_avg", "exp_avg_sq", "momentum_buffer", ...)
+  std::vector<int64_t> full_shape;
+  int64_t tp_dim = -1;  // the full tensor is cut into tp_size slabs along tp_dim (-1: not cut)
+  int tp_index = 0;
+  int tp_size = 1;
+  int64_t offset = 0;  // flat offset of `data` within its slab
+  at::Tensor data;     // 1-D
+};
+
+// What one rank writes.
+struct RankState {
+  std::vector<StateChunk> chunks;
+  std::map<std::string, int64_t> steps;  // optimizer step counts by parameter
+};
+
+struct SaveStats {
+  double seconds = 0;  // the training loop was blocked this long
+  int64_t bytes = 0;   // this rank's shard
+};
+
+// Collective over `comm` (every rank of the job): writes step-NNNNNNNN/ in dir
+// and commits it. Throws on every rank if any rank failed to write.
+SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState& mine, comm::Communicator& comm,
+                          const std::string& config_json);
+
+// The step directory `latest` names ("" when dir has no checkpoint yet).
+std::string latest_checkpoint(const std::string& dir);
+
+class CheckpointReader {
+ public:
+  // Reads the manifest of a step directory. ConfigError when it is missing or malformed.
+  explicit CheckpointReader(const std::string& step_dir);
+  int64_t step() const { return step_; }
+  const json::Value& config() const { return manifest_["config"]; }
+  // The full tensor of (param, kind), assembled from the shards that hold it
+  // (each verified against its SHA-256 on first use); undefined when absent.
+  at::Tensor full(const std::string& param, const std::string& kind);
+  std::optional<int64_t> optimizer_step(const std::string& param) const;
+  bool has(const std::string& param) const;
+
+ private:
+  const std::map<std::string, at::Tensor>& shard(size_t index);
+  std::string dir_;
+  json::Value manifest_;
+  int64_t step_ = 0;
+  std::map<size_t, std::map<std::string, at::Tensor>> loaded_;
+  std::map<std::string, int64_t> steps_;
+};
+
+// Test hook: MESHTRAIN_CHECKPOINT_CRASH_AT=<stage> (with MESHTRAIN_CHECKPOINT_CRASH_RANK,
+// default 0) kills the process with SIGKILL at that stage of a save: "shard-written",
+// "shard-renamed", "manifest-written", "manifest-renamed", "latest-written";
+// MESHTRAIN_CRASH_ONLY_AT_STEP restricts it to the save of one step.
+void crash_point(const char* stage, int rank, int64_t step);
+
+}  // namespace train
+}  // namespace meshtrain

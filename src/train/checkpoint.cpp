@@ -1,0 +1,238 @@
+#include "meshtrain/train/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
+#include "meshtrain/util/sha256.h"
+#include "meshtrain/util/tensor_io.h"
+
+namespace meshtrain {
+namespace train {
+
+// Note [Atomic checkpoints]
+// A crash (kill -9 of any rank at any moment) must never leave a checkpoint
+// that loads as complete. The protocol:
+//   1. every rank writes its shard to rank-RRRRR.bin.tmp, fsyncs, renames it to
+//      rank-RRRRR.bin and fsyncs the directory;
+//   2. all ranks exchange their outcome, size and SHA-256 (an all-gather): if
+//      any failed, every rank raises and nothing is committed;
+//   3. rank 0 writes manifest.json.tmp (layout, step, every shard's size and
+//      checksum and chunk index), fsyncs, renames it to manifest.json, fsyncs
+//      the directory: from here on the checkpoint is complete;
+//   4. rank 0 writes latest.tmp naming the step directory, fsyncs, renames it
+//      to latest, fsyncs the checkpoint directory.
+// A crash before 3 leaves no manifest (the step directory is ignored); a crash
+// between 3 and 4 leaves `latest` at the previous complete checkpoint. Loading
+// checks every shard's size and SHA-256 against the manifest and names the
+// file that does not match.
+
+namespace {
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string shard_name(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank-%05d.bin", rank);
+  return buf;
+}
+
+std::string shape_json(const std::vector<int64_t>& shape) {
+  std::vector<double> v(shape.begin(), shape.end());
+  return json::numbers(v);
+}
+
+// This rank's shard file and the JSON describing its chunks.
+std::pair<std::string, std::string> encode(const RankState& mine) {
+  std::map<std::string, at::Tensor> tensors;
+  std::vector<std::string> index;
+  for (size_t i = 0; i < mine.chunks.size(); ++i) {
+    const StateChunk& c = mine.chunks[i];
+    const std::string key = "c" + std::to_string(i);
+    tensors[key] = c.data.detach().contiguous().view(-1);
+    index.push_back(json::Object()
+                        .str("key", key)
+                        .str("param", c.param)
+                        .str("kind", c.kind)
+                        .raw("shape", shape_json(c.full_shape))
+                        .integer("tp_dim", c.tp_dim)
+                        .integer("tp_index", c.tp_index)
+                        .integer("tp_size", c.tp_size)
+                        .integer("offset", c.offset)
+                        .integer("numel", c.data.numel())
+                        .str());
+  }
+  json::Object steps;
+  for (const auto& kv : mine.steps) steps.integer(kv.first, kv.second);
+  return {serialize_tensors(tensors), json::Object().raw("chunks", json::array(index)).raw("steps", steps.str()).str()};
+}
+
+}  // namespace
+
+void crash_point(const char* stage, int rank, int64_t step) {
+  const char* at = std::getenv("MESHTRAIN_CHECKPOINT_CRASH_AT");
+  if (!at || std::strcmp(at, stage) != 0) return;
+  const char* only = std::getenv("MESHTRAIN_CRASH_ONLY_AT_STEP");
+  if (only && std::atoll(only) != step) return;
+  const char* who = std::getenv("MESHTRAIN_CHECKPOINT_CRASH_RANK");
+  if ((who ? std::atoi(who) : 0) != rank) return;
+  std::fprintf(stderr, "checkpoint test hook: rank %d kills itself at '%s'\n", rank, stage);
+  std::fflush(stderr);
+  kill(getpid(), SIGKILL);
+}
+
+SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState& mine, comm::Communicator& comm,
+                          const std::string& config_json) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rank = comm.rank();
+  const std::string step_dir = dir + "/" + step_name(step);
+  SaveStats stats;
+  std::string outcome;  // "ok <bytes> <sha256> <index json>" or "error <message>"
+  try {
+    files::make_directories(step_dir);
+    const auto encoded = encode(mine);
+    const std::string path = step_dir + "/" + shard_name(rank);
+    files::write_durable(path + ".tmp", encoded.first);
+    crash_point("shard-written", rank, step);
+    files::rename_durable(path + ".tmp", path);
+    crash_point("shard-renamed", rank, step);
+    stats.bytes = static_cast<int64_t>(encoded.first.size());
+    outcome = "ok " + std::to_string(stats.bytes) + " " + sha256_hex(encoded.first) + " " + encoded.second;
+  } catch (const std::exception& e) {
+    outcome = std::string("error ") + e.what();
+  }
+  // Every rank learns every rank's outcome: all commit, or all raise.
+  at::Tensor bytes = at::empty({static_cast<int64_t>(outcome.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), outcome.data(), outcome.size());
+  std::vector<at::Tensor> all = comm.all_gather(bytes);
+  std::vector<std::string> shards;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    const std::string o(static_cast<const char*>(all[r].data_ptr()), all[r].numel());
+    if (o.rfind("ok ", 0) != 0) {
+      throw std::runtime_error(str_cat("checkpoint of step ", step, " failed on rank ", r, ": ", o.substr(6),
+                                       "; nothing was committed"));
+    }
+    size_t a = 3, b = o.find(' ', a), c = o.find(' ', b + 1);
+    shards.push_back(json::Object()
+                         .integer("rank", r)
+                         .str("file", shard_name(r))
+                         .integer("bytes", std::stoll(o.substr(a, b - a)))
+                         .str("sha256", o.substr(b + 1, c - b - 1))
+                         .raw("content", o.substr(c + 1))
+                         .str());
+  }
+  if (rank == 0) {
+    const std::string manifest = json::Object()
+                                     .str("format", "meshtrain-checkpoint/1")
+                                     .integer("step", step)
+                                     .integer("world_size", comm.size())
+                                     .raw("config", config_json)
+                                     .raw("shards", json::array(shards))
+                                     .str();
+    files::write_durable(step_dir + "/manifest.json.tmp", manifest);
+    crash_point("manifest-written", rank, step);
+    files::rename_durable(step_dir + "/manifest.json.tmp", step_dir + "/manifest.json");
+    crash_point("manifest-renamed", rank, step);
+    files::write_durable(dir + "/latest.tmp", step_name(step) + "\n");
+    crash_point("latest-written", rank, step);
+    files::rename_durable(dir + "/latest.tmp", dir + "/latest");
+  }
+  comm.barrier();  // committed everywhere before training goes on
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+std::string latest_checkpoint(const std::string& dir) {
+  const std::string latest = dir + "/latest";
+  if (!files::exists(latest)) return "";
+  std::string name = files::read_all(latest);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  MESHTRAIN_CHECK(name.rfind("step-", 0) == 0, "checkpoint directory ", dir, ": 'latest' holds '", name,
+                  "', not a step directory name");
+  const std::string step_dir = dir + "/" + name;
+  MESHTRAIN_CHECK(files::exists(step_dir + "/manifest.json"), "checkpoint ", step_dir,
+                  " named by 'latest' has no manifest.json: the directory was altered after it was committed");
+  return step_dir;
+}
+
+CheckpointReader::CheckpointReader(const std::string& step_dir) : dir_(step_dir) {
+  const std::string path = step_dir + "/manifest.json";
+  MESHTRAIN_CHECK(files::exists(path), "checkpoint ", step_dir, " has no manifest.json: it was never completed");
+  manifest_ = json::parse(files::read_all(path));
+  MESHTRAIN_CHECK(manifest_["format"].str() == "meshtrain-checkpoint/1", path, ": unknown checkpoint format");
+  step_ = static_cast<int64_t>(manifest_["step"].num());
+  for (size_t s = 0; s < manifest_["shards"].size(); ++s) {
+    const json::Value& steps = manifest_["shards"][s]["content"]["steps"];
+    for (const auto& kv : steps.fields) steps_[kv.first] = static_cast<int64_t>(kv.second.num());
+  }
+}
+
+const std::map<std::string, at::Tensor>& CheckpointReader::shard(size_t index) {
+  auto it = loaded_.find(index);
+  if (it != loaded_.end()) return it->second;
+  const json::Value& s = manifest_["shards"][index];
+  const std::string path = dir_ + "/" + s["file"].str();
+  MESHTRAIN_CHECK(files::exists(path), "checkpoint shard ", path, " is missing");
+  const std::string bytes = files::read_all(path);
+  const int64_t want = static_cast<int64_t>(s["bytes"].num());
+  MESHTRAIN_CHECK(static_cast<int64_t>(bytes.size()) == want, "checkpoint shard ", path, " is truncated or padded: ",
+                  bytes.size(), " bytes, the manifest says ", want);
+  const std::string sha = sha256_hex(bytes);
+  MESHTRAIN_CHECK(sha == s["sha256"].str(), "checkpoint shard ", path, " is corrupt: SHA-256 ", sha,
+                  " does not match the manifest's ", s["sha256"].str());
+  return loaded_[index] = deserialize_tensors(bytes, path);
+}
+
+bool CheckpointReader::has(const std::string& param) const {
+  for (const auto& s : manifest_["shards"].items)
+    for (const auto& c : s["content"]["chunks"].items)
+      if (c["param"].str() == param) return true;
+  return false;
+}
+
+std::optional<int64_t> CheckpointReader::optimizer_step(const std::string& param) const {
+  auto it = steps_.find(param);
+  if (it == steps_.end()) return std::nullopt;
+  return it->second;
+}
+
+at::Tensor CheckpointReader::full(const std::string& param, const std::string& kind) {
+  at::Tensor full;
+  std::map<int, at::Tensor> slabs;  // tp index -> contiguous slab
+  int64_t tp_dim = -1;
+  int tp_size = 1;
+  for (size_t s = 0; s < manifest_["shards"].size(); ++s) {
+    for (const auto& c : manifest_["shards"][s]["content"]["chunks"].items) {
+      if (c["param"].str() != param || c["kind"].str() != kind) continue;
+      std::vector<int64_t> shape;
+      for (const auto& d : c["shape"].items) shape.push_back(static_cast<int64_t>(d.num()));
+      tp_dim = static_cast<int64_t>(c["tp_dim"].num());
+      tp_size = static_cast<int>(c["tp_size"].num());
+      const int index = static_cast<int>(c["tp_index"].num());
+      if (!full.defined()) full = at::zeros(shape, at::kFloat);
+      at::Tensor& slab = slabs[index];
+      if (!slab.defined()) slab = (tp_dim < 0 ? full : full.chunk(tp_size, tp_dim)[index]).contiguous();
+      const at::Tensor& data = shard(s).at(c["key"].str());
+      slab.view(-1).narrow(0, static_cast<int64_t>(c["offset"].num()), data.numel()).copy_(data);
+    }
+  }
+  for (auto& kv : slabs) {
+    if (tp_dim < 0) full = kv.second;
+    else full.chunk(tp_size, tp_dim)[kv.first].copy_(kv.second);
+  }
+  return full;
+}
+
+}  // namespace train
+}  // namespace meshtrain

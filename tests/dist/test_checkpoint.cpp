@@ -1,0 +1,183 @@
+// Checkpoints: exact resume, resharding across layouts, atomic commit under a
+// crash at every stage of a save, and corrupted shards.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+
+#include "equivalence.h"
+#include "harness.h"
+#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/train/trainer.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
+
+using meshtrain::testing::expect_same_training;
+using meshtrain::testing::tiny_gpt;
+using meshtrain::testing::Tolerance;
+using meshtrain::testing::train_in_one_process;
+using meshtrain::testing::train_on_ranks;
+using meshtrain::train::TrainConfig;
+
+namespace {
+
+// A checkpoint directory per test, made by the parent and handed to the ranks
+// in the configuration (the test body reruns in each rank with the same path:
+// it is derived from the parent's pid, which the ranks see as their parent).
+std::string checkpoint_dir(const std::string& test) {
+  const int parent = meshtrain::testing::in_rank_process() ? getppid() : getpid();
+  const std::string dir = "/tmp/meshtrain-ckpt-" + std::to_string(parent) + "-" + test;
+  if (!meshtrain::testing::in_rank_process()) {
+    std::system(("rm -rf " + dir).c_str());
+    meshtrain::files::make_directories(dir);
+  }
+  return dir;
+}
+
+TrainConfig layout(int dp, int pp, int tp, int zero) {
+  auto c = tiny_gpt();
+  c.steps = 6;
+  c.dp = dp;
+  c.pp = pp;
+  c.tp = tp;
+  c.zero = zero;
+  if (pp > 1) c.microbatches = 2;
+  return c;
+}
+
+void set_latest(const std::string& dir, int step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08d\n", step);
+  std::ofstream(dir + "/latest") << name;
+}
+
+// Same layout: resuming is the same computation, so the losses and the weights
+// are bitwise those of the uninterrupted run.
+TEST(Checkpoint, ExactResumeOnTheSameLayout) {
+  struct L { int dp, pp, tp, zero; };
+  for (const L& l : std::vector<L>{{3, 1, 1, 0}, {2, 1, 1, 1}, {3, 1, 1, 3}, {1, 2, 1, 0}, {1, 1, 2, 0}, {2, 1, 2, 2}}) {
+    const std::string name = "exact" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.tp) + std::to_string(l.zero);
+    const std::string dir = checkpoint_dir(name);
+    TrainConfig c = layout(l.dp, l.pp, l.tp, l.zero);
+    c.save_dir = dir;
+    c.save_every = 2;
+    const int world = l.dp * l.pp * l.tp;
+    auto full = train_on_ranks(c, world);  // saves at steps 2, 4 and 6
+    if (!meshtrain::testing::in_rank_process()) set_latest(dir, 2);
+    c.resume = true;
+    auto resumed = train_on_ranks(c, world);
+    if (meshtrain::testing::in_rank_process()) continue;
+    EXPECT_EQ(resumed.first_step, 2) << name;
+    EXPECT_EQ(resumed.losses.size(), 4u) << name;
+    expect_same_training(resumed, full, Tolerance{0, 0, 0, 0}, name + " (exact)");
+  }
+}
+
+// Save under one layout, continue under another: the same as never stopping,
+// in one process, within the equivalence tolerance.
+TEST(Checkpoint, ReshardingAcrossLayouts) {
+  struct Move { TrainConfig from; int from_world; TrainConfig to; int to_world; const char* what; };
+  std::vector<Move> moves = {
+      {layout(2, 1, 1, 0), 2, layout(4, 1, 1, 0), 4, "dp 2 -> 4"},
+      {layout(4, 1, 1, 2), 4, layout(2, 1, 1, 2), 2, "dp 4 -> 2 (ZeRO 2)"},
+      {layout(1, 1, 1, 0), 1, layout(1, 1, 2, 0), 2, "tp 1 -> 2"},
+      {layout(2, 1, 2, 0), 4, layout(2, 1, 1, 0), 2, "tp 2 -> 1"},
+      {layout(1, 1, 1, 0), 1, layout(1, 2, 1, 0), 2, "pp 1 -> 2"},
+      {layout(1, 2, 1, 1), 2, layout(2, 1, 1, 3), 2, "pp 2 (ZeRO 1) -> dp 2 (ZeRO 3)"},
+      {layout(2, 1, 1, 3), 2, layout(1, 1, 1, 0), 1, "ZeRO 3 -> one process"},
+      {layout(2, 2, 1, 2), 4, layout(2, 1, 2, 1), 4, "dp 2 x pp 2 (ZeRO 2) -> dp 2 x tp 2 (ZeRO 1)"},
+  };
+  const auto reference = meshtrain::testing::in_rank_process() ? meshtrain::testing::TrainOutput{} : train_in_one_process(layout(1, 1, 1, 0));
+  for (size_t i = 0; i < moves.size(); ++i) {
+    Move& m = moves[i];
+    const std::string dir = checkpoint_dir("reshard" + std::to_string(i));
+    m.from.save_dir = m.to.save_dir = dir;
+    m.from.steps = 3;
+    m.from.save_every = 3;
+    m.to.resume = true;
+    if (m.from_world > 1) train_on_ranks(m.from, m.from_world);
+    else if (!meshtrain::testing::in_rank_process()) train_in_one_process(m.from);
+    meshtrain::testing::TrainOutput got;
+    if (m.to_world > 1) got = train_on_ranks(m.to, m.to_world);
+    else if (!meshtrain::testing::in_rank_process()) got = train_in_one_process(m.to);
+    if (meshtrain::testing::in_rank_process()) continue;
+    EXPECT_EQ(got.first_step, 3) << m.what;
+    expect_same_training(got, reference, Tolerance{}, m.what);
+  }
+}
+
+// A crash at every stage of committing the step-4 save never leaves a
+// checkpoint that loads as complete: `latest` still names step 2 (after the
+// manifest's rename, step 4 is complete too, but not yet `latest`), and an
+// incomplete step 4 refuses to load.
+TEST(Checkpoint, CrashAtEveryStageOfASaveLeavesTheLastCompleteCheckpoint) {
+  struct Stage { const char* name; int rank; bool step4_complete; };
+  for (const Stage& s : std::vector<Stage>{{"shard-written", 1, false},
+                                           {"shard-renamed", 1, false},
+                                           {"manifest-written", 0, false},
+                                           {"manifest-renamed", 0, true},
+                                           {"latest-written", 0, true}}) {
+    const std::string dir = checkpoint_dir(std::string("crash-") + s.name);
+    TrainConfig c = layout(2, 1, 1, 1);
+    c.save_dir = dir;
+    c.save_every = 2;
+    c.steps = 4;
+    meshtrain::testing::RankOptions crash;
+    crash.may_die = {0, 1};  // the crashing rank dies; the other fails when it does
+    crash.env = {std::string("MESHTRAIN_CHECKPOINT_CRASH_AT=") + s.name,
+                 "MESHTRAIN_CHECKPOINT_CRASH_RANK=" + std::to_string(s.rank), "MESHTRAIN_CRASH_ONLY_AT_STEP=4"};
+    {
+      ::testing::ScopedTrace trace(__FILE__, __LINE__, s.name);
+      // The ranks of this call are expected to fail: run them without the equivalence helper.
+      meshtrain::testing::run_ranks(2, [&](meshtrain::comm::Communicator& comm) {
+        auto self = std::shared_ptr<meshtrain::comm::Communicator>(&comm, [](meshtrain::comm::Communicator*) {});
+        meshtrain::train::RunOptions quiet;
+        quiet.verbose = false;
+        quiet.evaluate = false;
+        try {
+          meshtrain::train::run_training(meshtrain::train::resolve(c, 2), self, quiet);
+        } catch (const std::exception&) {
+          std::_Exit(0);  // the peer's crash: expected
+        }
+      }, crash);
+    }
+    if (meshtrain::testing::in_rank_process()) continue;
+    EXPECT_EQ(meshtrain::train::latest_checkpoint(dir), dir + "/step-00000002") << s.name;
+    EXPECT_EQ(meshtrain::files::exists(dir + "/step-00000004/manifest.json"), s.step4_complete) << s.name;
+    if (!s.step4_complete) EXPECT_THROW(meshtrain::train::CheckpointReader(dir + "/step-00000004"), meshtrain::ConfigError);
+  }
+}
+
+TEST(Checkpoint, CorruptOrTruncatedShardsAreNamed) {
+  const std::string dir = checkpoint_dir("corrupt");
+  TrainConfig c = layout(2, 1, 1, 0);
+  c.save_dir = dir;
+  c.save_every = 2;
+  c.steps = 2;
+  train_on_ranks(c, 2);
+  if (meshtrain::testing::in_rank_process()) return;
+  const std::string shard = dir + "/step-00000002/rank-00000.bin";
+  std::string bytes = meshtrain::files::read_all(shard);
+  auto load_all = [&] {
+    meshtrain::train::CheckpointReader r(dir + "/step-00000002");
+    r.full("blocks.0.fc1.weight", "value");
+  };
+  bytes[bytes.size() / 2] ^= 0x01;  // one flipped bit
+  std::ofstream(shard, std::ios::binary).write(bytes.data(), bytes.size());
+  try {
+    load_all();
+    ADD_FAILURE() << "a flipped bit went unnoticed";
+  } catch (const meshtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank-00000.bin is corrupt: SHA-256"), std::string::npos) << e.what();
+  }
+  std::ofstream(shard, std::ios::binary).write(bytes.data(), bytes.size() / 3);
+  try {
+    load_all();
+    ADD_FAILURE() << "a truncated shard went unnoticed";
+  } catch (const meshtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank-00000.bin is truncated"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
