@@ -133,6 +133,7 @@ class PlainChunk : public ChunkTrainer {
   at::Tensor forward(const at::Tensor& x) override { return stage_->forward(x); }
   void zero_grad() override { opt_->zero_grad(); }
   void step() override { opt_->step(); }
+  torch::optim::Optimizer& optimizer() override { return *opt_; }
   void begin_backward(bool) override {}
   void end_backward() override {}
   std::map<std::string, at::Tensor> parameters_on_dp_root() override { return clones(stage_); }
@@ -158,6 +159,7 @@ class DdpChunk : public ChunkTrainer {
   }
   void zero_grad() override { opt_->zero_grad(); }
   void step() override { opt_->step(); }
+  torch::optim::Optimizer& optimizer() override { return *opt_; }
   void begin_backward(bool last) override {
     if (!last) no_sync_.emplace(ddp_->no_sync());  // communicate on the last micro-batch only
   }
@@ -190,6 +192,7 @@ class ZeroChunk : public ChunkTrainer {
   at::Tensor forward(const at::Tensor& x) override { return stage_->forward(x); }
   void zero_grad() override { zro_->zero_grad(); }
   void step() override { zro_->step(); }
+  torch::optim::Optimizer& optimizer() override { return zro_->optimizer(); }
   // Stage 1 reduces once per step; stage 2 keeps only its shard, so it reduces
   // every micro-batch (as DeepSpeed does).
   void begin_backward(bool last) override {
@@ -231,6 +234,7 @@ class FsdpChunk : public ChunkTrainer {
   }
   void zero_grad() override { fsdp_->zero_grad(); }
   void step() override { fsdp_->step(); }
+  torch::optim::Optimizer& optimizer() override { return fsdp_->optimizer(); }
   void begin_backward(bool) override {}
   void end_backward() override {}
   std::map<std::string, at::Tensor> parameters_on_dp_root() override { return fsdp_->consolidated_state(0).parameters; }

@@ -35,6 +35,7 @@ class ChunkTrainer {
   virtual at::Tensor forward(const at::Tensor& x) = 0;
   virtual void zero_grad() = 0;
   virtual void step() = 0;
+  virtual torch::optim::Optimizer& optimizer() = 0;
   // Wraps one micro-batch's backward: whether gradients are synchronized now
   // (the last micro-batch of the step) or only accumulated.
   virtual void begin_backward(bool last_microbatch) = 0;

@@ -1,6 +1,7 @@
 #include "meshtrain/train/config.h"
 
 #include <functional>
+#include <cmath>
 #include <map>
 
 #include "meshtrain/pp/schedule.h"
@@ -57,6 +58,8 @@ const std::map<std::string, Setter>& value_flags() {
       {"--steps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.steps = static_cast<int>(to_int(f, v)); }},
       {"--optimizer", [](TrainConfig& c, const std::string&, const std::string& v) { c.optimizer = v; }},
       {"--lr", [](TrainConfig& c, const std::string& f, const std::string& v) { c.lr = to_double(f, v); }},
+      {"--lr-schedule", [](TrainConfig& c, const std::string&, const std::string& v) { c.lr_schedule = v; }},
+      {"--warmup-steps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.warmup_steps = static_cast<int>(to_int(f, v)); }},
       {"--weight-decay", [](TrainConfig& c, const std::string& f, const std::string& v) { c.weight_decay = to_double(f, v); }},
       {"--momentum", [](TrainConfig& c, const std::string& f, const std::string& v) { c.momentum = to_double(f, v); }},
       {"--seed", [](TrainConfig& c, const std::string& f, const std::string& v) {
@@ -95,7 +98,8 @@ std::string train_usage() {
          "                 [--dp D --pp P --tp T] [--strategy ddp|dp] [--zero 0|1|2|3]\n"
          "                 [--schedule naive|gpipe|1f1b|interleaved --microbatches M --virtual-stages V]\n"
          "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
-         "                 [--optimizer sgd|adam|adamw] [--lr LR] [--weight-decay W] [--momentum M]\n"
+         "                 [--optimizer sgd|adam|adamw] [--lr LR] [--lr-schedule constant|cosine]\n"
+         "                 [--warmup-steps N] [--weight-decay W] [--momentum M]\n"
          "                 [--seed S] [--log-every N] [--data FILE | --digits D] [--metrics-out FILE] [--plot FILE.svg]\n"
          "                 [--bucket-cap-mb MB] [--no-overlap] [--untied] [--eval-problems N]\n"
          "                 [--save-dir DIR --save-every N] [--resume] [--trace FILE]\n"
@@ -144,6 +148,9 @@ TrainConfig resolve(TrainConfig c, int world) {
                   ", pp ", c.pp, ", tp ", c.tp, ")");
   MESHTRAIN_CHECK(c.steps >= 1, "--steps ", c.steps, " must be at least 1");
   MESHTRAIN_CHECK(c.lr > 0, "--lr ", c.lr, " must be positive");
+  MESHTRAIN_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "--lr-schedule '", c.lr_schedule,
+                  "' is unknown; use constant or cosine");
+  MESHTRAIN_CHECK(c.warmup_steps >= 0, "--warmup-steps ", c.warmup_steps, " must be >= 0");
   MESHTRAIN_CHECK(c.save_every >= 0, "--save-every ", c.save_every, " must be >= 0");
   MESHTRAIN_CHECK(c.save_every == 0 || !c.save_dir.empty(), "--save-every needs --save-dir");
   MESHTRAIN_CHECK(!c.resume || !c.save_dir.empty(), "--resume needs --save-dir (where the checkpoints are)");
@@ -194,6 +201,14 @@ TrainConfig resolve(TrainConfig c, int world) {
   return c;
 }
 
+double learning_rate(const TrainConfig& c, int64_t step) {
+  if (step < c.warmup_steps) return c.lr * static_cast<double>(step + 1) / c.warmup_steps;
+  if (c.lr_schedule == "constant") return c.lr;
+  const double span = std::max<int64_t>(1, c.steps - c.warmup_steps - 1);
+  const double progress = std::min(1.0, (step - c.warmup_steps) / span);
+  return c.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
 int64_t accumulation_steps(const TrainConfig& c) { return c.global_batch / c.dp / c.micro_batch; }
 
 std::string to_json(const TrainConfig& c) {
@@ -214,7 +229,7 @@ std::string to_json(const TrainConfig& c) {
       .boolean("sequence_parallel", c.sequence_parallel)
       .integer("global_batch", c.global_batch).integer("micro_batch", c.micro_batch)
       .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)
-      .str("optimizer", c.optimizer).num("lr", c.lr).num("weight_decay", c.weight_decay).num("momentum", c.momentum)
+      .str("optimizer", c.optimizer).num("lr", c.lr).str("lr_schedule", c.lr_schedule).integer("warmup_steps", c.warmup_steps).num("weight_decay", c.weight_decay).num("momentum", c.momentum)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap);
   return o.str();

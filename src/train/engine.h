@@ -23,6 +23,8 @@ class Engine {
   // One optimizer step on the global batch of `step`. Returns this rank's
   // contribution to the global-batch loss (the trainer sums contributions).
   virtual double step(int64_t step) = 0;
+  // Every optimizer of this rank uses `lr` from the next step on.
+  virtual void set_learning_rate(double lr) = 0;
   // Full parameters under the single-process model's names, on rank 0.
   virtual std::map<std::string, at::Tensor> full_parameters() = 0;
   virtual StateBytes state_bytes() const = 0;

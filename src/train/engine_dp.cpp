@@ -69,6 +69,10 @@ class MasterDpEngine : public Engine {
     return comm_->rank() == 0 ? clone_all(params_) : std::map<std::string, at::Tensor>{};
   }
 
+  void set_learning_rate(double lr) override {
+    if (optimizer_) train::set_learning_rate(*optimizer_, lr);
+  }
+
   StateBytes state_bytes() const override {
     StateBytes s;
     s.parameters = dp::total_bytes(tensors_of(params_));

@@ -19,6 +19,7 @@
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/executor.h"
 #include "meshtrain/tp/layers.h"
+#include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/tensor_io.h"
 
@@ -116,6 +117,10 @@ class MeshEngine : public Engine {
     for (auto& kv : chunks_) kv.second->step();
     // Only the last stage computed the loss; tp ranks computed it alike.
     return last_ && mesh_.coord().tp == 0 ? loss_sum / c_.dp : 0.0;
+  }
+
+  void set_learning_rate(double lr) override {
+    for (auto& kv : chunks_) train::set_learning_rate(kv.second->optimizer(), lr);
   }
 
   std::map<std::string, at::Tensor> full_parameters() override {

@@ -21,6 +21,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, st
   return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
 }
 
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   int64_t bytes = 0;
   auto add = [&](const at::Tensor& t) {

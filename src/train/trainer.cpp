@@ -138,6 +138,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   int64_t save_bytes = 0, saves = 0;
   for (int64_t step = first_step; step < c.steps; ++step) {
     arm_test_kill(step);
+    engine->set_learning_rate(learning_rate(c, step));
     const auto t0 = Clock::now();
     at::Tensor loss = at::tensor({engine->step(step)}, at::kDouble);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -27,6 +27,8 @@ struct TrainConfig {
   int steps = 20;
   std::string optimizer = "adamw";  // sgd | adam | adamw
   double lr = 3e-3;
+  std::string lr_schedule = "constant";  // constant | cosine (to lr/10 at the last step)
+  int warmup_steps = 0;                  // linear warm-up from 0
   double weight_decay = 0.0;
   double momentum = 0.0;
   uint64_t seed = 1234;
@@ -55,6 +57,9 @@ TrainConfig resolve(TrainConfig config, int world_size);
 
 // Gradient-accumulation steps per optimizer step on one data-parallel rank.
 int64_t accumulation_steps(const TrainConfig& resolved);
+
+// The learning rate of `step` (0-based) under the schedule.
+double learning_rate(const TrainConfig& config, int64_t step);
 
 // The resolved configuration as a JSON object.
 std::string to_json(const TrainConfig& config);
