@@ -58,7 +58,11 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
 }
 
 void Reducer::on_grad_ready(size_t index) {
-  if (!sync_) return;
+  if (!sync_) {
+    // See Note [Usage across no_sync]: the accumulated .grad counts as used.
+    used_[index] = 1;
+    return;
+  }
   if (!callback_queued_) {
     Reducer* self = this;
     hooks::at_end_of_backward(weak_from_this(), [self] { self->finalize(); });
@@ -70,12 +74,18 @@ void Reducer::on_grad_ready(size_t index) {
 void Reducer::mark_ready(size_t index, bool used) {
   if (ready_[index]) return;
   ready_[index] = true;
-  used_[index] = used ? 1 : 0;
+  if (used) used_[index] = 1;
   ready_order_.push_back(index);
   Bucket& b = buckets_[bucket_of_[index]];
   const at::Tensor& p = params_[index].tensor;
   at::Tensor slot = b.flat.narrow(0, b.offsets[slot_of_[index]], p.numel());
-  if (used && p.grad().defined()) {
+  // Note [Usage across no_sync]: a parameter unused in the synchronizing
+  // backward may still hold gradient accumulated under no_sync. That gradient
+  // is this rank's contribution (copied, not zeroed), and the parameter counts
+  // as used, so that the average is written back instead of each rank keeping
+  // its own. used_ is reset only after a synchronizing backward, as PyTorch's
+  // local_used_map_ is.
+  if (p.grad().defined()) {
     slot.copy_(p.grad().reshape({-1}));
   } else {
     slot.zero_();

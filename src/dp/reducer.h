@@ -49,7 +49,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<size_t> bucket_of_;
   std::vector<size_t> slot_of_;
   std::vector<bool> ready_;
-  std::vector<uint8_t> used_;  // this iteration, locally
+  std::vector<uint8_t> used_;  // locally, since the last synchronizing backward
   std::vector<size_t> ready_order_;
   size_t next_launch_ = 0;
   bool sync_ = true;

@@ -111,33 +111,51 @@ torch::Tensor batch_of(int rank, int step) {
 
 // DDP with unused and tied parameters against the same objective in one process:
 // L = mean over ranks of each rank's loss.
+// With two micro-batches the first runs under no_sync; the pattern of
+// uses_maybe then leaves `maybe` used only in the accumulated micro-batch on
+// some ranks, and unused everywhere in the synchronizing one (step 2).
 TEST(DataParallel, UnusedAndTiedParametersMatchOneProcess) {
-  run_ranks(3, [](Communicator& comm) {
-    auto model = std::make_shared<Branchy>();
-    meshtrain::dp::DistributedDataParallel ddp(model, std::shared_ptr<Communicator>(&comm, [](Communicator*) {}),
-                                               meshtrain::dp::DistributedDataParallelOptions().find_unused_parameters(true).bucket_cap_mb(1e-9));
-    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    auto ref = std::make_shared<Branchy>();
-    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    const int n = comm.size();
-    for (int step = 0; step < 6; ++step) {
-      opt.zero_grad();
-      auto x = batch_of(comm.rank(), step);
-      auto y = ddp.forward([&] { return model->forward(x, uses_maybe(comm.rank(), step)); });
-      y.pow(2).mean().backward();
-      opt.step();
-      ref_opt.zero_grad();
-      torch::Tensor total = torch::zeros({});
-      for (int r = 0; r < n; ++r) total = total + ref->forward(batch_of(r, step), uses_maybe(r, step)).pow(2).mean() / n;
-      total.backward();
-      ref_opt.step();
-      auto got = model->named_parameters(), want = ref->named_parameters();
-      for (const auto& kv : want) {
-        EXPECT_TRUE(torch::allclose(got[kv.key()], kv.value(), 1e-5, 1e-6))
-            << "step " << step << " parameter " << kv.key() << " rank " << comm.rank();
+  for (int micro : {1, 2}) {
+    run_ranks(3, [micro](Communicator& comm) {
+      auto model = std::make_shared<Branchy>();
+      meshtrain::dp::DistributedDataParallel ddp(
+          model, std::shared_ptr<Communicator>(&comm, [](Communicator*) {}),
+          meshtrain::dp::DistributedDataParallelOptions().find_unused_parameters(true).bucket_cap_mb(1e-9));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      auto ref = std::make_shared<Branchy>();
+      torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      const int n = comm.size();
+      auto local_loss = [&](int k, int step) {
+        const int i = step * micro + k;
+        auto x = batch_of(comm.rank(), i);
+        return ddp.forward([&] { return model->forward(x, uses_maybe(comm.rank(), i)); }).pow(2).mean() / micro;
+      };
+      for (int step = 0; step < 6; ++step) {
+        opt.zero_grad();
+        for (int k = 0; k < micro - 1; ++k) {
+          auto guard = ddp.no_sync();
+          local_loss(k, step).backward();
+        }
+        local_loss(micro - 1, step).backward();
+        opt.step();
+        ref_opt.zero_grad();
+        torch::Tensor total = torch::zeros({});
+        for (int r = 0; r < n; ++r)
+          for (int k = 0; k < micro; ++k) {
+            const int i = step * micro + k;
+            total = total + ref->forward(batch_of(r, i), uses_maybe(r, i)).pow(2).mean() / (n * micro);
+          }
+        total.backward();
+        ref_opt.step();
+        auto got = model->named_parameters(), want = ref->named_parameters();
+        for (const auto& kv : want) {
+          EXPECT_TRUE(torch::allclose(got[kv.key()], kv.value(), 1e-5, 1e-6))
+              << "micro-batches " << micro << " step " << step << " parameter " << kv.key() << " rank "
+              << comm.rank();
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 TEST(DataParallel, UnusedParameterWithoutOptInIsAnErrorNamingIt) {
