@@ -65,6 +65,7 @@ std::string current_test_filter() {
     comm::CommOptions opts;
     opts.timeout = options.comm_timeout;
     opts.verify = options.verify;
+    if (options.inline_bytes >= 0) opts.inline_bytes = options.inline_bytes;
     comm::CommPtr world_comm;
     try {
       world_comm = comm::init_with_store("127.0.0.1", port, rank, world, group, opts);

@@ -34,6 +34,9 @@ struct RankOptions {
   // The communicator's own timeout for blocking waits.
   std::chrono::milliseconds comm_timeout{std::chrono::seconds(30)};
   bool verify = true;
+  // CommOptions::inline_bytes; -1 keeps the communicator's default. 0 sends
+  // every payload by the ring algorithms, however small.
+  int64_t inline_bytes = -1;
   // Ranks that may end by a signal (a test that kills or stops them on purpose);
   // the harness kills any of them still alive once the others have exited.
   std::set<int> may_die;

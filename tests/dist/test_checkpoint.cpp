@@ -145,7 +145,9 @@ TEST(Checkpoint, CrashAtEveryStageOfASaveLeavesTheLastCompleteCheckpoint) {
     if (meshtrain::testing::in_rank_process()) continue;
     EXPECT_EQ(meshtrain::train::latest_checkpoint(dir), dir + "/step-00000002") << s.name;
     EXPECT_EQ(meshtrain::files::exists(dir + "/step-00000004/manifest.json"), s.step4_complete) << s.name;
-    if (!s.step4_complete) EXPECT_THROW(meshtrain::train::CheckpointReader(dir + "/step-00000004"), meshtrain::ConfigError);
+    if (!s.step4_complete) {
+      EXPECT_THROW(meshtrain::train::CheckpointReader(dir + "/step-00000004"), meshtrain::ConfigError);
+    }
   }
 }
 

@@ -37,8 +37,24 @@ std::string tag(const char* op, torch::Dtype dt, int64_t numel) {
 
 class Collectives : public ::testing::TestWithParam<int> {};
 
-TEST_P(Collectives, AllReduceEveryOpAndDtype) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+// The value checks run on both paths of every collective: payloads inside the
+// header round (the default for small tensors), and the ring algorithms
+// (inline_bytes 0), which large tensors take.
+struct PathCase {
+  int world;
+  bool ring;
+};
+class CollectiveValues : public ::testing::TestWithParam<PathCase> {
+ protected:
+  void run(const std::function<void(Communicator&)>& fn) {
+    meshtrain::testing::RankOptions options;
+    if (GetParam().ring) options.inline_bytes = 0;
+    run_ranks(GetParam().world, fn, options);
+  }
+};
+
+TEST_P(CollectiveValues, AllReduceEveryOpAndDtype) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     const int64_t sum_coef = n * (n + 1) / 2;
     int64_t prod_coef = 1;
@@ -72,8 +88,8 @@ TEST_P(Collectives, AllReduceEveryOpAndDtype) {
   });
 }
 
-TEST_P(Collectives, BroadcastAndReduceFromEveryRoot) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+TEST_P(CollectiveValues, BroadcastAndReduceFromEveryRoot) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     for (auto dt : kDtypes) {
       for (int root = 0; root < n; ++root) {
@@ -90,8 +106,8 @@ TEST_P(Collectives, BroadcastAndReduceFromEveryRoot) {
   });
 }
 
-TEST_P(Collectives, AllGatherEqualAndUneven) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+TEST_P(CollectiveValues, AllGatherEqualAndUneven) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     for (auto dt : kDtypes) {
       // Equal sizes, as a list and into one flat tensor.
@@ -117,8 +133,8 @@ TEST_P(Collectives, AllGatherEqualAndUneven) {
   });
 }
 
-TEST_P(Collectives, ReduceScatterUnevenAndEqual) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+TEST_P(CollectiveValues, ReduceScatterUnevenAndEqual) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     const int64_t sum_coef = n * (n + 1) / 2;
     for (auto dt : kDtypes) {
@@ -143,8 +159,8 @@ TEST_P(Collectives, ReduceScatterUnevenAndEqual) {
   });
 }
 
-TEST_P(Collectives, GatherScatterAllToAllBarrier) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+TEST_P(CollectiveValues, GatherScatterAllToAllBarrier) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     for (auto dt : kDtypes) {
       const int root = n - 1;
@@ -276,6 +292,14 @@ TEST_P(Collectives, SmallPayloadsTravelInTheHeaderRound) {
     EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, 4 * counts[r] * (n - 1));
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndPaths, CollectiveValues,
+                         ::testing::Values(PathCase{1, false}, PathCase{2, false}, PathCase{3, false},
+                                           PathCase{4, false}, PathCase{2, true}, PathCase{3, true},
+                                           PathCase{4, true}),
+                         [](const auto& info) {
+                           return "world" + std::to_string(info.param.world) + (info.param.ring ? "_ring" : "_inline");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });

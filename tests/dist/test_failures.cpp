@@ -157,7 +157,9 @@ TEST(Split, ByColorAndByRankListConcurrentWithParent) {
     EXPECT_EQ(parity->global_ranks(), (std::vector<int>{r % 2, r % 2 + 2}));
     auto pair = comm.split(std::vector<int>{3, 1}, "pair");  // rank 3 becomes 0
     EXPECT_EQ(static_cast<bool>(pair), r == 1 || r == 3);
-    if (pair) EXPECT_EQ(pair->rank(), r == 3 ? 0 : 1);
+    if (pair) {
+      EXPECT_EQ(pair->rank(), r == 3 ? 0 : 1);
+    }
     for (int i = 0; i < 20; ++i) {
       auto sub = torch::full({1000}, static_cast<float>(r));
       auto all = torch::full({1000}, static_cast<float>(r));
