@@ -2,8 +2,12 @@
 
 #include <ATen/Parallel.h>
 
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <thread>
 
 #include "gloo/communicator.h"
 #include "gloo/process.h"
@@ -167,11 +171,35 @@ DistEnv dist_env_from_process() {
   });
 }
 
+namespace {
+
+// OpenBLAS sizes its own thread pool when it is loaded, from OPENBLAS_NUM_THREADS
+// or OMP_NUM_THREADS; a rank started without either needs the runtime setter.
+// Looked up dynamically: libblas.so.3 may be another BLAS, which lacks it.
+void set_openblas_threads(int n) {
+  using Setter = void (*)(int);
+  if (auto setter = reinterpret_cast<Setter>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    setter(n);
+  }
+}
+
+}  // namespace
+
 void apply_thread_settings() {
   const char* omp = std::getenv("OMP_NUM_THREADS");
   if (omp) {
     const int n = std::atoi(omp);
     if (n > 0) at::set_num_threads(n);
+    return;
+  }
+  // Started without meshrun (mpirun, srun) and without OMP_NUM_THREADS: give
+  // each rank its share of the node's cores, as meshrun and torchrun do.
+  const DistEnv e = dist_env_from_process();
+  if (e.local_world_size > 1) {
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    const int share = std::max(1, cores / e.local_world_size);
+    at::set_num_threads(share);
+    set_openblas_threads(share);
   }
 }
 
