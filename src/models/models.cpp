@@ -12,8 +12,15 @@ namespace models {
 
 namespace {
 
-void check_tp(const ModelConfig& c, const BuildContext& ctx) {
-  const int t = tp::tp_size(ctx.tp);
+torch::nn::LayerNorm layer_norm(int64_t h) {
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}));  // weight 1, bias 0: deterministic
+}
+
+}  // namespace
+
+namespace {
+
+void check_tp(const ModelConfig& c, int t, bool sequence_parallel) {
   if (c.kind != "gpt" || t == 1) return;
   auto divisors = [](int64_t n) {
     std::string out;
@@ -23,7 +30,7 @@ void check_tp(const ModelConfig& c, const BuildContext& ctx) {
   };
   MESHTRAIN_CHECK(c.heads % t == 0, "tp ", t, " does not divide --heads ", c.heads, " (attention heads are split over tp); choose tp in {", divisors(c.heads), "}");
   MESHTRAIN_CHECK(c.vocab % t == 0, "tp ", t, " does not divide --vocab ", c.vocab, " (the vocabulary is split over tp); choose tp in {", divisors(c.vocab), "} or a vocabulary divisible by ", t);
-  MESHTRAIN_CHECK(!ctx.sequence_parallel || c.seq_len % t == 0, "--sequence-parallel splits the sequence over tp: tp ", t,
+  MESHTRAIN_CHECK(!sequence_parallel || c.seq_len % t == 0, "--sequence-parallel splits the sequence over tp: tp ", t,
                   " does not divide --seq-len ", c.seq_len, "; choose tp in {", divisors(c.seq_len), "}");
 }
 
@@ -39,11 +46,12 @@ void check_config(const ModelConfig& c) {
   }
 }
 
-torch::nn::LayerNorm layer_norm(int64_t h) {
-  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}));  // weight 1, bias 0: deterministic
-}
-
 }  // namespace
+
+void validate(const ModelConfig& c, int tp_size, bool sequence_parallel) {
+  check_config(c);
+  check_tp(c, tp_size, sequence_parallel);
+}
 
 int64_t num_pieces(const ModelConfig& c) { return c.kind == "gpt" ? c.layers + 2 : c.layers; }
 
@@ -166,8 +174,7 @@ at::Tensor MlpLayerImpl::forward(const at::Tensor& x) {
 }
 
 Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const BuildContext& ctx) {
-  check_config(c);
-  check_tp(c, ctx);
+  validate(c, tp::tp_size(ctx.tp), ctx.sequence_parallel);
   const int64_t n = num_pieces(c);
   MESHTRAIN_CHECK(first >= 0 && first < last && last <= n, "build_stage: pieces [", first, ", ", last,
                   ") out of range for a model of ", n, " pieces");

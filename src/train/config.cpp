@@ -6,6 +6,7 @@
 
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
 
 namespace meshtrain {
@@ -62,6 +63,7 @@ const std::map<std::string, Setter>& value_flags() {
       {"--warmup-steps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.warmup_steps = static_cast<int>(to_int(f, v)); }},
       {"--weight-decay", [](TrainConfig& c, const std::string& f, const std::string& v) { c.weight_decay = to_double(f, v); }},
       {"--momentum", [](TrainConfig& c, const std::string& f, const std::string& v) { c.momentum = to_double(f, v); }},
+      {"--adam-eps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.adam_eps = to_double(f, v); }},
       {"--seed", [](TrainConfig& c, const std::string& f, const std::string& v) {
          c.seed = static_cast<uint64_t>(to_int(f, v));
          c.model.seed = c.seed;
@@ -99,7 +101,7 @@ std::string train_usage() {
          "                 [--schedule naive|gpipe|1f1b|interleaved --microbatches M --virtual-stages V]\n"
          "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
          "                 [--optimizer sgd|adam|adamw] [--lr LR] [--lr-schedule constant|cosine]\n"
-         "                 [--warmup-steps N] [--weight-decay W] [--momentum M]\n"
+         "                 [--warmup-steps N] [--weight-decay W] [--momentum M] [--adam-eps E]\n"
          "                 [--seed S] [--log-every N] [--data FILE | --digits D] [--metrics-out FILE] [--plot FILE.svg]\n"
          "                 [--bucket-cap-mb MB] [--no-overlap] [--untied] [--eval-problems N]\n"
          "                 [--save-dir DIR --save-every N] [--resume] [--trace FILE]\n"
@@ -148,6 +150,7 @@ TrainConfig resolve(TrainConfig c, int world) {
                   ", pp ", c.pp, ", tp ", c.tp, ")");
   MESHTRAIN_CHECK(c.steps >= 1, "--steps ", c.steps, " must be at least 1");
   MESHTRAIN_CHECK(c.lr > 0, "--lr ", c.lr, " must be positive");
+  MESHTRAIN_CHECK(c.adam_eps > 0, "--adam-eps ", c.adam_eps, " must be positive");
   MESHTRAIN_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "--lr-schedule '", c.lr_schedule,
                   "' is unknown; use constant or cosine");
   MESHTRAIN_CHECK(c.warmup_steps >= 0, "--warmup-steps ", c.warmup_steps, " must be >= 0");
@@ -198,6 +201,9 @@ TrainConfig resolve(TrainConfig c, int world) {
                   c.micro_batch);
   if (!c.data.empty() && m.kind == "gpt") m.vocab = std::max<int64_t>(m.vocab, 256);  // byte tokens
   m.seed = c.seed;
+  models::validate(m, c.tp, c.sequence_parallel);
+  MESHTRAIN_CHECK(c.data.empty() || files::exists(c.data), "--data ", c.data,
+                  ": no such file; give a text file to train on, or leave --data out for the built-in task");
   return c;
 }
 
@@ -229,7 +235,7 @@ std::string to_json(const TrainConfig& c) {
       .boolean("sequence_parallel", c.sequence_parallel)
       .integer("global_batch", c.global_batch).integer("micro_batch", c.micro_batch)
       .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)
-      .str("optimizer", c.optimizer).num("lr", c.lr).str("lr_schedule", c.lr_schedule).integer("warmup_steps", c.warmup_steps).num("weight_decay", c.weight_decay).num("momentum", c.momentum)
+      .str("optimizer", c.optimizer).num("lr", c.lr).str("lr_schedule", c.lr_schedule).integer("warmup_steps", c.warmup_steps).num("weight_decay", c.weight_decay).num("momentum", c.momentum).num("adam_eps", c.adam_eps)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap);
   return o.str();

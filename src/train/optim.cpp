@@ -15,10 +15,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, st
         params, torch::optim::SGDOptions(c.lr).momentum(c.momentum).weight_decay(c.weight_decay));
   }
   if (c.optimizer == "adam") {
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(c.lr).weight_decay(c.weight_decay));
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(c.lr).weight_decay(c.weight_decay).eps(c.adam_eps));
   }
   MESHTRAIN_CHECK(c.optimizer == "adamw", "unknown optimizer '", c.optimizer, "'");
-  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay).eps(c.adam_eps));
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {

@@ -70,6 +70,32 @@ TEST(TrainConfig, ResolveDerivesTheLayoutAndRejectsImpossibleOnes) {
   EXPECT_NE(error_of({"--strategy", "fsdp"}, 1).find("--strategy 'fsdp'"), std::string::npos);
   EXPECT_NE(error_of({"--optimizer", "lamb"}, 1).find("--optimizer 'lamb'"), std::string::npos);
   EXPECT_NE(error_of({"--strategy", "dp", "--zero", "1"}, 2).find("cannot be combined with --zero"), std::string::npos);
+  // The article's master DP computes the loss of the whole model on rank 0: no pipeline, no tensor parallelism.
+  EXPECT_NE(error_of({"--strategy", "dp", "--pp", "2"}, 2).find("cannot be combined with --pp 2"), std::string::npos);
+  EXPECT_NE(error_of({"--strategy", "dp", "--tp", "2"}, 2).find("or --tp 2"), std::string::npos);
+  EXPECT_NE(error_of({"--adam-eps", "0"}, 1).find("--adam-eps 0"), std::string::npos);
+}
+
+// Model sizes that a layout cannot split are rejected by resolve, which the
+// trainer calls before it joins the group, naming the valid choices.
+TEST(TrainConfig, ResolveRejectsModelShapesBeforeAnyCommunication) {
+  auto error_of = [](std::vector<std::string> args, int world) {
+    try {
+      train::resolve(train::parse_train_args(args), world);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of({"--tp", "3", "--heads", "4", "--hidden", "48", "--vocab", "96"}, 3).find("choose tp in {1, 2, 4}"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--tp", "2", "--vocab", "65"}, 2).find("does not divide --vocab 65"), std::string::npos);
+  EXPECT_NE(error_of({"--tp", "2", "--sequence-parallel", "--seq-len", "15"}, 2).find("--seq-len 15"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--hidden", "30", "--heads", "4"}, 1).find("--hidden 30 must be a positive multiple of --heads 4"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--data", "/nonexistent/corpus.txt"}, 1).find("--data /nonexistent/corpus.txt: no such file"),
+            std::string::npos);
 }
 
 TEST(Init, AnySliceEqualsTheSliceOfTheFullTensor) {

@@ -38,6 +38,10 @@ struct BuildContext {
 };
 
 // Pieces: MLP: `layers` linear layers; GPT: embed, layers blocks, head.
+// Checks the sizes and their divisibility by tp (ConfigError naming the value
+// and the valid choices). build_stage calls it; the trainer calls it before
+// any communication.
+void validate(const ModelConfig& config, int tp_size = 1, bool sequence_parallel = false);
 int64_t num_pieces(const ModelConfig& config);
 // A stage holding pieces [first, last). The whole model: build_stage(c, 0, num_pieces(c), ctx).
 Stage build_stage(const ModelConfig& config, int64_t first, int64_t last, const BuildContext& ctx = {});

@@ -31,6 +31,7 @@ struct TrainConfig {
   int warmup_steps = 0;                  // linear warm-up from 0
   double weight_decay = 0.0;
   double momentum = 0.0;
+  double adam_eps = 1e-8;   // Adam/AdamW eps (torch's default)
   uint64_t seed = 1234;
   int log_every = 1;
   std::string data;         // text file (byte tokens); empty: built-in synthetic task
