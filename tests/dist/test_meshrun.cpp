@@ -16,44 +16,16 @@
 
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
+#include "shell.h"
+
+using meshtrain::testing::contains;
+using meshtrain::testing::free_port;
+using meshtrain::testing::Shell;
+using meshtrain::testing::sh;
 
 namespace {
 
 const std::string kBin = MESHTRAIN_BIN_DIR;
-
-struct Shell {
-  int exit_code = -1;
-  std::string output;
-  double seconds = 0;
-};
-
-// Runs a shell command, capturing stdout and stderr together.
-Shell sh(const std::string& cmd) {
-  const auto t0 = std::chrono::steady_clock::now();
-  Shell r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
-}
-
-bool contains(const std::string& s, const std::string& needle) { return s.find(needle) != std::string::npos; }
-
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 bool alive(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");

@@ -1,0 +1,254 @@
+// The trainer and the examples from the command line, as a user starts them:
+// the issues' "done means" commands at a tiny size (each layout's losses equal
+// one process's), the metrics file, the paper's ZeRO memory per rank, the
+// pipeline trace files, bad flags, --data, the article's toy in two shells,
+// and torchrun's variables set by hand (rank 0 hosts the store).
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "meshtrain/models/models.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/util/files.h"
+#include "meshtrain/util/json.h"
+#include "shell.h"
+
+using meshtrain::json::Value;
+using meshtrain::testing::contains;
+using meshtrain::testing::free_port;
+using meshtrain::testing::sh;
+using meshtrain::testing::Shell;
+
+namespace {
+
+const std::string kBin = MESHTRAIN_BIN_DIR;
+const std::string kMeshrun = kBin + "/meshrun --master-port 0 ";
+
+// Adam eps 1e-6: see Tolerance in equivalence.h.
+const std::string kTiny =
+    " --model gpt --layers 3 --hidden 32 --heads 4 --vocab 64 --seq-len 16 --global-batch 24 --steps 4"
+    " --lr 1e-2 --adam-eps 1e-6 --eval-problems 0 --log-every 100 ";
+// Float reassociation across layouts (equivalence.h's Tolerance for losses).
+constexpr double kLossRtol = 2e-6, kLossAtol = 1e-6;
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/meshtrain-cli-XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::system(("rm -rf " + path_).c_str()); }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// meshrun --nproc-per-node ranks -- meshtrain FLAGS --metrics-out FILE; the parsed metrics.
+Value train(int ranks, const std::string& flags, const std::string& metrics) {
+  Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(ranks) + " -- " + kBin + "/meshtrain" + flags +
+               " --metrics-out " + metrics);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  if (r.exit_code != 0) return Value();
+  return meshtrain::json::parse(meshtrain::files::read_all(metrics));
+}
+
+void expect_same_losses(const Value& got, const Value& want, const std::string& what) {
+  ASSERT_EQ(got.type, Value::Type::kObject) << what << ": no metrics";
+  ASSERT_EQ(got["losses"].size(), want["losses"].size()) << what;
+  for (size_t s = 0; s < want["losses"].size(); ++s) {
+    const double g = got["losses"][s].num(), w = want["losses"][s].num();
+    EXPECT_LE(std::abs(g - w), kLossAtol + kLossRtol * std::abs(w)) << what << ": step " << s << " loss " << g
+                                                                     << ", one process " << w;
+  }
+}
+
+std::vector<std::string> words(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+}  // namespace
+
+// The metrics file has what docs/dp.md promises, and DDP and the master DP on
+// three ranks give the losses of one process.
+TEST(Cli, DataParallelOnThreeRanksGivesTheLossesOfOneProcess) {
+  TempDir dir;
+  const Value one = train(1, kTiny, dir.file("one.json"));
+  ASSERT_EQ(one["losses"].size(), 4u);
+  for (const char* strategy : {"ddp", "dp"}) {
+    const Value m = train(3, kTiny + "--strategy " + strategy, dir.file(std::string(strategy) + ".json"));
+    expect_same_losses(m, one, strategy);
+    if (HasFailure()) return;
+    EXPECT_EQ(m["config"]["strategy"].str(), strategy);
+    EXPECT_EQ(m["config"]["dp"].num(), 3);
+    EXPECT_GT(m["samples_per_s"].num(), 0);
+    EXPECT_GT(m["tokens_per_s"].num(), m["samples_per_s"].num());
+    EXPECT_GT(m["step_time_s"].num(), 0);
+    ASSERT_EQ(m["ranks"].size(), 3u);
+    for (size_t r = 0; r < 3; ++r) {
+      const Value& rank = m["ranks"][r];
+      EXPECT_GT(rank["peak_rss_bytes"].num(), 1e6);
+      EXPECT_GT(rank["state_bytes"]["parameters"].num(), 0);
+      EXPECT_GT(rank["traffic"]["total"]["bytes_sent"].num(), 0);
+    }
+  }
+}
+
+// ZeRO on three ranks (the parameter count is odd: uneven shards): the losses
+// of one process, and per-rank model state as the ZeRO paper's model for fp32
+// Adam predicts. Shards are cut bucket by bucket, so a rank's share may differ
+// from psi / N by an element per bucket; the ranks' shards add up exactly.
+TEST(Cli, ZeroStagesOnThreeRanksMatchOneProcessAndThePapersMemory) {
+  TempDir dir;
+  const Value one = train(1, kTiny, dir.file("one.json"));
+  const auto config = meshtrain::train::resolve(meshtrain::train::parse_train_args(words(kTiny)), 1);
+  const double psi = static_cast<double>(meshtrain::models::parameter_count(config.model));
+  const double n = 3;
+  const double model[4] = {16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n};
+  for (int zero = 0; zero <= 3; ++zero) {
+    const std::string what = "zero " + std::to_string(zero);
+    const Value m = train(3, kTiny + "--zero " + std::to_string(zero), dir.file("zero" + std::to_string(zero) + ".json"));
+    expect_same_losses(m, one, what);
+    if (HasFailure()) return;
+    double parameters = 0;
+    for (size_t r = 0; r < 3; ++r) {
+      const Value& s = m["ranks"][r]["state_bytes"];
+      const double state = s["parameters"].num() + s["gradients"].num() + s["optimizer"].num();
+      EXPECT_NEAR(state / model[zero], 1.0, 0.01) << what << " rank " << r << ": " << state << " B, paper "
+                                                  << model[zero];
+      parameters += s["parameters"].num();
+    }
+    EXPECT_EQ(parameters, zero == 3 ? 4 * psi : 3 * 4 * psi) << what;
+  }
+}
+
+// The issue's pipeline command at a tiny size: every schedule on four stages
+// gives the losses of one process; --trace writes a Chrome trace with one
+// event per forward and backward, and the SVG picture beside it.
+TEST(Cli, EveryScheduleOnFourStagesGivesTheLossesOfOneProcess) {
+  TempDir dir;
+  const std::string six_layers = kTiny + "--layers 6 ";  // 8 pieces: 4 stages x 2 virtual stages
+  const Value one = train(1, six_layers, dir.file("one.json"));
+  for (const char* schedule : {"naive", "gpipe", "1f1b", "interleaved"}) {
+    std::string flags = six_layers + "--pp 4 --schedule " + schedule;
+    flags += std::string(schedule) == "naive" ? " --microbatches 1" : " --microbatches 8";
+    if (std::string(schedule) == "interleaved") flags += " --virtual-stages 2";
+    if (std::string(schedule) == "1f1b") flags += " --trace " + dir.file("trace.json");
+    const Value m = train(4, flags, dir.file(std::string(schedule) + ".json"));
+    expect_same_losses(m, one, schedule);
+    if (HasFailure()) return;
+    const double ideal = std::string(schedule) == "naive" ? 0.75
+                         : std::string(schedule) == "interleaved" ? 3.0 / 11 / 2
+                                                                   : 3.0 / 11;
+    EXPECT_NEAR(m["pipeline"]["bubble_ideal"].num(), ideal, 1e-9) << schedule;
+    EXPECT_GT(m["pipeline"]["bubble_measured"].num(), 0) << schedule;
+    EXPECT_LT(m["pipeline"]["bubble_measured"].num(), 1) << schedule;
+  }
+  const Value trace = meshtrain::json::parse(meshtrain::files::read_all(dir.file("trace.json")));
+  int forwards = 0, backwards = 0;
+  for (const Value& e : trace["traceEvents"].items) {
+    if (e["ph"].str() != "X") continue;
+    (e["cat"].str() == "forward" ? forwards : backwards) += 1;
+  }
+  EXPECT_EQ(forwards, 4 * 8);  // every stage, every micro-batch
+  EXPECT_EQ(backwards, 4 * 8);
+  const std::string svg = meshtrain::files::read_all(dir.file("trace.svg"));
+  EXPECT_TRUE(contains(svg, "<svg")) << svg.substr(0, 200);
+  EXPECT_TRUE(contains(svg, ">rank 3</text>"));
+  EXPECT_TRUE(contains(svg, "idle (bubble)"));
+}
+
+// Tensor parallelism on four ranks, and the 3-D layout of the composition issue.
+TEST(Cli, TensorParallelAndTheThreeDimensionalLayoutGiveTheLossesOfOneProcess) {
+  TempDir dir;
+  const std::string eight_heads = kTiny + "--heads 8 --layers 4 ";
+  const Value one = train(1, eight_heads, dir.file("one.json"));
+  expect_same_losses(train(4, eight_heads + "--tp 4", dir.file("tp.json")), one, "tp 4");
+  expect_same_losses(train(4, eight_heads + "--tp 4 --sequence-parallel", dir.file("sp.json")), one, "tp 4 + SP");
+  expect_same_losses(train(8, eight_heads + "--dp 2 --pp 2 --tp 2 --zero 1 --schedule 1f1b --microbatches 2",
+                           dir.file("3d.json")),
+                     one, "dp 2 x pp 2 x tp 2, ZeRO-1");
+}
+
+// Every rank rejects the layout before it joins the group: meshrun reports the
+// first rank's exit code 2 at once, with the message naming the fix.
+TEST(Cli, BadFlagsFailOnEveryRankBeforeAnyCommunication) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 3 -- " + kBin + "/meshtrain" + kTiny + "--tp 3");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "tp 3 does not divide --heads 4")) << r.output;
+  EXPECT_TRUE(contains(r.output, "choose tp in {1, 2, 4}")) << r.output;
+  EXPECT_TRUE(contains(r.output, "failed with exit code 2")) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << r.output;
+  r = sh(kBin + "/meshtrain" + kTiny + "--global-batch 25 --micro-batch 4");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--global-batch 25")) << r.output;
+}
+
+// Byte-level training on a user's text file learns it (the loss clearly
+// falls), and the built-in arithmetic task does too.
+TEST(Cli, TheLossFallsOnATextFileAndOnTheBuiltInTask) {
+  TempDir dir;
+  {
+    std::ofstream text(dir.file("corpus.txt"));
+    for (int i = 0; i < 200; ++i) text << "the quick brown fox jumps over the lazy dog. ";
+  }
+  const std::string flags = " --model gpt --layers 2 --hidden 32 --heads 4 --seq-len 16 --global-batch 16 --steps 40"
+                            " --lr 1e-2 --eval-problems 0 --log-every 100 ";
+  for (const std::string& data : {"--data " + dir.file("corpus.txt"), std::string("--digits 1")}) {
+    const Value m = train(2, flags + data, dir.file("m.json"));
+    if (HasFailure()) return;
+    const Value& losses = m["losses"];
+    double first = 0, last = 0;
+    for (size_t s = 0; s < 5; ++s) {
+      first += losses[s].num() / 5;
+      last += losses[losses.size() - 1 - s].num() / 5;
+    }
+    EXPECT_LT(last, 0.6 * first) << data << ": loss from " << first << " to " << last;
+  }
+}
+
+// The article's toy as two shell commands, with the tcp:// init method.
+TEST(Examples, SendRecvAsTwoShellCommands) {
+  const std::string url = "tcp://127.0.0.1:" + std::to_string(free_port());
+  const std::string cmd = kBin + "/send_recv --init " + url + " --world-size 2 --rank ";
+  Shell r = sh("(" + cmd + "1 & " + cmd + "0; wait)");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 1 received tensor [1, 1, 1, 1, 1, 1, 1, 1, 1, 1] from rank 0")) << r.output;
+}
+
+// torchrun's variables set by hand, without meshrun: rank 0 hosts the store.
+TEST(Examples, TorchrunVariablesWithoutMeshrun) {
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+                          " WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 ";
+  std::string cmd = "(";
+  for (int r = 2; r >= 0; --r) {
+    const std::string rank = std::to_string(r);
+    cmd += env + "RANK=" + rank + " LOCAL_RANK=" + rank + " " + kBin + "/meshrun_helper allreduce" + (r ? " & " : "");
+  }
+  Shell r = sh(cmd + "; wait)");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_TRUE(contains(r.output, "rank " + std::to_string(rank) + " of 3 sum 6")) << r.output;
+  }
+}
+
+// Every example runs under meshrun as its header says, and trains.
+TEST(Examples, EachRunsUnderMeshrun) {
+  struct Example { const char* name; int ranks; const char* prints; };
+  for (const Example& e : std::vector<Example>{{"collectives", 4, "total (payload)"},
+                                               {"ddp", 2, "step 50 loss"},
+                                               {"master_dp", 3, "step 50 loss"},
+                                               {"zero", 2, "of Adam state"},
+                                               {"pipeline", 2, "step 100 loss"},
+                                               {"mesh3d", 8, "step 100 loss"}}) {
+    Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(e.ranks) + " -- " + kBin + "/" + e.name);
+    EXPECT_EQ(r.exit_code, 0) << e.name << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, e.prints)) << e.name << "\n" << r.output;
+  }
+}
