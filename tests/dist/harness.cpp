@@ -16,6 +16,7 @@
 
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/comm/store.h"
+#include "zygote.h"
 
 extern char** environ;
 
@@ -96,15 +97,30 @@ struct Child {
   int status = 0;
 };
 
-pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& extra_env,
-            const std::string& log_path) {
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e; ++e) env_strings.push_back(*e);
-  for (const auto& e : extra_env) env_strings.push_back(e);
+// This process's environment with `extra` replacing the variables it names,
+// less gtest's sharding (a rank runs exactly the test its filter names; ctest
+// runs dist_tests in shards).
+std::vector<std::string> rank_environment(const std::vector<std::string>& extra) {
+  std::set<std::string> replaced = {"GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS", "GTEST_SHARD_STATUS_FILE"};
+  for (const auto& e : extra) replaced.insert(e.substr(0, e.find('=')));
+  std::vector<std::string> out;
+  for (char** e = environ; *e; ++e) {
+    const std::string var = *e;
+    if (!replaced.count(var.substr(0, var.find('=')))) out.push_back(var);
+  }
+  out.insert(out.end(), extra.begin(), extra.end());
+  return out;
+}
+
+// Starts a rank: forked by the zygote (Note [Rank zygote]), or else by exec.
+pid_t spawn_rank(const std::string& test, const std::vector<std::string>& environment, const std::string& log_path) {
+  const pid_t forked = zygote_spawn(environment, test, log_path);
+  if (forked > 0) return forked;
+  std::vector<std::string> args = {"/proc/self/exe", "--gtest_filter=" + test};
   std::vector<char*> argv, envp;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
-  for (const auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
+  for (const auto& e : environment) envp.push_back(const_cast<char*>(e.c_str()));
   envp.push_back(nullptr);
   const pid_t pid = fork();
   if (pid == 0) {
@@ -166,8 +182,7 @@ RankRun run_ranks(int world_size, const std::function<void(comm::Communicator&)>
     };
     for (const auto& e : options.env) extra.push_back(e);
     children[r].log = dir + "/rank" + std::to_string(r) + ".log";
-    children[r].pid = spawn({"/proc/self/exe", "--gtest_filter=" + current_test_filter()}, extra,
-                            children[r].log);
+    children[r].pid = spawn_rank(current_test_filter(), rank_environment(extra), children[r].log);
   }
 
   const auto deadline = std::chrono::steady_clock::now() + options.time_limit;

@@ -1,0 +1,37 @@
+#pragma once
+// Note [Rank zygote]
+//
+// A rank process started by exec pays libtorch's static initialization
+// (~0.4 s of CPU, the registration of every operator) before it runs a line
+// of the test; the suite starts about a thousand ranks, minutes on two cores.
+// So the harness starts one zygote per test binary, by exec, the first time it
+// needs ranks: the zygote finishes loading libtorch, then waits on a pipe
+// without running any libtorch op or starting any thread, and forks each rank
+// from that clean state. A fork before any libtorch op is safe (libgomp's
+// thread pool, the reason the harness never forks itself, does not exist yet).
+//
+// The rank is forked twice, so that it is reparented to the harness (a child
+// subreaper): the harness waits for it and kills it exactly as it does a rank
+// it started itself. The rank then continues the binary's start-up (static
+// initialization, main, gtest with GTEST_FILTER naming the test) with the
+// environment the harness asked for, and runs the test body as any rank does.
+//
+// MESHTRAIN_HARNESS_NO_ZYGOTE=1 starts every rank by exec instead.
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace meshtrain {
+namespace testing {
+
+// Starts a rank process with exactly `environment` ("NAME=value" entries),
+// gtest filtered to `test`, stdout and stderr to `log_path`. Returns its pid
+// (a child of this process), or -1 when no zygote is available: the caller
+// then starts the rank by exec.
+pid_t zygote_spawn(const std::vector<std::string>& environment, const std::string& test,
+                   const std::string& log_path);
+
+}  // namespace testing
+}  // namespace meshtrain
