@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <thread>
@@ -58,6 +59,28 @@ void validate(const DistEnv& e, const std::string& rank_var, const std::string& 
 }
 
 }  // namespace
+
+int slurm_tasks_on_node(const std::string& spec, int node) {
+  // "2(x3),1": 2 tasks on each of the first three nodes, then 1.
+  int seen = 0;
+  size_t pos = 0;
+  while (pos < spec.size()) {
+    const size_t end = std::min(spec.find(',', pos), spec.size());
+    const std::string part = spec.substr(pos, end - pos);
+    int tasks = 0, repeat = 1;
+    char rest = 0;
+    const int n = std::sscanf(part.c_str(), "%d(x%d%c", &tasks, &repeat, &rest);
+    MESHTRAIN_CHECK((n == 1 && part.find('(') == std::string::npos) || (n == 3 && rest == ')'),
+                    "Slurm's tasks per node '", spec, "' is malformed at '", part,
+                    "'; expected counts like 2(x3),1 (or set LOCAL_WORLD_SIZE)");
+    MESHTRAIN_CHECK(tasks >= 1 && repeat >= 1, "Slurm's tasks per node '", spec, "' has a count below 1");
+    if (node < seen + repeat) return tasks;
+    seen += repeat;
+    pos = end + 1;
+  }
+  throw ConfigError(str_cat("SLURM_NODEID=", node, " is past the ", seen, " nodes of Slurm's tasks per node '", spec,
+                            "'"));
+}
 
 std::string first_host_of_nodelist(const std::string& nodelist) {
   MESHTRAIN_CHECK(!nodelist.empty(), "SLURM_JOB_NODELIST is empty; set MASTER_ADDR");
@@ -148,14 +171,18 @@ DistEnv parse_dist_env(const EnvLookup& lookup) {
     e.rank = parse_int(lookup, "SLURM_PROCID", std::nullopt);
     e.world_size = parse_int(lookup, "SLURM_NTASKS", std::nullopt);
     e.local_rank = parse_int(lookup, "SLURM_LOCALID", 0);
-    e.local_world_size = parse_int(lookup, "SLURM_NTASKS_PER_NODE", e.world_size);
+    // SLURM_TASKS_PER_NODE ("2(x3),1") is always set and may differ by node;
+    // SLURM_NTASKS_PER_NODE only with --ntasks-per-node.
+    const std::string per_node = get_or(lookup, "SLURM_TASKS_PER_NODE", get_or(lookup, "SLURM_NTASKS_PER_NODE", ""));
+    e.local_world_size =
+        per_node.empty() ? e.world_size : slurm_tasks_on_node(per_node, parse_int(lookup, "SLURM_NODEID", 0));
     if (e.master_addr.empty()) {
       const std::string nodes = get_or(lookup, "SLURM_JOB_NODELIST", get_or(lookup, "SLURM_NODELIST", ""));
       MESHTRAIN_CHECK(!nodes.empty() || e.world_size == e.local_world_size,
                       "neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; set MASTER_ADDR");
       e.master_addr = nodes.empty() ? "127.0.0.1" : first_host_of_nodelist(nodes);
     }
-    validate(e, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
+    validate(e, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE");
   } else {
     e.source = "single";
   }

@@ -219,13 +219,15 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   result.full_parameters = engine->full_parameters();
   if (chief && options.evaluate && c.eval_problems > 0) result.accuracy = accuracy_of(c, result.full_parameters);
 
+  // Per step of this run: after --resume, only the steps it ran.
+  const int64_t steps_run = std::max<int64_t>(1, c.steps - first_step);
   json::Object by_axis;
-  for (const auto& kv : traffic_by_axis) by_axis.raw(kv.first, traffic_json(kv.second, c.steps));
+  for (const auto& kv : traffic_by_axis) by_axis.raw(kv.first, traffic_json(kv.second, steps_run));
   const std::string mine = json::Object()
                                .integer("rank", world->rank())
                                .integer("peak_rss_bytes", peak_rss_bytes())
                                .raw("state_bytes", state_bytes_json(state))
-                               .raw("traffic", traffic_json(traffic, c.steps))
+                               .raw("traffic", traffic_json(traffic, steps_run))
                                .raw("traffic_by_axis", by_axis.str())
                                .str();
   const std::vector<std::string> ranks = gather_strings(*metrics, mine);

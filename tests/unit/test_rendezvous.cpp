@@ -59,6 +59,18 @@ TEST(DistEnv, OpenMpiAndSlurmVariables) {
   EXPECT_EQ(s.rank, 5);
   EXPECT_EQ(s.master_addr, "gpu07");
   EXPECT_EQ(s.master_port, 29500);
+  EXPECT_EQ(s.local_world_size, 4);
+  // srun without --ntasks-per-node: 7 tasks on 3 nodes, 3 + 2 + 2; rank 6 is the second task of node 2.
+  auto uneven = parse({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "7"}, {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "2"},
+                       {"SLURM_TASKS_PER_NODE", "3,2(x2)"}, {"SLURM_JOB_NODELIST", "n[1-3]"}});
+  EXPECT_EQ(uneven.local_world_size, 2);
+  EXPECT_EQ(uneven.local_rank, 1);
+  EXPECT_EQ(meshtrain::comm::slurm_tasks_on_node("2(x3),1", 0), 2);
+  EXPECT_EQ(meshtrain::comm::slurm_tasks_on_node("2(x3),1", 2), 2);
+  EXPECT_EQ(meshtrain::comm::slurm_tasks_on_node("2(x3),1", 3), 1);
+  EXPECT_THROW(meshtrain::comm::slurm_tasks_on_node("2(x3),1", 4), meshtrain::ConfigError);
+  EXPECT_THROW(meshtrain::comm::slurm_tasks_on_node("2(x", 0), meshtrain::ConfigError);
+  EXPECT_THROW(meshtrain::comm::slurm_tasks_on_node("two", 0), meshtrain::ConfigError);
 }
 
 TEST(DistEnv, NoVariablesMeansOneProcess) {

@@ -45,6 +45,8 @@ DistEnv parse_dist_env(const EnvLookup& lookup);
 DistEnv dist_env_from_process();
 // "node[01-03,07],gpu5" -> "node01". Throws ConfigError on a malformed list.
 std::string first_host_of_nodelist(const std::string& nodelist);
+// Tasks on node `node` of Slurm's SLURM_TASKS_PER_NODE, e.g. "2(x3),1" -> 2 for nodes 0-2, 1 for node 3.
+int slurm_tasks_on_node(const std::string& spec, int node);
 // Parses "tcp://host:port" (IPv6 hosts in brackets). Throws ConfigError.
 std::pair<std::string, int> parse_tcp_url(const std::string& url);
 
