@@ -108,6 +108,10 @@ TEST(TensorParallelLayers, EachLayerMatchesItsDenseCounterpart) {
       EXPECT_TRUE(torch::allclose(xi.grad(), parallel_input ? xd.grad().slice(2, 4 * r, 4 * r + 4) : xd.grad(), 1e-4, 1e-5));
       EXPECT_TRUE(torch::allclose(row->weight.grad(), dense->weight.grad().slice(1, 4 * r, 4 * r + 4), 1e-4, 1e-5));
       EXPECT_TRUE(torch::allclose(row->bias.grad(), dense->bias.grad(), 1e-4, 1e-5));
+      torch::optim::SGD(row->parameters(), 0.1).step();
+      torch::optim::SGD(dense->parameters(), 0.1).step();
+      EXPECT_TRUE(torch::allclose(row->weight, dense->weight.slice(1, 4 * r, 4 * r + 4), 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(row->bias, dense->bias, 1e-5, 1e-6));  // replicated, identical on every rank
     }
     tp::VocabParallelEmbedding emb(tp::VocabParallelEmbeddingOptions(10, 4).tp(t).name("e"));
     tp::VocabParallelEmbedding dense(tp::VocabParallelEmbeddingOptions(10, 4).name("e"));
@@ -117,6 +121,9 @@ TEST(TensorParallelLayers, EachLayerMatchesItsDenseCounterpart) {
     (y * torch::arange(4, torch::kFloat)).sum().backward();
     (yd * torch::arange(4, torch::kFloat)).sum().backward();
     EXPECT_TRUE(torch::allclose(emb->weight.grad(), dense->weight.grad().slice(0, 5 * r, 5 * r + 5)));
+    torch::optim::SGD(emb->parameters(), 0.1).step();
+    torch::optim::SGD(dense->parameters(), 0.1).step();
+    EXPECT_TRUE(torch::allclose(emb->weight, dense->weight.slice(0, 5 * r, 5 * r + 5)));
     // Vocab-parallel cross-entropy against at::cross_entropy_loss on the gathered logits.
     torch::manual_seed(2);
     auto logits = torch::randn({6, 10});
@@ -177,6 +184,32 @@ TEST(TensorParallel, TheArticlesEmbeddingAtOneQuarterPerRank) {
     auto want = meshtrain::init_slice(7, "embed.tok.weight", meshtrain::InitSpec::normal(0, 0.02), {128000, 8192}, 0, row, 1);
     EXPECT_TRUE(torch::equal(emb->weight.slice(0, 12345, 12346), want));
   }, options);
+}
+
+// Dense <-> sharded: the GPT built at tp 2 holds exactly shard() of the dense
+// GPT's parameters (the init is the unsharded one, sliced), and unshard()
+// of its parameters gives the dense model back.
+TEST(TensorParallel, DenseAndShardedGptConvertBothWays) {
+  run_ranks(2, [](Communicator& comm) {
+    meshtrain::models::ModelConfig m;
+    m.heads = 4;
+    meshtrain::models::BuildContext ctx;
+    ctx.tp = self(comm);
+    auto sharded = meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m), ctx);
+    auto dense = meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m));
+    std::map<std::string, torch::Tensor> full, local;
+    for (const auto& kv : dense->named_parameters()) full[kv.key()] = kv.value();
+    for (const auto& kv : sharded->named_parameters()) local[kv.key()] = kv.value();
+    const auto dims = tp::shard_dims(*sharded);
+    int split = 0;
+    for (const auto& kv : dims) split += kv.second >= 0;
+    EXPECT_GT(split, 0) << "no parameter is split";
+    const auto mine = tp::shard(full, dims, comm.rank(), comm.size());
+    ASSERT_EQ(mine.size(), local.size());
+    for (const auto& kv : local) EXPECT_TRUE(torch::equal(mine.at(kv.first), kv.second)) << kv.first;
+    const auto back = tp::unshard(local, dims, comm);
+    for (const auto& kv : full) EXPECT_TRUE(torch::equal(back.at(kv.first), kv.second)) << kv.first;
+  });
 }
 
 TEST(TensorParallel, SizesThatDoNotDivideNameTheValidChoices) {
