@@ -1,6 +1,7 @@
 #include "meshtrain/train/checkpoint.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
@@ -75,7 +77,12 @@ std::pair<std::string, std::string> encode(const RankState& mine) {
   }
   json::Object steps;
   for (const auto& kv : mine.steps) steps.integer(kv.first, kv.second);
-  return {serialize_tensors(tensors), json::Object().raw("chunks", json::array(index)).raw("steps", steps.str()).str()};
+  if (mine.rng_state.defined()) tensors["rng"] = mine.rng_state.contiguous();
+  return {serialize_tensors(tensors), json::Object()
+                                          .raw("chunks", json::array(index))
+                                          .raw("steps", steps.str())
+                                          .boolean("rng", mine.rng_state.defined())
+                                          .str()};
 }
 
 }  // namespace
@@ -192,6 +199,25 @@ const std::map<std::string, at::Tensor>& CheckpointReader::shard(size_t index) {
   MESHTRAIN_CHECK(sha == s["sha256"].str(), "checkpoint shard ", path, " is corrupt: SHA-256 ", sha,
                   " does not match the manifest's ", s["sha256"].str());
   return loaded_[index] = deserialize_tensors(bytes, path);
+}
+
+at::Tensor CheckpointReader::rng_state(int rank) {
+  MESHTRAIN_CHECK(rank >= 0 && rank < static_cast<int>(manifest_["shards"].size()), "checkpoint ", dir_, " has no shard of rank ", rank);
+  const json::Value& content = manifest_["shards"][rank]["content"];
+  if (!content.has("rng") || !content["rng"].boolean) return {};
+  return shard(rank).at("rng");
+}
+
+at::Tensor cpu_rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_rng_state(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
 }
 
 bool CheckpointReader::has(const std::string& param) const {

@@ -72,6 +72,22 @@ void arm_test_kill(int64_t step) {
   }).detach();
 }
 
+// Each rank takes back the generator state it saved. Under another world size
+// rank r is not the saver's rank r: the generators keep their seeded state
+// (meshtrain's models draw no random numbers while training: the data order is
+// a function of seed and step, and they have no dropout).
+void restore_rng_state(CheckpointReader& reader, const comm::Communicator& world, bool verbose) {
+  if (reader.world_size() != world.size()) {
+    if (verbose) {
+      std::printf("checkpoint saved on %d ranks, resumed on %d: random generators keep their seeded state\n",
+                  reader.world_size(), world.size());
+    }
+    return;
+  }
+  const at::Tensor state = reader.rng_state(world.rank());
+  if (state.defined()) set_cpu_rng_state(state);
+}
+
 // After a restart, meshrun passes the wall-clock time it detected the failure.
 void report_restart_time() {
   const char* failed = std::getenv("MESHTRAIN_FAILURE_TIME_NS");
@@ -121,6 +137,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
       const auto t0 = Clock::now();
       CheckpointReader reader(step_dir);
       engine->load_checkpoint(reader);
+      restore_rng_state(reader, *world, chief && options.verbose);
       first_step = reader.step();
       load_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
       if (chief && options.verbose) {
@@ -150,7 +167,9 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
       print_progress(c, step, result.losses.back(), seconds);
     }
     if (!c.save_dir.empty() && c.save_every > 0 && (step + 1) % c.save_every == 0) {
-      const SaveStats s = save_checkpoint(c.save_dir, step + 1, engine->checkpoint_state(), *metrics, to_json(c));
+      RankState state = engine->checkpoint_state();
+      state.rng_state = cpu_rng_state();
+      const SaveStats s = save_checkpoint(c.save_dir, step + 1, state, *metrics, to_json(c));
       save_seconds += s.seconds;
       save_bytes += s.bytes;
       ++saves;

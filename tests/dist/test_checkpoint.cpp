@@ -151,6 +151,25 @@ TEST(Checkpoint, CrashAtEveryStageOfASaveLeavesTheLastCompleteCheckpoint) {
   }
 }
 
+// Every rank saves its random generator's state, and takes it back on resume:
+// the numbers it draws after loading are those it would have drawn next.
+TEST(Checkpoint, EachRankResumesItsRandomGenerator) {
+  const std::string dir = checkpoint_dir("rng");
+  meshtrain::testing::run_ranks(3, [&](meshtrain::comm::Communicator& comm) {
+    torch::manual_seed(100 + comm.rank());
+    torch::rand({5});  // advance it somewhere
+    meshtrain::train::RankState mine;
+    mine.rng_state = meshtrain::train::cpu_rng_state();
+    meshtrain::train::save_checkpoint(dir, 1, mine, comm, "{}");
+    const auto next = torch::rand({4});  // what the generator draws next
+    torch::manual_seed(7);               // a fresh process would start elsewhere
+    meshtrain::train::CheckpointReader reader(meshtrain::train::latest_checkpoint(dir));
+    ASSERT_EQ(reader.world_size(), 3);
+    meshtrain::train::set_cpu_rng_state(reader.rng_state(comm.rank()));
+    EXPECT_TRUE(torch::equal(torch::rand({4}), next)) << "rank " << comm.rank();
+  });
+}
+
 TEST(Checkpoint, CorruptOrTruncatedShardsAreNamed) {
   const std::string dir = checkpoint_dir("corrupt");
   TrainConfig c = layout(2, 1, 1, 0);

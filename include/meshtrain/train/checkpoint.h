@@ -43,7 +43,12 @@ struct StateChunk {
 struct RankState {
   std::vector<StateChunk> chunks;
   std::map<std::string, int64_t> steps;  // optimizer step counts by parameter
+  at::Tensor rng_state;                  // libtorch's CPU generator (cpu_rng_state()); undefined: none
 };
+
+// The default CPU generator's state (torch.get_rng_state()) and its restore.
+at::Tensor cpu_rng_state();
+void set_cpu_rng_state(const at::Tensor& state);
 
 struct SaveStats {
   double seconds = 0;  // the training loop was blocked this long
@@ -69,6 +74,10 @@ class CheckpointReader {
   at::Tensor full(const std::string& param, const std::string& kind);
   std::optional<int64_t> optimizer_step(const std::string& param) const;
   bool has(const std::string& param) const;
+  // The world size of the run that saved it, and the RNG state its rank
+  // `rank` saved (undefined when that shard has none).
+  int world_size() const { return static_cast<int>(manifest_["world_size"].num()); }
+  at::Tensor rng_state(int rank);
 
  private:
   const std::map<std::string, at::Tensor>& shard(size_t index);
