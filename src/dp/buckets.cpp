@@ -14,24 +14,29 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<BucketParam>& 
                   " entries for ", params.size(), " parameters");
   MESHTRAIN_CHECK(cap_bytes > 0 && first_cap_bytes > 0, "bucket caps must be positive");
   std::vector<std::vector<size_t>> buckets;
-  // One open bucket per dtype; a bucket closes when adding would pass its cap.
-  std::map<int, size_t> open;           // dtype -> index into buckets
-  std::map<size_t, int64_t> filled;     // bucket -> bytes
+  // As PyTorch's compute_bucket_assignment_by_size: one open bucket per dtype;
+  // a parameter joins its dtype's open bucket, which closes once it holds at
+  // least its cap (the first of each dtype: first_cap_bytes). So the first
+  // bucket takes the last layer's weight even when it is larger than the first
+  // cap, and its all-reduce overlaps the rest of backward.
+  std::map<int, size_t> open;        // dtype -> index into buckets
+  std::map<int, int> closed;         // dtype -> buckets closed so far
+  std::map<size_t, int64_t> filled;  // bucket -> bytes
   for (size_t idx : ready_order) {
     const BucketParam& p = params.at(idx);
     auto it = open.find(p.dtype);
-    if (it != open.end()) {
-      const size_t b = it->second;
-      const int64_t cap = b == 0 ? first_cap_bytes : cap_bytes;
-      if (filled[b] + p.bytes <= cap) {
-        buckets[b].push_back(idx);
-        filled[b] += p.bytes;
-        continue;
-      }
+    if (it == open.end()) {
+      buckets.emplace_back();
+      it = open.emplace(p.dtype, buckets.size() - 1).first;
     }
-    buckets.push_back({idx});
-    open[p.dtype] = buckets.size() - 1;
-    filled[buckets.size() - 1] = p.bytes;
+    const size_t b = it->second;
+    buckets[b].push_back(idx);
+    filled[b] += p.bytes;
+    const int64_t cap = closed[p.dtype] == 0 ? first_cap_bytes : cap_bytes;
+    if (filled[b] >= cap) {
+      open.erase(it);
+      ++closed[p.dtype];
+    }
   }
   return buckets;
 }

@@ -20,7 +20,7 @@ TEST(Buckets, FollowTheReadyOrderAndRespectCaps) {
   std::vector<dp::BucketParam> p = {{40, 0}, {40, 0}, {100, 0}, {10, 0}, {10, 0}, {8, 1}};
   std::vector<size_t> reverse = {5, 4, 3, 2, 1, 0};
   auto b = dp::assign_buckets(p, reverse, /*first_cap=*/20, /*cap=*/90);
-  // dtype 1 alone; first float bucket capped at 20 bytes: {4, 3}; then 100 > cap alone; then {1, 0}.
+  // dtype 1 alone; the first float bucket closes at 20 bytes: {4, 3}; 100 >= cap alone; then {1, 0}.
   ASSERT_EQ(b.size(), 4u);
   EXPECT_EQ(b[0], (std::vector<size_t>{5}));
   EXPECT_EQ(b[1], (std::vector<size_t>{4, 3}));
@@ -31,6 +31,14 @@ TEST(Buckets, FollowTheReadyOrderAndRespectCaps) {
   // A cap of one byte: one bucket per parameter.
   EXPECT_EQ(dp::assign_buckets(p, reverse, 1, 1).size(), 6u);
   EXPECT_THROW(dp::assign_buckets(p, {0, 1}, 1, 1), ConfigError);
+  // PyTorch's rule: a bucket closes once it reaches its cap, so the last
+  // layer's weight (larger than the first cap) joins its bias in the first
+  // bucket, whose all-reduce then overlaps the backward of the layers before.
+  std::vector<dp::BucketParam> mlp = {{400, 0}, {4, 0}, {400, 0}, {4, 0}};  // w1 b1 w2 b2
+  auto two = dp::assign_buckets(mlp, {3, 2, 1, 0}, /*first_cap=*/100, /*cap=*/1000);
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[0], (std::vector<size_t>{3, 2}));
+  EXPECT_EQ(two[1], (std::vector<size_t>{1, 0}));
 }
 
 TEST(TrainConfig, ParsesFlagsInBothSpellings) {

@@ -2,9 +2,10 @@
 // Gradient bucket assignment (pure). Parameters are taken in the order their
 // gradients are expected to become ready (reverse registration order before the
 // first step; the observed order after it) and packed into buckets of one dtype
-// each, the first capped at `first_cap_bytes` (so the first all-reduce starts
-// early in backward), the others at `cap_bytes`. A parameter larger than the
-// cap gets a bucket of its own.
+// each; a bucket closes as soon as it holds at least its cap (PyTorch's rule):
+// `first_cap_bytes` for a dtype's first bucket (so the first all-reduce starts
+// early in backward), `cap_bytes` for the others. A bucket can therefore pass
+// its cap by its last parameter.
 
 #include <cstdint>
 #include <vector>
