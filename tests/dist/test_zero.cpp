@@ -8,6 +8,7 @@
 #include "equivalence.h"
 #include "harness.h"
 #include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/dp/ddp.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/tensor_io.h"
@@ -346,3 +347,49 @@ TEST(Zero, MemoryAndTrafficFollowThePaper) {
 }
 
 }  // namespace
+
+namespace {
+
+// Bucket reductions start during backward, not after it: when the first
+// layer's gradient is computed (last in backward), the later layers' buckets
+// have already been handed to the communicator (counted at launch), unless
+// overlap is off.
+int64_t launched_before_first_layer_grad(Communicator& comm, bool zero2, bool overlap) {
+  auto self = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
+  auto net = torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8),
+                                   torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::Tanh(),
+                                   torch::nn::Linear(8, 1));
+  const auto kind = zero2 ? meshtrain::comm::OpKind::kReduceScatter : meshtrain::comm::OpKind::kAllReduce;
+  int64_t seen = -1;
+  auto first = net->named_parameters()["0.weight"];
+  first.register_hook([&](const torch::Tensor& g) {
+    seen = comm.traffic()[kind].calls;
+    return g;
+  });
+  std::unique_ptr<meshtrain::dp::DistributedDataParallel> ddp;
+  std::unique_ptr<zero::ZeroRedundancyOptimizer> zro;
+  if (zero2) {
+    zro = std::make_unique<zero::ZeroRedundancyOptimizer>(
+        net.ptr(), std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1)), self,
+        zero::ZeroOptions().stage(2).bucket_cap_mb(1e-6).overlap(overlap));
+  } else {
+    ddp = std::make_unique<meshtrain::dp::DistributedDataParallel>(
+        net.ptr(), self,
+        meshtrain::dp::DistributedDataParallelOptions().bucket_cap_mb(1e-6).first_bucket_cap_mb(1e-6).overlap(overlap));
+  }
+  comm.reset_traffic();
+  net->forward(torch::ones({4, 8}) * (comm.rank() + 1)).sum().backward();
+  if (zro) zro->step();
+  return seen;
+}
+
+}  // namespace
+
+TEST(Zero, DdpAndStageTwoReduceBucketsDuringBackward) {
+  run_ranks(2, [](Communicator& comm) {
+    for (bool zero2 : {false, true}) {
+      EXPECT_GT(launched_before_first_layer_grad(comm, zero2, /*overlap=*/true), 0) << (zero2 ? "ZeRO-2" : "DDP");
+      EXPECT_EQ(launched_before_first_layer_grad(comm, zero2, /*overlap=*/false), 0) << (zero2 ? "ZeRO-2" : "DDP");
+    }
+  });
+}
