@@ -193,6 +193,20 @@ double ideal_bubble(const ScheduleSpec& s) {
   return s.kind == "interleaved" ? b / s.virtual_stages : b;
 }
 
+std::vector<int64_t> partition_explicit(const std::vector<int64_t>& starts, int64_t pieces, int parts) {
+  MESHTRAIN_CHECK(static_cast<int>(starts.size()) == parts - 1, "--stage-boundaries gives ", starts.size(),
+                  " boundaries for ", parts, " stages (pp x virtual stages); give ", parts - 1,
+                  ": the first piece of every stage but the first");
+  std::vector<int64_t> bounds = {0};
+  for (int64_t s : starts) {
+    MESHTRAIN_CHECK(s > bounds.back() && s < pieces, "--stage-boundaries: ", s, " must be in (", bounds.back(), ", ",
+                    pieces, "): boundaries increase and every stage holds at least one of the ", pieces, " pieces");
+    bounds.push_back(s);
+  }
+  bounds.push_back(pieces);
+  return bounds;
+}
+
 std::vector<int64_t> partition_balanced(const std::vector<int64_t>& costs, int parts) {
   const int n = static_cast<int>(costs.size());
   MESHTRAIN_CHECK(parts >= 1 && parts <= n, "cannot cut ", n, " pieces into ", parts,

@@ -54,6 +54,14 @@ const std::map<std::string, Setter>& value_flags() {
       {"--schedule", [](TrainConfig& c, const std::string&, const std::string& v) { c.schedule = v; }},
       {"--microbatches", [](TrainConfig& c, const std::string& f, const std::string& v) { c.microbatches = static_cast<int>(to_int(f, v)); }},
       {"--virtual-stages", [](TrainConfig& c, const std::string& f, const std::string& v) { c.virtual_stages = static_cast<int>(to_int(f, v)); }},
+      {"--stage-boundaries", [](TrainConfig& c, const std::string& f, const std::string& v) {
+         c.stage_boundaries.clear();
+         for (size_t pos = 0; pos <= v.size();) {
+           const size_t comma = std::min(v.find(',', pos), v.size());
+           c.stage_boundaries.push_back(to_int(f, v.substr(pos, comma - pos)));
+           pos = comma + 1;
+         }
+       }},
       {"--global-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.global_batch = to_int(f, v); }},
       {"--micro-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.micro_batch = to_int(f, v); }},
       {"--steps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.steps = static_cast<int>(to_int(f, v)); }},
@@ -99,6 +107,7 @@ std::string train_usage() {
          "                 [--features F --classes C]  (mlp)\n"
          "                 [--dp D --pp P --tp T] [--strategy ddp|dp] [--zero 0|1|2|3]\n"
          "                 [--schedule naive|gpipe|1f1b|interleaved --microbatches M --virtual-stages V]\n"
+         "                 [--stage-boundaries B1,B2,...]  (first piece of each later stage; default: balanced)\n"
          "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
          "                 [--optimizer sgd|adam|adamw] [--lr LR] [--lr-schedule constant|cosine]\n"
          "                 [--warmup-steps N] [--weight-decay W] [--momentum M] [--adam-eps E]\n"
@@ -187,6 +196,7 @@ TrainConfig resolve(TrainConfig c, int world) {
                     " x --microbatches ", c.microbatches, " must equal the samples per data-parallel rank, ", local);
     c.micro_batch = local / c.microbatches;
     pp::validate(pp::ScheduleSpec{c.schedule, c.pp, c.microbatches, c.virtual_stages});
+    if (!c.stage_boundaries.empty()) pp::partition_explicit(c.stage_boundaries, models::num_pieces(m), c.pp * c.virtual_stages);
     MESHTRAIN_CHECK(models::num_pieces(m) >= c.pp * c.virtual_stages, "the model has ", models::num_pieces(m),
                     " pieces (", m.kind == "gpt" ? "embedding, blocks, head" : "layers", "), fewer than pp x virtual "
                     "stages = ", c.pp * c.virtual_stages, "; use more --layers or fewer stages");
@@ -194,6 +204,7 @@ TrainConfig resolve(TrainConfig c, int world) {
     if (c.micro_batch == 0) c.micro_batch = local;
     MESHTRAIN_CHECK(c.microbatches == 0, "--microbatches is for pipelines (--pp > 1); use --micro-batch for "
                     "gradient accumulation");
+    MESHTRAIN_CHECK(c.stage_boundaries.empty(), "--stage-boundaries is for pipelines (--pp > 1)");
   }
   MESHTRAIN_CHECK(c.micro_batch >= 1 && local % c.micro_batch == 0, "--global-batch ", c.global_batch,
                   " is not divisible by dp x micro-batch = ", c.dp, " x ", c.micro_batch,
@@ -232,6 +243,7 @@ std::string to_json(const TrainConfig& c) {
       .integer("dp", c.dp).integer("pp", c.pp).integer("tp", c.tp)
       .str("strategy", c.strategy).integer("zero", c.zero)
       .str("schedule", c.schedule).integer("microbatches", c.microbatches).integer("virtual_stages", c.virtual_stages)
+      .raw("stage_boundaries", json::numbers(std::vector<double>(c.stage_boundaries.begin(), c.stage_boundaries.end())))
       .boolean("sequence_parallel", c.sequence_parallel)
       .integer("global_batch", c.global_batch).integer("micro_batch", c.micro_batch)
       .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)

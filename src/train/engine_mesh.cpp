@@ -50,7 +50,9 @@ class MeshEngine : public Engine {
     ctx_.tp = c.tp > 1 ? mesh_.tp() : nullptr;
     ctx_.sequence_parallel = c.sequence_parallel;
     const int S = c.pp * c.virtual_stages;
-    const std::vector<int64_t> bounds = pp::partition_balanced(piece_costs(c.model), S);
+    const std::vector<int64_t> bounds =
+        c.stage_boundaries.empty() ? pp::partition_balanced(piece_costs(c.model), S)
+                                   : pp::partition_explicit(c.stage_boundaries, models::num_pieces(c.model), S);
     const bool gpt_tied = c.model.kind == "gpt" && c.model.tie_embeddings;
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;

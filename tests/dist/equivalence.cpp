@@ -137,6 +137,7 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
   single.sequence_parallel = false;
   single.microbatches = 0;
   single.virtual_stages = 1;
+  single.stage_boundaries.clear();
   train::TrainResult ref = train::run_training(train::resolve(single, 1), comm::make_single_process_world(), quiet);
   auto got = load_tensors(run.file("result.bin"));
   at::Tensor losses = got.at("__losses__");

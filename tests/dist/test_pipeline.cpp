@@ -74,6 +74,17 @@ TEST(Pipeline, DataParallelTimesPipelineWithEveryZeroStage) {
   }
 }
 
+// Cuts the user chose instead of the balanced ones: the embedding alone on
+// stage 0, four blocks on stage 1, the last block and the head on stage 2.
+TEST(Pipeline, ExplicitStageBoundaries) {
+  auto c = tiny_gpt();
+  c.model.layers = 5;  // 7 pieces
+  c.pp = 3;
+  c.microbatches = 4;
+  c.stage_boundaries = {1, 5};
+  expect_trains_like_one_process(c, 3);
+}
+
 TEST(Pipeline, UntiedHeadAndAnMlp) {
   auto c = tiny_gpt();
   c.model.tie_embeddings = false;

@@ -82,6 +82,13 @@ TEST(TrainConfig, ResolveDerivesTheLayoutAndRejectsImpossibleOnes) {
   EXPECT_NE(error_of({"--strategy", "dp", "--pp", "2"}, 2).find("cannot be combined with --pp 2"), std::string::npos);
   EXPECT_NE(error_of({"--strategy", "dp", "--tp", "2"}, 2).find("or --tp 2"), std::string::npos);
   EXPECT_NE(error_of({"--adam-eps", "0"}, 1).find("--adam-eps 0"), std::string::npos);
+  // Explicit pipeline cuts: the first piece of each later stage (the default GPT has 4 pieces).
+  c = train::resolve(train::parse_train_args({"--pp", "2", "--stage-boundaries", "3"}), 2);
+  EXPECT_EQ(c.stage_boundaries, (std::vector<int64_t>{3}));
+  EXPECT_NE(error_of({"--pp", "3", "--stage-boundaries", "2"}, 3).find("gives 1 boundaries for 3 stages"), std::string::npos);
+  EXPECT_NE(error_of({"--pp", "3", "--stage-boundaries", "2,2"}, 3).find("2 must be in (2, 4)"), std::string::npos);
+  EXPECT_NE(error_of({"--pp", "2", "--stage-boundaries", "4"}, 2).find("4 must be in (0, 4)"), std::string::npos);
+  EXPECT_NE(error_of({"--stage-boundaries", "1"}, 1).find("is for pipelines"), std::string::npos);
 }
 
 // Model sizes that a layout cannot split are rejected by resolve, which the

@@ -92,4 +92,7 @@ TEST(Partition, BalancedContiguousStages) {
   EXPECT_EQ(b.back(), 5);
   EXPECT_TRUE(b[1] == 2 || b[1] == 3);
   EXPECT_THROW(partition_balanced({1, 2}, 3), ConfigError);
+  EXPECT_EQ(meshtrain::pp::partition_explicit({1, 5}, 7, 3), (std::vector<int64_t>{0, 1, 5, 7}));
+  EXPECT_THROW(meshtrain::pp::partition_explicit({5, 1}, 7, 3), ConfigError);
+  EXPECT_THROW(meshtrain::pp::partition_explicit({1}, 7, 3), ConfigError);
 }

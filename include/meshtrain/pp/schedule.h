@@ -71,6 +71,9 @@ double ideal_bubble(const ScheduleSpec& spec);
 // minimizing the most expensive group. Returns part boundaries (parts + 1
 // values, first 0, last pieces.size()). Throws when parts > pieces.
 std::vector<int64_t> partition_balanced(const std::vector<int64_t>& costs, int parts);
+// The partition a user chose: `starts` holds the first piece of parts 1..parts-1.
+// Returns the parts + 1 boundaries; ConfigError naming the problem otherwise.
+std::vector<int64_t> partition_explicit(const std::vector<int64_t>& starts, int64_t pieces, int parts);
 
 }  // namespace pp
 }  // namespace meshtrain

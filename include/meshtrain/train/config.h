@@ -20,6 +20,9 @@ struct TrainConfig {
   std::string schedule = "1f1b"; // pipeline: naive | gpipe | 1f1b | interleaved
   int microbatches = 0;          // pipeline micro-batches (0 = derive)
   int virtual_stages = 1;
+  // Where the pipeline cuts the model: the first piece of stages 1..S-1 (S =
+  // pp x virtual stages); empty: balanced by parameter count.
+  std::vector<int64_t> stage_boundaries;
   bool sequence_parallel = false;
   // Batches: samples per step over all data-parallel ranks, and per forward.
   int64_t global_batch = 24;
