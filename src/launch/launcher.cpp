@@ -321,6 +321,7 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
     ranks.push_back(spawn(o.node_rank * o.nproc_per_node + local, o.command, env, o.prefix_output));
   }
   Outcome outcome;
+  Clock::time_point remote_seen{};
   while (true) {
     pump(ranks, std::chrono::milliseconds(50));
     if (g_signal) {
@@ -339,8 +340,14 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
       }
     }
     if (outcome.failure.empty() && remote_failure) {
-      std::lock_guard<std::mutex> lock(remote_mutex);
-      outcome.failure = "a failure was reported for " + remote_reason;
+      // A rank of this node that dies is reported by its store connection as
+      // well, often before its exit is reaped: wait a moment for its exit
+      // status, which names the rank and the signal.
+      if (remote_seen == Clock::time_point()) remote_seen = Clock::now();
+      if (Clock::now() - remote_seen > std::chrono::milliseconds(500)) {
+        std::lock_guard<std::mutex> lock(remote_mutex);
+        outcome.failure = "a failure was reported for " + remote_reason;
+      }
     }
     if (!outcome.failure.empty()) {
       outcome.detected_ns = wall_ns();
