@@ -8,14 +8,14 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-build/bench/reshard}; rm -rf "$OUT"; mkdir -p "$OUT"
 GPT="--model gpt --layers 4 --heads 4 --steps 6 --eval-problems 0 --log-every 100"
 MR="build/bin/meshrun --master-port 0 --nproc-per-node"
-$MR 1 -- build/bin/meshtrain $GPT --metrics-out "$OUT/reference.json" > /dev/null
+$MR 1 -- build/bin/meshtrain $GPT --metrics-out "$OUT/reference.json" > /dev/null 2>&1
 i=0
 while IFS='|' read -r from_n from to_n to; do
   i=$((i + 1))
   $MR "$from_n" -- build/bin/meshtrain $GPT $from --steps 3 --save-every 3 --save-dir "$OUT/ckpt$i" \
-    --metrics-out "$OUT/from$i.json" > /dev/null
+    --metrics-out "$OUT/from$i.json" > /dev/null 2>&1
   $MR "$to_n" -- build/bin/meshtrain $GPT $to --save-dir "$OUT/ckpt$i" --resume \
-    --metrics-out "$OUT/to$i.json" > /dev/null
+    --metrics-out "$OUT/to$i.json" > /dev/null 2>&1
   echo "$from_n|$from|$to_n|$to" > "$OUT/move$i.txt"
 done <<'MOVES'
 2|--dp 2|4|--dp 4
