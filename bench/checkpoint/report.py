@@ -1,17 +1,13 @@
 #!/usr/bin/python3
 """Renders bench/checkpoint/run.sh's metrics (the checkpoint section of docs/BENCHMARKS.md)."""
-import argparse, glob, json, os, statistics, sys
+import glob, json, os, statistics, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))
-from report import replace_section  # noqa: E402
+from report import publish, report_args  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("dir")
-    p.add_argument("--doc")
-    p.add_argument("--header", default="")
-    a = p.parse_args()
+    a = report_args(__doc__)
     L = [a.header, "",
          "GPT 8 layers x 256 hidden (6.6 M parameters, AdamW), 2 ranks, saving every 2 steps (3 saves per run). "
          "Bytes = all ranks' shards of one checkpoint (parameters once per replica group, optimizer state once). "
@@ -32,10 +28,7 @@ def main():
                  f"{mb / load:.0f} | {step:.3f} |")
     L += ["", "Saves are synchronous: the loop waits for the fsyncs and the commit. The shards are written in "
           "parallel by the ranks; the page cache makes these figures the machine's, not a disk's."]
-    text = "\n".join(L) + "\n"
-    print(text)
-    if a.doc:
-        replace_section(a.doc, "checkpoint", "Checkpoints", text)
+    publish(L, a.doc, "checkpoint", "Checkpoints")
 
 
 if __name__ == "__main__":

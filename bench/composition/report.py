@@ -1,10 +1,10 @@
 #!/usr/bin/python3
 """Renders bench/composition/run.sh's metrics into markdown (the "ZeRO-3 under
 pipelining" section of docs/BENCHMARKS.md). Standard library only."""
-import argparse, glob, json, os, statistics, sys
+import glob, json, os, statistics, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))
-from report import replace_section  # noqa: E402
+from report import publish, report_args  # noqa: E402
 
 
 def dp_sent(run, rank=0):
@@ -12,11 +12,7 @@ def dp_sent(run, rank=0):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("dir")
-    p.add_argument("--doc")
-    p.add_argument("--header", default="")
-    a = p.parse_args()
+    a = report_args(__doc__)
     runs = {}
     for path in glob.glob(os.path.join(a.dir, "zero*_m*_*.json")):
         z, m, _ = os.path.basename(path)[4:-5].split("_")
@@ -54,10 +50,7 @@ def main():
           "gathered for the step). That is the price of holding 1/dp of the parameters under a pipeline, and "
           "why DeepSpeed refuses the combination; meshtrain runs it, trains like one process, and reports the "
           "cost. With few micro-batches, or where parameters would not fit otherwise, it is the right trade."]
-    text = "\n".join(L) + "\n"
-    print(text)
-    if a.doc:
-        replace_section(a.doc, "zero-pp", "ZeRO-3 under pipelining", text)
+    publish(L, a.doc, "zero-pp", "ZeRO-3 under pipelining")
 
 
 if __name__ == "__main__":

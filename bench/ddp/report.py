@@ -9,6 +9,23 @@ def med(paths, key):
     return statistics.median(vals) if vals else float("nan")
 
 
+def report_args(description):
+    """The arguments of every bench/*/report.py: the results folder, --doc, --header."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("dir")
+    p.add_argument("--doc")
+    p.add_argument("--header", default="")
+    return p.parse_args()
+
+
+def publish(lines, doc_path, name, title):
+    """Prints the section and, with --doc, puts it into that file."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if doc_path:
+        replace_section(doc_path, name, title, text)
+
+
 def replace_section(doc_path, name, title, text):
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     doc = open(doc_path).read() if os.path.exists(doc_path) else "# Benchmarks\n"
@@ -21,11 +38,7 @@ def replace_section(doc_path, name, title, text):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("dir")
-    p.add_argument("--doc")
-    p.add_argument("--header", default="")
-    a = p.parse_args()
+    a = report_args(__doc__)
     g = lambda pat: sorted(glob.glob(os.path.join(a.dir, pat)))
     runs = len(g("mt_w2_[0-9]*.json"))
     t1, t2 = med(g("torch_w1_*.json"), "samples_per_s"), med(g("torch_w2_*.json"), "samples_per_s")
@@ -79,10 +92,7 @@ def main():
             L.append(f"| {model} | {w} | {tot(dp[0])['calls']:.0f} | {tot(ddp[0])['calls']:.1f} | {b(dp[0]):,.0f} | "
                      f"{b(dp[1]):,.0f} | {b(ddp[0]):,.0f} | {b(dp[0]) / b(ddp[0]):.2f} | "
                      f"{tot(dp[0])['calls'] / tot(ddp[0])['calls']:.1f}x |")
-    text = "\n".join(L) + "\n"
-    print(text)
-    if a.doc:
-        replace_section(a.doc, "ddp", "Data parallelism", text)
+    publish(L, a.doc, "ddp", "Data parallelism")
 
 
 if __name__ == "__main__":

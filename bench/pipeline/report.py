@@ -1,17 +1,13 @@
 #!/usr/bin/python3
 """Renders bench/pipeline/run.sh's results (the pipeline section of docs/BENCHMARKS.md)."""
-import argparse, glob, json, os, sys
+import glob, json, os, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))
-from report import replace_section  # noqa: E402
+from report import publish, report_args  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("dir")
-    p.add_argument("--doc")
-    p.add_argument("--header", default="")
-    a = p.parse_args()
+    a = report_args(__doc__)
     L = [a.header, "", "### Bubble: measured vs (p-1)/(m+p-1)", "",
          "Synthetic stages (forward sleeps 20 ms, backward 40 ms; halved per chunk when interleaved, V = 2), so the "
          "measured bubble is the schedule's and the executor's, not the two shared cores'. Bubble = mean over ranks of "
@@ -46,10 +42,7 @@ def main():
     L += ["", "Timelines (synthetic workload, p = 4, m = 8): "
           "![GPipe](images/gpipe_pp4_m8.svg) ![1F1B](images/1f1b_pp4_m8.svg) "
           "![interleaved](images/interleaved_pp4_m8_v2.svg) ![naive](images/naive_pp4.svg)"]
-    text = "\n".join(L) + "\n"
-    print(text)
-    if a.doc:
-        replace_section(a.doc, "pipeline", "Pipeline parallelism", text)
+    publish(L, a.doc, "pipeline", "Pipeline parallelism")
 
 
 if __name__ == "__main__":

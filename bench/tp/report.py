@@ -1,9 +1,9 @@
 #!/usr/bin/python3
 """Renders bench/tp/run.sh's metrics (the tensor-parallel section of docs/BENCHMARKS.md)."""
-import argparse, glob, json, os, statistics, sys
+import glob, json, os, statistics, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))
-from report import replace_section  # noqa: E402
+from report import publish, report_args  # noqa: E402
 
 
 def load(d, pat):
@@ -11,11 +11,7 @@ def load(d, pat):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("dir")
-    p.add_argument("--doc")
-    p.add_argument("--header", default="")
-    a = p.parse_args()
+    a = report_args(__doc__)
     dense = load(a.dir, "dense_*.json")
     cfg = dense[0]["config"]["model"]
     L, H, V, T = cfg["layers"], cfg["hidden"], cfg["vocab"], cfg["seq_len"]
@@ -63,10 +59,7 @@ def main():
             "micro-batch, in the critical path, with matrices 1/tp the size. On two shared cores and a loopback "
             "network, where the model fits every rank, data parallelism is faster: tensor parallelism pays off only "
             "when a layer does not fit one device (the article's scenario 3) and the link between devices is fast."]
-    text = "\n".join(out) + "\n"
-    print(text)
-    if a.doc:
-        replace_section(a.doc, "tp", "Tensor parallelism", text)
+    publish(out, a.doc, "tp", "Tensor parallelism")
 
 
 if __name__ == "__main__":

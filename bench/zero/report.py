@@ -1,18 +1,14 @@
 #!/usr/bin/python3
 """Renders bench/zero/run.sh's metrics into markdown (the ZeRO section of
 docs/BENCHMARKS.md). Standard library only."""
-import argparse, glob, json, os, statistics, sys
+import glob, json, os, statistics, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))
-from report import replace_section  # noqa: E402
+from report import publish, report_args  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("dir")
-    p.add_argument("--doc")
-    p.add_argument("--header", default="")
-    a = p.parse_args()
+    a = report_args(__doc__)
     L = [a.header, ""]
     runs = {}
     for path in glob.glob(os.path.join(a.dir, "zero*_n*_*.json")):
@@ -51,10 +47,7 @@ def main():
           "the algorithms moved (verification headers excluded). Stage 3 gathers each block twice (forward, "
           "backward) and reduce-scatters once: 1.5x DDP, less for the embedding, which the tied LM head "
           "keeps gathered for the whole step (gathered once)."]
-    text = "\n".join(L) + "\n"
-    print(text)
-    if a.doc:
-        replace_section(a.doc, "zero", "ZeRO", text)
+    publish(L, a.doc, "zero", "ZeRO")
 
 
 if __name__ == "__main__":
