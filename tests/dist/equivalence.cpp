@@ -8,6 +8,7 @@
 #include "harness.h"
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/util/files.h"
 #include "meshtrain/util/tensor_io.h"
 
 namespace meshtrain {
@@ -82,6 +83,20 @@ TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const st
   got.erase("__first_step__");
   out.parameters = got;
   return out;
+}
+
+json::Value metrics_on_ranks(const train::TrainConfig& config, int world) {
+  RankRun run = run_ranks(world, [&](comm::Communicator& comm) {
+    auto self = std::shared_ptr<comm::Communicator>(&comm, [](comm::Communicator*) {});
+    train::RunOptions quiet;
+    quiet.verbose = false;
+    quiet.evaluate = false;
+    train::TrainConfig c = train::resolve(config, comm.size());
+    c.metrics_out = shared_dir() + "/metrics.json";
+    train::run_training(c, self, quiet);
+  });
+  if (in_rank_process() || ::testing::Test::HasFailure()) return json::Value();
+  return json::parse(files::read_all(run.file("metrics.json")));
 }
 
 TrainOutput train_in_one_process(const train::TrainConfig& config) {

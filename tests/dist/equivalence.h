@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "meshtrain/train/config.h"
+#include "meshtrain/util/json.h"
 
 namespace meshtrain {
 namespace testing {
@@ -60,6 +61,9 @@ TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const st
                            std::chrono::seconds time_limit = std::chrono::seconds(120));
 // The same in this process, on a world of one.
 TrainOutput train_in_one_process(const train::TrainConfig& config);
+// Runs the trainer on `world` ranks and returns its --metrics-out, parsed (in
+// the test process; a null value inside the ranks or after a failure).
+json::Value metrics_on_ranks(const train::TrainConfig& config, int world);
 // Expects the losses (from their first step on) and the parameters of `got` to
 // match `want` within the tolerance (exact with a zero tolerance).
 void expect_same_training(const TrainOutput& got, const TrainOutput& want, const Tolerance& tol, const std::string& what);

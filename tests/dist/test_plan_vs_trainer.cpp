@@ -18,11 +18,8 @@
 #include "equivalence.h"
 #include "harness.h"
 #include "meshtrain/plan/model.h"
-#include "meshtrain/train/trainer.h"
-#include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
 
-using meshtrain::comm::Communicator;
 namespace plan = meshtrain::plan;
 
 namespace {
@@ -63,18 +60,9 @@ std::vector<plan::ModelStateBytes> measure(const meshtrain::train::TrainConfig& 
   c.tp = layout.tp;
   c.zero = layout.zero;
   const int world = layout.dp * layout.pp * layout.tp;
-  auto run = meshtrain::testing::run_ranks(world, [&](Communicator& comm) {
-    auto self = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
-    meshtrain::train::RunOptions quiet;
-    quiet.verbose = false;
-    quiet.evaluate = false;
-    auto cfg = meshtrain::train::resolve(c, comm.size());
-    cfg.metrics_out = meshtrain::testing::shared_dir() + "/metrics.json";
-    meshtrain::train::run_training(cfg, self, quiet);
-  });
+  const auto m = meshtrain::testing::metrics_on_ranks(c, world);
   std::vector<plan::ModelStateBytes> out;
-  if (meshtrain::testing::in_rank_process() || ::testing::Test::HasFailure()) return out;
-  const auto m = meshtrain::json::parse(meshtrain::files::read_all(run.file("metrics.json")));
+  if (m.type != meshtrain::json::Value::Type::kObject) return out;
   for (int r = 0; r < world; ++r) {
     const auto& s = m["ranks"][r]["state_bytes"];
     out.push_back({static_cast<int64_t>(s["parameters"].num()), static_cast<int64_t>(s["gradients"].num()),

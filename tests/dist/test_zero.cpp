@@ -15,7 +15,6 @@
 #include "meshtrain/util/json.h"
 #include "meshtrain/zero/zero.h"
 
-#include <fstream>
 
 using meshtrain::comm::Communicator;
 using meshtrain::testing::expect_trains_like_one_process;
@@ -317,18 +316,8 @@ TEST(Zero, MemoryAndTrafficFollowThePaper) {
     c.zero = stage;
     c.steps = 2;
     c.model.layers = 6;
-    auto r = run_ranks(4, [&](Communicator& comm) {
-      auto self = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
-      meshtrain::train::RunOptions quiet;
-      quiet.verbose = false;
-      quiet.evaluate = false;
-      auto cfg = meshtrain::train::resolve(c, comm.size());
-      cfg.metrics_out = meshtrain::testing::shared_dir() + "/metrics.json";
-      meshtrain::train::run_training(cfg, self, quiet);
-    });
+    const auto m = meshtrain::testing::metrics_on_ranks(c, 4);
     if (meshtrain::testing::in_rank_process() || HasFailure()) continue;
-    std::ifstream in(r.file("metrics.json"));
-    const auto m = meshtrain::json::parse(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
     const double psi = meshtrain::models::parameter_count(c.model), n = 4;
     const double want = stage == 0 ? 16 * psi : stage == 1 ? 8 * psi + 8 * psi / n : stage == 2 ? 4 * psi + 12 * psi / n : 16 * psi / n;
     for (size_t rank = 0; rank < 4; ++rank) {
