@@ -212,7 +212,9 @@ void set_openblas_threads(int n) {
 
 }  // namespace
 
-void apply_thread_settings() {
+void apply_thread_settings() { apply_thread_settings(dist_env_from_process()); }
+
+void apply_thread_settings(const DistEnv& e) {
   const char* omp = std::getenv("OMP_NUM_THREADS");
   if (omp) {
     const int n = std::atoi(omp);
@@ -221,7 +223,6 @@ void apply_thread_settings() {
   }
   // Started without meshrun (mpirun, srun) and without OMP_NUM_THREADS: give
   // each rank its share of the node's cores, as meshrun and torchrun do.
-  const DistEnv e = dist_env_from_process();
   if (e.local_world_size > 1) {
     const int cores = static_cast<int>(std::thread::hardware_concurrency());
     const int share = std::max(1, cores / e.local_world_size);
@@ -266,7 +267,7 @@ CommPtr join(const std::string& host, int port, int rank, int world_size, const 
 
 CommPtr init_from_env(CommOptions options) {
   const DistEnv e = dist_env_from_process();
-  apply_thread_settings();
+  apply_thread_settings(e);
   if (e.source == "single") {
     // A world of one still runs through the same code path, with a private store.
     return make_single_process_world(std::move(options));

@@ -57,6 +57,20 @@ TEST(TrainConfig, ParsesFlagsInBothSpellings) {
   EXPECT_THROW(train::parse_train_args({"--steps"}), ConfigError);
 }
 
+namespace {
+
+// The message resolve() rejects these flags with ("no error" when it accepts them).
+std::string error_of(const std::vector<std::string>& args, int world) {
+  try {
+    train::resolve(train::parse_train_args(args), world);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
 TEST(TrainConfig, ResolveDerivesTheLayoutAndRejectsImpossibleOnes) {
   auto c = train::resolve(train::parse_train_args({"--global-batch", "24"}), 3);
   EXPECT_EQ(c.dp, 3);
@@ -64,14 +78,6 @@ TEST(TrainConfig, ResolveDerivesTheLayoutAndRejectsImpossibleOnes) {
   EXPECT_EQ(train::accumulation_steps(c), 1);
   c = train::resolve(train::parse_train_args({"--global-batch", "24", "--micro-batch", "2"}), 3);
   EXPECT_EQ(train::accumulation_steps(c), 4);
-  auto error_of = [](std::vector<std::string> args, int world) {
-    try {
-      train::resolve(train::parse_train_args(args), world);
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_NE(error_of({"--global-batch", "10"}, 3).find("--global-batch 10"), std::string::npos);
   EXPECT_NE(error_of({"--global-batch", "24", "--micro-batch", "5"}, 3).find("dp x micro-batch = 3 x 5"), std::string::npos);
   EXPECT_NE(error_of({"--dp", "2"}, 3).find("does not match the world size 3"), std::string::npos);
@@ -94,14 +100,6 @@ TEST(TrainConfig, ResolveDerivesTheLayoutAndRejectsImpossibleOnes) {
 // Model sizes that a layout cannot split are rejected by resolve, which the
 // trainer calls before it joins the group, naming the valid choices.
 TEST(TrainConfig, ResolveRejectsModelShapesBeforeAnyCommunication) {
-  auto error_of = [](std::vector<std::string> args, int world) {
-    try {
-      train::resolve(train::parse_train_args(args), world);
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_NE(error_of({"--tp", "3", "--heads", "4", "--hidden", "48", "--vocab", "96"}, 3).find("choose tp in {1, 2, 4}"),
             std::string::npos);
   EXPECT_NE(error_of({"--tp", "2", "--vocab", "65"}, 2).find("does not divide --vocab 65"), std::string::npos);

@@ -51,8 +51,10 @@ int slurm_tasks_on_node(const std::string& spec, int node);
 std::pair<std::string, int> parse_tcp_url(const std::string& url);
 
 // Sets the intra-op thread count from OMP_NUM_THREADS (meshrun sets it to this
-// rank's share of the cores), so BLAS and ATen threads do not oversubscribe.
-void apply_thread_settings();
+// rank's share of the cores), so BLAS and ATen threads do not oversubscribe;
+// without it, to the share of the cores `env` gives this rank's node.
+void apply_thread_settings(const DistEnv& env);
+void apply_thread_settings();  // of this process's environment
 
 // Joins the job described by the environment; returns the world communicator.
 CommPtr init_from_env(CommOptions options = {});
