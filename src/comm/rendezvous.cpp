@@ -14,6 +14,7 @@
 #include "gloo/process.h"
 #include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/strings.h"
 #include "socket.h"
 
 namespace meshtrain {
@@ -63,10 +64,7 @@ void validate(const DistEnv& e, const std::string& rank_var, const std::string& 
 int slurm_tasks_on_node(const std::string& spec, int node) {
   // "2(x3),1": 2 tasks on each of the first three nodes, then 1.
   int seen = 0;
-  size_t pos = 0;
-  while (pos < spec.size()) {
-    const size_t end = std::min(spec.find(',', pos), spec.size());
-    const std::string part = spec.substr(pos, end - pos);
+  for (const std::string& part : split(spec, ',')) {
     int tasks = 0, repeat = 1;
     char rest = 0;
     const int n = std::sscanf(part.c_str(), "%d(x%d%c", &tasks, &repeat, &rest);
@@ -76,7 +74,6 @@ int slurm_tasks_on_node(const std::string& spec, int node) {
     MESHTRAIN_CHECK(tasks >= 1 && repeat >= 1, "Slurm's tasks per node '", spec, "' has a count below 1");
     if (node < seen + repeat) return tasks;
     seen += repeat;
-    pos = end + 1;
   }
   throw ConfigError(str_cat("SLURM_NODEID=", node, " is past the ", seen, " nodes of Slurm's tasks per node '", spec,
                             "'"));

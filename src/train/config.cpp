@@ -8,6 +8,7 @@
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
+#include "meshtrain/util/strings.h"
 
 namespace meshtrain {
 namespace train {
@@ -56,11 +57,7 @@ const std::map<std::string, Setter>& value_flags() {
       {"--virtual-stages", [](TrainConfig& c, const std::string& f, const std::string& v) { c.virtual_stages = static_cast<int>(to_int(f, v)); }},
       {"--stage-boundaries", [](TrainConfig& c, const std::string& f, const std::string& v) {
          c.stage_boundaries.clear();
-         for (size_t pos = 0; pos <= v.size();) {
-           const size_t comma = std::min(v.find(',', pos), v.size());
-           c.stage_boundaries.push_back(to_int(f, v.substr(pos, comma - pos)));
-           pos = comma + 1;
-         }
+         for (const std::string& b : split(v, ',')) c.stage_boundaries.push_back(to_int(f, b));
        }},
       {"--global-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.global_batch = to_int(f, v); }},
       {"--micro-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.micro_batch = to_int(f, v); }},
