@@ -1,9 +1,7 @@
 #include "harness.h"
 
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -18,7 +16,6 @@
 #include "meshtrain/comm/store.h"
 #include "zygote.h"
 
-extern char** environ;
 
 namespace meshtrain {
 namespace testing {
@@ -97,46 +94,6 @@ struct Child {
   int status = 0;
 };
 
-// This process's environment with `extra` replacing the variables it names,
-// less gtest's sharding (a rank runs exactly the test its filter names; ctest
-// runs dist_tests in shards).
-std::vector<std::string> rank_environment(const std::vector<std::string>& extra) {
-  std::set<std::string> replaced = {"GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS", "GTEST_SHARD_STATUS_FILE"};
-  for (const auto& e : extra) replaced.insert(e.substr(0, e.find('=')));
-  std::vector<std::string> out;
-  for (char** e = environ; *e; ++e) {
-    const std::string var = *e;
-    if (!replaced.count(var.substr(0, var.find('=')))) out.push_back(var);
-  }
-  out.insert(out.end(), extra.begin(), extra.end());
-  return out;
-}
-
-// Starts a rank: forked by the zygote (Note [Rank zygote]), or else by exec.
-pid_t spawn_rank(const std::string& test, const std::vector<std::string>& environment, const std::string& log_path) {
-  const pid_t forked = zygote_spawn(environment, test, log_path);
-  if (forked > 0) return forked;
-  std::vector<std::string> args = {"/proc/self/exe", "--gtest_filter=" + test};
-  std::vector<char*> argv, envp;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  for (const auto& e : environment) envp.push_back(const_cast<char*>(e.c_str()));
-  envp.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    // Only async-signal-safe calls until exec.
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    execve("/proc/self/exe", argv.data(), envp.data());
-    _exit(127);
-  }
-  return pid;
-}
-
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return std::string("signal ") + strsignal(WTERMSIG(status));
@@ -182,7 +139,7 @@ RankRun run_ranks(int world_size, const std::function<void(comm::Communicator&)>
     };
     for (const auto& e : options.env) extra.push_back(e);
     children[r].log = dir + "/rank" + std::to_string(r) + ".log";
-    children[r].pid = spawn_rank(current_test_filter(), rank_environment(extra), children[r].log);
+    children[r].pid = spawn_rank(environment_with(extra), current_test_filter(), children[r].log);
   }
 
   const auto deadline = std::chrono::steady_clock::now() + options.time_limit;

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <set>
 
 extern char** environ;
 
@@ -88,6 +89,32 @@ int thread_count() {
     if (e->d_name[0] != '.') ++n;
   closedir(d);
   return n;
+}
+
+// fork + exec of this binary with `args` and exactly `environment`; output
+// to `log_path` (empty: inherited). The child dies with this process.
+pid_t fork_exec_self(const std::vector<std::string>& args, const std::vector<std::string>& environment,
+                     const std::string& log_path) {
+  std::vector<char*> argv, envp;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& e : environment) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls until exec.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (!log_path.empty()) {
+      const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+      }
+    }
+    execve("/proc/self/exe", argv.data(), envp.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 // ---- the rank side (in the grandchild of the zygote).
@@ -187,24 +214,14 @@ void start_zygote(Zygote& z) {
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return;
   fcntl(sv[0], F_SETFD, FD_CLOEXEC);
   prctl(PR_SET_CHILD_SUBREAPER, 1);
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e; ++e) env_strings.push_back(*e);
-  // Read once, as libgomp and OpenBLAS load: a pool started here would make
-  // the zygote multithreaded (and every rank gets these values anyway).
-  env_strings.push_back("OMP_NUM_THREADS=1");
-  env_strings.push_back("OPENBLAS_NUM_THREADS=1");
-  env_strings.push_back("MESHTRAIN_ZYGOTE_FD=" + std::to_string(sv[1]));
-  env_strings.push_back("MESHTRAIN_ZYGOTE_PARENT=" + std::to_string(getpid()));
-  std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(&e[0]);
-  envp.push_back(nullptr);
-  char exe[] = "/proc/self/exe";
-  char* argv[] = {exe, nullptr};
-  const pid_t pid = fork();
-  if (pid == 0) {
-    execve(exe, argv, envp.data());
-    _exit(127);
-  }
+  // OMP and OpenBLAS threads are read once, as libgomp and OpenBLAS load: a
+  // pool started here would make the zygote multithreaded (and every rank
+  // gets these values anyway).
+  const pid_t pid = fork_exec_self({"/proc/self/exe"},
+                                   environment_with({"OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1",
+                                                     "MESHTRAIN_ZYGOTE_FD=" + std::to_string(sv[1]),
+                                                     "MESHTRAIN_ZYGOTE_PARENT=" + std::to_string(getpid())}),
+                                   "");
   close(sv[1]);
   int32_t ready = -1;
   if (pid < 0 || !read_answer(sv[0], ready, 30000) || ready != 0) {
@@ -218,8 +235,7 @@ void start_zygote(Zygote& z) {
   z.fd = sv[0];
 }
 
-}  // namespace
-
+// A rank forked by the zygote, or -1 when there is none.
 pid_t zygote_spawn(const std::vector<std::string>& environment, const std::string& test,
                    const std::string& log_path) {
   Zygote& z = zygote();
@@ -234,6 +250,26 @@ pid_t zygote_spawn(const std::vector<std::string>& environment, const std::strin
     return -1;
   }
   return pid;
+}
+
+}  // namespace
+
+std::vector<std::string> environment_with(const std::vector<std::string>& extra) {
+  std::set<std::string> replaced = {"GTEST_SHARD_INDEX", "GTEST_TOTAL_SHARDS", "GTEST_SHARD_STATUS_FILE"};
+  for (const auto& e : extra) replaced.insert(e.substr(0, e.find('=')));
+  std::vector<std::string> out;
+  for (char** e = environ; *e; ++e) {
+    const std::string var = *e;
+    if (!replaced.count(var.substr(0, var.find('=')))) out.push_back(var);
+  }
+  out.insert(out.end(), extra.begin(), extra.end());
+  return out;
+}
+
+pid_t spawn_rank(const std::vector<std::string>& environment, const std::string& test, const std::string& log_path) {
+  const pid_t forked = zygote_spawn(environment, test, log_path);
+  if (forked > 0) return forked;
+  return fork_exec_self({"/proc/self/exe", "--gtest_filter=" + test}, environment, log_path);
 }
 
 }  // namespace testing

@@ -26,12 +26,15 @@
 namespace meshtrain {
 namespace testing {
 
-// Starts a rank process with exactly `environment` ("NAME=value" entries),
-// gtest filtered to `test`, stdout and stderr to `log_path`. Returns its pid
-// (a child of this process), or -1 when no zygote is available: the caller
-// then starts the rank by exec.
-pid_t zygote_spawn(const std::vector<std::string>& environment, const std::string& test,
-                   const std::string& log_path);
+// This process's environment with `extra` ("NAME=value") replacing the
+// variables it names, less gtest's sharding (a rank runs exactly the test its
+// filter names; ctest runs dist_tests in shards).
+std::vector<std::string> environment_with(const std::vector<std::string>& extra);
+
+// Starts a rank process with exactly `environment`, gtest filtered to `test`,
+// stdout and stderr to `log_path`; returns its pid, a child of this process.
+// Forked by the zygote, or, when none is available, started by exec.
+pid_t spawn_rank(const std::vector<std::string>& environment, const std::string& test, const std::string& log_path);
 
 }  // namespace testing
 }  // namespace meshtrain
