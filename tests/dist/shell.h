@@ -13,6 +13,11 @@
 namespace meshtrain {
 namespace testing {
 
+// Where the build put meshrun, meshtrain and the examples (CMake defines it).
+inline const std::string kBin = MESHTRAIN_BIN_DIR;
+// meshrun on a port of its own choosing, for one-node runs.
+inline const std::string kMeshrun = kBin + "/meshrun --master-port 0 ";
+
 struct Shell {
   int exit_code = -1;
   std::string output;

@@ -19,13 +19,12 @@
 using meshtrain::json::Value;
 using meshtrain::testing::contains;
 using meshtrain::testing::free_port;
+using meshtrain::testing::kBin;
+using meshtrain::testing::kMeshrun;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
 
 namespace {
-
-const std::string kBin = MESHTRAIN_BIN_DIR;
-const std::string kMeshrun = kBin + "/meshrun --master-port 0 ";
 
 // Adam eps 1e-6: see Tolerance in equivalence.h.
 const std::string kTiny =

@@ -20,12 +20,12 @@
 
 using meshtrain::testing::contains;
 using meshtrain::testing::free_port;
+using meshtrain::testing::kBin;
+using meshtrain::testing::kMeshrun;
 using meshtrain::testing::Shell;
 using meshtrain::testing::sh;
 
 namespace {
-
-const std::string kBin = MESHTRAIN_BIN_DIR;
 
 bool alive(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -36,7 +36,6 @@ bool alive(pid_t pid) {
   return close_paren != std::string::npos && s.size() > close_paren + 2 && s[close_paren + 2] != 'Z';
 }
 
-const std::string kMeshrun = kBin + "/meshrun --master-port 0 ";
 const std::string kHelper = kBin + "/meshrun_helper";
 
 }  // namespace
