@@ -2,10 +2,11 @@
 // Multi-rank test harness: run_ranks(n, fn) runs fn on n real processes.
 //
 // The parent (the gtest process) hosts a store on 127.0.0.1, port chosen by the
-// kernel (no port races), and re-executes this test binary n times with
-// --gtest_filter=<this test> and the rank in its environment; it never forks
-// after running libtorch code in-process, because libgomp's threads do not
-// survive a fork. In each child the same test body runs again; run_ranks finds
+// kernel (no port races), and starts this test binary n times, filtered to
+// this test, with the rank in its environment: forked from a zygote that has
+// loaded libtorch but run nothing (Note [Rank zygote], zygote.h), or re-executed.
+// It never forks itself after running libtorch code, because libgomp's threads
+// do not survive a fork. In each child the same test body runs again; run_ranks finds
 // the rank in the environment, joins the group, runs fn(comm) and exits.
 // The parent waits with a time limit and fails the test naming every rank that
 // failed, crashed or timed out, with that rank's output. A rank that fails to
