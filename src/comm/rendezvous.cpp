@@ -10,8 +10,8 @@
 #include <memory>
 #include <thread>
 
-#include "gloo/communicator.h"
-#include "gloo/process.h"
+#include "backend.h"
+#include "process.h"
 #include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/strings.h"
@@ -247,17 +247,17 @@ CommPtr join(const std::string& host, int port, int rank, int world_size, const 
   if (host_store) server.reset(new StoreServer(host, port));
   const int store_port = server ? server->port() : port;
   auto store = std::make_shared<TcpStore>(host, store_port, options.timeout);
-  gloo_backend::ProcessConfig config;
+  ProcessConfig config;
   config.rank = rank;
   config.world_size = world_size;
   config.group = group;
   config.bind_host = bind_address(host);
+  config.host_id = host_identity();
   config.timeout = options.timeout;
-  auto process = std::make_shared<gloo_backend::GlooProcess>(config, store, std::move(server));
+  auto process = std::make_shared<Process>(config, store, std::move(server));
   std::vector<int> ranks(world_size);
   for (int r = 0; r < world_size; ++r) ranks[r] = r;
-  return std::make_shared<gloo_backend::GlooCommunicator>(process, ranks, rank, group + "/world",
-                                                          std::move(options));
+  return make_communicator(process, ranks, rank, group + "/world", std::move(options));
 }
 
 }  // namespace

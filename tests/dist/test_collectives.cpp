@@ -1,6 +1,7 @@
-// Every collective on world sizes 1-4, every dtype, checked against closed-form
-// values: rank r contributes (r + 1) * base, with base small integers so sums,
-// products and averages are exact in every dtype (bfloat16 included).
+// Every collective on world sizes 1-4, every dtype, on every backend and on
+// each backend's small-message and large-message paths, checked against
+// closed-form values: rank r contributes (r + 1) * base, with base small
+// integers so sums, products and averages are exact in every dtype (bfloat16 included).
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -35,23 +36,43 @@ std::string tag(const char* op, torch::Dtype dt, int64_t numel) {
   return std::string(op) + " dtype=" + c10::toString(dt) + " numel=" + std::to_string(numel);
 }
 
-class Collectives : public ::testing::TestWithParam<int> {};
-
-// The value checks run on both paths of every collective: payloads inside the
-// header round (the default for small tensors), and the ring algorithms
-// (inline_bytes 0), which large tensors take.
-struct PathCase {
+// A backend, a world size, and which path the tensors of these tests take:
+// small (gloo: inside the header round; shm: one step) or large (gloo: the
+// ring algorithms, inline_bytes 0; shm: the chunked algorithms, with buffers
+// so small that the tests' tensors span many chunks and rings).
+struct Case {
+  const char* backend;
   int world;
-  bool ring;
+  bool large;
 };
-class CollectiveValues : public ::testing::TestWithParam<PathCase> {
- protected:
-  void run(const std::function<void(Communicator&)>& fn) {
-    meshtrain::testing::RankOptions options;
-    if (GetParam().ring) options.inline_bytes = 0;
-    run_ranks(GetParam().world, fn, options);
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.backend << ", world " << c.world << (c.large ? ", large path" : ", small path");
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return std::string(info.param.backend) + "_world" + std::to_string(info.param.world) +
+         (info.param.large ? "_large" : "_small");
+}
+
+meshtrain::testing::RankOptions options_for(const Case& c) {
+  meshtrain::testing::RankOptions options;
+  options.env.push_back(std::string("MESHTRAIN_BACKEND=") + c.backend);
+  if (c.large) {
+    options.inline_bytes = 0;
+    options.env.push_back("MESHTRAIN_SHM_SMALL_KB=0");
+    options.env.push_back("MESHTRAIN_SHM_BUFFER_KB=1");
+    options.env.push_back("MESHTRAIN_SHM_CHANNEL_KB=1");
   }
+  return options;
+}
+
+class CollectiveValues : public ::testing::TestWithParam<Case> {
+ protected:
+  void run(const std::function<void(Communicator&)>& fn) { run_ranks(GetParam().world, fn, options_for(GetParam())); }
 };
+class Collectives : public CollectiveValues {};
+class SmallPayloads : public CollectiveValues {};
 
 TEST_P(CollectiveValues, AllReduceEveryOpAndDtype) {
   run([](Communicator& comm) {
@@ -196,7 +217,7 @@ TEST_P(CollectiveValues, GatherScatterAllToAllBarrier) {
 }
 
 TEST_P(Collectives, NonContiguousAndAsync) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     // A transposed view: handled by a contiguous copy written back.
     auto m = (torch::arange(12, torch::kFloat32).view({3, 4}) * (r + 1)).t();
@@ -222,7 +243,7 @@ TEST_P(Collectives, NonContiguousAndAsync) {
 }
 
 TEST_P(Collectives, PointToPointRingWithTagsAndUnknownShapes) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     if (n == 1) return;
     const int right = (r + 1) % n, left = (r + n - 1) % n;
@@ -246,10 +267,34 @@ TEST_P(Collectives, PointToPointRingWithTagsAndUnknownShapes) {
   });
 }
 
-TEST_P(Collectives, TrafficCountsTheRingBytes) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+// Large messages both ways at once, in several pieces on shm's 1 KiB rings:
+// neither side may wait for the other's receive before its own send proceeds.
+TEST_P(Collectives, LargeMessagesBothWaysAtOnce) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
-    // Above CommOptions::inline_bytes: the ring algorithms.
+    if (n == 1) return;
+    const int right = (r + 1) % n, left = (r + n - 1) % n;
+    const int64_t numel = 300001;  // 1.2 MB
+    auto big = torch::arange(numel, torch::kFloat32) + r;
+    auto send = comm.isend(big, right, 3);
+    auto small = comm.isend(torch::full({5}, r, torch::kInt64), right, 4);
+    auto got_small = comm.recv_any(left, 4);  // overtakes the large message from the same sender
+    auto got = torch::empty({numel});
+    comm.recv(got, left, 3);
+    send->wait();
+    small->wait();
+    expect_equal(got, torch::arange(numel, torch::kFloat32) + left, "large p2p");
+    expect_equal(got_small, torch::full({5}, left, torch::kInt64), "small p2p behind a large one");
+  });
+}
+
+// The bytes each algorithm moves, counted exactly: the ring's on gloo, on shm
+// what the peers read from this rank (each peer's piece, then this rank's
+// reduced piece to every peer).
+TEST_P(Collectives, TrafficCountsTheAlgorithmsBytes) {
+  run([](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    const bool ring = comm.backend() == "gloo";
     const int64_t numel = 100003;
     ASSERT_GT(numel * 4, comm.options().inline_bytes);
     auto counts = meshtrain::shard_sizes(numel, n);
@@ -257,22 +302,26 @@ TEST_P(Collectives, TrafficCountsTheRingBytes) {
     auto t = torch::ones({numel}, torch::kFloat32);
     comm.all_reduce(t);
     auto traffic = comm.traffic();
-    // Reduce-scatter phase sends every chunk but this rank's, all-gather every chunk but the right neighbour's.
-    const int64_t want_sent = n == 1 ? 0 : 4 * ((numel - counts[r]) + (numel - counts[(r + 1) % n]));
+    // Ring: the reduce-scatter phase sends every chunk but this rank's, the
+    // all-gather phase every chunk but the right neighbour's.
+    const int64_t want_sent = n == 1 ? 0
+                              : ring ? 4 * ((numel - counts[r]) + (numel - counts[(r + 1) % n]))
+                                     : 4 * ((numel - counts[r]) + (n - 1) * counts[r]);
     EXPECT_EQ(traffic[OpKind::kAllReduce].calls, 1);
     EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, want_sent);
     comm.reset_traffic();
     comm.reduce_scatter(t);
     traffic = comm.traffic();
     EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, n == 1 ? 0 : 4 * (numel - counts[r]));
-    // It receives every chunk but its left neighbour's (the one it sends first).
-    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, n == 1 ? 0 : 4 * (numel - counts[(r + n - 1) % n]));
+    // Ring: every chunk but the left neighbour's (the one it sends first); shm: its shard from each peer.
+    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received,
+              n == 1 ? 0 : ring ? 4 * (numel - counts[(r + n - 1) % n]) : 4 * counts[r] * (n - 1));
     if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
   });
 }
 
-TEST_P(Collectives, SmallPayloadsTravelInTheHeaderRound) {
-  run_ranks(GetParam(), [](Communicator& comm) {
+TEST_P(SmallPayloads, TravelInOneRound) {
+  run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
     const int64_t numel = 1003;  // 4012 bytes: inline
     auto counts = meshtrain::shard_sizes(numel, n);
@@ -293,15 +342,20 @@ TEST_P(Collectives, SmallPayloadsTravelInTheHeaderRound) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizesAndPaths, CollectiveValues,
-                         ::testing::Values(PathCase{1, false}, PathCase{2, false}, PathCase{3, false},
-                                           PathCase{4, false}, PathCase{2, true}, PathCase{3, true},
-                                           PathCase{4, true}),
-                         [](const auto& info) {
-                           return "world" + std::to_string(info.param.world) + (info.param.ring ? "_ring" : "_inline");
-                         });
+std::vector<Case> every_case(bool large) {
+  std::vector<Case> cases;
+  for (const char* backend : {"shm", "gloo"}) {
+    for (int world = 1; world <= 4; ++world) {
+      if (!large || world > 1) cases.push_back({backend, world, large});
+    }
+  }
+  return cases;
+}
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) { return "world" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Small, CollectiveValues, ::testing::ValuesIn(every_case(false)), case_name);
+INSTANTIATE_TEST_SUITE_P(Large, CollectiveValues, ::testing::ValuesIn(every_case(true)), case_name);
+INSTANTIATE_TEST_SUITE_P(Small, Collectives, ::testing::ValuesIn(every_case(false)), case_name);
+INSTANTIATE_TEST_SUITE_P(Large, Collectives, ::testing::ValuesIn(every_case(true)), case_name);
+INSTANTIATE_TEST_SUITE_P(Small, SmallPayloads, ::testing::ValuesIn(every_case(false)), case_name);
 
 }  // namespace

@@ -1,6 +1,7 @@
 #pragma once
 // meshtrain::comm::Communicator: the one communication interface every strategy
-// uses. Backend-neutral (Gloo now; MPI and NCCL fit the same virtuals), passed
+// uses. Backend-neutral (shared memory inside a host, Gloo over TCP, OpenMPI,
+// and the hierarchical composition of shared memory and Gloo), passed
 // in explicitly (never global), split into sub-communicators for mesh axes, and
 // every byte it moves is counted (traffic()).
 //
@@ -59,11 +60,16 @@ struct CommOptions {
   // the header round: one round of messages instead of a ring's 2(n-1) steps.
   // Must be equal on all ranks.
   int64_t inline_bytes = 32 * 1024;
+  // "auto", "shm", "gloo" or "mpi"; empty: MESHTRAIN_BACKEND, else auto (see
+  // docs/comm.md: shared memory for the ranks of one host, hierarchical across
+  // hosts, MPI under mpirun). Sub-communicators choose again for their members.
+  std::string backend;
 
   CommOptions& set_timeout(std::chrono::milliseconds t) { timeout = t; return *this; }
   CommOptions& set_verify(bool v) { verify = v; return *this; }
   CommOptions& set_label(std::string l) { label = std::move(l); return *this; }
   CommOptions& set_inline_bytes(int64_t b) { inline_bytes = b; return *this; }
+  CommOptions& set_backend(std::string b) { backend = std::move(b); return *this; }
 };
 
 class Communicator {
@@ -150,8 +156,8 @@ class Communicator {
   void barrier();
 
   // ---- accounting.
-  Traffic traffic() const { return counter_.snapshot(); }
-  void reset_traffic() { counter_.reset(); }
+  virtual Traffic traffic() const { return counter_.snapshot(); }
+  virtual void reset_traffic() { counter_.reset(); }
 
  protected:
   TrafficCounter counter_;

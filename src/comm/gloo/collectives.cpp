@@ -17,6 +17,7 @@
 
 #include "communicator.h"
 #include "meshtrain/comm/errors.h"
+#include "../reduce.h"
 #include "meshtrain/comm/ring.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/shard.h"
@@ -29,94 +30,18 @@ namespace {
 
 constexpr int kHeaderSub = 0xffff;
 
-bool supported_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
-    case at::kInt: case at::kLong: case at::kByte: case at::kChar:
-      return true;
-    default:
-      return false;
-  }
-}
-
+// acc := acc op in, elementwise (both contiguous, same dtype and size).
 void reduce_inplace(at::Tensor acc, const at::Tensor& in, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg: acc.add_(in); break;
-    case ReduceOp::kMax: at::maximum_out(acc, acc, in); break;
-    case ReduceOp::kMin: at::minimum_out(acc, acc, in); break;
-    case ReduceOp::kProduct: acc.mul_(in); break;
-  }
+  reduce_into(acc.data_ptr(), acc.data_ptr(), in.data_ptr(), acc.numel(), acc.scalar_type(),
+              op == ReduceOp::kAvg ? ReduceOp::kSum : op);
 }
 
 void finish_avg(at::Tensor t, ReduceOp op, int n) {
   if (op == ReduceOp::kAvg) t.div_(n);
 }
 
-Header header_of(const at::Tensor& t, OpKind kind, ReduceOp op, int root) {
-  Header h;
-  h.kind = static_cast<int32_t>(kind);
-  h.dtype = static_cast<int32_t>(t.defined() ? t.scalar_type() : at::kByte);
-  h.op = static_cast<int32_t>(op);
-  h.root = root;
-  if (t.defined()) {
-    h.ndim = static_cast<int32_t>(t.dim());
-    h.numel = t.numel();
-    for (int64_t d = 0; d < t.dim() && d < 8; ++d) h.shape[d] = t.size(d);
-  }
-  return h;
-}
-
-std::string describe(const Header& h) {
-  std::string s = str_cat(c10::toString(static_cast<at::ScalarType>(h.dtype)), "[");
-  for (int d = 0; d < h.ndim && d < 8; ++d) s += str_cat(d ? ", " : "", h.shape[d]);
-  return s + "]";
-}
-
-// FNV-1a over a list of sizes: lets ranks compare per-rank size lists in one field.
-int64_t hash_sizes(const std::vector<int64_t>& sizes) {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t v : sizes) {
-    h ^= static_cast<uint64_t>(v);
-    h *= 1099511628211ull;
-  }
-  return static_cast<int64_t>(h >> 1);
-}
-
 at::Tensor contiguous_flat(const at::Tensor& t) { return t.contiguous().view(-1); }
 
-}  // namespace
-
-// ---- argument checks (caller's thread, before any communication)
-
-void GlooCommunicator::check_tensor(const at::Tensor& t, const char* op, const char* what) const {
-  MESHTRAIN_CHECK(t.defined(), where(op), ": ", what, " is an undefined tensor");
-  MESHTRAIN_CHECK(t.device().is_cpu(), where(op), ": ", what, " is on ", t.device(),
-                  "; the gloo backend moves CPU tensors only (call .cpu() first)");
-  MESHTRAIN_CHECK(supported_dtype(t.scalar_type()), where(op), ": dtype ", t.scalar_type(),
-                  " is not supported; use float32, float64, bfloat16, float16, int32, int64, "
-                  "int8 or uint8");
-  MESHTRAIN_CHECK(t.dim() <= 8, where(op), ": ", what, " has ", t.dim(),
-                  " dims; at most 8 are supported (reshape first)");
-}
-
-void GlooCommunicator::check_root(int root, const char* op) const {
-  MESHTRAIN_CHECK(root >= 0 && root < size(), where(op), ": root ", root, " is not a rank of ",
-                  "this communicator; use a root in [0, ", size(), ")");
-}
-
-void GlooCommunicator::check_peer(int peer, const char* op) const {
-  MESHTRAIN_CHECK(peer >= 0 && peer < size() && peer != rank_, where(op), ": peer ", peer,
-                  " is invalid; use a rank in [0, ", size(), ") other than this rank (", rank_,
-                  ")");
-}
-
-namespace {
-void check_reduce_op(ReduceOp op, const at::Tensor& t, const std::string& where) {
-  MESHTRAIN_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), where,
-                  ": ReduceOp::kAvg needs a floating dtype, got ", t.scalar_type(),
-                  "; reduce with kSum and divide");
-}
 }  // namespace
 
 // ---- the header round
@@ -189,32 +114,9 @@ std::vector<Header> GlooCommunicator::exchange_headers(const Header& mine) {
   return header_round(mine, nullptr).headers;
 }
 
-void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* op,
-                                   bool same_shape) const {
-  const Header& ref = all[0];
-  for (int r = 1; r < size(); ++r) {
-    const Header& h = all[r];
-    std::string problem;
-    if (h.kind != ref.kind) {
-      problem = str_cat("rank ", r, " called ", op_name(static_cast<OpKind>(h.kind)),
-                        " while rank 0 called ", op_name(static_cast<OpKind>(ref.kind)),
-                        " (every rank must call collectives in the same order)");
-    } else if (h.dtype != ref.dtype || (same_shape && (h.numel != ref.numel || h.ndim != ref.ndim ||
-                                                       !std::equal(h.shape, h.shape + 8, ref.shape)))) {
-      problem = str_cat("rank ", r, " passed ", describe(h), " but rank 0 passed ", describe(ref),
-                        "; every rank must pass the same dtype", same_shape ? " and shape" : "");
-    } else if (h.root != ref.root) {
-      problem = str_cat("rank ", r, " passed root ", h.root, " but rank 0 passed root ", ref.root);
-    } else if (h.op != ref.op) {
-      problem = str_cat("rank ", r, " passed reduce op ", reduce_op_name(static_cast<ReduceOp>(h.op)),
-                        " but rank 0 passed ", reduce_op_name(static_cast<ReduceOp>(ref.op)));
-    } else if (h.aux != ref.aux) {
-      problem = str_cat("rank ", r, " and rank 0 passed different shard sizes");
-    } else if (h.inlined != ref.inlined) {
-      problem = str_cat("rank ", r, " and rank 0 use different CommOptions::inline_bytes");
-    }
-    if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
-  }
+void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* op, bool same_shape) const {
+  const std::string problem = header_mismatch(all, same_shape);
+  if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
 }
 
 // ---- algorithms
@@ -315,7 +217,7 @@ at::Tensor inline_view(const Round& round, int rank, const at::Tensor& like) {
 
 WorkPtr GlooCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   check_tensor(tensor, "all_reduce", "tensor");
-  check_reduce_op(op, tensor, where("all_reduce"));
+  check_reduce_op(op, tensor, "all_reduce");
   return enqueue(OpKind::kAllReduce, "all_reduce", [this, tensor, op](std::vector<at::Tensor>& result) mutable {
     at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
     const bool small = fits_inline(work.nbytes()) && size() > 1;
@@ -368,7 +270,7 @@ WorkPtr GlooCommunicator::broadcast_async(at::Tensor tensor, int root) {
 WorkPtr GlooCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
   check_tensor(tensor, "reduce", "tensor");
   check_root(root, "reduce");
-  check_reduce_op(op, tensor, where("reduce"));
+  check_reduce_op(op, tensor, "reduce");
   return enqueue(OpKind::kReduce, "reduce", [this, tensor, root, op](std::vector<at::Tensor>& result) mutable {
     at::Tensor work = tensor.contiguous();
     const bool small = fits_inline(work.nbytes()) && size() > 1;
@@ -410,12 +312,7 @@ WorkPtr GlooCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op)
 }
 
 WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
-  check_tensor(input, "all_gather", "input");
-  if (output.defined()) {
-    check_tensor(output, "all_gather", "output");
-    MESHTRAIN_CHECK(output.scalar_type() == input.scalar_type(), where("all_gather"),
-                    ": output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type());
-  }
+  check_all_gather(input, output);
   return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) mutable {
     // Sizes may differ by rank, so the header round always runs here.
     at::Tensor mine_data = input.contiguous();
@@ -466,25 +363,8 @@ WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor o
 
 WorkPtr GlooCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
                                                std::vector<int64_t> counts) {
-  check_tensor(input, "reduce_scatter", "input");
-  check_reduce_op(op, input, where("reduce_scatter"));
-  if (counts.empty()) counts = shard_sizes(input.numel(), size());
-  int64_t sum = 0;
-  for (auto c : counts) {
-    MESHTRAIN_CHECK(c >= 0, where("reduce_scatter"), ": negative shard size ", c);
-    sum += c;
-  }
-  MESHTRAIN_CHECK(static_cast<int>(counts.size()) == size() && sum == input.numel(),
-                  where("reduce_scatter"), ": shard sizes must be one per rank (", size(),
-                  ") and sum to the input's ", input.numel(), " elements; got ", counts.size(),
-                  " sizes summing to ", sum);
-  if (output.defined()) {
-    check_tensor(output, "reduce_scatter", "output");
-    MESHTRAIN_CHECK(output.numel() == counts[rank_] && output.scalar_type() == input.scalar_type(),
-                    where("reduce_scatter"), ": output must be ", input.scalar_type(), " with ",
-                    counts[rank_], " elements (this rank's shard); got ", output.scalar_type(),
-                    " with ", output.numel());
-  }
+  check_reduce_scatter(input, output, counts);
+  check_reduce_op(op, input, "reduce_scatter");
   return enqueue(OpKind::kReduceScatter, "reduce_scatter", [this, input, op, output, counts](std::vector<at::Tensor>& result) mutable {
     at::Tensor flat = contiguous_flat(input);
     const auto offsets = offsets_of(counts);
@@ -559,17 +439,7 @@ WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
 }
 
 WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
-  check_tensor(output, "scatter", "output");
-  check_root(root, "scatter");
-  if (rank_ == root) {
-    MESHTRAIN_CHECK(static_cast<int>(inputs.size()) == size(), where("scatter"), ": root needs one input per rank (",
-                    size(), "), got ", inputs.size());
-    for (const auto& t : inputs) {
-      check_tensor(t, "scatter", "input");
-      MESHTRAIN_CHECK(t.scalar_type() == output.scalar_type(), where("scatter"), ": input dtype ",
-                      t.scalar_type(), " differs from output dtype ", output.scalar_type());
-    }
-  }
+  check_scatter(output, inputs, root);
   return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) mutable {
     std::vector<at::Tensor> sources(inputs.size());
     for (size_t p = 0; p < inputs.size(); ++p) sources[p] = inputs[p].contiguous();
@@ -615,13 +485,7 @@ WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tenso
 }
 
 WorkPtr GlooCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
-  MESHTRAIN_CHECK(static_cast<int>(inputs.size()) == size(), where("all_to_all"),
-                  ": needs one input per rank (", size(), "), got ", inputs.size());
-  for (const auto& t : inputs) {
-    check_tensor(t, "all_to_all", "input");
-    MESHTRAIN_CHECK(t.scalar_type() == inputs[0].scalar_type(), where("all_to_all"),
-                    ": all inputs must share one dtype; got ", inputs[0].scalar_type(), " and ", t.scalar_type());
-  }
+  check_all_to_all(inputs);
   return enqueue(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
     // Each pair exchanges a header describing the tensor it sends, then the data.
     const int n = size();

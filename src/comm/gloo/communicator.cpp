@@ -11,6 +11,7 @@
 
 #include <cstring>
 
+#include "../backend.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
 
@@ -49,51 +50,20 @@ uint64_t p2p_slot(int tag, bool data) {
 
 }  // namespace
 
-// A queued (or point-to-point) operation. wait() may run the operation inline
-// when it is at the head of an idle queue.
-class OpWork : public Work {
- public:
-  OpWork(GlooCommunicator* comm, const char* name, GlooCommunicator::Body body)
-      : comm_(comm), name_(name), body_(std::move(body)) {}
-
-  void wait() override {
-    std::unique_lock<std::mutex> lock(comm_->mutex_);
-    while (!done_) {
-      if (!comm_->try_run_head(lock, this)) comm_->cv_.wait(lock);
-    }
-    if (error_) std::rethrow_exception(error_);
-  }
-
-  bool is_completed() override {
-    std::lock_guard<std::mutex> lock(comm_->mutex_);
-    return done_;
-  }
-
- private:
-  friend class GlooCommunicator;
-  GlooCommunicator* comm_;
-  const char* name_;
-  GlooCommunicator::Body body_;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
-
-GlooCommunicator::GlooCommunicator(std::shared_ptr<GlooProcess> process,
-                                   std::vector<int> global_ranks, int rank,
-                                   const std::string& store_prefix, CommOptions options)
-    : process_(std::move(process)),
-      global_ranks_(std::move(global_ranks)),
-      rank_(rank),
-      prefix_(store_prefix),
-      options_(std::move(options)) {
+GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
+                                   int rank, const std::string& store_prefix, CommOptions options)
+    : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
+      process_(std::move(process)),
+      prefix_(store_prefix) {
   auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size());
   ctx->setTimeout(options_.timeout);
   GlooStoreAdapter adapter(std::make_shared<PrefixStore>(prefix_, process_->store()));
   try {
-    ctx->connectFullMesh(adapter, process_->device());
+    auto device = process_->gloo_device();
+    ctx->connectFullMesh(adapter, device);
   } catch (const gloo::Exception& e) {
     if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
-      const int r = GlooProcess::rank_of_label(f->label);
+      const int r = Process::rank_of_label(f->label);
       throw PeerFailure(str_cat("connecting communicator '", options_.label, "': rank ", r,
                                 " failed: ", f->reason),
                         r);
@@ -102,90 +72,17 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<GlooProcess> process,
                                " of ", size(), ") failed: ", e.what()));
   }
   context_ = ctx;
-  worker_ = std::thread([this] { worker_loop(); });
 }
 
 GlooCommunicator::~GlooCommunicator() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  stop_worker();
   context_.reset();
-}
-
-// ---- execution
-
-WorkPtr GlooCommunicator::enqueue(OpKind kind, const char* name, Body body) {
-  counter_.add_call(kind);
-  auto work = std::make_shared<OpWork>(this, name, std::move(body));
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(work);
-  }
-  cv_.notify_all();
-  return work;
-}
-
-bool GlooCommunicator::try_run_head(std::unique_lock<std::mutex>& lock, OpWork* only_if) {
-  if (running_ || queue_.empty()) return false;
-  if (only_if && queue_.front().get() != only_if) return false;
-  std::shared_ptr<OpWork> op = queue_.front();
-  queue_.pop_front();
-  running_ = true;
-  const std::string broken = broken_;
-  lock.unlock();
-  if (!broken.empty()) {
-    op->error_ = std::make_exception_ptr(
-        CommError(str_cat(where(op->name_), ": the communicator is unusable after an earlier "
-                                            "error: ", broken)));
-  } else {
-    running_op_ = op->name_;
-    run_op(*op);
-  }
-  lock.lock();
-  running_ = false;
-  ++seq_;
-  op->done_ = true;
-  if (op->error_) {
-    try {
-      std::rethrow_exception(op->error_);
-    } catch (const CommError& e) {
-      if (broken_.empty()) broken_ = e.what();
-    } catch (...) {
-    }
-  }
-  op->body_ = nullptr;  // release the tensors it captured
-  cv_.notify_all();
-  return true;
-}
-
-void GlooCommunicator::run_op(OpWork& op) {
-  try {
-    op.body_(op.result_);
-  } catch (const ConfigError&) {
-    op.error_ = std::current_exception();
-  } catch (const CommError&) {
-    op.error_ = std::current_exception();
-  } catch (const std::exception& e) {
-    op.error_ = std::make_exception_ptr(CommError(str_cat(where(op.name_), ": ", e.what())));
-  }
-}
-
-void GlooCommunicator::worker_loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    if (try_run_head(lock, nullptr)) continue;
-    if (stopping_ && queue_.empty() && !running_) return;
-    cv_.wait(lock);
-  }
 }
 
 // ---- transfers
 
 uint64_t GlooCommunicator::collective_slot(int sub) const {
-  return kCollectiveBit | ((seq_ & ((1ull << 46) - 1)) << 16) | static_cast<uint64_t>(sub & 0xffff);
+  return kCollectiveBit | ((op_seq() & ((1ull << 46) - 1)) << 16) | static_cast<uint64_t>(sub & 0xffff);
 }
 
 Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
@@ -196,7 +93,7 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
   t.is_recv = false;
   t.bytes = bytes;
   t.kind = kind;
-  t.op = kind == OpKind::kVerify ? running_op_.load() : op_name(kind);
+  t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
   t.buf->send(peer, slot);
   return t;
 }
@@ -209,18 +106,9 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   t.is_recv = true;
   t.bytes = bytes;
   t.kind = kind;
-  t.op = kind == OpKind::kVerify ? running_op_.load() : op_name(kind);
+  t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
   t.buf->recv(peer, slot);
   return t;
-}
-
-std::string GlooCommunicator::where(const char* op) const {
-  return str_cat(op, " on communicator '", options_.label, "' (rank ", rank_, " of ", size(),
-                 ", global rank ", global_ranks_[rank_], ")");
-}
-
-std::string GlooCommunicator::peer_name(int peer) const {
-  return str_cat("rank ", peer, " (global rank ", global_ranks_[peer], ")");
 }
 
 void GlooCommunicator::wait(Transfer& t) {
@@ -243,7 +131,7 @@ void GlooCommunicator::wait(Transfer& t) {
     // The connection broke: a peer died. The failure watcher usually names it
     // within milliseconds; wait briefly for it rather than guess.
     if (auto f = process_->await_failure(std::chrono::seconds(2))) {
-      const int dead = GlooProcess::rank_of_label(f->label);
+      const int dead = Process::rank_of_label(f->label);
       throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (", f->reason, ")"), dead);
     }
     throw PeerFailure(str_cat(where(op), ": the connection to ", peer_name(t.peer),
@@ -253,7 +141,7 @@ void GlooCommunicator::wait(Transfer& t) {
   process_->unregister_wait(t.buf.get());
   if (!completed) {  // aborted by the failure watcher
     auto f = process_->failure();
-    const int dead = f ? GlooProcess::rank_of_label(f->label) : -1;
+    const int dead = f ? Process::rank_of_label(f->label) : -1;
     throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (",
                               f ? f->reason : "unknown", ")"),
                       dead);
@@ -269,22 +157,6 @@ void GlooCommunicator::wait(Transfer& t) {
 // ---- point to point
 
 namespace {
-
-Header describe(const at::Tensor& t) {
-  Header h;
-  h.kind = static_cast<int32_t>(OpKind::kSend);
-  h.dtype = static_cast<int32_t>(t.scalar_type());
-  h.ndim = static_cast<int32_t>(t.dim());
-  h.numel = t.numel();
-  for (int64_t d = 0; d < t.dim() && d < 8; ++d) h.shape[d] = t.size(d);
-  return h;
-}
-
-std::string shape_string(const Header& h) {
-  std::string s = str_cat(c10::toString(static_cast<at::ScalarType>(h.dtype)), "[");
-  for (int d = 0; d < h.ndim && d < 8; ++d) s += str_cat(d ? ", " : "", h.shape[d]);
-  return s + "]";
-}
 
 // A point-to-point operation: posted at once, completed by wait() on the caller's thread.
 class P2PWork : public Work {
@@ -330,15 +202,10 @@ class P2PWork : public Work {
 // a receiver can never be overrun.
 
 WorkPtr GlooCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
-  check_tensor(tensor, "send", "tensor");
-  check_peer(dst, "send");
-  MESHTRAIN_CHECK(tag >= 0 && tag < (1 << 30), where("send"), ": tag ", tag,
-                  " out of range [0, 2^30)");
-  MESHTRAIN_CHECK(tensor.dim() <= 8, where("send"), ": tensors of more than 8 dims are not "
-                  "supported (got ", tensor.dim(), "); reshape before sending");
+  check_p2p(tensor, dst, tag, "send");
   counter_.add_call(OpKind::kSend);
   at::Tensor data = tensor.contiguous();
-  Header header = describe(data);
+  Header header = header_of(data, OpKind::kSend);
   const bool inline_payload = fits_inline(static_cast<int64_t>(data.nbytes()));
   header.inline_bytes = inline_payload ? static_cast<int64_t>(data.nbytes()) : 0;
   auto message = std::make_shared<at::Tensor>(at::empty({static_cast<int64_t>(sizeof(Header)) + header.inline_bytes}, at::kByte));
@@ -373,15 +240,14 @@ struct Incoming {
 }  // namespace
 
 WorkPtr GlooCommunicator::irecv(at::Tensor tensor, int src, int tag) {
-  check_tensor(tensor, "recv", "tensor");
-  check_peer(src, "recv");
+  check_p2p(tensor, src, tag, "recv");
   auto work = irecv_any(src, tag);
   return std::make_shared<P2PWork>([this, work, tensor, src, tag](std::vector<at::Tensor>& out) {
     work->wait();
     const at::Tensor& got = work->result().at(0);
     if (got.scalar_type() != tensor.scalar_type() || got.sizes() != tensor.sizes()) {
-      throw MismatchError(str_cat(where("recv"), ": ", peer_name(src), " sent ", shape_string(describe(got)),
-                                  " with tag ", tag, " but the receiving tensor is ", shape_string(describe(tensor))));
+      throw MismatchError(str_cat(where("recv"), ": ", peer_name(src), " sent ", describe(header_of(got, OpKind::kSend)),
+                                  " with tag ", tag, " but the receiving tensor is ", describe(header_of(tensor, OpKind::kSend))));
     }
     tensor.copy_(got);
     out = {tensor};
@@ -405,8 +271,7 @@ WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
     // wait() counted the posted capacity: count what arrived, the payload as data.
     counter_.add_received(OpKind::kVerify, static_cast<int64_t>(sizeof(Header)) - capacity);
     counter_.add_received(OpKind::kRecv, h.inline_bytes);
-    std::vector<int64_t> shape(h.shape, h.shape + h.ndim);
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(h.dtype)));
+    at::Tensor t = at::empty(shape_of(h), at::TensorOptions().dtype(static_cast<at::ScalarType>(h.dtype)));
     if (h.inline_bytes > 0) {
       MESHTRAIN_CHECK(static_cast<int64_t>(t.nbytes()) == h.inline_bytes, where("recv"), ": inconsistent header from ", peer_name(src));
       std::memcpy(t.data_ptr(), in->payload(), h.inline_bytes);
@@ -422,27 +287,7 @@ WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
 // ---- split
 
 std::shared_ptr<Communicator> GlooCommunicator::split(int color, int key, const std::string& label) {
-  // Every member learns every (color, key) pair, then each group connects its
-  // own gloo context under a store prefix unique to this split and color.
-  at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
-  std::vector<at::Tensor> all = all_gather(mine);
-  const int split_id = splits_++;
-  if (color < 0) return nullptr;
-  std::vector<std::pair<int64_t, int>> members;  // (key, rank)
-  for (int r = 0; r < size(); ++r) {
-    if (all[r][0].item<int64_t>() == color) members.emplace_back(all[r][1].item<int64_t>(), r);
-  }
-  std::sort(members.begin(), members.end());
-  std::vector<int> globals;
-  int new_rank = -1;
-  for (size_t i = 0; i < members.size(); ++i) {
-    if (members[i].second == rank_) new_rank = static_cast<int>(i);
-    globals.push_back(global_ranks_[members[i].second]);
-  }
-  CommOptions opts = options_;
-  opts.label = label;
-  const std::string prefix = str_cat(prefix_, "/s", split_id, "c", color);
-  return std::make_shared<GlooCommunicator>(process_, std::move(globals), new_rank, prefix, opts);
+  return split_communicator(*this, process_, prefix_, splits_++, color, key, label);
 }
 
 }  // namespace gloo_backend

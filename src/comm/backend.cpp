@@ -1,0 +1,112 @@
+#include "backend.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+
+#include "gloo/communicator.h"
+#include "hier/communicator.h"
+#include "meshtrain/util/error.h"
+#include "process.h"
+#include "shm/communicator.h"
+
+namespace meshtrain {
+namespace comm {
+
+BackendKind parse_backend(const std::string& name, const std::string& source) {
+  if (name == "auto") return BackendKind::kAuto;
+  if (name == "gloo") return BackendKind::kGloo;
+  if (name == "shm") return BackendKind::kShm;
+  if (name == "mpi") return BackendKind::kMpi;
+  throw ConfigError(str_cat(source, " '", name, "' is not a backend; use auto, shm, gloo or mpi"));
+}
+
+BackendKind requested_backend(const CommOptions& options) {
+  if (!options.backend.empty()) return parse_backend(options.backend, "backend");
+  const char* env = std::getenv("MESHTRAIN_BACKEND");
+  if (env && *env) return parse_backend(env, "MESHTRAIN_BACKEND");
+  return BackendKind::kAuto;
+}
+
+Impl choose_impl(BackendKind kind, const std::vector<std::string>& member_hosts, const std::string& label) {
+  std::map<std::string, int> per_host;
+  for (const auto& h : member_hosts) ++per_host[h];
+  const bool one_host = per_host.size() <= 1;
+  switch (kind) {
+    case BackendKind::kGloo:
+      return Impl::kGloo;
+    case BackendKind::kShm:
+      MESHTRAIN_CHECK(one_host, "backend shm: communicator '", label, "' spans ", per_host.size(),
+                      " hosts, and shared memory reaches only the ranks of one host; use backend auto "
+                      "(shared memory inside hosts, Gloo between them) or gloo");
+      return Impl::kShm;
+    case BackendKind::kMpi:
+      throw ConfigError("backend mpi: this process was not started by mpirun; start it with mpirun, or use "
+                        "backend auto, shm or gloo");
+    case BackendKind::kAuto:
+      break;
+  }
+  if (one_host) return Impl::kShm;
+  const int local = per_host.begin()->second;
+  const bool even = std::all_of(per_host.begin(), per_host.end(), [&](const auto& kv) { return kv.second == local; });
+  return even && local >= 2 ? Impl::kHierarchical : Impl::kGloo;
+}
+
+const char* impl_name(Impl impl) {
+  switch (impl) {
+    case Impl::kGloo: return "gloo";
+    case Impl::kShm: return "shm";
+    case Impl::kHierarchical: return "hierarchical";
+  }
+  return "?";
+}
+
+CommPtr make_communicator(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
+                          const std::string& prefix, CommOptions options) {
+  std::vector<std::string> hosts;
+  for (int g : global_ranks) hosts.push_back(process->host_of(g));
+  switch (choose_impl(requested_backend(options), hosts, options.label)) {
+    case Impl::kShm:
+      return std::make_shared<shm_backend::ShmCommunicator>(process, std::move(global_ranks), rank, prefix,
+                                                            std::move(options));
+    case Impl::kHierarchical:
+      return hier_backend::make_hierarchical(process, std::move(global_ranks), rank, prefix, std::move(options));
+    case Impl::kGloo:
+      break;
+  }
+  return std::make_shared<gloo_backend::GlooCommunicator>(process, std::move(global_ranks), rank, prefix,
+                                                          std::move(options));
+}
+
+std::optional<SplitGroup> split_group(Communicator& parent, int color, int key) {
+  at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
+  at::Tensor all = parent.all_gather_flat(mine).view({parent.size(), 2});
+  if (color < 0) return std::nullopt;
+  auto a = all.accessor<int64_t, 2>();
+  std::vector<std::pair<int64_t, int>> members;  // (key, rank)
+  for (int r = 0; r < parent.size(); ++r) {
+    if (a[r][0] == color) members.emplace_back(a[r][1], r);
+  }
+  std::sort(members.begin(), members.end());
+  SplitGroup group;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i].second == parent.rank()) group.rank = static_cast<int>(i);
+    group.global_ranks.push_back(parent.global_ranks()[members[i].second]);
+  }
+  return group;
+}
+
+CommPtr split_communicator(Communicator& parent, const std::shared_ptr<Process>& process, const std::string& prefix,
+                           int split_id, int color, int key, const std::string& label) {
+  auto group = split_group(parent, color, key);
+  if (!group) return nullptr;
+  CommOptions options = parent.options();
+  options.label = label;
+  return make_communicator(process, std::move(group->global_ranks), group->rank,
+                           str_cat(prefix, "/s", split_id, "c", color), std::move(options));
+}
+
+}  // namespace comm
+}  // namespace meshtrain

@@ -1,0 +1,79 @@
+#include "header.h"
+
+#include <algorithm>
+
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace comm {
+
+Header header_of(const at::Tensor& t, OpKind kind, ReduceOp op, int root) {
+  Header h;
+  h.kind = static_cast<int32_t>(kind);
+  h.dtype = static_cast<int32_t>(t.defined() ? t.scalar_type() : at::kByte);
+  h.op = static_cast<int32_t>(op);
+  h.root = root;
+  if (t.defined()) {
+    h.ndim = static_cast<int32_t>(t.dim());
+    h.numel = t.numel();
+    for (int64_t d = 0; d < t.dim() && d < 8; ++d) h.shape[d] = t.size(d);
+  }
+  return h;
+}
+
+std::string describe(const Header& h) {
+  std::string s = str_cat(c10::toString(static_cast<at::ScalarType>(h.dtype)), "[");
+  for (int d = 0; d < h.ndim && d < 8; ++d) s += str_cat(d ? ", " : "", h.shape[d]);
+  return s + "]";
+}
+
+std::vector<int64_t> shape_of(const Header& h) {
+  return std::vector<int64_t>(h.shape, h.shape + std::min(std::max(h.ndim, 0), 8));
+}
+
+int64_t hash_sizes(const std::vector<int64_t>& sizes) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : sizes) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 1);
+}
+
+std::string header_mismatch(const std::vector<Header>& all, bool same_shape) {
+  const Header& ref = all[0];
+  for (size_t r = 1; r < all.size(); ++r) {
+    const Header& h = all[r];
+    if (h.kind != ref.kind) {
+      return str_cat("rank ", r, " called ", op_name(static_cast<OpKind>(h.kind)), " while rank 0 called ",
+                     op_name(static_cast<OpKind>(ref.kind)),
+                     " (every rank must call collectives in the same order)");
+    }
+    if (h.dtype != ref.dtype || (same_shape && (h.numel != ref.numel || h.ndim != ref.ndim ||
+                                                !std::equal(h.shape, h.shape + 8, ref.shape)))) {
+      return str_cat("rank ", r, " passed ", describe(h), " but rank 0 passed ", describe(ref),
+                     "; every rank must pass the same dtype", same_shape ? " and shape" : "");
+    }
+    if (h.root != ref.root) return str_cat("rank ", r, " passed root ", h.root, " but rank 0 passed root ", ref.root);
+    if (h.op != ref.op) {
+      return str_cat("rank ", r, " passed reduce op ", reduce_op_name(static_cast<ReduceOp>(h.op)),
+                     " but rank 0 passed ", reduce_op_name(static_cast<ReduceOp>(ref.op)));
+    }
+    if (h.aux != ref.aux) return str_cat("rank ", r, " and rank 0 passed different shard sizes");
+    if (h.inlined != ref.inlined) return str_cat("rank ", r, " and rank 0 use different CommOptions::inline_bytes");
+  }
+  return "";
+}
+
+bool supported_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
+    case at::kInt: case at::kLong: case at::kByte: case at::kChar:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace comm
+}  // namespace meshtrain

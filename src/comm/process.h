@@ -1,0 +1,96 @@
+#pragma once
+// Process: what one rank shares among all its communicators, whatever their
+// backend: the store client, the failure watcher, the host of every rank, the
+// Gloo transport device (created when the first Gloo communicator needs it)
+// and, when this rank hosts it, the store server. See Note [Failure detection]
+// in store_server.cpp.
+
+#include <gloo/transport/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/store.h"
+
+namespace meshtrain {
+namespace comm {
+
+struct ProcessConfig {
+  int rank = 0;
+  int world_size = 1;
+  // Namespace of this job attempt in the store ("g0", "g1" after a restart...).
+  std::string group = "job";
+  // Address the Gloo transport binds and advertises to peers.
+  std::string bind_host = "127.0.0.1";
+  // This machine's identity (host_identity()), published for every rank.
+  std::string host_id = "localhost";
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+// The identity of this machine: MESHTRAIN_HOST_ID when set (tests make two
+// "hosts" on one machine with it), else the host name and the kernel's boot id.
+// Ranks with equal identities share memory.
+std::string host_identity();
+
+class Process {
+ public:
+  // `server` is non-null when this process hosts the store.
+  Process(ProcessConfig config, std::shared_ptr<TcpStore> store, std::unique_ptr<StoreServer> server);
+  ~Process();
+
+  const ProcessConfig& config() const { return config_; }
+  const std::shared_ptr<TcpStore>& store() const { return store_; }
+  // The Gloo TCP device, created on first use (a pure shared-memory job never starts it).
+  std::shared_ptr<gloo::transport::Device> gloo_device();
+
+  // Host identity of a global rank (read from the store once, then cached).
+  const std::string& host_of(int global_rank);
+  // How many ranks of the job share this rank's host.
+  int ranks_on_my_host();
+
+  // The first failure reported for this job attempt, if any.
+  std::optional<FailureReport> failure() const;
+  // Cheap check for hot wait loops.
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // Global rank named by a failure's label ("<group>/r<rank>"), or -1.
+  static int rank_of_label(const std::string& label);
+  // Blocks up to `grace` for a failure report (used when a connection broke
+  // and the watcher may name the dead rank a moment later).
+  std::optional<FailureReport> await_failure(std::chrono::milliseconds grace) const;
+
+  // Gloo waits registered here are aborted (abortWaitRecv/Send) when a failure arrives.
+  void register_wait(gloo::transport::UnboundBuffer* buf);
+  void unregister_wait(gloo::transport::UnboundBuffer* buf);
+  // Other backends register a callback that wakes their waiters (called once,
+  // from the watcher's thread, after failed() became true). Returns an id.
+  int add_failure_listener(std::function<void()> wake);
+  void remove_failure_listener(int id);
+
+ private:
+  void on_failure(const FailureReport& report);
+  void load_hosts();
+
+  ProcessConfig config_;
+  std::shared_ptr<TcpStore> store_;
+  std::unique_ptr<StoreServer> server_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::unique_ptr<FailureWatcher> watcher_;
+  mutable std::mutex mutex_;
+  std::optional<FailureReport> failure_;
+  std::atomic<bool> failed_{false};
+  std::set<gloo::transport::UnboundBuffer*> waiting_;
+  std::map<int, std::function<void()>> listeners_;
+  int next_listener_ = 0;
+  std::vector<std::string> hosts_;  // by global rank, loaded on first use
+};
+
+}  // namespace comm
+}  // namespace meshtrain

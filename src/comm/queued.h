@@ -1,0 +1,91 @@
+#pragma once
+// QueuedCommunicator: what every backend's communicator shares: the member
+// list, the argument checks (ConfigError before any communication), error
+// labels, and the execution of operations.
+//
+// Execution: operations are queued in submission order and run one at a time,
+// by a worker thread or, when a caller waits on the operation at the head of an
+// idle queue, inline on the caller's thread (no hand-off for synchronous calls).
+// Each running operation has a sequence number, identical on every rank (op_seq()).
+// After a CommError the communicator refuses further work, repeating the cause.
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+
+namespace meshtrain {
+namespace comm {
+
+class OpWork;
+
+class QueuedCommunicator : public Communicator {
+ public:
+  QueuedCommunicator(std::vector<int> global_ranks, int rank, CommOptions options);
+  ~QueuedCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(global_ranks_.size()); }
+  const std::vector<int>& global_ranks() const override { return global_ranks_; }
+  const CommOptions& options() const override { return options_; }
+
+ protected:
+  friend class OpWork;
+  using Body = std::function<void(std::vector<at::Tensor>& result)>;
+
+  // Queues `body` as operation `name`; the Work's wait() runs or awaits it.
+  WorkPtr enqueue(OpKind kind, const char* name, Body body);
+  // Derived destructors call this first: no operation may run on a half-destroyed object.
+  void stop_worker();
+  // Sequence number of the running operation (valid inside a Body).
+  uint64_t op_seq() const { return seq_; }
+  // Name of the running operation ("" between operations).
+  const char* running_op() const { return running_op_.load(); }
+
+  // Labels for messages: "all_reduce on communicator 'tp' (rank 1 of 2, global rank 3)".
+  std::string where(const char* op) const;
+  std::string peer_name(int peer) const;
+
+  // Argument checks, on the caller's thread before any communication.
+  void check_tensor(const at::Tensor& t, const char* op, const char* what) const;
+  void check_root(int root, const char* op) const;
+  void check_peer(int peer, const char* op) const;
+  void check_reduce_op(ReduceOp op, const at::Tensor& t, const char* name) const;
+  void check_p2p(const at::Tensor& tensor, int peer, int tag, const char* op) const;
+  // Checks of reduce_scatter's shard sizes and output; fills in the default sizes.
+  void check_reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                            std::vector<int64_t>& counts) const;
+  void check_all_gather(const at::Tensor& input, const at::Tensor& output) const;
+  void check_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root) const;
+  void check_all_to_all(const std::vector<at::Tensor>& inputs) const;
+
+  std::vector<int> global_ranks_;
+  int rank_;
+  CommOptions options_;
+
+ private:
+  void worker_loop();
+  // Runs the head of the queue if nothing runs; returns false otherwise. Holds lock.
+  bool try_run_head(std::unique_lock<std::mutex>& lock, OpWork* only_if);
+  void run_op(OpWork& op);
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<OpWork>> queue_;
+  bool running_ = false;
+  bool stopping_ = false;
+  uint64_t seq_ = 0;           // sequence number of the running op
+  std::string broken_;         // non-empty after a communication error
+  std::atomic<const char*> running_op_{""};
+  std::thread worker_;
+};
+
+}  // namespace comm
+}  // namespace meshtrain

@@ -1,0 +1,212 @@
+// ShmCommunicator: the segment's rendezvous, waiting, and split. Collectives
+// are in collectives.cpp, point-to-point messages in p2p.cpp.
+
+#include "communicator.h"
+
+#include <immintrin.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "../backend.h"
+#include "futex.h"
+#include "p2p.h"
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace comm {
+namespace shm_backend {
+
+namespace {
+
+size_t env_kb(const char* name, size_t fallback, long long min_kb) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long kb = std::strtoll(v, &end, 10);
+  MESHTRAIN_CHECK(end && *end == '\0' && kb >= min_kb && kb <= (1 << 20), name, "='", v,
+                  "' must be a size in KiB between ", min_kb, " and 1048576");
+  return static_cast<size_t>(kb) << 10;
+}
+
+int available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+}  // namespace
+
+ShmSettings ShmSettings::from_env() {
+  ShmSettings s;
+  s.buffer_bytes = env_kb("MESHTRAIN_SHM_BUFFER_KB", s.buffer_bytes, 1);
+  s.channel_bytes = env_kb("MESHTRAIN_SHM_CHANNEL_KB", s.channel_bytes, 1);
+  s.small_bytes = std::min(env_kb("MESHTRAIN_SHM_SMALL_KB", s.small_bytes, 0), s.buffer_bytes);
+  return s;
+}
+
+ShmCommunicator::ShmCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
+                                 const std::string& store_prefix, CommOptions options)
+    : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
+      process_(std::move(process)),
+      prefix_(store_prefix) {
+  // Spinning only pays when every rank of this host has a core of its own;
+  // otherwise a spinning rank takes the core its peer needs to make progress.
+  const char* spin = std::getenv("MESHTRAIN_SHM_SPIN_US");
+  spin_us_ = spin && *spin ? std::atoi(spin) : (process_->ranks_on_my_host() <= available_cores() ? 20 : 0);
+  listener_ = process_->add_failure_listener([this] {
+    if (!base_) return;
+    ctrl(rank_).wake.fetch_add(1);
+    futex_wake_all(&ctrl(rank_).wake);
+  });
+  const int n = size();
+  send_mutex_.resize(n);
+  pending_.resize(n);
+  for (int q = 0; q < n; ++q) send_mutex_[q].reset(new std::mutex);
+  try {
+    attach(store_prefix);
+  } catch (...) {
+    process_->remove_failure_listener(listener_);
+    stop_worker();
+    throw;
+  }
+  inbox_.resize(n);
+  for (int q = 0; q < n; ++q) inbox_[q].reset(new Inbox);
+}
+
+ShmCommunicator::~ShmCommunicator() {
+  process_->remove_failure_listener(listener_);
+  stop_worker();
+  {
+    std::lock_guard<std::mutex> lock(sender_mutex_);
+    sender_stop_ = true;
+  }
+  sender_cv_.notify_all();
+  if (sender_.joinable()) {
+    ctrl(rank_).wake.fetch_add(1);
+    futex_wake_all(&ctrl(rank_).wake);
+    sender_.join();
+  }
+  inbox_.clear();
+}
+
+// The rank 0 of the communicator creates the segment and publishes its name
+// through the store; the others map it and say so in their control block;
+// rank 0 removes the name once all have (see segment.h).
+void ShmCommunicator::attach(const std::string& store_prefix) {
+  const std::string key = store_prefix + "/shm";
+  if (rank_ == 0) {
+    const ShmSettings s = ShmSettings::from_env();
+    // Every peer's region must hold a cache line or two (and all_to_all's descriptors).
+    layout_ = SegmentLayout{size(), std::max<size_t>(s.buffer_bytes, size() * 256), s.channel_bytes};
+    segment_ = Segment::create(layout_.total_bytes());
+    auto* header = reinterpret_cast<SegmentHeader*>(segment_->base());
+    header->ranks = size();
+    header->buffer_bytes = layout_.buffer_bytes;
+    header->channel_bytes = layout_.channel_bytes;
+    header->small_bytes = s.small_bytes;
+    header->total_bytes = layout_.total_bytes();
+    header->magic = kSegmentMagic;
+    process_->store()->set(key, segment_->name());
+  } else {
+    segment_ = Segment::open(process_->store()->get(key));
+  }
+  const auto* header = reinterpret_cast<const SegmentHeader*>(segment_->base());
+  if (header->magic != kSegmentMagic || header->ranks != size() || header->total_bytes != segment_->size()) {
+    throw CommError(str_cat(where("connecting"), ": shared-memory segment ", segment_->name(),
+                            " does not belong to this communicator (", header->ranks, " ranks, ",
+                            header->total_bytes, " bytes)"));
+  }
+  layout_ = SegmentLayout{size(), header->buffer_bytes, header->channel_bytes};
+  small_bytes_ = header->small_bytes;
+  base_ = segment_->base();
+  ctrl(rank_).pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
+  if (rank_ != 0) {
+    wake(0);
+    return;
+  }
+  int missing = 0;
+  wait_until(
+      [&] {
+        for (missing = 0; missing < size(); ++missing) {
+          if (ctrl(missing).pid.load(std::memory_order_acquire) == 0) return false;
+        }
+        return true;
+      },
+      "connecting", [&] { return missing; }, "its mapping of the shared-memory segment");
+  segment_->unlink();
+}
+
+// ---- waiting
+
+void ShmCommunicator::wake_peers() const {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int q = 0; q < size(); ++q) {
+    RankCtrl& c = ctrl(q);
+    if (q != rank_ && c.sleepers.load(std::memory_order_relaxed) != 0) {
+      c.wake.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(&c.wake);
+    }
+  }
+}
+
+void ShmCommunicator::wake(int r) const {
+  RankCtrl& c = ctrl(r);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (c.sleepers.load(std::memory_order_relaxed) != 0) {
+    c.wake.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&c.wake);
+  }
+}
+
+void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char* op,
+                                 const std::function<int()>& blame, const char* waiting_for, const char* unless) {
+  using Clock = std::chrono::steady_clock;
+  if (ready()) return;
+  if (spin_us_ > 0) {
+    const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_);
+    do {
+      for (int i = 0; i < 32; ++i) _mm_pause();
+      if (ready()) return;
+    } while (Clock::now() < spin_end);
+  }
+  const auto deadline = Clock::now() + options_.timeout;
+  RankCtrl& me = ctrl(rank_);
+  while (true) {
+    me.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = me.wake.load(std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const bool done = ready();
+    const auto now = Clock::now();
+    if (!done && !process_->failed() && now < deadline) {
+      // Bounded, so that a wake-up lost to a crash costs 100 ms, not the timeout.
+      futex_wait(&me.wake, seen, std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100)));
+    }
+    me.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (done || ready()) return;
+    if (auto f = process_->failure()) {
+      const int dead = Process::rank_of_label(f->label);
+      throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (", f->reason, ")"), dead);
+    }
+    if (Clock::now() >= deadline) {
+      const std::string why = unless ? std::string(unless)
+                                     : str_cat("that rank is stuck, or did not call ", op,
+                                               " (every rank must call collectives in the same order)");
+      throw TimeoutError(str_cat(where(op), ": no progress for ", options_.timeout.count(), " ms while waiting for ",
+                                 waiting_for, " from ", peer_name(blame()), "; ", why));
+    }
+  }
+}
+
+// ---- split
+
+std::shared_ptr<Communicator> ShmCommunicator::split(int color, int key, const std::string& label) {
+  return split_communicator(*this, process_, prefix_, splits_++, color, key, label);
+}
+
+}  // namespace shm_backend
+}  // namespace comm
+}  // namespace meshtrain
