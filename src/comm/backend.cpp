@@ -72,7 +72,8 @@ CommPtr make_communicator(std::shared_ptr<Process> process, std::vector<int> glo
       return std::make_shared<shm_backend::ShmCommunicator>(process, std::move(global_ranks), rank, prefix,
                                                             std::move(options));
     case Impl::kHierarchical:
-      return hier_backend::make_hierarchical(process, std::move(global_ranks), rank, prefix, std::move(options));
+      return std::make_shared<hier_backend::HierCommunicator>(process, std::move(global_ranks), rank, prefix,
+                                                              std::move(options));
     case Impl::kGloo:
       break;
   }

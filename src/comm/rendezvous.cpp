@@ -240,6 +240,7 @@ std::string bind_address(const std::string& master_addr) {
 
 CommPtr join(const std::string& host, int port, int rank, int world_size, const std::string& group,
              bool host_store, CommOptions options) {
+  requested_backend(options);  // a bad backend name fails here, before any connection
   MESHTRAIN_CHECK(world_size >= 1, "world size ", world_size, " must be at least 1");
   MESHTRAIN_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " must be in [0, world size ",
                   world_size, ")");

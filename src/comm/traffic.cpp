@@ -25,34 +25,41 @@ const char* op_name(OpKind kind) {
   return "?";
 }
 
+OpTraffic& OpTraffic::operator+=(const OpTraffic& o) {
+  calls += o.calls;
+  bytes_sent += o.bytes_sent;
+  bytes_received += o.bytes_received;
+  inter_host_sent += o.inter_host_sent;
+  inter_host_received += o.inter_host_received;
+  return *this;
+}
+
+OpTraffic& OpTraffic::operator-=(const OpTraffic& o) {
+  calls -= o.calls;
+  bytes_sent -= o.bytes_sent;
+  bytes_received -= o.bytes_received;
+  inter_host_sent -= o.inter_host_sent;
+  inter_host_received -= o.inter_host_received;
+  return *this;
+}
+
 OpTraffic Traffic::payload_total() const {
   OpTraffic total;
   for (int k = 0; k < kNumOpKinds; ++k) {
-    if (k == static_cast<int>(OpKind::kVerify)) continue;
-    total.calls += ops[k].calls;
-    total.bytes_sent += ops[k].bytes_sent;
-    total.bytes_received += ops[k].bytes_received;
+    if (k != static_cast<int>(OpKind::kVerify)) total += ops[k];
   }
   return total;
 }
 
 Traffic Traffic::operator-(const Traffic& before) const {
-  Traffic d;
-  for (int k = 0; k < kNumOpKinds; ++k) {
-    d.ops[k].calls = ops[k].calls - before.ops[k].calls;
-    d.ops[k].bytes_sent = ops[k].bytes_sent - before.ops[k].bytes_sent;
-    d.ops[k].bytes_received = ops[k].bytes_received - before.ops[k].bytes_received;
-  }
+  Traffic d = *this;
+  for (int k = 0; k < kNumOpKinds; ++k) d.ops[k] -= before.ops[k];
   return d;
 }
 
 Traffic Traffic::operator+(const Traffic& other) const {
-  Traffic s;
-  for (int k = 0; k < kNumOpKinds; ++k) {
-    s.ops[k].calls = ops[k].calls + other.ops[k].calls;
-    s.ops[k].bytes_sent = ops[k].bytes_sent + other.ops[k].bytes_sent;
-    s.ops[k].bytes_received = ops[k].bytes_received + other.ops[k].bytes_received;
-  }
+  Traffic s = *this;
+  for (int k = 0; k < kNumOpKinds; ++k) s.ops[k] += other.ops[k];
   return s;
 }
 
@@ -77,6 +84,11 @@ std::string Traffic::table(const std::string& title) const {
                 static_cast<long long>(total.calls), static_cast<long long>(total.bytes_sent),
                 static_cast<long long>(total.bytes_received));
   os << line;
+  if (total.inter_host_sent != 0 || total.inter_host_received != 0) {
+    std::snprintf(line, sizeof line, "%-15s %10s %16lld %16lld\n", "  across hosts", "",
+                  static_cast<long long>(total.inter_host_sent), static_cast<long long>(total.inter_host_received));
+    os << line;
+  }
   return os.str();
 }
 
@@ -85,14 +97,21 @@ void TrafficCounter::add_call(OpKind kind) {
   traffic_[kind].calls += 1;
 }
 
-void TrafficCounter::add_sent(OpKind kind, int64_t bytes) {
+void TrafficCounter::add_sent(OpKind kind, int64_t bytes, bool remote) {
   std::lock_guard<std::mutex> lock(mutex_);
   traffic_[kind].bytes_sent += bytes;
+  if (remote) traffic_[kind].inter_host_sent += bytes;
 }
 
-void TrafficCounter::add_received(OpKind kind, int64_t bytes) {
+void TrafficCounter::add_received(OpKind kind, int64_t bytes, bool remote) {
   std::lock_guard<std::mutex> lock(mutex_);
   traffic_[kind].bytes_received += bytes;
+  if (remote) traffic_[kind].inter_host_received += bytes;
+}
+
+void TrafficCounter::add(const Traffic& t) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  traffic_ = traffic_ + t;
 }
 
 Traffic TrafficCounter::snapshot() const {

@@ -83,6 +83,7 @@ const std::map<std::string, Setter>& value_flags() {
       {"--save-dir", [](TrainConfig& c, const std::string&, const std::string& v) { c.save_dir = v; }},
       {"--save-every", [](TrainConfig& c, const std::string& f, const std::string& v) { c.save_every = static_cast<int>(to_int(f, v)); }},
       {"--trace", [](TrainConfig& c, const std::string&, const std::string& v) { c.trace = v; }},
+      {"--backend", [](TrainConfig& c, const std::string&, const std::string& v) { c.backend = v; }},
   };
   return flags;
 }
@@ -111,6 +112,8 @@ std::string train_usage() {
          "                 [--seed S] [--log-every N] [--data FILE | --digits D] [--metrics-out FILE] [--plot FILE.svg]\n"
          "                 [--bucket-cap-mb MB] [--no-overlap] [--untied] [--eval-problems N]\n"
          "                 [--save-dir DIR --save-every N] [--resume] [--trace FILE]\n"
+         "                 [--backend auto|shm|gloo|mpi]  (default: MESHTRAIN_BACKEND, else auto: shared memory\n"
+         "                  inside a host, hierarchical across hosts, MPI under mpirun)\n"
          "       meshtrain plan ...   (the planner; meshtrain plan --help)\n"
          "Run under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n";
 }
@@ -165,6 +168,9 @@ TrainConfig resolve(TrainConfig c, int world) {
   MESHTRAIN_CHECK(!c.resume || !c.save_dir.empty(), "--resume needs --save-dir (where the checkpoints are)");
   MESHTRAIN_CHECK(c.digits >= 1 && c.digits <= 6, "--digits ", c.digits, " must be in [1, 6]");
   MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");
+  MESHTRAIN_CHECK(c.backend.empty() || c.backend == "auto" || c.backend == "shm" || c.backend == "gloo" ||
+                      c.backend == "mpi",
+                  "--backend '", c.backend, "' is not a backend; use auto, shm, gloo or mpi");
   if (c.dp == 0) {
     MESHTRAIN_CHECK(world % (c.pp * c.tp) == 0, "the world size ", world, " is not divisible by pp x tp = ", c.pp,
                     " x ", c.tp, "; choose pp and tp whose product divides ", world);
@@ -246,7 +252,8 @@ std::string to_json(const TrainConfig& c) {
       .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)
       .str("optimizer", c.optimizer).num("lr", c.lr).str("lr_schedule", c.lr_schedule).integer("warmup_steps", c.warmup_steps).num("weight_decay", c.weight_decay).num("momentum", c.momentum).num("adam_eps", c.adam_eps)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
-      .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap);
+      .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap)
+      .str("backend", c.backend.empty() ? "auto" : c.backend);
   return o.str();
 }
 

@@ -46,6 +46,10 @@ std::string traffic_json(const comm::Traffic& total, int steps) {
                        .num("bytes_sent", static_cast<double>(p.bytes_sent) / steps)
                        .num("bytes_received", static_cast<double>(p.bytes_received) / steps)
                        .str());
+  ops.raw("inter_host", json::Object()
+                            .num("bytes_sent", static_cast<double>(p.inter_host_sent) / steps)
+                            .num("bytes_received", static_cast<double>(p.inter_host_received) / steps)
+                            .str());
   return ops.str();
 }
 

@@ -137,6 +137,7 @@ RankRun run_ranks(int world_size, const std::function<void(comm::Communicator&)>
         "OMP_NUM_THREADS=1",
         "OPENBLAS_NUM_THREADS=1",
     };
+    if (options.hosts > 1) extra.push_back("MESHTRAIN_HOST_ID=host" + std::to_string(r * options.hosts / world_size));
     for (const auto& e : options.env) extra.push_back(e);
     children[r].log = dir + "/rank" + std::to_string(r) + ".log";
     children[r].pid = spawn_rank(environment_with(extra), current_test_filter(), children[r].log);

@@ -43,6 +43,9 @@ struct RankOptions {
   std::set<int> may_die;
   // Extra environment for the ranks ("NAME=value").
   std::vector<std::string> env;
+  // Pretend the ranks run on this many hosts (MESHTRAIN_HOST_ID), in
+  // contiguous blocks: with 4 ranks and 2 hosts, ranks 0-1 and 2-3 share one.
+  int hosts = 1;
 };
 
 // A directory shared by the parent and the ranks of one run_ranks call: ranks

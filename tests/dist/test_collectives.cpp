@@ -57,7 +57,12 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 meshtrain::testing::RankOptions options_for(const Case& c) {
   meshtrain::testing::RankOptions options;
-  options.env.push_back(std::string("MESHTRAIN_BACKEND=") + c.backend);
+  const bool hier = std::string(c.backend) == "hier";
+  options.env.push_back(std::string("MESHTRAIN_BACKEND=") + (hier ? "auto" : c.backend));
+  if (hier) {
+    options.hosts = 2;  // two "hosts" of world / 2 ranks each: the hierarchical backend
+    if (c.large) options.env.push_back("MESHTRAIN_HIER_MIN_KB=0");  // every all_reduce takes the hierarchical path
+  }
   if (c.large) {
     options.inline_bytes = 0;
     options.env.push_back("MESHTRAIN_SHM_SMALL_KB=0");
@@ -288,13 +293,14 @@ TEST_P(Collectives, LargeMessagesBothWaysAtOnce) {
   });
 }
 
-// The bytes each algorithm moves, counted exactly: the ring's on gloo, on shm
+// The bytes each algorithm moves, counted exactly: the ring's on gloo; on shm
 // what the peers read from this rank (each peer's piece, then this rank's
-// reduced piece to every peer).
+// reduced piece to every peer); on the hierarchical backend (2 hosts x 2)
+// its three phases, of which only the middle one crosses hosts.
 TEST_P(Collectives, TrafficCountsTheAlgorithmsBytes) {
   run([](Communicator& comm) {
     const int n = comm.size(), r = comm.rank();
-    const bool ring = comm.backend() == "gloo";
+    const std::string backend = comm.backend();
     const int64_t numel = 100003;
     ASSERT_GT(numel * 4, comm.options().inline_bytes);
     auto counts = meshtrain::shard_sizes(numel, n);
@@ -304,18 +310,28 @@ TEST_P(Collectives, TrafficCountsTheAlgorithmsBytes) {
     auto traffic = comm.traffic();
     // Ring: the reduce-scatter phase sends every chunk but this rank's, the
     // all-gather phase every chunk but the right neighbour's.
-    const int64_t want_sent = n == 1 ? 0
-                              : ring ? 4 * ((numel - counts[r]) + (numel - counts[(r + 1) % n]))
-                                     : 4 * ((numel - counts[r]) + (n - 1) * counts[r]);
+    int64_t want_sent = 4 * ((numel - counts[r]) + (numel - counts[(r + 1) % n]));
+    int64_t want_across = 0;
+    if (backend == "shm") want_sent = 4 * ((numel - counts[r]) + (n - 1) * counts[r]);
+    if (backend == "hierarchical") {
+      // Local reduce-scatter (numel - slice), ring all-reduce of the slice
+      // across 2 hosts (slice), local all-gather (slice).
+      const int64_t slice = meshtrain::shard_size(numel, 2, r % 2);
+      want_sent = 4 * (numel - slice + slice + slice);
+      want_across = 4 * slice;
+    }
+    if (n == 1) want_sent = 0;
     EXPECT_EQ(traffic[OpKind::kAllReduce].calls, 1);
     EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, want_sent);
+    EXPECT_EQ(traffic[OpKind::kAllReduce].inter_host_sent, want_across);
+    EXPECT_EQ(traffic[OpKind::kAllReduce].inter_host_received, want_across);
     comm.reset_traffic();
     comm.reduce_scatter(t);
     traffic = comm.traffic();
     EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, n == 1 ? 0 : 4 * (numel - counts[r]));
     // Ring: every chunk but the left neighbour's (the one it sends first); shm: its shard from each peer.
     EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received,
-              n == 1 ? 0 : ring ? 4 * (numel - counts[(r + n - 1) % n]) : 4 * counts[r] * (n - 1));
+              n == 1 ? 0 : backend == "shm" ? 4 * counts[r] * (n - 1) : 4 * (numel - counts[(r + n - 1) % n]));
     if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
   });
 }
@@ -349,6 +365,7 @@ std::vector<Case> every_case(bool large) {
       if (!large || world > 1) cases.push_back({backend, world, large});
     }
   }
+  cases.push_back({"hier", 4, large});  // 2 hosts x 2 ranks
   return cases;
 }
 

@@ -21,9 +21,12 @@ int main(int argc, char** argv) {
     // Everything that can be checked is checked before any communication.
     const comm::DistEnv env = comm::dist_env_from_process();
     config = train::resolve(config, env.world_size);
-    comm::CommPtr world = comm::init_from_env();
+    comm::CommPtr world = comm::init_from_env(comm::CommOptions().set_backend(config.backend));
     if (world->rank() == 0) {
       std::cout << "meshtrain: " << train::to_json(config) << std::endl;
+      std::cout << "meshtrain: communication backend " << world->backend() << " (world of " << world->size()
+                << (world->size() == 1 ? " rank" : " ranks") << "; --backend or MESHTRAIN_BACKEND to choose)"
+                << std::endl;
     }
     train::run_training(config, world);
     return 0;

@@ -3,7 +3,9 @@
 // bytes this rank actually sent and received (the algorithm's real bytes: a ring
 // all-reduce of S bytes on n ranks sends 2(n-1)/n * S). The small headers that
 // verify arguments across ranks are counted apart, under "verify", so the
-// per-operation rows match the algorithms' analytic volumes exactly.
+// per-operation rows match the algorithms' analytic volumes exactly. The part
+// of each row exchanged with ranks on other hosts is counted too (inter_host_*):
+// the link between machines is the scarce one.
 
 #include <array>
 #include <cstdint>
@@ -36,6 +38,10 @@ struct OpTraffic {
   int64_t calls = 0;
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
+  int64_t inter_host_sent = 0;  // of bytes_sent, to ranks on other hosts
+  int64_t inter_host_received = 0;
+  OpTraffic& operator+=(const OpTraffic& o);
+  OpTraffic& operator-=(const OpTraffic& o);
 };
 
 // A snapshot of one communicator's counters.
@@ -56,8 +62,11 @@ struct Traffic {
 class TrafficCounter {
  public:
   void add_call(OpKind kind);
-  void add_sent(OpKind kind, int64_t bytes);
-  void add_received(OpKind kind, int64_t bytes);
+  // `remote`: the peer is on another host.
+  void add_sent(OpKind kind, int64_t bytes, bool remote = false);
+  void add_received(OpKind kind, int64_t bytes, bool remote = false);
+  // Adds every row of `t`, calls included.
+  void add(const Traffic& t);
   Traffic snapshot() const;
   void reset();
 

@@ -42,6 +42,7 @@ struct TrainConfig {
   std::string metrics_out;  // JSON file
   double bucket_cap_mb = 25.0;
   bool overlap = true;      // DDP: all-reduce during backward
+  std::string backend;      // communication: auto | shm | gloo | mpi (empty: MESHTRAIN_BACKEND, else auto)
   int eval_problems = 100;  // task accuracy at the end (0: skip)
   std::string plot;         // SVG file of the loss curve (optional)
   // Checkpoints.

@@ -102,10 +102,8 @@ Round GlooCommunicator::header_round(const Header& mine,
     if (h.inline_bytes > 0) round.payload[p] = in + sizeof(Header);
     // wait() counted the posted capacity; count what arrived, and the inline
     // payload as the operation's data rather than verification.
-    counter_.add_received(OpKind::kVerify, static_cast<int64_t>(sizeof(Header)) - capacity);
-    counter_.add_received(kind, h.inline_bytes);
-    counter_.add_sent(kind, inline_sent[p]);
-    counter_.add_sent(OpKind::kVerify, -inline_sent[p]);
+    count(OpKind::kVerify, p, -inline_sent[p], static_cast<int64_t>(sizeof(Header)) - capacity);
+    count(kind, p, inline_sent[p], h.inline_bytes);
   }
   return round;
 }

@@ -72,6 +72,8 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
                                " of ", size(), ") failed: ", e.what()));
   }
   context_ = ctx;
+  const std::string& mine = process_->host_of(global_ranks_[rank_]);
+  for (int g : global_ranks_) remote_.push_back(process_->host_of(g) != mine);
 }
 
 GlooCommunicator::~GlooCommunicator() {
@@ -146,12 +148,14 @@ void GlooCommunicator::wait(Transfer& t) {
                               f ? f->reason : "unknown", ")"),
                       dead);
   }
-  if (t.is_recv) {
-    counter_.add_received(t.kind, static_cast<int64_t>(t.bytes));
-  } else {
-    counter_.add_sent(t.kind, static_cast<int64_t>(t.bytes));
-  }
+  const int64_t bytes = static_cast<int64_t>(t.bytes);
+  count(t.kind, t.peer, t.is_recv ? 0 : bytes, t.is_recv ? bytes : 0);
   t.buf.reset();
+}
+
+void GlooCommunicator::count(OpKind kind, int peer, int64_t sent, int64_t received) {
+  if (sent != 0) counter_.add_sent(kind, sent, remote_[peer]);
+  if (received != 0) counter_.add_received(kind, received, remote_[peer]);
 }
 
 // ---- point to point
@@ -215,8 +219,8 @@ WorkPtr GlooCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
   }
   auto h = std::make_shared<Transfer>(post_send(message->data_ptr(), message->nbytes(), dst, p2p_slot(tag, false), OpKind::kVerify));
   h->op = "send";
-  counter_.add_sent(OpKind::kSend, header.inline_bytes);  // the payload part of that message
-  counter_.add_sent(OpKind::kVerify, -header.inline_bytes);
+  count(OpKind::kSend, dst, header.inline_bytes, 0);  // the payload part of that message
+  count(OpKind::kVerify, dst, -header.inline_bytes, 0);
   auto d = std::make_shared<Transfer>();
   if (!inline_payload && data.numel() > 0) {
     *d = post_send(data.data_ptr(), data.nbytes(), dst, p2p_slot(tag, true), OpKind::kSend);
@@ -269,8 +273,8 @@ WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
       throw CommError(str_cat(where("recv"), ": malformed message header from ", peer_name(src)));
     }
     // wait() counted the posted capacity: count what arrived, the payload as data.
-    counter_.add_received(OpKind::kVerify, static_cast<int64_t>(sizeof(Header)) - capacity);
-    counter_.add_received(OpKind::kRecv, h.inline_bytes);
+    count(OpKind::kVerify, src, 0, static_cast<int64_t>(sizeof(Header)) - capacity);
+    count(OpKind::kRecv, src, 0, h.inline_bytes);
     at::Tensor t = at::empty(shape_of(h), at::TensorOptions().dtype(static_cast<at::ScalarType>(h.dtype)));
     if (h.inline_bytes > 0) {
       MESHTRAIN_CHECK(static_cast<int64_t>(t.nbytes()) == h.inline_bytes, where("recv"), ": inconsistent header from ", peer_name(src));

@@ -73,6 +73,9 @@ class GlooCommunicator final : public QueuedCommunicator {
   Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
   Transfer post_recv(void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
   void wait(Transfer& t);
+  // Counts payload bytes exchanged with `peer` under `kind` (and apart when
+  // the peer is on another host).
+  void count(OpKind kind, int peer, int64_t sent, int64_t received);
 
   // ---- the header round (collectives.cpp)
   // Sends `mine` to every peer, with payload inline_for(peer) (or none) in the
@@ -92,6 +95,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   std::shared_ptr<gloo::Context> context_;
   std::string prefix_;
   int splits_ = 0;
+  std::vector<bool> remote_;  // per member: on another host
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
 };

@@ -1,16 +1,257 @@
 #include "communicator.h"
 
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+#include "../backend.h"
 #include "../gloo/communicator.h"
+#include "../header.h"
 #include "../process.h"
+#include "../shm/communicator.h"
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/shard.h"
 
 namespace meshtrain {
 namespace comm {
 namespace hier_backend {
 
-CommPtr make_hierarchical(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
-                          const std::string& prefix, CommOptions options) {
-  return std::make_shared<gloo_backend::GlooCommunicator>(process, std::move(global_ranks), rank, prefix,
-                                                          std::move(options));
+Placement place(const std::vector<std::string>& member_hosts) {
+  Placement p;
+  std::map<std::string, int> host_index, seen;
+  for (const auto& h : member_hosts) {
+    auto it = host_index.find(h);
+    if (it == host_index.end()) it = host_index.emplace(h, p.hosts++).first;
+    p.host.push_back(it->second);
+    p.local.push_back(seen[h]++);
+  }
+  return p;
+}
+
+namespace {
+
+int64_t min_bytes_from_env() {
+  const char* v = std::getenv("MESHTRAIN_HIER_MIN_KB");
+  if (!v || !*v) return 64 << 10;
+  char* end = nullptr;
+  const long long kb = std::strtoll(v, &end, 10);
+  MESHTRAIN_CHECK(end && *end == '\0' && kb >= 0, "MESHTRAIN_HIER_MIN_KB='", v, "' must be a size in KiB (0 or more)");
+  return kb << 10;
+}
+
+}  // namespace
+
+HierCommunicator::HierCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
+                                   const std::string& prefix, CommOptions options)
+    : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
+      process_(std::move(process)),
+      prefix_(prefix),
+      min_bytes_(min_bytes_from_env()) {
+  std::vector<std::string> hosts;
+  for (int g : global_ranks_) hosts.push_back(process_->host_of(g));
+  placement_ = place(hosts);
+  const int my_host = placement_.host[rank_], my_local = placement_.local[rank_];
+  std::vector<int> local, cross(placement_.hosts, -1);
+  for (int q = 0; q < size(); ++q) {
+    if (placement_.host[q] == my_host) local.push_back(global_ranks_[q]);
+    if (placement_.local[q] == my_local) cross[placement_.host[q]] = global_ranks_[q];
+  }
+  // Every member builds its parts in the same order (each blocks until its group has arrived).
+  CommOptions o = options_;
+  o.label = options_.label + "/host";
+  o.backend = "shm";
+  local_ = std::make_shared<shm_backend::ShmCommunicator>(process_, std::move(local), my_local,
+                                                          str_cat(prefix, "/local", my_host), o);
+  o.label = options_.label + "/across";
+  o.verify = false;  // every hierarchical all_reduce verifies its arguments on flat_ first
+  cross_ = std::make_shared<gloo_backend::GlooCommunicator>(process_, std::move(cross), my_host,
+                                                            str_cat(prefix, "/cross", my_local), o);
+  o.label = options_.label;
+  o.verify = options_.verify;
+  flat_ = std::make_shared<gloo_backend::GlooCommunicator>(process_, global_ranks_, rank_, prefix + "/flat", o);
+}
+
+HierCommunicator::~HierCommunicator() { stop_worker(); }
+
+// ---- traffic
+
+Traffic HierCommunicator::parts_traffic() const { return local_->traffic() + cross_->traffic() + flat_->traffic(); }
+
+Traffic HierCommunicator::traffic() const {
+  Traffic t = counter_.snapshot();
+  const Traffic parts = parts_traffic();
+  for (OpKind k : {OpKind::kSend, OpKind::kRecv}) t[k] = parts[k];  // point-to-point goes to the parts directly
+  return t;
+}
+
+void HierCommunicator::reset_traffic() {
+  counter_.reset();
+  local_->reset_traffic();
+  cross_->reset_traffic();
+  flat_->reset_traffic();
+}
+
+WorkPtr HierCommunicator::run_on_parts(OpKind kind, const char* name,
+                                       std::function<void(std::vector<at::Tensor>&)> body) {
+  return enqueue(kind, name, [this, kind, body](std::vector<at::Tensor>& result) {
+    const Traffic before = parts_traffic();
+    verified_ = OpTraffic();
+    body(result);
+    const Traffic moved = parts_traffic() - before;
+    Traffic mine;
+    mine[kind] -= verified_;
+    mine[OpKind::kVerify] += verified_;
+    for (int k = 0; k < kNumOpKinds; ++k) {
+      const OpKind part = static_cast<OpKind>(k);
+      if (part == OpKind::kSend || part == OpKind::kRecv) continue;  // concurrent point-to-point, not this op
+      OpTraffic bytes = moved.ops[k];
+      bytes.calls = 0;
+      mine[part == OpKind::kVerify ? OpKind::kVerify : kind] += bytes;
+    }
+    counter_.add(mine);
+  });
+}
+
+// ---- all_reduce
+
+void HierCommunicator::hierarchical_all_reduce(at::Tensor& flat, ReduceOp op) {
+  if (options_.verify) {
+    // One small round on the flat group, so that mismatched arguments raise
+    // MismatchError on every rank (the parts only see their own members).
+    Header mine = header_of(flat, OpKind::kAllReduce, op);
+    at::Tensor bytes = at::empty({static_cast<int64_t>(sizeof(Header))}, at::kByte);
+    std::memcpy(bytes.data_ptr(), &mine, sizeof(Header));
+    const Traffic before = flat_->traffic();
+    const at::Tensor all = flat_->all_gather_flat(bytes);
+    verified_ = (flat_->traffic() - before)[OpKind::kAllGather];
+    verified_.calls = 0;
+    std::vector<Header> headers(size());
+    std::memcpy(headers.data(), all.data_ptr(), sizeof(Header) * size());
+    const std::string problem = header_mismatch(headers, true);
+    if (!problem.empty()) throw MismatchError(str_cat(where("all_reduce"), ": ", problem));
+  }
+  const ReduceOp part_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  const auto counts = shard_sizes(flat.numel(), local_->size());
+  at::Tensor slice = at::empty({counts[local_->rank()]}, flat.options());
+  local_->reduce_scatter_async(flat, part_op, slice, counts)->wait();
+  cross_->all_reduce(slice, part_op);
+  local_->all_gather_async(slice, flat)->wait();  // uneven slices land in place: shard order
+  if (op == ReduceOp::kAvg) flat.div_(size());
+}
+
+WorkPtr HierCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
+  check_tensor(tensor, "all_reduce", "tensor");
+  check_reduce_op(op, tensor, "all_reduce");
+  return run_on_parts(OpKind::kAllReduce, "all_reduce", [this, tensor, op](std::vector<at::Tensor>& result) {
+    if (static_cast<int64_t>(tensor.nbytes()) < min_bytes_) {
+      flat_->all_reduce(tensor, op);
+    } else {
+      at::Tensor flat = tensor.contiguous().view(-1);
+      hierarchical_all_reduce(flat, op);
+      if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+    }
+    result = {tensor};
+  });
+}
+
+// ---- everything else: the flat communicator
+
+WorkPtr HierCommunicator::broadcast_async(at::Tensor tensor, int root) {
+  check_tensor(tensor, "broadcast", "tensor");
+  check_root(root, "broadcast");
+  return run_on_parts(OpKind::kBroadcast, "broadcast", [this, tensor, root](std::vector<at::Tensor>& result) {
+    flat_->broadcast(tensor, root);
+    result = {tensor};
+  });
+}
+
+WorkPtr HierCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
+  check_tensor(tensor, "reduce", "tensor");
+  check_root(root, "reduce");
+  check_reduce_op(op, tensor, "reduce");
+  return run_on_parts(OpKind::kReduce, "reduce", [this, tensor, root, op](std::vector<at::Tensor>& result) {
+    flat_->reduce(tensor, root, op);
+    result = {tensor};
+  });
+}
+
+WorkPtr HierCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
+  check_all_gather(input, output);
+  return run_on_parts(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) {
+    auto work = flat_->all_gather_async(input, output);
+    work->wait();
+    result = work->result();
+  });
+}
+
+WorkPtr HierCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                                               std::vector<int64_t> counts) {
+  check_reduce_scatter(input, output, counts);
+  check_reduce_op(op, input, "reduce_scatter");
+  return run_on_parts(OpKind::kReduceScatter, "reduce_scatter",
+                      [this, input, op, output, counts](std::vector<at::Tensor>& result) {
+    auto work = flat_->reduce_scatter_async(input, op, output, counts);
+    work->wait();
+    result = work->result();
+  });
+}
+
+WorkPtr HierCommunicator::gather_async(const at::Tensor& input, int root) {
+  check_tensor(input, "gather", "input");
+  check_root(root, "gather");
+  return run_on_parts(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
+    result = flat_->gather(input, root);
+  });
+}
+
+WorkPtr HierCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
+  check_scatter(output, inputs, root);
+  return run_on_parts(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) {
+    flat_->scatter(output, inputs, root);
+    result = {output};
+  });
+}
+
+WorkPtr HierCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
+  check_all_to_all(inputs);
+  return run_on_parts(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
+    result = flat_->all_to_all(inputs);
+  });
+}
+
+WorkPtr HierCommunicator::barrier_async() {
+  return run_on_parts(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) { flat_->barrier(); });
+}
+
+// ---- point to point: shared memory to a peer on this host
+
+int HierCommunicator::local_rank_of(int peer) const {
+  return placement_.host[peer] == placement_.host[rank_] ? placement_.local[peer] : -1;
+}
+
+WorkPtr HierCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
+  check_p2p(tensor, dst, tag, "send");
+  const int l = local_rank_of(dst);
+  return l >= 0 ? local_->isend(tensor, l, tag) : flat_->isend(tensor, dst, tag);
+}
+
+WorkPtr HierCommunicator::irecv(at::Tensor tensor, int src, int tag) {
+  check_p2p(tensor, src, tag, "recv");
+  const int l = local_rank_of(src);
+  return l >= 0 ? local_->irecv(tensor, l, tag) : flat_->irecv(tensor, src, tag);
+}
+
+WorkPtr HierCommunicator::irecv_any(int src, int tag) {
+  check_peer(src, "recv");
+  const int l = local_rank_of(src);
+  return l >= 0 ? local_->irecv_any(l, tag) : flat_->irecv_any(src, tag);
+}
+
+std::shared_ptr<Communicator> HierCommunicator::split(int color, int key, const std::string& label) {
+  return split_communicator(*this, process_, prefix_, splits_++, color, key, label);
 }
 
 }  // namespace hier_backend

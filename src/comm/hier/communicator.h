@@ -1,12 +1,26 @@
 #pragma once
-// The hierarchical communicator: members on several hosts, the same number on
-// each. See communicator.cpp.
+// HierCommunicator: members on several hosts, the same number L >= 2 on each.
+//
+// all_reduce of S bytes (from CommOptions-independent threshold
+// MESHTRAIN_HIER_MIN_KB, default 64 KiB):
+//   1. reduce-scatter inside each host (shared memory): local rank l holds slice l of S/L;
+//   2. all-reduce of slice l across the hosts, among the ranks of local index l
+//      (Gloo over TCP): L streams at once, one per local rank;
+//   3. all-gather inside each host (shared memory).
+// Each host sends 2(H-1)/H * S across hosts in all (H hosts), where a flat
+// ring over all n ranks sends ~2(n-1)/n * S through each host boundary it
+// crosses, and every hop of it pays TCP. Smaller all-reduces and every other
+// collective run on a flat Gloo communicator of all members; point-to-point
+// messages to a peer on the same host go through shared memory.
+//
+// Traffic: the rows of this communicator add up its parts' bytes, attributed
+// to the operation that moved them; inter_host_* are the bytes on the Gloo links.
 
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
+#include "../queued.h"
 
 namespace meshtrain {
 namespace comm {
@@ -15,8 +29,60 @@ class Process;
 
 namespace hier_backend {
 
-CommPtr make_hierarchical(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
-                          const std::string& prefix, CommOptions options);
+// Where each member sits: host index (hosts in order of their first member)
+// and local index among its host's members (in rank order). Pure.
+struct Placement {
+  std::vector<int> host;
+  std::vector<int> local;
+  int hosts = 0;
+};
+Placement place(const std::vector<std::string>& member_hosts);
+
+class HierCommunicator final : public QueuedCommunicator {
+ public:
+  HierCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
+                   const std::string& prefix, CommOptions options);
+  ~HierCommunicator() override;
+
+  std::string backend() const override { return "hierarchical"; }
+
+  WorkPtr isend(const at::Tensor& tensor, int dst, int tag) override;
+  WorkPtr irecv(at::Tensor tensor, int src, int tag) override;
+  WorkPtr irecv_any(int src, int tag) override;
+
+  WorkPtr broadcast_async(at::Tensor tensor, int root) override;
+  WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op) override;
+  WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op) override;
+  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output) override;
+  WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                               std::vector<int64_t> counts) override;
+  WorkPtr gather_async(const at::Tensor& input, int root) override;
+  WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
+  WorkPtr all_to_all_async(std::vector<at::Tensor> inputs) override;
+  WorkPtr barrier_async() override;
+
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& label) override;
+
+  Traffic traffic() const override;
+  void reset_traffic() override;
+
+ private:
+  // Runs `body` (this op's work on the parts) and counts what the parts moved
+  // meanwhile as operation `kind` of this communicator.
+  WorkPtr run_on_parts(OpKind kind, const char* name, std::function<void(std::vector<at::Tensor>&)> body);
+  Traffic parts_traffic() const;
+  void hierarchical_all_reduce(at::Tensor& flat, ReduceOp op);
+  // A peer on this host: its rank in local_, else -1.
+  int local_rank_of(int peer) const;
+
+  std::shared_ptr<Process> process_;
+  std::string prefix_;
+  int splits_ = 0;
+  Placement placement_;
+  int64_t min_bytes_;
+  std::shared_ptr<Communicator> local_, cross_, flat_;
+  OpTraffic verified_;  // what the running op's argument check moved (counted as verification)
+};
 
 }  // namespace hier_backend
 }  // namespace comm
