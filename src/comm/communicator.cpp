@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "meshtrain/util/error.h"
+#include "queued.h"
 
 namespace meshtrain {
 namespace comm {
@@ -36,32 +37,39 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
 }
 
 void Communicator::send(const at::Tensor& tensor, int dst, int tag) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   isend(tensor, dst, tag)->wait();
 }
 
 void Communicator::recv(at::Tensor tensor, int src, int tag) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   irecv(std::move(tensor), src, tag)->wait();
 }
 
 at::Tensor Communicator::recv_any(int src, int tag) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   auto work = irecv_any(src, tag);
   work->wait();
   return work->result().at(0);
 }
 
 void Communicator::broadcast(at::Tensor tensor, int root) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   broadcast_async(std::move(tensor), root)->wait();
 }
 
 void Communicator::all_reduce(at::Tensor tensor, ReduceOp op) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   all_reduce_async(std::move(tensor), op)->wait();
 }
 
 void Communicator::reduce(at::Tensor tensor, int root, ReduceOp op) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   reduce_async(std::move(tensor), root, op)->wait();
 }
 
 std::vector<at::Tensor> Communicator::all_gather(const at::Tensor& input) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   auto work = all_gather_async(input);
   work->wait();
   const auto& r = work->result();
@@ -69,6 +77,7 @@ std::vector<at::Tensor> Communicator::all_gather(const at::Tensor& input) {
 }
 
 void Communicator::all_gather_into(at::Tensor output, const at::Tensor& input) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   MESHTRAIN_CHECK(output.numel() == input.numel() * size(), "all_gather_into on '", label(),
                   "': output has ", output.numel(), " elements, expected size() * input = ",
                   size(), " * ", input.numel());
@@ -76,6 +85,7 @@ void Communicator::all_gather_into(at::Tensor output, const at::Tensor& input) {
 }
 
 at::Tensor Communicator::all_gather_flat(const at::Tensor& input) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   auto work = all_gather_async(input);
   work->wait();
   return work->result().at(0);
@@ -83,12 +93,14 @@ at::Tensor Communicator::all_gather_flat(const at::Tensor& input) {
 
 at::Tensor Communicator::reduce_scatter(const at::Tensor& input, ReduceOp op,
                                         std::vector<int64_t> counts) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   auto work = reduce_scatter_async(input, op, at::Tensor(), std::move(counts));
   work->wait();
   return work->result().at(0);
 }
 
 void Communicator::reduce_scatter_into(at::Tensor output, const at::Tensor& input, ReduceOp op) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   MESHTRAIN_CHECK(input.numel() == output.numel() * size(), "reduce_scatter_into on '", label(),
                   "': input has ", input.numel(), " elements, expected size() * output = ",
                   size(), " * ", output.numel());
@@ -97,22 +109,26 @@ void Communicator::reduce_scatter_into(at::Tensor output, const at::Tensor& inpu
 }
 
 std::vector<at::Tensor> Communicator::gather(const at::Tensor& input, int root) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   auto work = gather_async(input, root);
   work->wait();
   return work->result();
 }
 
 void Communicator::scatter(at::Tensor output, const std::vector<at::Tensor>& inputs, int root) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   scatter_async(std::move(output), inputs, root)->wait();
 }
 
 std::vector<at::Tensor> Communicator::all_to_all(const std::vector<at::Tensor>& inputs) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   auto work = all_to_all_async(inputs);
   work->wait();
   return work->result();
 }
 
 void Communicator::all_to_all_single(at::Tensor output, const at::Tensor& input) {
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
   const int n = size();
   MESHTRAIN_CHECK(input.dim() > 0 && input.size(0) % n == 0, "all_to_all_single on '", label(),
                   "': input dim 0 (", input.dim() > 0 ? input.size(0) : 0,
@@ -125,6 +141,7 @@ void Communicator::all_to_all_single(at::Tensor output, const at::Tensor& input)
 }
 
 void Communicator::barrier() { barrier_async()->wait(); }
+  SyncCall sync;  // See Note [Synchronous calls] in queued.h
 
 }  // namespace comm
 }  // namespace meshtrain

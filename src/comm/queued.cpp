@@ -20,7 +20,7 @@ class OpWork : public Work {
   void wait() override {
     std::unique_lock<std::mutex> lock(comm_->mutex_);
     while (!done_) {
-      if (!comm_->try_run_head(lock, this)) comm_->cv_.wait(lock);
+      if (!comm_->try_run_head(lock, this)) comm_->done_cv_.wait(lock);
     }
     if (error_) std::rethrow_exception(error_);
   }
@@ -39,6 +39,8 @@ class OpWork : public Work {
   std::exception_ptr error_;
 };
 
+thread_local bool SyncCall::active_ = false;
+
 QueuedCommunicator::QueuedCommunicator(std::vector<int> global_ranks, int rank, CommOptions options)
     : global_ranks_(std::move(global_ranks)), rank_(rank), options_(std::move(options)) {
   worker_ = std::thread([this] { worker_loop(); });
@@ -51,18 +53,20 @@ void QueuedCommunicator::stop_worker() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  work_cv_.notify_all();
   if (worker_.joinable()) worker_.join();
 }
 
 WorkPtr QueuedCommunicator::enqueue(OpKind kind, const char* name, Body body) {
   counter_.add_call(kind);
   auto work = std::make_shared<OpWork>(this, name, std::move(body));
+  bool idle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    idle = queue_.empty() && !running_;
     queue_.push_back(work);
   }
-  cv_.notify_all();
+  if (!(idle && SyncCall::active())) work_cv_.notify_one();  // See Note [Synchronous calls]
   return work;
 }
 
@@ -95,7 +99,8 @@ bool QueuedCommunicator::try_run_head(std::unique_lock<std::mutex>& lock, OpWork
     }
   }
   op->body_ = nullptr;  // release the tensors it captured
-  cv_.notify_all();
+  done_cv_.notify_all();
+  if (!queue_.empty()) work_cv_.notify_one();  // the next one may have no waiter yet
   return true;
 }
 
@@ -116,7 +121,7 @@ void QueuedCommunicator::worker_loop() {
   while (true) {
     if (try_run_head(lock, nullptr)) continue;
     if (stopping_ && queue_.empty() && !running_) return;
-    cv_.wait(lock);
+    work_cv_.wait(lock);
   }
 }
 

@@ -8,6 +8,16 @@
 // idle queue, inline on the caller's thread (no hand-off for synchronous calls).
 // Each running operation has a sequence number, identical on every rank (op_seq()).
 // After a CommError the communicator refuses further work, repeating the cause.
+//
+// Note [Synchronous calls]
+// The synchronous helpers (all_reduce(), barrier(), ...) wait at once for the
+// operation they submit, which then runs inline when the queue is idle. Waking
+// the worker thread for it would only make the worker race the caller for the
+// lock and take a core the peers need (two context switches per operation,
+// most of a small shared-memory collective's cost), so enqueue() leaves the
+// worker asleep when a SyncCall is active on the calling thread and the queue
+// is idle; and finished operations wake only their waiters, not the worker.
+
 
 #include <atomic>
 #include <condition_variable>
@@ -25,6 +35,18 @@ namespace meshtrain {
 namespace comm {
 
 class OpWork;
+
+// Marks the calling thread as about to wait for what it submits (see the Note).
+class SyncCall {
+ public:
+  SyncCall() : previous_(active_) { active_ = true; }
+  ~SyncCall() { active_ = previous_; }
+  static bool active() { return active_; }
+
+ private:
+  bool previous_;
+  static thread_local bool active_;
+};
 
 class QueuedCommunicator : public Communicator {
  public:
@@ -77,7 +99,8 @@ class QueuedCommunicator : public Communicator {
   void run_op(OpWork& op);
 
   std::mutex mutex_;
-  std::condition_variable cv_;
+  std::condition_variable work_cv_;  // the worker: work was queued, or stop
+  std::condition_variable done_cv_;  // waiters: an operation finished
   std::deque<std::shared_ptr<OpWork>> queue_;
   bool running_ = false;
   bool stopping_ = false;

@@ -55,6 +55,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 char* bytes_of(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
+// A contiguous view of `shape` at element `offset` of a flat tensor (one dispatcher call, not narrow + view).
+at::Tensor view_at(const at::Tensor& flat, int64_t offset, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+  return flat.as_strided(shape, strides, flat.storage_offset() + offset);
+}
+
 }  // namespace
 
 // ---- steps
@@ -304,7 +311,7 @@ WorkPtr ShmCommunicator::all_gather_async(const at::Tensor& input, at::Tensor ou
     at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1) : at::empty({total}, input.options());
     const auto offs = offsets_of(counts);
     const int64_t elem = input.element_size();
-    flat.narrow(0, offs[me], counts[me]).copy_(mine.view(-1));
+    std::memcpy(bytes_of(flat) + offs[me] * elem, mine.data_ptr(), my_bytes);
     const int64_t chunks = std::max<int64_t>(1, ceil_div(largest * elem, B));
     const uint64_t base = steps_ - 1;  // a_k = base + 1 + k: chunk k published
     for (int64_t k = 0; k < chunks; ++k) {
@@ -323,7 +330,7 @@ WorkPtr ShmCommunicator::all_gather_async(const at::Tensor& input, at::Tensor ou
     counter_.add_received(OpKind::kAllGather, (total - counts[me]) * elem);
     if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
     result = {output.defined() ? output : flat};
-    for (int q = 0; q < n; ++q) result.push_back(flat.narrow(0, offs[q], counts[q]).view(shape_of(all[q])));
+    for (int q = 0; q < n; ++q) result.push_back(view_at(flat, offs[q], shape_of(all[q])));
   });
 }
 
