@@ -53,6 +53,18 @@ std::function<void()> make_op(comm::Communicator& c, const std::string& op, int6
     auto t = torch::zeros({numel});
     return [&c, t] { c.broadcast(t, 0); };
   }
+  if (op == "sendrecv") {  // ping-pong between ranks 0 and 1: time per op = half a round trip
+    auto out = torch::zeros({numel}), in = torch::empty({numel});
+    return [&c, out, in] {
+      if (c.rank() == 0) {
+        c.send(out, 1);
+        c.recv(in, 1);
+      } else if (c.rank() == 1) {
+        c.recv(in, 0);
+        c.send(out, 0);
+      }
+    };
+  }
   throw std::invalid_argument("unknown op " + op);
 }
 
@@ -100,7 +112,8 @@ int main(int argc, char** argv) {
   std::string op;
   while (std::getline(ops_ss, op, ',')) {
     for (int64_t bytes : parse_sizes(sizes)) {
-      const double t = seconds_per_op(*c, make_op(*c, op, bytes), target_s);
+      double t = seconds_per_op(*c, make_op(*c, op, bytes), target_s);
+      if (op == "sendrecv") t /= 2;
       if (c->rank() == 0) {
         json << (first ? "" : ", ") << "{\"op\": \"" << op << "\", \"bytes\": " << bytes << ", \"sec_per_op\": " << t << "}";
         first = false;

@@ -65,6 +65,7 @@ ShmCommunicator::ShmCommunicator(std::shared_ptr<Process> process, std::vector<i
   const int n = size();
   send_mutex_.resize(n);
   pending_.resize(n);
+  sent_before_.assign(n, false);
   for (int q = 0; q < n; ++q) send_mutex_[q].reset(new std::mutex);
   try {
     attach(store_prefix);

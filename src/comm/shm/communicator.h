@@ -39,7 +39,7 @@ namespace shm_backend {
 // MESHTRAIN_SHM_SMALL_KB; MESHTRAIN_SHM_SPIN_US is per process.
 struct ShmSettings {
   size_t buffer_bytes = 256 << 10;
-  size_t channel_bytes = 4 << 20;
+  size_t channel_bytes = 1 << 20;
   size_t small_bytes = 16 << 10;
   static ShmSettings from_env();
 };
@@ -142,6 +142,7 @@ class ShmCommunicator final : public QueuedCommunicator {
   // Point-to-point state.
   std::vector<std::unique_ptr<std::mutex>> send_mutex_;       // per destination
   std::vector<std::deque<std::shared_ptr<SendOp>>> pending_;  // per destination, under send_mutex_
+  std::vector<bool> sent_before_;                              // per destination, under send_mutex_
   std::vector<std::unique_ptr<Inbox>> inbox_;                 // per source
   std::mutex sender_mutex_;
   std::condition_variable sender_cv_;

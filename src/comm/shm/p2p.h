@@ -62,6 +62,7 @@ struct Inbox {
   std::deque<std::pair<int, at::Tensor>> arrived;      // (tag, tensor) no receive was posted for yet
   Incoming current;
   uint64_t seen_head = 0;  // the ring's head when it was last read: wait for it to move
+  bool populated = false;  // the ring's pages are mapped in this process
 };
 
 }  // namespace shm_backend
