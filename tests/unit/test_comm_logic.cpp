@@ -1,0 +1,160 @@
+// Pure logic of the communication layer, without processes: which backend a
+// communicator gets, where the hierarchical backend places its members, the
+// shared-memory segment's layout, and the reduction kernels against ATen.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <set>
+
+#include "comm/backend.h"
+#include "comm/hier/communicator.h"
+#include "comm/reduce.h"
+#include "comm/shm/layout.h"
+#include "meshtrain/util/error.h"
+
+using namespace meshtrain;
+using namespace meshtrain::comm;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(BackendChoice, AutoPicksSharedMemoryHierarchicalOrGlooFromTheHosts) {
+  EXPECT_EQ(choose_impl(BackendKind::kAuto, {"a", "a", "a"}, "world"), Impl::kShm);
+  EXPECT_EQ(choose_impl(BackendKind::kAuto, {"a"}, "world"), Impl::kShm);
+  EXPECT_EQ(choose_impl(BackendKind::kAuto, {"a", "a", "b", "b"}, "world"), Impl::kHierarchical);
+  EXPECT_EQ(choose_impl(BackendKind::kAuto, {"a", "b", "a", "b"}, "world"), Impl::kHierarchical);  // any order
+  EXPECT_EQ(choose_impl(BackendKind::kAuto, {"a", "b"}, "dp"), Impl::kGloo);            // one rank per host
+  EXPECT_EQ(choose_impl(BackendKind::kAuto, {"a", "a", "b"}, "world"), Impl::kGloo);    // uneven hosts
+  EXPECT_EQ(choose_impl(BackendKind::kGloo, {"a", "a"}, "world"), Impl::kGloo);
+  EXPECT_EQ(choose_impl(BackendKind::kShm, {"a", "a"}, "world"), Impl::kShm);
+}
+
+TEST(BackendChoice, ImpossibleChoicesNameTheFix) {
+  const std::string across = error_of([] { choose_impl(BackendKind::kShm, {"a", "b"}, "dp"); });
+  EXPECT_NE(across.find("communicator 'dp' spans 2 hosts"), std::string::npos) << across;
+  EXPECT_NE(across.find("use backend auto"), std::string::npos) << across;
+  const std::string mpi = error_of([] { choose_impl(BackendKind::kMpi, {"a"}, "world"); });
+  EXPECT_NE(mpi.find("mpirun"), std::string::npos) << mpi;
+  const std::string name = error_of([] { parse_backend("nccl", "MESHTRAIN_BACKEND"); });
+  EXPECT_NE(name.find("MESHTRAIN_BACKEND 'nccl' is not a backend; use auto, shm, gloo or mpi"), std::string::npos)
+      << name;
+  EXPECT_EQ(parse_backend("shm", "--backend"), BackendKind::kShm);
+}
+
+TEST(Hierarchical, PlacementNumbersHostsByFirstMemberAndRanksWithinEach) {
+  const auto p = hier_backend::place({"x", "y", "x", "y", "x", "y"});
+  EXPECT_EQ(p.hosts, 2);
+  EXPECT_EQ(p.host, (std::vector<int>{0, 1, 0, 1, 0, 1}));
+  EXPECT_EQ(p.local, (std::vector<int>{0, 0, 1, 1, 2, 2}));
+}
+
+TEST(SharedMemoryLayout, RegionsAreAlignedAndDoNotOverlap) {
+  for (int n : {1, 2, 3, 8}) {
+    shm_backend::SegmentLayout l{n, 256 << 10, 1 << 20};
+    std::vector<std::pair<size_t, size_t>> spans;  // [begin, end)
+    for (int r = 0; r < n; ++r) {
+      spans.push_back({l.ctrl_offset(r), l.ctrl_offset(r) + sizeof(shm_backend::RankCtrl)});
+      for (int b = 0; b < shm_backend::SegmentLayout::kBuffersPerRank; ++b) {
+        EXPECT_EQ(l.buffer_offset(r, b) % 4096, 0u);
+        spans.push_back({l.buffer_offset(r, b), l.buffer_offset(r, b) + l.buffer_bytes});
+      }
+      for (int q = 0; q < n; ++q) {
+        EXPECT_EQ(l.channel_ctrl_offset(r, q) % 64, 0u);
+        EXPECT_EQ(l.channel_data_offset(r, q) % 4096, 0u);
+        spans.push_back({l.channel_ctrl_offset(r, q), l.channel_ctrl_offset(r, q) + sizeof(shm_backend::ChannelCtrl)});
+        spans.push_back({l.channel_data_offset(r, q), l.channel_data_offset(r, q) + l.channel_bytes});
+      }
+    }
+    std::sort(spans.begin(), spans.end());
+    EXPECT_GE(spans.front().first, sizeof(shm_backend::SegmentHeader));
+    for (size_t i = 1; i < spans.size(); ++i) EXPECT_LE(spans[i - 1].second, spans[i].first) << "n " << n;
+    EXPECT_LE(spans.back().second, l.total_bytes());
+    EXPECT_EQ(l.region_bytes() % 64, 0u);
+    EXPECT_LE(l.region_bytes() * n, l.buffer_bytes);
+  }
+}
+
+namespace {
+
+// ATen's answer for op over `inputs` in order, accumulated in float for the
+// 16-bit types and rounded once (what reduce_into promises).
+torch::Tensor reference(const std::vector<torch::Tensor>& inputs, ReduceOp op) {
+  const auto dtype = inputs[0].scalar_type();
+  const bool narrow = dtype == torch::kBFloat16 || dtype == torch::kHalf;
+  auto acc = narrow ? inputs[0].to(torch::kFloat) : inputs[0].clone();
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    auto x = narrow ? inputs[i].to(torch::kFloat) : inputs[i];
+    switch (op) {
+      case ReduceOp::kSum: case ReduceOp::kAvg: acc = acc + x; break;
+      case ReduceOp::kProduct: acc = acc * x; break;
+      case ReduceOp::kMax: acc = torch::maximum(acc, x); break;
+      case ReduceOp::kMin: acc = torch::minimum(acc, x); break;
+    }
+  }
+  if (op == ReduceOp::kAvg) acc = acc / static_cast<double>(inputs.size());
+  return acc.to(dtype);
+}
+
+}  // namespace
+
+TEST(ReduceKernels, EveryDtypeAndOpMatchesATenInRankOrder) {
+  torch::manual_seed(3);
+  const std::vector<torch::Dtype> dtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16, torch::kFloat16,
+                                            torch::kInt32,   torch::kInt64,   torch::kInt8,     torch::kUInt8};
+  for (auto dtype : dtypes) {
+    const bool floating = torch::isFloatingType(dtype);
+    for (auto op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProduct, ReduceOp::kMax, ReduceOp::kMin}) {
+      if (op == ReduceOp::kAvg && !floating) continue;
+      for (int k : {1, 2, 3, 5}) {
+        for (int64_t count : {1, 7, 256, 1000}) {  // around the kernels' block of 256
+          std::vector<torch::Tensor> inputs;
+          std::vector<const void*> ptrs;
+          for (int i = 0; i < k; ++i) {
+            auto t = floating ? torch::randn({count}).to(dtype) : torch::randint(-50, 50, {count}).to(dtype);
+            inputs.push_back(t);
+            ptrs.push_back(t.data_ptr());
+          }
+          auto out = torch::empty({count}, dtype);
+          reduce_into(out.data_ptr(), ptrs.data(), k, count, dtype, op);
+          const auto want = reference(inputs, op);
+          EXPECT_TRUE(torch::equal(out, want)) << c10::toString(dtype) << " " << reduce_op_name(op) << " k " << k
+                                               << " count " << count << "\n got " << out.slice(0, 0, 5)
+                                               << "\n want " << want.slice(0, 0, 5);
+        }
+      }
+    }
+  }
+}
+
+TEST(ReduceKernels, InPlaceNaNAndWrapAround) {
+  // out may be the first input.
+  auto a = torch::arange(10, torch::kFloat), b = torch::ones({10});
+  const void* in[2] = {a.data_ptr(), b.data_ptr()};
+  reduce_into(a.data_ptr(), in, 2, 10, torch::kFloat, ReduceOp::kSum);
+  EXPECT_TRUE(torch::equal(a, torch::arange(10, torch::kFloat) + 1));
+  // NaN wins max and min, as in torch.maximum.
+  auto x = torch::tensor({1.0f, std::nanf(""), 3.0f}), y = torch::tensor({std::nanf(""), 2.0f, 1.0f});
+  auto out = torch::empty({3});
+  const void* xy[2] = {x.data_ptr(), y.data_ptr()};
+  for (auto op : {ReduceOp::kMax, ReduceOp::kMin}) {
+    reduce_into(out.data_ptr(), xy, 2, 3, torch::kFloat, op);
+    EXPECT_TRUE(std::isnan(out[0].item<float>()) && std::isnan(out[1].item<float>())) << reduce_op_name(op);
+  }
+  // Integer sums wrap as two's complement does.
+  auto big = torch::full({2}, std::numeric_limits<int32_t>::max(), torch::kInt), one = torch::ones({2}, torch::kInt);
+  const void* wrap[2] = {big.data_ptr(), one.data_ptr()};
+  auto sum = torch::empty({2}, torch::kInt);
+  reduce_into(sum.data_ptr(), wrap, 2, 2, torch::kInt, ReduceOp::kSum);
+  EXPECT_EQ(sum[0].item<int32_t>(), std::numeric_limits<int32_t>::min());
+}
