@@ -34,11 +34,15 @@ std::string traffic_json(const comm::Traffic& total, int steps) {
   for (int k = 0; k < comm::kNumOpKinds; ++k) {
     const auto& t = total.ops[k];
     if (t.calls == 0 && t.bytes_sent == 0 && t.bytes_received == 0) continue;
-    ops.raw(comm::op_name(static_cast<comm::OpKind>(k)), json::Object()
-                                                             .num("calls", static_cast<double>(t.calls) / steps)
-                                                             .num("bytes_sent", static_cast<double>(t.bytes_sent) / steps)
-                                                             .num("bytes_received", static_cast<double>(t.bytes_received) / steps)
-                                                             .str());
+    json::Object row;
+    row.num("calls", static_cast<double>(t.calls) / steps)
+        .num("bytes_sent", static_cast<double>(t.bytes_sent) / steps)
+        .num("bytes_received", static_cast<double>(t.bytes_received) / steps);
+    if (t.inter_host_sent != 0 || t.inter_host_received != 0) {
+      row.num("inter_host_sent", static_cast<double>(t.inter_host_sent) / steps)
+          .num("inter_host_received", static_cast<double>(t.inter_host_received) / steps);
+    }
+    ops.raw(comm::op_name(static_cast<comm::OpKind>(k)), row.str());
   }
   const auto p = total.payload_total();
   ops.raw("total", json::Object()

@@ -55,14 +55,10 @@ train::TrainConfig tiny_mlp() {
   return c;
 }
 
-TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const std::vector<std::string>& env,
-                           std::chrono::seconds time_limit) {
+TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const RankOptions& options) {
   train::RunOptions quiet;
   quiet.verbose = false;
   quiet.evaluate = false;
-  RankOptions options;
-  options.env = env;
-  options.time_limit = time_limit;
   RankRun run = run_ranks(world, [&](comm::Communicator& comm) {
     auto self = std::shared_ptr<comm::Communicator>(&comm, [](comm::Communicator*) {});
     train::TrainResult r = train::run_training(train::resolve(config, comm.size()), self, quiet);
@@ -85,7 +81,7 @@ TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const st
   return out;
 }
 
-json::Value metrics_on_ranks(const train::TrainConfig& config, int world) {
+json::Value metrics_on_ranks(const train::TrainConfig& config, int world, const RankOptions& options) {
   RankRun run = run_ranks(world, [&](comm::Communicator& comm) {
     auto self = std::shared_ptr<comm::Communicator>(&comm, [](comm::Communicator*) {});
     train::RunOptions quiet;
@@ -94,7 +90,7 @@ json::Value metrics_on_ranks(const train::TrainConfig& config, int world) {
     train::TrainConfig c = train::resolve(config, comm.size());
     c.metrics_out = shared_dir() + "/metrics.json";
     train::run_training(c, self, quiet);
-  });
+  }, options);
   if (in_rank_process() || ::testing::Test::HasFailure()) return json::Value();
   return json::parse(files::read_all(run.file("metrics.json")));
 }
@@ -124,7 +120,8 @@ void expect_same_training(const TrainOutput& got, const TrainOutput& want, const
   }
 }
 
-void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& given) {
+void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& given,
+                                    const RankOptions& options) {
   Tolerance tol = given;
   if (config.optimizer != "sgd") tol.weight_atol = std::max(tol.weight_atol, adam_weight_floor(config));
   train::RunOptions quiet;
@@ -139,7 +136,7 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
       out["__losses__"] = torch::tensor(r.losses, torch::kDouble);
       save_tensors(shared_dir() + "/result.bin", out);
     }
-  });
+  }, options);
   if (in_rank_process() || ::testing::Test::HasFailure()) return;
 
   train::TrainConfig single = config;

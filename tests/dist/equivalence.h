@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "harness.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/json.h"
 
@@ -48,7 +49,8 @@ struct Tolerance {
 // The weight tolerance Adam's eps amplification needs (see Tolerance).
 double adam_weight_floor(const train::TrainConfig& config);
 
-void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol = {});
+void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol = {},
+                                    const RankOptions& options = RankOptions());
 
 // What rank 0 of a run_training reported, handed back to the test process.
 struct TrainOutput {
@@ -56,14 +58,13 @@ struct TrainOutput {
   std::vector<double> losses;
   std::map<std::string, at::Tensor> parameters;
 };
-// Runs the trainer on `world` ranks (with `env` for the ranks) and returns rank 0's result.
-TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const std::vector<std::string>& env = {},
-                           std::chrono::seconds time_limit = std::chrono::seconds(120));
+// Runs the trainer on `world` ranks (started with `options`) and returns rank 0's result.
+TrainOutput train_on_ranks(const train::TrainConfig& config, int world, const RankOptions& options = RankOptions());
 // The same in this process, on a world of one.
 TrainOutput train_in_one_process(const train::TrainConfig& config);
 // Runs the trainer on `world` ranks and returns its --metrics-out, parsed (in
 // the test process; a null value inside the ranks or after a failure).
-json::Value metrics_on_ranks(const train::TrainConfig& config, int world);
+json::Value metrics_on_ranks(const train::TrainConfig& config, int world, const RankOptions& options = RankOptions());
 // Expects the losses (from their first step on) and the parameters of `got` to
 // match `want` within the tolerance (exact with a zero tolerance).
 void expect_same_training(const TrainOutput& got, const TrainOutput& want, const Tolerance& tol, const std::string& what);
