@@ -56,7 +56,10 @@ ShmCommunicator::ShmCommunicator(std::shared_ptr<Process> process, std::vector<i
   // Spinning only pays when every rank of this host has a core of its own;
   // otherwise a spinning rank takes the core its peer needs to make progress.
   const char* spin = std::getenv("MESHTRAIN_SHM_SPIN_US");
-  spin_us_ = spin && *spin ? std::atoi(spin) : (process_->ranks_on_my_host() <= available_cores() ? 20 : 0);
+  const char* yield = std::getenv("MESHTRAIN_SHM_YIELD_US");
+  const bool own_core = process_->ranks_on_my_host() <= available_cores();
+  spin_us_ = spin && *spin ? std::atoi(spin) : (own_core ? 20 : 0);
+  yield_us_ = yield && *yield ? std::atoi(yield) : (own_core ? 0 : 50);
   listener_ = process_->add_failure_listener([this] {
     if (!base_) return;
     ctrl(rank_).wake.fetch_add(1);
@@ -173,6 +176,13 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
       for (int i = 0; i < 32; ++i) _mm_pause();
       if (ready()) return;
     } while (Clock::now() < spin_end);
+  }
+  if (yield_us_ > 0) {
+    const auto yield_end = Clock::now() + std::chrono::microseconds(yield_us_);
+    do {
+      sched_yield();
+      if (ready()) return;
+    } while (Clock::now() < yield_end);
   }
   const auto deadline = Clock::now() + options_.timeout;
   RankCtrl& me = ctrl(rank_);

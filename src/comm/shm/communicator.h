@@ -40,7 +40,7 @@ namespace shm_backend {
 struct ShmSettings {
   size_t buffer_bytes = 256 << 10;
   size_t channel_bytes = 1 << 20;
-  size_t small_bytes = 16 << 10;
+  size_t small_bytes = 32 << 10;
   static ShmSettings from_env();
 };
 
@@ -135,7 +135,8 @@ class ShmCommunicator final : public QueuedCommunicator {
   char* base_ = nullptr;
   SegmentLayout layout_;
   size_t small_bytes_ = 0;
-  int spin_us_ = 0;
+  int spin_us_ = 0;   // busy-wait this long first (a core per rank)
+  int yield_us_ = 0;  // then yield the core this long (more ranks than cores)
   int listener_ = -1;
   uint64_t steps_ = 0;  // steps this rank has posted (the running op's thread only)
 
