@@ -1,4 +1,5 @@
-// Collective bandwidth of meshtrain's Communicator (run under meshrun).
+// Collective bandwidth of meshtrain's Communicator (run under meshrun, or
+// under mpirun for the MPI backend: its OpenMPI peer is mpi_peer.c).
 // Protocol, shared with torch_peer.py so the two are comparable side by side:
 // per op and size, one untimed call, 5 warm-up calls, a calibration of the
 // iteration count to ~target seconds (agreed with an all_reduce MAX), a
@@ -105,7 +106,9 @@ int main(int argc, char** argv) {
   auto c = comm::init_from_env(options);
   torch::set_num_threads(1);
   std::ostringstream json;
-  json << "{\"impl\": \"meshtrain" << (verify ? "" : " (verify off)") << "\", \"world_size\": " << c->size()
+  // On the MPI backend (under mpirun) the impl says so: its peer is bench_mpi_peer.
+  json << "{\"impl\": \"meshtrain" << (c->backend() == "mpi" ? " (mpi)" : "") << (verify ? "" : " (verify off)")
+       << "\", \"world_size\": " << c->size()
        << ", \"rows\": [";
   bool first = true;
   std::stringstream ops_ss(ops);

@@ -43,8 +43,13 @@ Impl choose_impl(BackendKind kind, const std::vector<std::string>& member_hosts,
                       "(shared memory inside hosts, Gloo between them) or gloo");
       return Impl::kShm;
     case BackendKind::kMpi:
-      throw ConfigError("backend mpi: this process was not started by mpirun; start it with mpirun, or use "
-                        "backend auto, shm or gloo");
+      // MPI communicators come only from init_from_env under mpirun, and their
+      // splits from MPI_Comm_split; this is the store's path (init_tcp,
+      // init_with_store, the splits of a shm or gloo world).
+      throw ConfigError(str_cat("backend mpi: communicator '", label, "' is being made through the rendezvous "
+                                "store, which only the shm and gloo backends use; an MPI world comes from "
+                                "init_from_env() in a process started by mpirun (mpirun -np <ranks> <program>), "
+                                "and its sub-communicators are MPI too; or use backend auto, shm or gloo"));
     case BackendKind::kAuto:
       break;
   }
@@ -83,9 +88,12 @@ CommPtr make_communicator(std::shared_ptr<Process> process, std::vector<int> glo
 
 std::optional<SplitGroup> split_group(Communicator& parent, int color, int key) {
   at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
-  at::Tensor all = parent.all_gather_flat(mine).view({parent.size(), 2});
+  return split_group_of(parent.all_gather_flat(mine).view({parent.size(), 2}), parent, color);
+}
+
+std::optional<SplitGroup> split_group_of(const at::Tensor& pairs, const Communicator& parent, int color) {
   if (color < 0) return std::nullopt;
-  auto a = all.accessor<int64_t, 2>();
+  auto a = pairs.accessor<int64_t, 2>();
   std::vector<std::pair<int64_t, int>> members;  // (key, rank)
   for (int r = 0; r < parent.size(); ++r) {
     if (a[r][0] == color) members.emplace_back(a[r][1], r);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "backend.h"
+#include "mpi/world.h"
 #include "process.h"
 #include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
@@ -57,6 +58,14 @@ void validate(const DistEnv& e, const std::string& rank_var, const std::string& 
                   e.local_rank, " must be in [0, ", local_size_var, "=", e.local_world_size, ")");
   MESHTRAIN_CHECK(e.master_port >= 1 && e.master_port <= 65535, "MASTER_PORT=", e.master_port,
                   " must be in [1, 65535]");
+}
+
+// A multi-node mpirun job whose ranks meet through the store must say where it is.
+void require_master_addr_across_nodes(const DistEnv& e) {
+  MESHTRAIN_CHECK(!e.master_addr.empty() || e.world_size == e.local_world_size,
+                  "MASTER_ADDR is not set and the mpirun job spans several nodes, with a backend that meets through "
+                  "the rendezvous store; pass it, e.g. mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500, "
+                  "or use MESHTRAIN_BACKEND=mpi (or auto), which needs no store");
 }
 
 }  // namespace
@@ -158,9 +167,9 @@ DistEnv parse_dist_env(const EnvLookup& lookup) {
     e.world_size = parse_int(lookup, "OMPI_COMM_WORLD_SIZE", std::nullopt);
     e.local_rank = parse_int(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", 0);
     e.local_world_size = parse_int(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE", e.world_size);
-    MESHTRAIN_CHECK(!e.master_addr.empty() || e.world_size == e.local_world_size,
-                    "MASTER_ADDR is not set and the mpirun job spans several nodes; pass it, "
-                    "e.g. mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500");
+    // Under mpirun the world is MPI's (auto or mpi: no store); only the store's backends need its address.
+    const std::string backend = get_or(lookup, "MESHTRAIN_BACKEND", "auto");
+    if (backend != "auto" && backend != "mpi") require_master_addr_across_nodes(e);
     validate(e, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
              "OMPI_COMM_WORLD_LOCAL_SIZE");
   } else if (lookup("SLURM_PROCID")) {
@@ -265,7 +274,20 @@ CommPtr join(const std::string& host, int port, int rank, int world_size, const 
 
 CommPtr init_from_env(CommOptions options) {
   const DistEnv e = dist_env_from_process();
+  const BackendKind kind = requested_backend(options);
+  const bool under_mpirun = e.source == "openmpi";
+  MESHTRAIN_CHECK(kind != BackendKind::kMpi || under_mpirun, "backend mpi: this process was not started by mpirun "
+                  "(OMPI_COMM_WORLD_RANK is not set, the launcher is '", e.source, "'); start the job with "
+                  "mpirun -np <ranks> <program>, or use MESHTRAIN_BACKEND=auto, shm or gloo");
   apply_thread_settings(e);
+  if (kind == BackendKind::kMpi || (kind == BackendKind::kAuto && under_mpirun)) {
+    return mpi_backend::make_world(std::move(options));
+  }
+  if (under_mpirun) {  // a store-based backend asked for by CommOptions::backend (parse_dist_env saw only the env)
+    DistEnv given = e;
+    if (!std::getenv("MASTER_ADDR")) given.master_addr.clear();  // parse_dist_env defaulted it to loopback
+    require_master_addr_across_nodes(given);
+  }
   if (e.source == "single") {
     // A world of one still runs through the same code path, with a private store.
     return make_single_process_world(std::move(options));

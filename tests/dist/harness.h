@@ -4,7 +4,8 @@
 // The parent (the gtest process) hosts a store on 127.0.0.1, port chosen by the
 // kernel (no port races), and starts this test binary n times, filtered to
 // this test, with the rank in its environment: forked from a zygote that has
-// loaded libtorch but run nothing (Note [Rank zygote], zygote.h), or re-executed.
+// loaded libtorch but run nothing (Note [Rank zygote], zygote.h), or re-executed
+// (or, for the MPI backend, by mpirun: Note [Ranks under mpirun]).
 // It never forks itself after running libtorch code, because libgomp's threads
 // do not survive a fork. In each child the same test body runs again; run_ranks finds
 // the rank in the environment, joins the group, runs fn(comm) and exits.
@@ -15,6 +16,18 @@
 // A rank that fails (an assertion or an exception) reports itself to the store
 // so the other ranks stop at once with PeerFailure instead of waiting for it.
 //
+// Note [Ranks under mpirun]
+// When RankOptions::env holds MESHTRAIN_BACKEND=mpi, the parent starts one
+// `mpirun --allow-run-as-root --oversubscribe --bind-to none -np N --mca btl
+// self,vader -x ...` re-executing this binary filtered to the test, with the
+// same time limit; each rank takes its rank from OMPI_COMM_WORLD_RANK, joins
+// the MPI world (init_from_env), writes its output to its own log, and records
+// its outcome in the run's directory before it leaves: mpirun reports only the
+// whole job's status, and ends the job as soon as one rank fails. No store, no
+// zygote (mpirun starts its ranks itself). Under mpirun a dead rank ends the
+// whole job, so `may_die` there means: the rank may end without recording an
+// outcome, and mpirun may fail the job; the other ranks must still pass.
+//
 // Because every rank process reruns the test body from its start, code before
 // a run_ranks call must take the same path in the parent and in the ranks: do
 // not return early on in_rank_process() before a later run_ranks call; pass
@@ -23,6 +36,8 @@
 #include <chrono>
 #include <functional>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "meshtrain/comm/communicator.h"
 
@@ -39,7 +54,8 @@ struct RankOptions {
   // every payload by the ring algorithms, however small.
   int64_t inline_bytes = -1;
   // Ranks that may end by a signal (a test that kills or stops them on purpose);
-  // the harness kills any of them still alive once the others have exited.
+  // the harness kills any of them still alive once the others have exited
+  // (under mpirun, see Note [Ranks under mpirun]).
   std::set<int> may_die;
   // Extra environment for the ranks ("NAME=value").
   std::vector<std::string> env;
@@ -52,14 +68,23 @@ struct RankOptions {
 // write results there (shared_dir() inside a rank) and the parent reads them.
 class RankRun {
  public:
-  explicit RankRun(std::string dir) : dir_(std::move(dir)) {}
+  explicit RankRun(std::string dir, int launcher_status = -1, std::chrono::system_clock::time_point ended = {})
+      : dir_(std::move(dir)), launcher_status_(launcher_status), ended_(ended) {}
   ~RankRun();
-  RankRun(RankRun&& other) noexcept : dir_(std::move(other.dir_)) { other.dir_.clear(); }
+  RankRun(RankRun&& other) noexcept
+      : dir_(std::move(other.dir_)), launcher_status_(other.launcher_status_), ended_(other.ended_) {
+    other.dir_.clear();
+  }
   const std::string& dir() const { return dir_; }
   std::string file(const std::string& name) const { return dir_ + "/" + name; }
+  // Under mpirun: mpirun's wait status (waitpid's), and when it had exited. -1 otherwise.
+  int launcher_status() const { return launcher_status_; }
+  std::chrono::system_clock::time_point ended() const { return ended_; }
 
  private:
   std::string dir_;
+  int launcher_status_;
+  std::chrono::system_clock::time_point ended_;
 };
 
 // Runs fn on world_size processes; fn receives the world communicator.

@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
+
 #include "harness.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/shard.h"
@@ -17,8 +20,10 @@ using meshtrain::testing::run_ranks;
 
 namespace {
 
-const std::vector<torch::Dtype> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16,
-                                           torch::kFloat16, torch::kInt32,   torch::kInt64};
+// int8 and uint8 wrap where the closed forms exceed them (the product of
+// ranks 1-4 is 16 * 24); the expected values wrap the same way.
+const std::vector<torch::Dtype> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16, torch::kFloat16,
+                                           torch::kInt32,   torch::kInt64,   torch::kInt8,     torch::kUInt8};
 
 // base[i] = 1 + i % m, exact in every dtype for the values used here.
 torch::Tensor base(int64_t numel, torch::Dtype dtype, int m = 3) {
@@ -39,7 +44,8 @@ std::string tag(const char* op, torch::Dtype dt, int64_t numel) {
 // A backend, a world size, and which path the tensors of these tests take:
 // small (gloo: inside the header round; shm: one step) or large (gloo: the
 // ring algorithms, inline_bytes 0; shm: the chunked algorithms, with buffers
-// so small that the tests' tensors span many chunks and rings).
+// so small that the tests' tensors span many chunks and rings). The MPI
+// backend runs the same tests as MpiCollectives (at the end of this file).
 struct Case {
   const char* backend;
   int world;
@@ -79,284 +85,306 @@ class CollectiveValues : public ::testing::TestWithParam<Case> {
 class Collectives : public CollectiveValues {};
 class SmallPayloads : public CollectiveValues {};
 
-TEST_P(CollectiveValues, AllReduceEveryOpAndDtype) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    const int64_t sum_coef = n * (n + 1) / 2;
-    int64_t prod_coef = 1;
-    for (int i = 1; i <= n; ++i) prod_coef *= i;
-    for (auto dt : kDtypes) {
-      for (int64_t numel : {1, 3, 10, 1001}) {  // fewer elements than ranks, uneven chunks
-        auto t = base(numel, dt) * (r + 1);
-        comm.all_reduce(t, ReduceOp::kSum);
-        expect_equal(t, base(numel, dt) * sum_coef, tag("sum", dt, numel));
+void all_reduce_every_op_and_dtype(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  const int64_t sum_coef = n * (n + 1) / 2;
+  int64_t prod_coef = 1;
+  for (int i = 1; i <= n; ++i) prod_coef *= i;
+  for (auto dt : kDtypes) {
+    for (int64_t numel : {1, 3, 10, 1001}) {  // fewer elements than ranks, uneven chunks
+      auto t = base(numel, dt) * (r + 1);
+      comm.all_reduce(t, ReduceOp::kSum);
+      expect_equal(t, base(numel, dt) * sum_coef, tag("sum", dt, numel));
 
+      t = base(numel, dt) * (r + 1);
+      comm.all_reduce(t, ReduceOp::kMax);
+      expect_equal(t, base(numel, dt) * n, tag("max", dt, numel));
+
+      t = base(numel, dt) * (r + 1);
+      comm.all_reduce(t, ReduceOp::kMin);
+      expect_equal(t, base(numel, dt), tag("min", dt, numel));
+
+      t = base(numel, dt, 2) * (r + 1);
+      comm.all_reduce(t, ReduceOp::kProduct);
+      expect_equal(t, base(numel, dt, 2).pow(n).to(dt) * prod_coef, tag("product", dt, numel));
+
+      if (torch::isFloatingType(dt)) {
         t = base(numel, dt) * (r + 1);
-        comm.all_reduce(t, ReduceOp::kMax);
-        expect_equal(t, base(numel, dt) * n, tag("max", dt, numel));
-
-        t = base(numel, dt) * (r + 1);
-        comm.all_reduce(t, ReduceOp::kMin);
-        expect_equal(t, base(numel, dt), tag("min", dt, numel));
-
-        t = base(numel, dt, 2) * (r + 1);
-        comm.all_reduce(t, ReduceOp::kProduct);
-        expect_equal(t, base(numel, dt, 2).pow(n).to(dt) * prod_coef, tag("product", dt, numel));
-
-        if (torch::isFloatingType(dt)) {
-          t = base(numel, dt) * (r + 1);
-          comm.all_reduce(t, ReduceOp::kAvg);
-          auto want = (base(numel, torch::kDouble) * sum_coef / n).to(dt);
-          expect_equal(t, want, tag("avg", dt, numel));
+        comm.all_reduce(t, ReduceOp::kAvg);
+        auto want = (base(numel, torch::kDouble) * sum_coef / n).to(dt);
+        expect_equal(t, want, tag("avg", dt, numel));
+      }
+    }
+    if (torch::isFloatingType(dt)) {
+      // max and min propagate NaN as torch does, whichever rank holds it.
+      for (int holder : {0, n - 1}) {
+        for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+          auto t = base(5, dt) * (r + 1);
+          if (r == holder) t[2] = std::numeric_limits<double>::quiet_NaN();
+          comm.all_reduce(t, op);
+          EXPECT_TRUE(std::isnan(t[2].item<double>())) << tag("NaN through max/min", dt, 5) << " from rank " << holder;
+          auto want = base(5, dt) * (op == ReduceOp::kMax ? n : 1);
+          expect_equal(t.index({torch::indexing::Slice(3, 5)}), want.slice(0, 3, 5), tag("max/min beside a NaN", dt, 5));
         }
       }
     }
-  });
+  }
 }
+TEST_P(CollectiveValues, AllReduceEveryOpAndDtype) { run(all_reduce_every_op_and_dtype); }
 
-TEST_P(CollectiveValues, BroadcastAndReduceFromEveryRoot) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    for (auto dt : kDtypes) {
-      for (int root = 0; root < n; ++root) {
-        auto t = base(17, dt) * (r + 1);
-        comm.broadcast(t, root);
-        expect_equal(t, base(17, dt) * (root + 1), tag("broadcast", dt, 17));
+void broadcast_and_reduce_from_every_root(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  for (auto dt : kDtypes) {
+    for (int root = 0; root < n; ++root) {
+      auto t = base(17, dt) * (r + 1);
+      comm.broadcast(t, root);
+      expect_equal(t, base(17, dt) * (root + 1), tag("broadcast", dt, 17));
 
-        t = base(17, dt) * (r + 1);
-        comm.reduce(t, root, ReduceOp::kSum);
-        auto want = r == root ? base(17, dt) * (n * (n + 1) / 2) : base(17, dt) * (r + 1);
-        expect_equal(t, want, tag("reduce", dt, 17));
-      }
+      t = base(17, dt) * (r + 1);
+      comm.reduce(t, root, ReduceOp::kSum);
+      auto want = r == root ? base(17, dt) * (n * (n + 1) / 2) : base(17, dt) * (r + 1);
+      expect_equal(t, want, tag("reduce", dt, 17));
     }
-  });
+  }
 }
+TEST_P(CollectiveValues, BroadcastAndReduceFromEveryRoot) { run(broadcast_and_reduce_from_every_root); }
 
-TEST_P(CollectiveValues, AllGatherEqualAndUneven) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    for (auto dt : kDtypes) {
-      // Equal sizes, as a list and into one flat tensor.
-      auto mine = base(6, dt).view({2, 3}) * (r + 1);
-      auto list = comm.all_gather(mine);
-      ASSERT_EQ(static_cast<int>(list.size()), n);
-      for (int p = 0; p < n; ++p) expect_equal(list[p], base(6, dt).view({2, 3}) * (p + 1), tag("all_gather list", dt, 6));
-      auto flat = torch::zeros({6 * n}, dt);
-      comm.all_gather_into(flat, mine);
-      for (int p = 0; p < n; ++p) expect_equal(flat.slice(0, 6 * p, 6 * (p + 1)), base(6, dt) * (p + 1), tag("all_gather_into", dt, 6));
-      // Uneven: rank p holds p + 1 elements of shape [p + 1].
-      auto uneven = torch::full({r + 1}, r + 1, dt);
-      auto parts = comm.all_gather(uneven);
-      auto gathered = comm.all_gather_flat(uneven);
-      ASSERT_EQ(gathered.numel(), n * (n + 1) / 2);
-      int64_t offset = 0;
-      for (int p = 0; p < n; ++p) {
-        expect_equal(parts[p], torch::full({p + 1}, p + 1, dt), tag("all_gather uneven", dt, p + 1));
-        expect_equal(gathered.slice(0, offset, offset + p + 1), torch::full({p + 1}, p + 1, dt), tag("all_gather_flat", dt, p + 1));
-        offset += p + 1;
-      }
+void all_gather_equal_and_uneven(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  for (auto dt : kDtypes) {
+    // Equal sizes, as a list and into one flat tensor.
+    auto mine = base(6, dt).view({2, 3}) * (r + 1);
+    auto list = comm.all_gather(mine);
+    ASSERT_EQ(static_cast<int>(list.size()), n);
+    for (int p = 0; p < n; ++p) expect_equal(list[p], base(6, dt).view({2, 3}) * (p + 1), tag("all_gather list", dt, 6));
+    auto flat = torch::zeros({6 * n}, dt);
+    comm.all_gather_into(flat, mine);
+    for (int p = 0; p < n; ++p) expect_equal(flat.slice(0, 6 * p, 6 * (p + 1)), base(6, dt) * (p + 1), tag("all_gather_into", dt, 6));
+    // Uneven: rank p holds p + 1 elements of shape [p + 1].
+    auto uneven = torch::full({r + 1}, r + 1, dt);
+    auto parts = comm.all_gather(uneven);
+    auto gathered = comm.all_gather_flat(uneven);
+    ASSERT_EQ(gathered.numel(), n * (n + 1) / 2);
+    int64_t offset = 0;
+    for (int p = 0; p < n; ++p) {
+      expect_equal(parts[p], torch::full({p + 1}, p + 1, dt), tag("all_gather uneven", dt, p + 1));
+      expect_equal(gathered.slice(0, offset, offset + p + 1), torch::full({p + 1}, p + 1, dt), tag("all_gather_flat", dt, p + 1));
+      offset += p + 1;
     }
-  });
+  }
 }
+TEST_P(CollectiveValues, AllGatherEqualAndUneven) { run(all_gather_equal_and_uneven); }
 
-TEST_P(CollectiveValues, ReduceScatterUnevenAndEqual) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    const int64_t sum_coef = n * (n + 1) / 2;
-    for (auto dt : kDtypes) {
-      for (int64_t numel : {1, 7, 10, 1003}) {  // not divisible by 2, 3 or 4
-        auto in = base(numel, dt) * (r + 1);
-        auto shard = comm.reduce_scatter(in, ReduceOp::kSum);
-        const auto range = meshtrain::shard_range(numel, n, r);
-        expect_equal(shard, (base(numel, dt) * sum_coef).slice(0, range.offset, range.end()), tag("reduce_scatter", dt, numel));
-      }
-      // Explicit per-rank sizes: rank p gets p + 2 elements.
-      std::vector<int64_t> counts;
-      int64_t total = 0;
-      for (int p = 0; p < n; ++p) { counts.push_back(p + 2); total += p + 2; }
-      auto shard = comm.reduce_scatter(base(total, dt) * (r + 1), ReduceOp::kMax, counts);
-      const int64_t off = meshtrain::offsets_of(counts)[r];
-      expect_equal(shard, (base(total, dt) * n).slice(0, off, off + counts[r]), tag("reduce_scatter counts", dt, total));
-      // Equal shards into a given output (torch's reduce_scatter_tensor).
-      auto out = torch::empty({5}, dt);
-      comm.reduce_scatter_into(out, base(5 * n, dt) * (r + 1));
-      expect_equal(out, (base(5 * n, dt) * sum_coef).slice(0, 5 * r, 5 * r + 5), tag("reduce_scatter_into", dt, 5 * n));
+void reduce_scatter_uneven_and_equal(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  const int64_t sum_coef = n * (n + 1) / 2;
+  for (auto dt : kDtypes) {
+    for (int64_t numel : {1, 7, 10, 1003}) {  // not divisible by 2, 3 or 4
+      auto in = base(numel, dt) * (r + 1);
+      auto shard = comm.reduce_scatter(in, ReduceOp::kSum);
+      const auto range = meshtrain::shard_range(numel, n, r);
+      expect_equal(shard, (base(numel, dt) * sum_coef).slice(0, range.offset, range.end()), tag("reduce_scatter", dt, numel));
     }
-  });
+    // Explicit per-rank sizes: rank p gets p + 2 elements.
+    std::vector<int64_t> counts;
+    int64_t total = 0;
+    for (int p = 0; p < n; ++p) { counts.push_back(p + 2); total += p + 2; }
+    auto shard = comm.reduce_scatter(base(total, dt) * (r + 1), ReduceOp::kMax, counts);
+    const int64_t off = meshtrain::offsets_of(counts)[r];
+    expect_equal(shard, (base(total, dt) * n).slice(0, off, off + counts[r]), tag("reduce_scatter counts", dt, total));
+    // Equal shards into a given output (torch's reduce_scatter_tensor).
+    auto out = torch::empty({5}, dt);
+    comm.reduce_scatter_into(out, base(5 * n, dt) * (r + 1));
+    expect_equal(out, (base(5 * n, dt) * sum_coef).slice(0, 5 * r, 5 * r + 5), tag("reduce_scatter_into", dt, 5 * n));
+  }
 }
+TEST_P(CollectiveValues, ReduceScatterUnevenAndEqual) { run(reduce_scatter_uneven_and_equal); }
 
-TEST_P(CollectiveValues, GatherScatterAllToAllBarrier) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    for (auto dt : kDtypes) {
-      const int root = n - 1;
-      auto got = comm.gather(torch::full({r + 1, 2}, r, dt), root);
-      if (r == root) {
-        ASSERT_EQ(static_cast<int>(got.size()), n);
-        for (int p = 0; p < n; ++p) expect_equal(got[p], torch::full({p + 1, 2}, p, dt), tag("gather", dt, 2 * (p + 1)));
-      } else {
-        EXPECT_TRUE(got.empty());
-      }
-      std::vector<torch::Tensor> inputs;
-      if (r == 0) for (int p = 0; p < n; ++p) inputs.push_back(torch::full({p + 1}, 10 + p, dt));
-      auto out = torch::zeros({r + 1}, dt);
-      comm.scatter(out, inputs, 0);
-      expect_equal(out, torch::full({r + 1}, 10 + r, dt), tag("scatter", dt, r + 1));
-
-      // all_to_all: rank r sends (r * 10 + p) repeated p + 1 times to rank p.
-      std::vector<torch::Tensor> sends;
-      for (int p = 0; p < n; ++p) sends.push_back(torch::full({p + 1}, r * 10 + p, dt));
-      auto recvd = comm.all_to_all(sends);
-      for (int p = 0; p < n; ++p) expect_equal(recvd[p], torch::full({r + 1}, p * 10 + r, dt), tag("all_to_all", dt, r + 1));
-
-      auto single_in = torch::arange(2 * n, torch::kInt64).to(dt) + 100 * r;
-      auto single_out = torch::empty_like(single_in);
-      comm.all_to_all_single(single_out, single_in);
-      for (int p = 0; p < n; ++p) {
-        auto want = (torch::arange(2 * r, 2 * r + 2, torch::kInt64) + 100 * p).to(dt);
-        expect_equal(single_out.slice(0, 2 * p, 2 * p + 2), want, tag("all_to_all_single", dt, 2 * n));
-      }
+void gather_scatter_all_to_all_barrier(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  for (auto dt : kDtypes) {
+    const int root = n - 1;
+    auto got = comm.gather(torch::full({r + 1, 2}, r, dt), root);
+    if (r == root) {
+      ASSERT_EQ(static_cast<int>(got.size()), n);
+      for (int p = 0; p < n; ++p) expect_equal(got[p], torch::full({p + 1, 2}, p, dt), tag("gather", dt, 2 * (p + 1)));
+    } else {
+      EXPECT_TRUE(got.empty());
     }
-    comm.barrier();
-  });
+    std::vector<torch::Tensor> inputs;
+    if (r == 0) for (int p = 0; p < n; ++p) inputs.push_back(torch::full({p + 1}, 10 + p, dt));
+    auto out = torch::zeros({r + 1}, dt);
+    comm.scatter(out, inputs, 0);
+    expect_equal(out, torch::full({r + 1}, 10 + r, dt), tag("scatter", dt, r + 1));
+
+    // all_to_all: rank r sends (r * 10 + p) repeated p + 1 times to rank p.
+    std::vector<torch::Tensor> sends;
+    for (int p = 0; p < n; ++p) sends.push_back(torch::full({p + 1}, r * 10 + p, dt));
+    auto recvd = comm.all_to_all(sends);
+    for (int p = 0; p < n; ++p) expect_equal(recvd[p], torch::full({r + 1}, p * 10 + r, dt), tag("all_to_all", dt, r + 1));
+
+    auto single_in = torch::arange(2 * n, torch::kInt64).to(dt) + 100 * r;
+    auto single_out = torch::empty_like(single_in);
+    comm.all_to_all_single(single_out, single_in);
+    for (int p = 0; p < n; ++p) {
+      auto want = (torch::arange(2 * r, 2 * r + 2, torch::kInt64) + 100 * p).to(dt);
+      expect_equal(single_out.slice(0, 2 * p, 2 * p + 2), want, tag("all_to_all_single", dt, 2 * n));
+    }
+  }
+  comm.barrier();
 }
+TEST_P(CollectiveValues, GatherScatterAllToAllBarrier) { run(gather_scatter_all_to_all_barrier); }
 
-TEST_P(Collectives, NonContiguousAndAsync) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    // A transposed view: handled by a contiguous copy written back.
-    auto m = (torch::arange(12, torch::kFloat32).view({3, 4}) * (r + 1)).t();
-    ASSERT_FALSE(m.is_contiguous());
-    comm.all_reduce(m);
-    expect_equal(m, torch::arange(12, torch::kFloat32).view({3, 4}).t() * (n * (n + 1) / 2), "non-contiguous all_reduce");
-    auto b = (torch::arange(6, torch::kFloat64).view({2, 3}) + r).t();
-    comm.broadcast(b, 0);
-    expect_equal(b, torch::arange(6, torch::kFloat64).view({2, 3}).t(), "non-contiguous broadcast");
-    // Several operations in flight, completed in order.
-    std::vector<torch::Tensor> ts;
-    std::vector<meshtrain::comm::WorkPtr> works;
-    for (int i = 0; i < 8; ++i) {
-      ts.push_back(torch::full({100 + i}, static_cast<double>(r + i), torch::kFloat64));
-      works.push_back(comm.all_reduce_async(ts.back()));
-    }
-    for (int i = 7; i >= 0; --i) works[i]->wait();  // waiting out of order is fine
-    for (int i = 0; i < 8; ++i) {
-      const double want = n * (n - 1) / 2.0 + n * i;
-      expect_equal(ts[i], torch::full({100 + i}, want, torch::kFloat64), "async all_reduce " + std::to_string(i));
-    }
-  });
+void non_contiguous_and_async(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  // A transposed view: handled by a contiguous copy written back.
+  auto m = (torch::arange(12, torch::kFloat32).view({3, 4}) * (r + 1)).t();
+  ASSERT_FALSE(m.is_contiguous());
+  comm.all_reduce(m);
+  expect_equal(m, torch::arange(12, torch::kFloat32).view({3, 4}).t() * (n * (n + 1) / 2), "non-contiguous all_reduce");
+  auto b = (torch::arange(6, torch::kFloat64).view({2, 3}) + r).t();
+  comm.broadcast(b, 0);
+  expect_equal(b, torch::arange(6, torch::kFloat64).view({2, 3}).t(), "non-contiguous broadcast");
+  // Several operations in flight, completed in order.
+  std::vector<torch::Tensor> ts;
+  std::vector<meshtrain::comm::WorkPtr> works;
+  for (int i = 0; i < 8; ++i) {
+    ts.push_back(torch::full({100 + i}, static_cast<double>(r + i), torch::kFloat64));
+    works.push_back(comm.all_reduce_async(ts.back()));
+  }
+  for (int i = 7; i >= 0; --i) works[i]->wait();  // waiting out of order is fine
+  for (int i = 0; i < 8; ++i) {
+    const double want = n * (n - 1) / 2.0 + n * i;
+    expect_equal(ts[i], torch::full({100 + i}, want, torch::kFloat64), "async all_reduce " + std::to_string(i));
+  }
 }
+TEST_P(Collectives, NonContiguousAndAsync) { run(non_contiguous_and_async); }
 
-TEST_P(Collectives, PointToPointRingWithTagsAndUnknownShapes) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    if (n == 1) return;
-    const int right = (r + 1) % n, left = (r + n - 1) % n;
-    for (auto dt : kDtypes) {
-      // Two tags in flight at once; the receiver takes them in the other order.
-      auto a = comm.isend(torch::full({3}, r, dt), right, /*tag=*/1);
-      auto b = comm.isend(torch::full({2, 2}, r + 100, dt), right, /*tag=*/2);
-      auto got2 = comm.recv_any(left, 2);
-      auto got1 = torch::zeros({3}, dt);
-      comm.recv(got1, left, 1);
-      a->wait();
-      b->wait();
-      expect_equal(got1, torch::full({3}, left, dt), tag("p2p tag 1", dt, 3));
-      expect_equal(got2, torch::full({2, 2}, left + 100, dt), tag("p2p tag 2 (shape unknown)", dt, 4));
-    }
-    // Messages with one tag arrive in the order sent.
-    std::vector<meshtrain::comm::WorkPtr> sends;
-    for (int i = 0; i < 5; ++i) sends.push_back(comm.isend(torch::full({1}, i, torch::kInt64), right, 7));
-    for (int i = 0; i < 5; ++i) EXPECT_EQ(comm.recv_any(left, 7).item<int64_t>(), i);
-    for (auto& s : sends) s->wait();
-  });
+void point_to_point_ring_with_tags_and_unknown_shapes(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  if (n == 1) return;
+  const int right = (r + 1) % n, left = (r + n - 1) % n;
+  for (auto dt : kDtypes) {
+    // Two tags in flight at once; the receiver takes them in the other order.
+    auto a = comm.isend(torch::full({3}, r, dt), right, /*tag=*/1);
+    auto b = comm.isend(torch::full({2, 2}, r + 100, dt), right, /*tag=*/2);
+    auto got2 = comm.recv_any(left, 2);
+    auto got1 = torch::zeros({3}, dt);
+    comm.recv(got1, left, 1);
+    a->wait();
+    b->wait();
+    expect_equal(got1, torch::full({3}, left, dt), tag("p2p tag 1", dt, 3));
+    expect_equal(got2, torch::full({2, 2}, left + 100, dt), tag("p2p tag 2 (shape unknown)", dt, 4));
+  }
+  // Messages with one tag arrive in the order sent.
+  std::vector<meshtrain::comm::WorkPtr> sends;
+  for (int i = 0; i < 5; ++i) sends.push_back(comm.isend(torch::full({1}, i, torch::kInt64), right, 7));
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(comm.recv_any(left, 7).item<int64_t>(), i);
+  for (auto& s : sends) s->wait();
 }
+TEST_P(Collectives, PointToPointRingWithTagsAndUnknownShapes) { run(point_to_point_ring_with_tags_and_unknown_shapes); }
 
 // Large messages both ways at once, in several pieces on shm's 1 KiB rings:
 // neither side may wait for the other's receive before its own send proceeds.
-TEST_P(Collectives, LargeMessagesBothWaysAtOnce) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    if (n == 1) return;
-    const int right = (r + 1) % n, left = (r + n - 1) % n;
-    const int64_t numel = 300001;  // 1.2 MB
-    auto big = torch::arange(numel, torch::kFloat32) + r;
-    auto send = comm.isend(big, right, 3);
-    auto small = comm.isend(torch::full({5}, r, torch::kInt64), right, 4);
-    auto got_small = comm.recv_any(left, 4);  // overtakes the large message from the same sender
-    auto got = torch::empty({numel});
-    comm.recv(got, left, 3);
-    send->wait();
-    small->wait();
-    expect_equal(got, torch::arange(numel, torch::kFloat32) + left, "large p2p");
-    expect_equal(got_small, torch::full({5}, left, torch::kInt64), "small p2p behind a large one");
-  });
+void large_messages_both_ways_at_once(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  if (n == 1) return;
+  const int right = (r + 1) % n, left = (r + n - 1) % n;
+  const int64_t numel = 300001;  // 1.2 MB
+  auto big = torch::arange(numel, torch::kFloat32) + r;
+  auto send = comm.isend(big, right, 3);
+  auto small = comm.isend(torch::full({5}, r, torch::kInt64), right, 4);
+  auto got_small = comm.recv_any(left, 4);  // overtakes the large message from the same sender
+  auto got = torch::empty({numel});
+  comm.recv(got, left, 3);
+  send->wait();
+  small->wait();
+  expect_equal(got, torch::arange(numel, torch::kFloat32) + left, "large p2p");
+  expect_equal(got_small, torch::full({5}, left, torch::kInt64), "small p2p behind a large one");
 }
+TEST_P(Collectives, LargeMessagesBothWaysAtOnce) { run(large_messages_both_ways_at_once); }
 
 // The bytes each algorithm moves, counted exactly: the ring's on gloo; on shm
 // what the peers read from this rank (each peer's piece, then this rank's
-// reduced piece to every peer); on the hierarchical backend (2 hosts x 2)
-// its three phases, of which only the middle one crosses hosts.
-TEST_P(Collectives, TrafficCountsTheAlgorithmsBytes) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    const std::string backend = comm.backend();
-    const int64_t numel = 100003;
-    ASSERT_GT(numel * 4, comm.options().inline_bytes);
-    auto counts = meshtrain::shard_sizes(numel, n);
-    comm.reset_traffic();
-    auto t = torch::ones({numel}, torch::kFloat32);
-    comm.all_reduce(t);
-    auto traffic = comm.traffic();
-    // Ring: the reduce-scatter phase sends every chunk but this rank's, the
-    // all-gather phase every chunk but the right neighbour's.
-    int64_t want_sent = 4 * ((numel - counts[r]) + (numel - counts[(r + 1) % n]));
-    int64_t want_across = 0;
-    if (backend == "shm") want_sent = 4 * ((numel - counts[r]) + (n - 1) * counts[r]);
-    if (backend == "hierarchical") {
-      // Local reduce-scatter (numel - slice), ring all-reduce of the slice
-      // across 2 hosts (slice), local all-gather (slice).
-      const int64_t slice = meshtrain::shard_size(numel, 2, r % 2);
-      want_sent = 4 * (numel - slice + slice + slice);
-      want_across = 4 * slice;
-    }
-    if (n == 1) want_sent = 0;
-    EXPECT_EQ(traffic[OpKind::kAllReduce].calls, 1);
-    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, want_sent);
-    EXPECT_EQ(traffic[OpKind::kAllReduce].inter_host_sent, want_across);
-    EXPECT_EQ(traffic[OpKind::kAllReduce].inter_host_received, want_across);
-    comm.reset_traffic();
-    comm.reduce_scatter(t);
-    traffic = comm.traffic();
-    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, n == 1 ? 0 : 4 * (numel - counts[r]));
-    // Ring: every chunk but the left neighbour's (the one it sends first); shm: its shard from each peer.
-    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received,
-              n == 1 ? 0 : backend == "shm" ? 4 * counts[r] * (n - 1) : 4 * (numel - counts[(r + n - 1) % n]));
-    if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
-  });
+// reduced piece to every peer); on the hierarchical backend (2 hosts x 2) its
+// three phases, of which only the middle one crosses hosts; on mpi, whose
+// algorithm is OpenMPI's, the bytes handed to MPI for other ranks and handed
+// back from them (Note [MPI traffic]: all_reduce's buffer once each way;
+// reduce_scatter's other shards out, this rank's shard in).
+void traffic_counts_the_algorithms_bytes(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  const std::string backend = comm.backend();
+  const bool ring = backend == "gloo", mpi = backend == "mpi", hier = backend == "hierarchical";
+  const int64_t numel = 100003;
+  ASSERT_GT(numel * 4, comm.options().inline_bytes);
+  auto counts = meshtrain::shard_sizes(numel, n);
+  comm.reset_traffic();
+  auto t = torch::ones({numel}, torch::kFloat32);
+  comm.all_reduce(t);
+  auto traffic = comm.traffic();
+  // Ring: the reduce-scatter phase sends every chunk but this rank's, the
+  // all-gather phase every chunk but the right neighbour's. Hierarchical: the
+  // local reduce-scatter (numel - slice), the ring all-reduce of the slice
+  // across 2 hosts (slice), the local all-gather (slice).
+  const int64_t slice = meshtrain::shard_size(numel, 2, r % 2);
+  const int64_t want_sent = n == 1 ? 0
+                            : ring ? 4 * ((numel - counts[r]) + (numel - counts[(r + 1) % n]))
+                            : mpi  ? 4 * numel
+                            : hier ? 4 * (numel + slice)
+                                   : 4 * ((numel - counts[r]) + (n - 1) * counts[r]);
+  EXPECT_EQ(traffic[OpKind::kAllReduce].calls, 1);
+  EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, want_sent);
+  EXPECT_EQ(traffic[OpKind::kAllReduce].inter_host_sent, hier ? 4 * slice : 0);
+  EXPECT_EQ(traffic[OpKind::kAllReduce].inter_host_received, hier ? 4 * slice : 0);
+  if (mpi) {
+    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_received, n == 1 ? 0 : 4 * numel);
+  }
+  comm.reset_traffic();
+  comm.reduce_scatter(t);
+  traffic = comm.traffic();
+  EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, n == 1 ? 0 : 4 * (numel - counts[r]));
+  // Ring (and hierarchical, whose reduce_scatter is Gloo's): every chunk but
+  // the left neighbour's (the one it sends first); shm: its shard from each
+  // peer; mpi: its shard, once.
+  EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received,
+            n == 1 ? 0 : ring || hier ? 4 * (numel - counts[(r + n - 1) % n]) : mpi ? 4 * counts[r] : 4 * counts[r] * (n - 1));
+  if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
 }
+TEST_P(Collectives, TrafficCountsTheAlgorithmsBytes) { run(traffic_counts_the_algorithms_bytes); }
 
-TEST_P(SmallPayloads, TravelInOneRound) {
-  run([](Communicator& comm) {
-    const int n = comm.size(), r = comm.rank();
-    const int64_t numel = 1003;  // 4012 bytes: inline
-    auto counts = meshtrain::shard_sizes(numel, n);
-    comm.reset_traffic();
-    auto t = torch::ones({numel});
-    comm.all_reduce(t);
-    auto traffic = comm.traffic();
+// On mpi, the counting rule of Note [MPI traffic] instead: whatever OpenMPI's
+// small-message algorithm, the buffer counts once each way, and the
+// verification all-gather sends this rank's 120-byte header and receives
+// every peer's.
+void small_payloads_travel_in_one_round(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  const bool mpi = comm.backend() == "mpi";
+  const int64_t numel = 1003;  // 4012 bytes: inline
+  auto counts = meshtrain::shard_sizes(numel, n);
+  comm.reset_traffic();
+  auto t = torch::ones({numel});
+  comm.all_reduce(t);
+  auto traffic = comm.traffic();
+  if (mpi) {
+    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, n == 1 ? 0 : 4 * numel);
+    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_received, n == 1 ? 0 : 4 * numel);
+    EXPECT_EQ(traffic[OpKind::kVerify].bytes_sent, n == 1 ? 0 : 120);
+    EXPECT_EQ(traffic[OpKind::kVerify].bytes_received, 120 * (n - 1));
+  } else {
     EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, 4 * numel * (n - 1));  // the whole buffer to each peer
     // Only the headers remain under "verify": one per peer, each way.
     EXPECT_EQ(traffic[OpKind::kVerify].bytes_sent, traffic[OpKind::kVerify].bytes_received);
     EXPECT_EQ(traffic[OpKind::kVerify].bytes_sent % (n == 1 ? 1 : n - 1), 0);
-    comm.reset_traffic();
-    comm.reduce_scatter(t);
-    traffic = comm.traffic();
-    // Each peer gets only its shard: the ring's volume, in one round.
-    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, 4 * (numel - counts[r]));
-    EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, 4 * counts[r] * (n - 1));
-  });
+  }
+  comm.reset_traffic();
+  comm.reduce_scatter(t);
+  traffic = comm.traffic();
+  // Each peer gets only its shard: the ring's volume, in one round (mpi: the
+  // same bytes leave this rank; its shard arrives, counted once).
+  EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, 4 * (numel - counts[r]));
+  EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, n == 1 ? 0 : 4 * counts[r] * (mpi ? 1 : n - 1));
 }
+TEST_P(SmallPayloads, TravelInOneRound) { run(small_payloads_travel_in_one_round); }
 
 std::vector<Case> every_case(bool large) {
   std::vector<Case> cases;
@@ -374,5 +402,39 @@ INSTANTIATE_TEST_SUITE_P(Large, CollectiveValues, ::testing::ValuesIn(every_case
 INSTANTIATE_TEST_SUITE_P(Small, Collectives, ::testing::ValuesIn(every_case(false)), case_name);
 INSTANTIATE_TEST_SUITE_P(Large, Collectives, ::testing::ValuesIn(every_case(true)), case_name);
 INSTANTIATE_TEST_SUITE_P(Small, SmallPayloads, ::testing::ValuesIn(every_case(false)), case_name);
+
+// The MPI backend runs every test above, at every world size, in one mpirun
+// job per world size: a job costs ~1 s to start (mpirun, then libtorch's
+// start-up in every rank, which the zygote cannot spare ranks that mpirun
+// starts), so a job per test would add a minute to the suite (measured: 64 s
+// for the ten tests at worlds 1-4). MPI has one path, so there is no large
+// case (OpenMPI picks its algorithms by size itself).
+class MpiCollectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(MpiCollectives, EveryTestInOneJob) {
+  const std::vector<std::pair<const char*, void (*)(Communicator&)>> tests = {
+      {"AllReduceEveryOpAndDtype", all_reduce_every_op_and_dtype},
+      {"BroadcastAndReduceFromEveryRoot", broadcast_and_reduce_from_every_root},
+      {"AllGatherEqualAndUneven", all_gather_equal_and_uneven},
+      {"ReduceScatterUnevenAndEqual", reduce_scatter_uneven_and_equal},
+      {"GatherScatterAllToAllBarrier", gather_scatter_all_to_all_barrier},
+      {"NonContiguousAndAsync", non_contiguous_and_async},
+      {"PointToPointRingWithTagsAndUnknownShapes", point_to_point_ring_with_tags_and_unknown_shapes},
+      {"LargeMessagesBothWaysAtOnce", large_messages_both_ways_at_once},
+      {"TrafficCountsTheAlgorithmsBytes", traffic_counts_the_algorithms_bytes},
+      {"SmallPayloadsTravelInOneRound", small_payloads_travel_in_one_round},
+  };
+  meshtrain::testing::RankOptions options;
+  options.env.push_back("MESHTRAIN_BACKEND=mpi");
+  run_ranks(GetParam(), [&](Communicator& comm) {
+    for (const auto& test : tests) {
+      SCOPED_TRACE(test.first);
+      test.second(comm);
+    }
+  }, options);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, MpiCollectives, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "mpi_world" + std::to_string(info.param); });
 
 }  // namespace

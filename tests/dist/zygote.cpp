@@ -91,10 +91,10 @@ int thread_count() {
   return n;
 }
 
-// fork + exec of this binary with `args` and exactly `environment`; output
-// to `log_path` (empty: inherited). The child dies with this process.
-pid_t fork_exec_self(const std::vector<std::string>& args, const std::vector<std::string>& environment,
-                     const std::string& log_path) {
+// fork + exec of `path` with `args` and exactly `environment`; output to
+// `log_path` (empty: inherited). The child dies with this process.
+pid_t fork_exec(const std::string& path, const std::vector<std::string>& args,
+                const std::vector<std::string>& environment, const std::string& log_path) {
   std::vector<char*> argv, envp;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -111,10 +111,15 @@ pid_t fork_exec_self(const std::vector<std::string>& args, const std::vector<std
         dup2(fd, 2);
       }
     }
-    execve("/proc/self/exe", argv.data(), envp.data());
+    execve(path.c_str(), argv.data(), envp.data());
     _exit(127);
   }
   return pid;
+}
+
+pid_t fork_exec_self(const std::vector<std::string>& args, const std::vector<std::string>& environment,
+                     const std::string& log_path) {
+  return fork_exec("/proc/self/exe", args, environment, log_path);
 }
 
 // ---- the rank side (in the grandchild of the zygote).
@@ -264,6 +269,11 @@ std::vector<std::string> environment_with(const std::vector<std::string>& extra)
   }
   out.insert(out.end(), extra.begin(), extra.end());
   return out;
+}
+
+pid_t spawn_command(const std::vector<std::string>& argv, const std::vector<std::string>& environment,
+                    const std::string& log_path) {
+  return fork_exec(argv.at(0), argv, environment, log_path);
 }
 
 pid_t spawn_rank(const std::vector<std::string>& environment, const std::string& test, const std::string& log_path) {

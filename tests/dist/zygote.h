@@ -36,5 +36,11 @@ std::vector<std::string> environment_with(const std::vector<std::string>& extra)
 // Forked by the zygote, or, when none is available, started by exec.
 pid_t spawn_rank(const std::vector<std::string>& environment, const std::string& test, const std::string& log_path);
 
+// Starts argv[0] (a path) with `argv` and exactly `environment`, stdout and
+// stderr to `log_path`, by fork and exec; it dies with this process. (mpirun,
+// which starts the ranks of an MPI run itself.)
+pid_t spawn_command(const std::vector<std::string>& argv, const std::vector<std::string>& environment,
+                    const std::string& log_path);
+
 }  // namespace testing
 }  // namespace meshtrain

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <map>
 #include <thread>
 
@@ -87,8 +88,31 @@ TEST(DistEnv, BadValuesNameTheVariable) {
   expect_error_naming({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}}, "MASTER_ADDR");
   expect_error_naming({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"},
                        {"MASTER_ADDR", "h"}}, "LOCAL_RANK=3");
+  // Across nodes under mpirun, a backend that meets through the store needs MASTER_ADDR ...
   expect_error_naming({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}, "MASTER_ADDR");
+                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"MESHTRAIN_BACKEND", "gloo"}}, "MASTER_ADDR");
+  // ... MPI (auto under mpirun, or mpi) needs no store.
+  for (const char* backend : {"auto", "mpi"}) {
+    auto e = parse({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                    {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"MESHTRAIN_BACKEND", backend}});
+    EXPECT_EQ(e.source, "openmpi") << backend;
+  }
+}
+
+// Backend mpi without mpirun: a ConfigError naming the fix, before any communication.
+TEST(DistEnv, MpiBackendWithoutMpirunIsAConfigError) {
+  ASSERT_EQ(std::getenv("OMPI_COMM_WORLD_RANK"), nullptr) << "run the unit tests without mpirun";
+  for (bool by_env : {true, false}) {
+    if (by_env) setenv("MESHTRAIN_BACKEND", "mpi", 1);
+    try {
+      init_from_env(by_env ? CommOptions() : CommOptions().set_backend("mpi"));
+      ADD_FAILURE() << "no error for backend mpi without mpirun";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("not started by mpirun"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("mpirun -np"), std::string::npos) << e.what();
+    }
+    unsetenv("MESHTRAIN_BACKEND");
+  }
 }
 
 TEST(DistEnv, SlurmNodeLists) {

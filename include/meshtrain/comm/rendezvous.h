@@ -11,6 +11,7 @@
 // or explicitly with the article's init method "tcp://host:port" plus a rank
 // and a world size. Rank 0 hosts the store at MASTER_ADDR:MASTER_PORT (bound to
 // that address only), unless the launcher hosts it (MESHTRAIN_AGENT_STORE=1).
+// A job started by mpirun runs on MPI (backend auto or mpi) and needs no store.
 
 #include <functional>
 #include <optional>
@@ -57,7 +58,14 @@ void apply_thread_settings(const DistEnv& env);
 void apply_thread_settings();  // of this process's environment
 
 // Joins the job described by the environment; returns the world communicator.
+// Under mpirun with backend auto or mpi (CommOptions::backend, else
+// MESHTRAIN_BACKEND), an MPI world; backend mpi without mpirun is a ConfigError.
 CommPtr init_from_env(CommOptions options = {});
+// Ends MPI in this process (MPI_Finalize), if meshtrain started it and its
+// state allows (see docs/comm.md). It happens at normal exit anyway; call it
+// in a process that ends with _exit, after its last communicator is gone
+// (ConfigError otherwise). Every rank of the job must reach it. No-op without MPI.
+void finalize_mpi();
 // The article's init method: rank 0 hosts the store at host:port.
 CommPtr init_tcp(const std::string& url, int rank, int world_size, CommOptions options = {});
 // A world of one process (its own private store): single-process references.

@@ -1,0 +1,398 @@
+// MpiCommunicator collectives: the verification round, then one non-blocking
+// MPI collective per operation. Traffic follows Note [MPI traffic] in
+// communicator.h. Every buffer a request reads or writes is passed to wait(),
+// which keeps it alive for good if the request can never finish (timeout);
+// that includes the count and displacement arrays of the "v" collectives,
+// which MPI may read until completion.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <climits>
+
+#include "communicator.h"
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/shard.h"
+#include "runtime.h"
+
+namespace meshtrain {
+namespace comm {
+namespace mpi_backend {
+
+namespace {
+
+static_assert(sizeof(Header) == 120, "the verification round's cost is documented as 120 bytes per rank");
+
+// all_gather's aux is the output's size, or -1 without one; split marks its exchange with this.
+constexpr int64_t kSplitting = -2;
+
+char* bytes_of(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// MPI's counts and displacements are ints: an array of them that lives as long as the request.
+at::Tensor int_array(const std::vector<int64_t>& v) {
+  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::kInt);
+  for (size_t i = 0; i < v.size(); ++i) t.data_ptr<int>()[i] = static_cast<int>(v[i]);
+  return t;
+}
+
+int* ints(const at::Tensor& t) { return t.data_ptr<int>(); }
+
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  const char *pa = bytes_of(a), *pb = bytes_of(b);
+  return a.nbytes() > 0 && b.nbytes() > 0 && pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+bool all_equal(const std::vector<int64_t>& v) {
+  return std::all_of(v.begin(), v.end(), [&](int64_t x) { return x == v[0]; });
+}
+
+}  // namespace
+
+// ---- verification
+
+std::vector<Header> MpiCommunicator::exchange_headers(const Header& mine, const char* op) {
+  const int n = size();
+  Header* all = reinterpret_cast<Header*>(headers_.data_ptr());
+  all[rank_] = mine;
+  MPI_Request request;
+  check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, all, sizeof(Header), MPI_BYTE, comm_, &request), op,
+        "MPI_Iallgather");
+  wait(request, op, {});  // headers_ is the communicator's; abandoned with it after a timeout
+  add_traffic(OpKind::kVerify, sizeof(Header), (n - 1) * static_cast<int64_t>(sizeof(Header)));
+  return std::vector<Header>(all, all + n);
+}
+
+void MpiCommunicator::verify(const std::vector<Header>& all, const char* op, bool same_shape) const {
+  const std::string problem = header_mismatch(all, same_shape);
+  if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
+}
+
+void MpiCommunicator::add_traffic(OpKind kind, int64_t sent, int64_t received) {
+  if (size() == 1) return;
+  counter_.add_sent(kind, sent);
+  counter_.add_received(kind, received);
+}
+
+int MpiCommunicator::mpi_count(int64_t numel, const char* op) const {
+  MESHTRAIN_CHECK(numel <= INT_MAX, where(op), ": ", numel, " elements exceed MPI's int counts (2^31 - 1 elements); "
+                  "split the tensor");
+  return static_cast<int>(numel);
+}
+
+// ---- all_reduce, broadcast, reduce: in place
+
+WorkPtr MpiCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
+  check_tensor(tensor, "all_reduce", "tensor");
+  check_reduce_op(op, tensor, "all_reduce");
+  const int count = mpi_count(tensor.numel(), "all_reduce");
+  return enqueue(OpKind::kAllReduce, "all_reduce", [this, tensor, op, count](std::vector<at::Tensor>& result) {
+    at::Tensor data = contiguous(tensor);
+    if (options_.verify) verify(exchange_headers(header_of(data, OpKind::kAllReduce, op), "all_reduce"), "all_reduce", true);
+    MPI_Request request;
+    check(MPI_Iallreduce(MPI_IN_PLACE, data.data_ptr(), count, datatype_of(data.scalar_type()),
+                         op_for(data.scalar_type(), op), comm_, &request),
+          "all_reduce", "MPI_Iallreduce");
+    wait(request, "all_reduce", {data});
+    if (op == ReduceOp::kAvg) data.div_(size());
+    add_traffic(OpKind::kAllReduce, data.nbytes(), data.nbytes());
+    if (!tensor.is_contiguous()) tensor.copy_(data);
+    result = {tensor};
+  });
+}
+
+WorkPtr MpiCommunicator::broadcast_async(at::Tensor tensor, int root) {
+  check_tensor(tensor, "broadcast", "tensor");
+  check_root(root, "broadcast");
+  const int count = mpi_count(tensor.numel(), "broadcast");
+  return enqueue(OpKind::kBroadcast, "broadcast", [this, tensor, root, count](std::vector<at::Tensor>& result) {
+    at::Tensor data = contiguous(tensor);
+    if (options_.verify) {
+      verify(exchange_headers(header_of(data, OpKind::kBroadcast, ReduceOp::kSum, root), "broadcast"), "broadcast", true);
+    }
+    MPI_Request request;
+    check(MPI_Ibcast(data.data_ptr(), count, datatype_of(data.scalar_type()), root, comm_, &request), "broadcast",
+          "MPI_Ibcast");
+    wait(request, "broadcast", {data});
+    const int64_t bytes = data.nbytes();
+    add_traffic(OpKind::kBroadcast, rank_ == root ? bytes : 0, rank_ == root ? 0 : bytes);
+    if (!tensor.is_contiguous()) tensor.copy_(data);
+    result = {tensor};
+  });
+}
+
+WorkPtr MpiCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
+  check_tensor(tensor, "reduce", "tensor");
+  check_root(root, "reduce");
+  check_reduce_op(op, tensor, "reduce");
+  const int count = mpi_count(tensor.numel(), "reduce");
+  return enqueue(OpKind::kReduce, "reduce", [this, tensor, root, op, count](std::vector<at::Tensor>& result) {
+    at::Tensor data = contiguous(tensor);
+    if (options_.verify) verify(exchange_headers(header_of(data, OpKind::kReduce, op, root), "reduce"), "reduce", true);
+    const bool is_root = rank_ == root;
+    MPI_Request request;
+    check(MPI_Ireduce(is_root ? MPI_IN_PLACE : data.data_ptr(), is_root ? data.data_ptr() : nullptr, count,
+                      datatype_of(data.scalar_type()), op_for(data.scalar_type(), op), root, comm_, &request),
+          "reduce", "MPI_Ireduce");
+    wait(request, "reduce", {data});
+    const int64_t bytes = data.nbytes();
+    add_traffic(OpKind::kReduce, is_root ? 0 : bytes, is_root ? bytes : 0);
+    if (is_root) {
+      if (op == ReduceOp::kAvg) data.div_(size());
+      if (!tensor.is_contiguous()) tensor.copy_(data);
+    }
+    result = {tensor};
+  });
+}
+
+// ---- all_gather (and split's exchange)
+
+void MpiCommunicator::gather_flat(const at::Tensor& input, const at::Tensor& output, bool splitting,
+                                  std::vector<at::Tensor>& result) {
+  const int n = size(), me = rank_;
+  const char* op = splitting ? "split" : "all_gather";
+  const at::Tensor mine = contiguous(input);
+  Header h = header_of(mine, OpKind::kAllGather);
+  h.aux = splitting ? kSplitting : output.defined() ? output.numel() : -1;
+  const std::vector<Header> all = exchange_headers(h, op);
+  auto name = [&](int q) { return all[q].aux == kSplitting ? "split" : "all_gather"; };
+  for (int q = 1; q < n; ++q) {
+    if ((all[q].aux == kSplitting) != (all[0].aux == kSplitting)) {
+      throw MismatchError(str_cat(where(op), ": rank ", q, " called ", name(q), " while rank 0 called ", name(0),
+                                  " (every rank must call collectives in the same order)"));
+    }
+  }
+  std::vector<Header> kinds = all;  // sizes may differ by rank; kinds and dtypes may not
+  for (auto& k : kinds) k.aux = 0;
+  verify(kinds, op, false);
+  std::vector<int64_t> counts(n);
+  int64_t total = 0;
+  for (int q = 0; q < n; ++q) total += counts[q] = all[q].numel;
+  for (int q = 0; q < n; ++q) {
+    if (all[q].aux >= 0 && all[q].aux != total) {
+      throw MismatchError(str_cat(where(op), ": rank ", q, " passed an output of ", all[q].aux,
+                                  " elements but the inputs total ", total));
+    }
+  }
+  mpi_count(total, op);
+  at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1) : at::empty({total}, input.options());
+  const auto offsets = offsets_of(counts);
+  flat.narrow(0, offsets[me], counts[me]).copy_(mine.view(-1));
+  const MPI_Datatype type = datatype_of(input.scalar_type());
+  at::Tensor rcounts = int_array(counts), displs = int_array(offsets);
+  MPI_Request request;
+  if (all_equal(counts)) {
+    check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, flat.data_ptr(), static_cast<int>(counts[0]), type, comm_,
+                         &request),
+          op, "MPI_Iallgather");
+  } else {
+    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, flat.data_ptr(), ints(rcounts), ints(displs), type,
+                          comm_, &request),
+          op, "MPI_Iallgatherv");
+  }
+  wait(request, op, {flat, rcounts, displs});
+  const int64_t elem = input.element_size();
+  add_traffic(OpKind::kAllGather, counts[me] * elem, (total - counts[me]) * elem);
+  if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
+  result = {output.defined() ? output : flat};
+  for (int q = 0; q < n; ++q) result.push_back(flat.narrow(0, offsets[q], counts[q]).view(shape_of(all[q])));
+}
+
+WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
+  check_all_gather(input, output);
+  return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) {
+    gather_flat(input, output, /*splitting=*/false, result);
+  });
+}
+
+// ---- reduce_scatter
+
+WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                                              std::vector<int64_t> counts) {
+  check_reduce_scatter(input, output, counts);
+  check_reduce_op(op, input, "reduce_scatter");
+  mpi_count(input.numel(), "reduce_scatter");
+  return enqueue(OpKind::kReduceScatter, "reduce_scatter",
+                 [this, input, op, output, counts](std::vector<at::Tensor>& result) {
+    const at::Tensor flat = input.contiguous().view(-1);
+    if (options_.verify) {
+      Header h = header_of(flat, OpKind::kReduceScatter, op);
+      h.aux = hash_sizes(counts);
+      verify(exchange_headers(h, "reduce_scatter"), "reduce_scatter", true);
+    }
+    // MPI's send and receive buffers may not overlap; ZeRO's output is often this rank's shard of the input.
+    const bool direct = output.defined() && output.is_contiguous() && !overlap(output, flat);
+    at::Tensor out = direct ? output.view(-1) : at::empty({counts[rank_]}, input.options());
+    const MPI_Datatype type = datatype_of(input.scalar_type());
+    const MPI_Op mpi_op = op_for(input.scalar_type(), op);
+    at::Tensor rcounts = int_array(counts);
+    MPI_Request request;
+    if (all_equal(counts)) {
+      check(MPI_Ireduce_scatter_block(flat.data_ptr(), out.data_ptr(), static_cast<int>(counts[0]), type, mpi_op, comm_,
+                                      &request),
+            "reduce_scatter", "MPI_Ireduce_scatter_block");
+    } else {
+      check(MPI_Ireduce_scatter(flat.data_ptr(), out.data_ptr(), ints(rcounts), type, mpi_op, comm_, &request),
+            "reduce_scatter", "MPI_Ireduce_scatter");
+    }
+    wait(request, "reduce_scatter", {flat, out, rcounts});
+    if (op == ReduceOp::kAvg) out.div_(size());
+    const int64_t elem = input.element_size();
+    add_traffic(OpKind::kReduceScatter, (flat.numel() - counts[rank_]) * elem, counts[rank_] * elem);
+    if (output.defined() && !direct) output.view(-1).copy_(out);
+    result = {output.defined() ? output : out};
+  });
+}
+
+// ---- gather, scatter
+
+WorkPtr MpiCommunicator::gather_async(const at::Tensor& input, int root) {
+  check_tensor(input, "gather", "input");
+  check_root(root, "gather");
+  mpi_count(input.numel(), "gather");
+  return enqueue(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
+    const int n = size();
+    const at::Tensor data = input.contiguous();
+    const std::vector<Header> all = exchange_headers(header_of(data, OpKind::kGather, ReduceOp::kSum, root), "gather");
+    verify(all, "gather", false);  // sizes are needed whether or not options_.verify
+    const MPI_Datatype type = datatype_of(input.scalar_type());
+    std::vector<int64_t> counts(n);
+    int64_t total = 0;
+    for (int q = 0; q < n; ++q) total += counts[q] = all[q].numel;
+    const int64_t elem = input.element_size();
+    MPI_Request request;
+    result.clear();
+    if (rank_ != root) {
+      check(MPI_Igatherv(data.data_ptr(), static_cast<int>(data.numel()), type, nullptr, nullptr, nullptr, type, root,
+                         comm_, &request),
+            "gather", "MPI_Igatherv");
+      wait(request, "gather", {data});
+      add_traffic(OpKind::kGather, data.numel() * elem, 0);
+      return;
+    }
+    mpi_count(total, "gather");
+    const auto offsets = offsets_of(counts);
+    at::Tensor flat = at::empty({total}, input.options());
+    flat.narrow(0, offsets[root], counts[root]).copy_(data.view(-1));
+    at::Tensor rcounts = int_array(counts), displs = int_array(offsets);
+    check(MPI_Igatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, flat.data_ptr(), ints(rcounts), ints(displs), type, root,
+                       comm_, &request),
+          "gather", "MPI_Igatherv");
+    wait(request, "gather", {flat, rcounts, displs});
+    add_traffic(OpKind::kGather, 0, (total - counts[root]) * elem);
+    for (int q = 0; q < n; ++q) result.push_back(flat.narrow(0, offsets[q], counts[q]).view(shape_of(all[q])));
+  });
+}
+
+WorkPtr MpiCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
+  check_scatter(output, inputs, root);
+  return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) {
+    Header mine = header_of(output, OpKind::kScatter, ReduceOp::kSum, root);
+    std::vector<int64_t> in_sizes;
+    for (const auto& t : inputs) in_sizes.push_back(t.numel());
+    if (rank_ == root) mine.aux = hash_sizes(in_sizes);
+    const std::vector<Header> all = exchange_headers(mine, "scatter");
+    std::vector<Header> kinds = all;
+    for (auto& h : kinds) h.aux = 0;
+    verify(kinds, "scatter", false);
+    std::vector<int64_t> out_sizes;
+    for (const auto& h : all) out_sizes.push_back(h.numel);
+    if (hash_sizes(out_sizes) != all[root].aux) {
+      throw MismatchError(str_cat(where("scatter"), ": the root's inputs do not match the ranks' output sizes"));
+    }
+    at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
+    const MPI_Datatype type = datatype_of(output.scalar_type());
+    const int64_t elem = output.element_size();
+    MPI_Request request;
+    if (rank_ == root) {
+      std::vector<at::Tensor> flats;
+      for (const auto& t : inputs) flats.push_back(t.reshape({-1}));
+      at::Tensor send = at::cat(flats);
+      mpi_count(send.numel(), "scatter");
+      at::Tensor scounts = int_array(out_sizes), displs = int_array(offsets_of(out_sizes));
+      check(MPI_Iscatterv(send.data_ptr(), ints(scounts), ints(displs), type, MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, root,
+                          comm_, &request),
+            "scatter", "MPI_Iscatterv");
+      wait(request, "scatter", {send, scounts, displs});
+      out.view(-1).copy_(flats[root]);
+      add_traffic(OpKind::kScatter, (send.numel() - out_sizes[root]) * elem, 0);
+    } else {
+      check(MPI_Iscatterv(nullptr, nullptr, nullptr, type, out.data_ptr(), mpi_count(out.numel(), "scatter"), type, root,
+                          comm_, &request),
+            "scatter", "MPI_Iscatterv");
+      wait(request, "scatter", {out});
+      add_traffic(OpKind::kScatter, 0, out.numel() * elem);
+    }
+    if (!output.is_contiguous()) output.copy_(out);
+    result = {output};
+  });
+}
+
+// ---- all_to_all: the pieces' headers (their shapes), then the pieces
+
+WorkPtr MpiCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
+  check_all_to_all(inputs);
+  return enqueue(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
+    const int n = size(), me = rank_;
+    if (options_.verify) verify(exchange_headers(header_of(inputs[0], OpKind::kAllToAll), "all_to_all"), "all_to_all", false);
+    constexpr int64_t kH = sizeof(Header);
+    at::Tensor out_headers = at::empty({n * kH}, at::kByte), in_headers = at::empty({n * kH}, at::kByte);
+    std::vector<at::Tensor> flats;
+    std::vector<int64_t> send_counts(n), recv_counts(n);
+    for (int q = 0; q < n; ++q) {
+      flats.push_back(inputs[q].reshape({-1}));
+      send_counts[q] = inputs[q].numel();
+      reinterpret_cast<Header*>(out_headers.data_ptr())[q] = header_of(inputs[q], OpKind::kAllToAll);
+    }
+    MPI_Request request;
+    check(MPI_Ialltoall(out_headers.data_ptr(), kH, MPI_BYTE, in_headers.data_ptr(), kH, MPI_BYTE, comm_, &request),
+          "all_to_all", "MPI_Ialltoall");
+    wait(request, "all_to_all", {out_headers, in_headers});
+    add_traffic(OpKind::kVerify, (n - 1) * kH, (n - 1) * kH);
+    const Header* theirs = reinterpret_cast<const Header*>(in_headers.data_ptr());
+    for (int q = 0; q < n; ++q) {
+      if (theirs[q].kind != static_cast<int32_t>(OpKind::kAllToAll) || theirs[q].dtype != static_cast<int32_t>(inputs[0].scalar_type())) {
+        throw MismatchError(str_cat(where("all_to_all"), ": ", peer_name(q), " sends ",
+                                    theirs[q].kind == static_cast<int32_t>(OpKind::kAllToAll) ? describe(theirs[q]) : op_name(static_cast<OpKind>(theirs[q].kind)),
+                                    " but this rank's inputs are ", inputs[0].scalar_type()));
+      }
+      recv_counts[q] = theirs[q].numel;
+    }
+    at::Tensor send = at::cat(flats);
+    const auto recv_offsets = offsets_of(recv_counts);
+    at::Tensor recv = at::empty({recv_offsets.back() + recv_counts.back()}, inputs[0].options());
+    mpi_count(std::max(send.numel(), recv.numel()), "all_to_all");
+    at::Tensor sc = int_array(send_counts), sd = int_array(offsets_of(send_counts));
+    at::Tensor rc = int_array(recv_counts), rd = int_array(recv_offsets);
+    const MPI_Datatype type = datatype_of(inputs[0].scalar_type());
+    check(MPI_Ialltoallv(send.data_ptr(), ints(sc), ints(sd), type, recv.data_ptr(), ints(rc), ints(rd), type, comm_,
+                         &request),
+          "all_to_all", "MPI_Ialltoallv");
+    wait(request, "all_to_all", {send, recv, sc, sd, rc, rd});
+    const int64_t elem = inputs[0].element_size();
+    add_traffic(OpKind::kAllToAll, (send.numel() - send_counts[me]) * elem, (recv.numel() - recv_counts[me]) * elem);
+    result.clear();
+    for (int q = 0; q < n; ++q) result.push_back(recv.narrow(0, recv_offsets[q], recv_counts[q]).view(shape_of(theirs[q])));
+  });
+}
+
+// ---- barrier
+
+WorkPtr MpiCommunicator::barrier_async() {
+  return enqueue(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) {
+    if (options_.verify) {
+      // An all-gather completes only once every rank has joined it: the verification round is the barrier.
+      verify(exchange_headers(header_of(at::Tensor(), OpKind::kBarrier), "barrier"), "barrier", true);
+      return;
+    }
+    MPI_Request request;
+    check(MPI_Ibarrier(comm_, &request), "barrier", "MPI_Ibarrier");
+    wait(request, "barrier", {});
+  });
+}
+
+}  // namespace mpi_backend
+}  // namespace comm
+}  // namespace meshtrain

@@ -1,0 +1,151 @@
+#pragma once
+// MpiCommunicator: Communicator over OpenMPI (a job started by mpirun), each
+// collective one non-blocking MPI call (MPI_Iallreduce, MPI_Ibcast,
+// MPI_Ireduce_scatter, MPI_Iallgatherv, ...) on an MPI_Comm of its own, so
+// OpenMPI picks the algorithm and the transport (shared memory, TCP, the
+// cluster's interconnect). Sub-communicators come from MPI_Comm_split.
+//
+// Waiting: the running operation polls its requests with MPI_Testall, back to
+// back for 200 us, then sleeping with a growing backoff (Backoff in
+// runtime.h), and
+// raises TimeoutError naming the operation and the communicator after
+// CommOptions::timeout. MPI cannot cancel a collective, so the communicator is
+// unusable afterwards (QueuedCommunicator), the buffers of the pending request
+// are kept alive for the rest of the process, and the process will not call
+// MPI_Finalize (see Note [Leaving MPI] in runtime.cpp). A dead rank ends the
+// whole job (mpirun's doing, see docs/comm.md): there is no PeerFailure here.
+//
+// Verification (CommOptions::verify, on by default): each collective starts
+// with an MPI_Iallgather of every rank's Header (120 bytes each), compared on
+// every rank, so mismatched arguments raise the same MismatchError everywhere
+// instead of MPI's undefined behaviour. Cost: one small all-gather per
+// collective (a few microseconds over shared memory). Operations whose sizes
+// differ by rank (all_gather, gather, scatter, all_to_all) exchange headers
+// regardless.
+//
+// Reductions: Note [MPI reductions] in runtime.cpp (bfloat16 and float16
+// through MPI user operations running meshtrain's reduce_into).
+//
+// Traffic (Note [MPI traffic]): MPI's algorithm is invisible, so a rank counts
+// the bytes it hands to MPI for other ranks and the bytes MPI hands back from
+// them, each byte once however many times MPI moves it:
+//   all_reduce       S sent, S received (the buffer once each way)
+//   reduce           non-root: S sent; root: S received
+//   broadcast        root: S sent; others: S received
+//   all_gather       own input sent; the other ranks' inputs received
+//   reduce_scatter   the other ranks' shards sent; own shard received
+//   gather, scatter  the pieces that leave their owner / arrive at theirs
+//   all_to_all       the pieces for other ranks sent; theirs received
+//   send, recv       the payload; verify: own header sent, others' received
+// Nothing is counted for one rank alone.
+
+#include <mpi.h>
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../header.h"
+#include "../queued.h"
+
+namespace meshtrain {
+namespace comm {
+namespace mpi_backend {
+
+struct RecvOp;
+struct SendOp;
+class RecvWork;
+class SendWork;
+
+class MpiCommunicator final : public QueuedCommunicator {
+ public:
+  // Takes ownership of `comm`, a communicator of its own (duplicated or split);
+  // this process is global_ranks[rank of comm].
+  MpiCommunicator(MPI_Comm comm, std::vector<int> global_ranks, CommOptions options);
+  ~MpiCommunicator() override;
+
+  std::string backend() const override { return "mpi"; }
+
+  WorkPtr isend(const at::Tensor& tensor, int dst, int tag) override;
+  WorkPtr irecv(at::Tensor tensor, int src, int tag) override;
+  WorkPtr irecv_any(int src, int tag) override;
+
+  WorkPtr broadcast_async(at::Tensor tensor, int root) override;
+  WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op) override;
+  WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op) override;
+  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output) override;
+  WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                               std::vector<int64_t> counts) override;
+  WorkPtr gather_async(const at::Tensor& input, int root) override;
+  WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
+  WorkPtr all_to_all_async(std::vector<at::Tensor> inputs) override;
+  WorkPtr barrier_async() override;
+
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& label) override;
+
+ private:
+  friend class RecvWork;
+  friend class SendWork;
+
+  // ---- MPI calls and waiting (communicator.cpp)
+  // CommError naming the call and the operation when `code` is an MPI error.
+  void check(int code, const char* op, const char* call);
+  // Waits for `requests` of operation `op`. On timeout, `buffers` (what the
+  // requests read or write) are kept alive for good, and TimeoutError names
+  // `op`, this communicator and `waiting_for`.
+  void wait(std::vector<MPI_Request>& requests, const char* op, std::vector<at::Tensor> buffers,
+            const std::string& waiting_for);
+  // A non-blocking collective's single request.
+  void wait(MPI_Request request, const char* op, std::vector<at::Tensor> buffers);
+
+  // ---- verification and the collectives' shared steps (collectives.cpp)
+  // Every rank's header, in rank order: one MPI_Iallgather.
+  std::vector<Header> exchange_headers(const Header& mine, const char* op);
+  void verify(const std::vector<Header>& all, const char* op, bool same_shape) const;
+  // all_gather's body, also split's exchange of (color, key): `splitting`
+  // marks the headers, so a rank splitting while another gathers is a MismatchError.
+  void gather_flat(const at::Tensor& input, const at::Tensor& output, bool splitting,
+                   std::vector<at::Tensor>& result);
+  // Counts traffic by Note [MPI traffic] (nothing for one rank alone).
+  void add_traffic(OpKind kind, int64_t sent, int64_t received);
+  // `numel` as an MPI count (an int); ConfigError beyond.
+  int mpi_count(int64_t numel, const char* op) const;
+
+  // ---- point to point (p2p.cpp)
+  struct Channel;
+  // Posts the header receive of a message from `src` (irecv: into `target`).
+  WorkPtr post_recv(int src, int tag, at::Tensor target);
+  // Advances the receives posted on `ch` (holding its mutex), in post order;
+  // see Note [MPI messages].
+  void advance(Channel& ch, int src, int tag);
+  // Forgets completed sends (their buffers are no longer MPI's).
+  void sweep_sends();
+  // Cancels or abandons what is still pending (destructor).
+  void drain_p2p();
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int spin_us_ = 0;
+  // A request that will never complete may use comm_: never free it.
+  std::atomic<bool> abandoned_{false};
+  at::Tensor headers_;  // the verification round's buffer: size() headers, reused
+
+  // Point-to-point state: the receives posted per (source, tag).
+  struct Channel {
+    std::mutex mutex;
+    std::deque<std::shared_ptr<RecvOp>> posted;  // in post order
+  };
+  std::mutex channels_mutex_;
+  std::map<std::pair<int, int>, std::unique_ptr<Channel>> channels_;  // by (src, tag)
+  Channel& channel(int src, int tag);
+  std::mutex post_mutex_;   // a message's two parts are posted back to back
+  std::mutex sends_mutex_;
+  std::vector<std::shared_ptr<SendOp>> sends_;  // not yet known complete
+};
+
+}  // namespace mpi_backend
+}  // namespace comm
+}  // namespace meshtrain

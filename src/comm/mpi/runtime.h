@@ -1,0 +1,83 @@
+#pragma once
+// The MPI library's life in this process, and the pieces every MPI
+// communicator shares: initialization (once, with MPI_THREAD_MULTIPLE),
+// finalization (once, at exit; see Note [Leaving MPI] in runtime.cpp), the
+// dtype and reduction maps, and the polling wait.
+
+#include <ATen/core/Tensor.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+
+namespace meshtrain {
+namespace comm {
+namespace mpi_backend {
+
+// Counts a communicator in, initializing MPI on first use. `timeout` bounds
+// MPI_Finalize at exit (the largest one seen is kept). ConfigError when MPI
+// was already finalized, or when the library cannot serve several threads at
+// once (MPI_THREAD_MULTIPLE): every communicator has a worker thread of its own.
+void attach(std::chrono::milliseconds timeout);
+// Counts a communicator out (its MPI_Comm is freed or abandoned).
+void detach();
+
+// MPI's state is unknown from now on (a collective that can no longer be
+// cancelled is pending, MPI returned an error, or an exception unwound past a
+// communicator): this process must not call MPI_Finalize, which would wait
+// for peers that may never come. `why` is printed at exit.
+void note_failure(const std::string& why);
+bool failed();
+// Keeps `buffers` alive until the process ends: a request that MPI cannot
+// cancel may still read or write them.
+void abandon(std::vector<at::Tensor> buffers);
+
+// The MPI datatype moving `dtype` (float16 and bfloat16 as 2-byte integers:
+// MPI-3 has no such types; reductions on them go through op_for).
+MPI_Datatype datatype_of(at::ScalarType dtype);
+// The MPI_Op for `op` on `dtype`; kAvg gives the sum (the caller divides).
+// See Note [MPI reductions] in runtime.cpp.
+MPI_Op op_for(at::ScalarType dtype, ReduceOp op);
+
+// The pause between two polls of MPI: none for the first `spin_us` (MPI
+// progresses only inside MPI calls, so a waiter polls back to back), then a
+// sleep of an eighth of the time waited so far, between 1 us and 256 us, so
+// that ranks sharing cores leave them to the peers that must make progress,
+// and a wait overshoots by about 1/8 at most. (A non-blocking collective
+// advances only while its ranks poll: a rank asleep delays each of its
+// rounds, and a sleep that doubles at each poll made a 4 KiB all_reduce 10x
+// slower.) While it sleeps, the thread's timer slack is 1 us instead of
+// Linux's 50 us (restored after); sleeps still last 10-50 us on a VM.
+class Backoff {
+ public:
+  explicit Backoff(int spin_us);
+  ~Backoff();
+  void pause();
+
+ private:
+  std::chrono::steady_clock::time_point start_, spin_end_;
+  long saved_slack_ns_ = -1;  // the thread's timer slack, once lowered
+};
+
+// Polls `requests` with MPI_Testall until all completed (true) or `deadline`
+// passed (false). MPI makes progress only inside MPI calls, so the waiter
+// keeps calling, with a Backoff between calls. An MPI error code is returned
+// in `error` (with true).
+bool poll_all(MPI_Request* requests, int count, std::chrono::steady_clock::time_point deadline, int spin_us,
+              int& error);
+// How long to poll before sleeping: MESHTRAIN_MPI_SPIN_US, else 200 us.
+// Measured on 2 cores (4 KiB all_reduce, verified): 2 ranks ~15 us with 200
+// us, ~250 us without spinning; 4 ranks ~100-150 us with, ~600-850 us without
+// (yielding the core while polling was slower in both cases). A wait burns a
+// core for at most spin_us, then sleeps.
+int spin_us();
+
+// "MPI_ERR_TRUNCATE: message truncated".
+std::string error_string(int code);
+
+}  // namespace mpi_backend
+}  // namespace comm
+}  // namespace meshtrain
