@@ -106,8 +106,8 @@ int main(int argc, char** argv) {
   auto c = comm::init_from_env(options);
   torch::set_num_threads(1);
   std::ostringstream json;
-  // On the MPI backend (under mpirun) the impl says so: its peer is bench_mpi_peer.
-  json << "{\"impl\": \"meshtrain" << (c->backend() == "mpi" ? " (mpi)" : "") << (verify ? "" : " (verify off)")
+  // The impl names the backend: "meshtrain shm", "meshtrain gloo", "meshtrain mpi" (whose peer is bench_mpi_peer).
+  json << "{\"impl\": \"meshtrain " << c->backend() << (verify ? "" : " (verify off)")
        << "\", \"world_size\": " << c->size()
        << ", \"rows\": [";
   bool first = true;

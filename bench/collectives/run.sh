@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
-# Collectives: meshtrain (verified and unverified headers) and PyTorch's Gloo,
-# interleaved run by run so that machine noise hits all alike.
-#   bench/collectives/run.sh            (RUNS=3 SIZES=4K,64K,1M,16M,64M TARGET_S=0.3)
+# Collectives, side by side in one run, on 2 and 4 ranks of this machine:
+# meshtrain on each backend (shared memory, Gloo, MPI under mpirun), OpenMPI's
+# own collectives over shared memory and over TCP loopback (bench_mpi_peer),
+# and PyTorch's Gloo (torch_peer.py), interleaved run by run so that machine
+# noise hits all alike. Writes the tables and the issue's floors to docs/BENCHMARKS.md.
+#   bench/collectives/run.sh      (RUNS=3 SIZES=4K,64K,1M,16M,64M WORLDS="2 4" TARGET_S=0.3)
+#
+# Every implementation runs with the same allocator setting: glibc otherwise
+# hands large freed blocks back to the kernel and page-faults them in again on
+# the next call (~15 us a page in this VM), which costs OpenMPI's reductions,
+# whose scratch buffers are allocated per call, up to 10x at 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-RUNS=${RUNS:-3}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; TARGET_S=${TARGET_S:-0.3}
+RUNS=${RUNS:-3}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; WORLDS=${WORLDS:-2 4}; TARGET_S=${TARGET_S:-0.3}
 OUT=${OUT:-build/bench/collectives}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
+export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4294967296} MALLOC_TOP_PAD_=${MALLOC_TOP_PAD_:-1073741824}
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x MALLOC_TRIM_THRESHOLD_ -x MALLOC_TOP_PAD_"
+ARGS="--sizes $SIZES --target-s $TARGET_S"
 for i in $(seq 1 "$RUNS"); do
-  build/bin/meshrun --nproc-per-node 2 --master-port 0 --threads-per-rank 1 -- \
-    build/bin/bench_collectives --sizes "$SIZES" --target-s "$TARGET_S" --out "$OUT/meshtrain_$i.json"
-  build/bin/meshrun --nproc-per-node 2 --master-port 0 --threads-per-rank 1 -- \
-    build/bin/bench_collectives --sizes "$SIZES" --target-s "$TARGET_S" --verify 0 --out "$OUT/meshtrain_noverify_$i.json"
-  /usr/bin/python3 bench/collectives/torch_peer.py --sizes "$SIZES" --target-s "$TARGET_S" --out "$OUT/torch_$i.json"
+  for n in $WORLDS; do
+    for backend in shm gloo; do
+      MESHTRAIN_BACKEND=$backend build/bin/meshrun --nproc-per-node "$n" --master-port 0 --threads-per-rank 1 -- \
+        build/bin/bench_collectives $ARGS --out "$OUT/mt_${backend}_w${n}_$i.json" > /dev/null
+    done
+    $MPIRUN -np "$n" --mca btl self,vader -x OMP_NUM_THREADS=1 -x MESHTRAIN_BACKEND=mpi \
+      build/bin/bench_collectives $ARGS --out "$OUT/mt_mpi_w${n}_$i.json" > /dev/null
+    $MPIRUN -np "$n" --mca btl self,vader build/bin/bench_mpi_peer $ARGS --out "$OUT/ompi_shm_w${n}_$i.json" > /dev/null
+    $MPIRUN -np "$n" --mca btl self,tcp --mca btl_tcp_if_include lo build/bin/bench_mpi_peer $ARGS \
+      --out "$OUT/ompi_tcp_w${n}_$i.json" > /dev/null
+    /usr/bin/python3 bench/collectives/torch_peer.py --world-size "$n" $ARGS --out "$OUT/torch_w${n}_$i.json" > /dev/null
+  done
 done
-/usr/bin/python3 bench/collectives/report.py "$OUT"/meshtrain_[0-9]*.json "$OUT"/meshtrain_noverify_*.json "$OUT"/torch_*.json \
-  --doc docs/BENCHMARKS.md --header "Measured $(date -u +%Y-%m-%d) with bench/collectives/run.sh (RUNS=$RUNS)."
+/usr/bin/python3 bench/collectives/report.py "$OUT"/*.json --doc docs/BENCHMARKS.md \
+  --header "Measured $(date -u +%Y-%m-%d) with bench/collectives/run.sh (RUNS=$RUNS)."
