@@ -93,16 +93,19 @@ int main(int argc, char** argv) {
   std::string sizes = "4K,64K,1M,16M,64M", ops = "all_reduce,all_gather,reduce_scatter,broadcast", out;
   double target_s = 0.3;
   bool verify = true;
+  int64_t inline_kb = -1;  // CommOptions::inline_bytes in KiB (Gloo's one-round threshold); -1: the default
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i], v = argv[i + 1];
     if (f == "--sizes") sizes = v;
     else if (f == "--ops") ops = v;
     else if (f == "--target-s") target_s = std::stod(v);
     else if (f == "--verify") verify = v == "1";
+    else if (f == "--inline-kb") inline_kb = std::stoll(v);
     else if (f == "--out") out = v;
   }
   comm::CommOptions options;
   options.verify = verify;
+  if (inline_kb >= 0) options.inline_bytes = inline_kb << 10;
   auto c = comm::init_from_env(options);
   torch::set_num_threads(1);
   std::ostringstream json;

@@ -43,8 +43,9 @@ std::string tag(const char* op, torch::Dtype dt, int64_t numel) {
 
 // A backend, a world size, and which path the tensors of these tests take:
 // small (gloo: inside the header round; shm: one step) or large (gloo: the
-// ring algorithms, inline_bytes 0; shm: the chunked algorithms, with buffers
-// so small that the tests' tensors span many chunks and rings). The MPI
+// ring algorithms, inline_bytes 0, and gloo_direct: the direct ones; shm: the
+// chunked algorithms, with buffers so small that the tests' tensors span many
+// chunks and rings; hier: the three-phase all_reduce at every size). The MPI
 // backend runs the same tests as MpiCollectives (at the end of this file).
 struct Case {
   const char* backend;
@@ -63,11 +64,16 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 
 meshtrain::testing::RankOptions options_for(const Case& c) {
   meshtrain::testing::RankOptions options;
-  const bool hier = std::string(c.backend) == "hier";
-  options.env.push_back(std::string("MESHTRAIN_BACKEND=") + (hier ? "auto" : c.backend));
-  if (hier) {
+  const std::string backend = c.backend;
+  if (backend == "hier") {
+    options.env.push_back("MESHTRAIN_BACKEND=auto");
     options.hosts = 2;  // two "hosts" of world / 2 ranks each: the hierarchical backend
     if (c.large) options.env.push_back("MESHTRAIN_HIER_MIN_KB=0");  // every all_reduce takes the hierarchical path
+  } else if (backend == "gloo_direct") {
+    options.env.push_back("MESHTRAIN_BACKEND=gloo");  // the default algorithms above inline_bytes
+  } else {
+    options.env.push_back("MESHTRAIN_BACKEND=" + backend);
+    if (backend == "gloo" && c.large) options.env.push_back("MESHTRAIN_GLOO_RING_KB=0");  // the ring
   }
   if (c.large) {
     options.inline_bytes = 0;
@@ -314,7 +320,9 @@ TEST_P(Collectives, LargeMessagesBothWaysAtOnce) { run(large_messages_both_ways_
 void traffic_counts_the_algorithms_bytes(Communicator& comm) {
   const int n = comm.size(), r = comm.rank();
   const std::string backend = comm.backend();
-  const bool ring = backend == "gloo", mpi = backend == "mpi", hier = backend == "hierarchical";
+  // Gloo runs the ring only where the test asks for it (MESHTRAIN_GLOO_RING_KB), else the direct algorithms.
+  const bool ring = backend == "gloo" && std::getenv("MESHTRAIN_GLOO_RING_KB") && n > 2;
+  const bool mpi = backend == "mpi", hier = backend == "hierarchical";
   const int64_t numel = 100003;
   ASSERT_GT(numel * 4, comm.options().inline_bytes);
   auto counts = meshtrain::shard_sizes(numel, n);
@@ -343,11 +351,11 @@ void traffic_counts_the_algorithms_bytes(Communicator& comm) {
   comm.reduce_scatter(t);
   traffic = comm.traffic();
   EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, n == 1 ? 0 : 4 * (numel - counts[r]));
-  // Ring (and hierarchical, whose reduce_scatter is Gloo's): every chunk but
-  // the left neighbour's (the one it sends first); shm: its shard from each
-  // peer; mpi: its shard, once.
+  // Ring: every chunk but the left neighbour's (the one it sends first); shm,
+  // Gloo's direct algorithm (also the hierarchical backend's, on its flat
+  // part): its shard from each peer; mpi: its shard, once.
   EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received,
-            n == 1 ? 0 : ring || hier ? 4 * (numel - counts[(r + n - 1) % n]) : mpi ? 4 * counts[r] : 4 * counts[r] * (n - 1));
+            n == 1 ? 0 : ring ? 4 * (numel - counts[(r + n - 1) % n]) : mpi ? 4 * counts[r] : 4 * counts[r] * (n - 1));
   if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
 }
 TEST_P(Collectives, TrafficCountsTheAlgorithmsBytes) { run(traffic_counts_the_algorithms_bytes); }
@@ -394,6 +402,9 @@ std::vector<Case> every_case(bool large) {
     }
   }
   cases.push_back({"hier", 4, large});  // 2 hosts x 2 ranks
+  // Gloo's large path is the ring above (MESHTRAIN_GLOO_RING_KB=0); its
+  // default above inline_bytes, the direct algorithms, differ from it from 3 ranks on.
+  if (large) cases.push_back({"gloo_direct", 3, large});
   return cases;
 }
 

@@ -90,14 +90,28 @@ class GlooCommunicator final : public QueuedCommunicator {
   void ring_reduce_scatter(const at::Tensor& flat_in, at::Tensor out,
                            const std::vector<int64_t>& counts, ReduceOp op);
   void ring_all_gather(at::Tensor flat_out, const std::vector<int64_t>& counts);
+  // Direct algorithms: every pair exchanges at once, in one round of n - 1
+  // concurrent messages each way (the ring's bytes, in one round instead of n - 1).
+  void direct_reduce_scatter(const at::Tensor& flat_in, at::Tensor out, const std::vector<int64_t>& counts,
+                             ReduceOp op, OpKind kind, int sub);
+  void direct_all_gather(at::Tensor flat_out, const std::vector<int64_t>& counts, OpKind kind, int sub);
+  // Temporary space of the running operation, `numel` elements of `like`'s
+  // dtype at element `offset` of one buffer kept across operations: a page
+  // fault costs ~15 us in a VM, and a fresh 16 MiB temporary per call (which
+  // glibc maps and unmaps) costs 60 ms of them.
+  at::Tensor scratch(int64_t offset, int64_t numel, const at::Tensor& like);
+  // Ring or direct for a collective of `bytes` (see Note [Gloo algorithms]).
+  bool use_ring(int64_t bytes) const { return size() > 2 && bytes >= ring_bytes_; }
 
   std::shared_ptr<Process> process_;
   std::shared_ptr<gloo::Context> context_;
   std::string prefix_;
   int splits_ = 0;
   std::vector<bool> remote_;  // per member: on another host
+  int64_t ring_bytes_;        // collectives of at least this size take the ring (MESHTRAIN_GLOO_RING_KB)
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
+  at::Tensor scratch_;  // see scratch()
 };
 
 }  // namespace gloo_backend
