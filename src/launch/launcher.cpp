@@ -382,7 +382,17 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  // Node 0 hosts the store: leaving at once could cut off a node that has not
+  // yet seen the last "done", and it would report the lost store as a failure.
+  // So every node says it has seen them all, and node 0 waits for that (bounded).
   watcher.stop();
+  store.add(gen + "/nodes_seen_done", 1);
+  if (o.node_rank == 0) {
+    const auto until = Clock::now() + o.rendezvous_timeout;
+    while (store.add(gen + "/nodes_seen_done", 0) < o.nnodes && Clock::now() < until && !g_signal) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
   outcome.ok = true;
   return outcome;
 }
