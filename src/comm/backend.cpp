@@ -117,5 +117,15 @@ CommPtr split_communicator(Communicator& parent, const std::shared_ptr<Process>&
                            str_cat(prefix, "/s", split_id, "c", color), std::move(options));
 }
 
+int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb, int64_t max_kb) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback_bytes;
+  char* end = nullptr;
+  const long long kb = std::strtoll(v, &end, 10);
+  const std::string range = max_kb == kNoMaxKib ? str_cat(min_kb, " or more") : str_cat("between ", min_kb, " and ", max_kb);
+  MESHTRAIN_CHECK(end && *end == '\0' && kb >= min_kb && kb <= max_kb, name, "='", v, "' must be a size in KiB (", range, ")");
+  return static_cast<int64_t>(kb) << 10;
+}
+
 }  // namespace comm
 }  // namespace meshtrain

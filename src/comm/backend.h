@@ -13,6 +13,7 @@
 // store (Process::host_of); MESHTRAIN_HOST_ID overrides it, so tests make
 // "hosts" on one machine.
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -58,6 +59,12 @@ std::optional<SplitGroup> split_group_of(const at::Tensor& pairs, const Communic
 // parent's splits, on every member).
 CommPtr split_communicator(Communicator& parent, const std::shared_ptr<Process>& process, const std::string& prefix,
                            int split_id, int color, int key, const std::string& label);
+
+// A backend's size tunable: the environment variable `name` in KiB, as bytes,
+// or `fallback_bytes` when unset; ConfigError naming the variable and the
+// accepted range for anything but an integer in [min_kb, max_kb].
+constexpr int64_t kNoMaxKib = INT64_MAX >> 10;
+int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb = 0, int64_t max_kb = kNoMaxKib);
 
 }  // namespace comm
 }  // namespace meshtrain

@@ -9,7 +9,6 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 
-#include <cstdlib>
 #include <cstring>
 
 #include "../backend.h"
@@ -45,15 +44,6 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
 constexpr uint64_t kCollectiveBit = 1ull << 62;
 constexpr uint64_t kP2PBit = 2ull << 62;
 
-int64_t ring_bytes_from_env() {
-  const char* v = std::getenv("MESHTRAIN_GLOO_RING_KB");
-  if (!v || !*v) return int64_t(1) << 62;  // never, until measured otherwise
-  char* end = nullptr;
-  const long long kb = std::strtoll(v, &end, 10);
-  MESHTRAIN_CHECK(end && *end == '\0' && kb >= 0, "MESHTRAIN_GLOO_RING_KB='", v, "' must be a size in KiB (0 or more)");
-  return static_cast<int64_t>(kb) << 10;
-}
-
 uint64_t p2p_slot(int tag, bool data) {
   return kP2PBit | (static_cast<uint64_t>(tag) << 1) | (data ? 1 : 0);
 }
@@ -65,7 +55,7 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
       prefix_(store_prefix),
-      ring_bytes_(ring_bytes_from_env()) {
+      ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)) {  // unset: never (Note [Gloo algorithms])
   auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size());
   ctx->setTimeout(options_.timeout);
   GlooStoreAdapter adapter(std::make_shared<PrefixStore>(prefix_, process_->store()));

@@ -31,25 +31,12 @@ Placement place(const std::vector<std::string>& member_hosts) {
   return p;
 }
 
-namespace {
-
-int64_t min_bytes_from_env() {
-  const char* v = std::getenv("MESHTRAIN_HIER_MIN_KB");
-  if (!v || !*v) return 64 << 10;
-  char* end = nullptr;
-  const long long kb = std::strtoll(v, &end, 10);
-  MESHTRAIN_CHECK(end && *end == '\0' && kb >= 0, "MESHTRAIN_HIER_MIN_KB='", v, "' must be a size in KiB (0 or more)");
-  return kb << 10;
-}
-
-}  // namespace
-
 HierCommunicator::HierCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
                                    const std::string& prefix, CommOptions options)
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
       prefix_(prefix),
-      min_bytes_(min_bytes_from_env()) {
+      min_bytes_(env_kib("MESHTRAIN_HIER_MIN_KB", 64 << 10)) {
   std::vector<std::string> hosts;
   for (int g : global_ranks_) hosts.push_back(process_->host_of(g));
   placement_ = place(hosts);

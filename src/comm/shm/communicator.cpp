@@ -22,16 +22,6 @@ namespace shm_backend {
 
 namespace {
 
-size_t env_kb(const char* name, size_t fallback, long long min_kb) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long long kb = std::strtoll(v, &end, 10);
-  MESHTRAIN_CHECK(end && *end == '\0' && kb >= min_kb && kb <= (1 << 20), name, "='", v,
-                  "' must be a size in KiB between ", min_kb, " and 1048576");
-  return static_cast<size_t>(kb) << 10;
-}
-
 int available_cores() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
@@ -42,9 +32,9 @@ int available_cores() {
 
 ShmSettings ShmSettings::from_env() {
   ShmSettings s;
-  s.buffer_bytes = env_kb("MESHTRAIN_SHM_BUFFER_KB", s.buffer_bytes, 1);
-  s.channel_bytes = env_kb("MESHTRAIN_SHM_CHANNEL_KB", s.channel_bytes, 1);
-  s.small_bytes = std::min(env_kb("MESHTRAIN_SHM_SMALL_KB", s.small_bytes, 0), s.buffer_bytes);
+  s.buffer_bytes = env_kib("MESHTRAIN_SHM_BUFFER_KB", s.buffer_bytes, 1, 1 << 20);
+  s.channel_bytes = env_kib("MESHTRAIN_SHM_CHANNEL_KB", s.channel_bytes, 1, 1 << 20);
+  s.small_bytes = std::min<size_t>(env_kib("MESHTRAIN_SHM_SMALL_KB", s.small_bytes, 0, 1 << 20), s.buffer_bytes);
   return s;
 }
 
