@@ -12,6 +12,11 @@ namespace models {
 
 namespace {
 
+InitSpec torch_linear_init(int64_t in) {  // torch.nn.Linear's default range
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  return InitSpec::uniform(-bound, bound);
+}
+
 torch::nn::LayerNorm layer_norm(int64_t h) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}));  // weight 1, bias 0: deterministic
 }
@@ -21,13 +26,19 @@ torch::nn::LayerNorm layer_norm(int64_t h) {
 namespace {
 
 void check_tp(const ModelConfig& c, int t, bool sequence_parallel) {
-  if (c.kind != "gpt" || t == 1) return;
+  if (t == 1) return;
   auto divisors = [](int64_t n) {
     std::string out;
     for (int64_t d = 1; d <= n && d <= 64; ++d)
       if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
     return out;
   };
+  if (c.kind == "mlp") {
+    MESHTRAIN_CHECK(!sequence_parallel, "--sequence-parallel splits a sequence; the MLP has none (use it with --model gpt)");
+    MESHTRAIN_CHECK(c.hidden % t == 0, "tp ", t, " does not divide the MLP's --hidden ", c.hidden,
+                    " (the hidden features are split over tp); choose tp in {", divisors(c.hidden), "}");
+    return;
+  }
   MESHTRAIN_CHECK(c.heads % t == 0, "tp ", t, " does not divide --heads ", c.heads, " (attention heads are split over tp); choose tp in {", divisors(c.heads), "}");
   MESHTRAIN_CHECK(c.vocab % t == 0, "tp ", t, " does not divide --vocab ", c.vocab, " (the vocabulary is split over tp); choose tp in {", divisors(c.vocab), "} or a vocabulary divisible by ", t);
   MESHTRAIN_CHECK(!sequence_parallel || c.seq_len % t == 0, "--sequence-parallel splits the sequence over tp: tp ", t,
@@ -162,14 +173,28 @@ at::Tensor GptHeadImpl::forward(const at::Tensor& x) {
 
 MlpLayerImpl::MlpLayerImpl(int64_t in, int64_t out, bool relu_after, uint64_t seed, const std::string& name)
     : relu(relu_after) {
-  // torch.nn.Linear's default range, from the deterministic generator.
-  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  weight = register_parameter("weight", init_full(seed, name + ".weight", InitSpec::uniform(-bound, bound), {out, in}));
-  bias = register_parameter("bias", init_full(seed, name + ".bias", InitSpec::uniform(-bound, bound), {out}));
+  weight = register_parameter("weight", init_full(seed, name + ".weight", torch_linear_init(in), {out, in}));
+  bias = register_parameter("bias", init_full(seed, name + ".bias", torch_linear_init(in), {out}));
 }
 
 at::Tensor MlpLayerImpl::forward(const at::Tensor& x) {
   at::Tensor y = at::linear(x, weight, bias);
+  return relu ? at::relu(y) : y;
+}
+
+MlpColumnImpl::MlpColumnImpl(int64_t in, int64_t out, uint64_t seed, const std::string& name, comm::CommPtr tp)
+    : tp::ColumnParallelLinearImpl(tp::ColumnParallelLinearOptions(in, out).tp(std::move(tp)).seed(seed).name(name)
+                                       .weight_init(torch_linear_init(in)).bias_init(torch_linear_init(in))) {}
+
+at::Tensor MlpColumnImpl::forward(const at::Tensor& x) { return at::relu(ColumnParallelLinearImpl::forward(x)); }
+
+MlpRowImpl::MlpRowImpl(int64_t in, int64_t out, bool relu_after, uint64_t seed, const std::string& name, comm::CommPtr tp)
+    : tp::RowParallelLinearImpl(tp::RowParallelLinearOptions(in, out).tp(std::move(tp)).seed(seed).name(name)
+                                    .weight_init(torch_linear_init(in)).bias_init(torch_linear_init(in))),
+      relu(relu_after) {}
+
+at::Tensor MlpRowImpl::forward(const at::Tensor& x) {
+  at::Tensor y = RowParallelLinearImpl::forward(x);
   return relu ? at::relu(y) : y;
 }
 
@@ -180,10 +205,19 @@ Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const Build
                   ") out of range for a model of ", n, " pieces");
   Stage stage;
   if (c.kind == "mlp") {
+    const bool parallel = tp::tp_size(ctx.tp) > 1;
     for (int64_t i = first; i < last; ++i) {
       const int64_t in = i == 0 ? c.features : c.hidden;
       const int64_t out = i == c.layers - 1 ? c.classes : c.hidden;
-      stage->append("layers", std::to_string(i), MlpLayer(in, out, i != c.layers - 1, c.seed, "layers." + std::to_string(i)));
+      const bool relu = i != c.layers - 1;
+      const std::string key = std::to_string(i), name = "layers." + key;
+      if (parallel && i % 2 == 0 && i + 1 < c.layers) {
+        stage->append("layers", key, MlpColumn(in, out, c.seed, name, ctx.tp));
+      } else if (parallel && i % 2 == 1) {
+        stage->append("layers", key, MlpRow(in, out, relu, c.seed, name, ctx.tp));
+      } else {
+        stage->append("layers", key, MlpLayer(in, out, relu, c.seed, name));
+      }
     }
     return stage;
   }

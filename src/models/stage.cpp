@@ -1,5 +1,7 @@
 #include "meshtrain/models/stage.h"
 
+#include "meshtrain/models/checkpointing.h"
+
 namespace meshtrain {
 namespace models {
 
@@ -13,7 +15,14 @@ torch::nn::ModuleDict StageImpl::dict(const std::string& group) {
 at::Tensor StageImpl::forward(at::Tensor x) { return forward_range(std::move(x), 0, pieces_.size()); }
 
 at::Tensor StageImpl::forward_range(at::Tensor x, size_t first, size_t last) {
-  for (size_t i = first; i < last; ++i) x = pieces_[i].forward(x);
+  for (size_t i = first; i < last; ++i) {
+    if (!checkpointed_[i]) {
+      x = pieces_[i].forward(x);
+      continue;
+    }
+    torch::nn::AnyModule piece = pieces_[i];
+    x = checkpoint([piece](const at::Tensor& h) mutable { return piece.forward(h); }, x, piece.ptr()->parameters());
+  }
   return x;
 }
 

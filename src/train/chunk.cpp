@@ -117,6 +117,15 @@ std::map<std::string, at::Tensor> clones(const models::Stage& stage) {
   return out;
 }
 
+mesh::Coord coord_of(const ShardPlace& place) { return mesh::Coord{place.dp_rank, 0, place.tp_index}; }
+
+// Plain and DDP chunks: whole gradients, the same on every dp rank.
+std::vector<GradPart> whole_gradient_parts(const models::Stage& stage, const ShardPlace& place) {
+  NamedGrads grads;
+  for (const auto& p : dp::unique_parameters(*stage)) grads.emplace_back(p.name, p.tensor.grad());
+  return count_once(grads, place.tp_dims, /*replicated_over_dp=*/true, coord_of(place));
+}
+
 StateBytes local_bytes(const models::Stage& stage, const torch::optim::Optimizer& opt) {
   StateBytes s;
   for (const auto& p : dp::unique_parameters(*stage)) {
@@ -138,6 +147,7 @@ class PlainChunk : public ChunkTrainer {
   void end_backward() override {}
   std::map<std::string, at::Tensor> parameters_on_dp_root() override { return clones(stage_); }
   StateBytes held() const override { return local_bytes(stage_, *opt_); }
+  std::vector<GradPart> gradient_parts(const ShardPlace& place) override { return whole_gradient_parts(stage_, place); }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override { add_whole(stage_, *opt_, out, place); }
   void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { load_whole(stage_, *opt_, r, place); }
 
@@ -172,6 +182,7 @@ class DdpChunk : public ChunkTrainer {
     s.buffers = s.parameters;  // DDP's buckets mirror the gradients
     return s;
   }
+  std::vector<GradPart> gradient_parts(const ShardPlace& place) override { return whole_gradient_parts(stage_, place); }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override { add_whole(stage_, *opt_, out, place); }
   void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { load_whole(stage_, *opt_, r, place); }
 
@@ -203,6 +214,9 @@ class ZeroChunk : public ChunkTrainer {
   StateBytes held() const override {
     const zero::HeldBytes h = zro_->held_bytes();
     return StateBytes{h.parameters, h.gradients, h.optimizer, h.buffers};
+  }
+  std::vector<GradPart> gradient_parts(const ShardPlace& place) override {
+    return count_once(zro_->shard_gradients(), place.tp_dims, /*replicated_over_dp=*/false, coord_of(place));
   }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
     add_pieces(stage_, zro_->owned_pieces(), /*values=*/false, out, place);
@@ -241,6 +255,9 @@ class FsdpChunk : public ChunkTrainer {
   StateBytes held() const override {
     const zero::HeldBytes h = fsdp_->held_bytes();
     return StateBytes{h.parameters, h.gradients, h.optimizer, h.buffers};
+  }
+  std::vector<GradPart> gradient_parts(const ShardPlace& place) override {
+    return count_once(fsdp_->shard_gradients(), place.tp_dims, /*replicated_over_dp=*/false, coord_of(place));
   }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
     add_pieces(stage_, fsdp_->owned_pieces(), /*values=*/true, out, place);

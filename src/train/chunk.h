@@ -14,6 +14,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/train/checkpoint.h"
+#include "meshtrain/train/clip.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/metrics.h"
 
@@ -43,6 +44,9 @@ class ChunkTrainer {
   // Parameters under their full names, on dp rank 0 (a collective over dp).
   virtual std::map<std::string, at::Tensor> parameters_on_dp_root() = 0;
   virtual StateBytes held() const = 0;
+  // The gradients this rank's optimizer steps (after the step's last
+  // backward), each marked counted once across the mesh (train/clip.h).
+  virtual std::vector<GradPart> gradient_parts(const ShardPlace& place) = 0;
   // Checkpoints: this rank's share of the chunk's state (replicas are written
   // once: by dp rank 0, or by each rank for its ZeRO shard), and loading.
   virtual void add_to_checkpoint(RankState& out, const ShardPlace& place) = 0;

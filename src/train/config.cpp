@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 
+#include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
@@ -69,6 +70,8 @@ const std::map<std::string, Setter>& value_flags() {
       {"--weight-decay", [](TrainConfig& c, const std::string& f, const std::string& v) { c.weight_decay = to_double(f, v); }},
       {"--momentum", [](TrainConfig& c, const std::string& f, const std::string& v) { c.momentum = to_double(f, v); }},
       {"--adam-eps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.adam_eps = to_double(f, v); }},
+      {"--clip-grad-norm", [](TrainConfig& c, const std::string& f, const std::string& v) { c.clip_grad_norm = to_double(f, v); }},
+      {"--activation-checkpointing", [](TrainConfig& c, const std::string&, const std::string& v) { c.activation_checkpointing = v; }},
       {"--seed", [](TrainConfig& c, const std::string& f, const std::string& v) {
          c.seed = static_cast<uint64_t>(to_int(f, v));
          c.model.seed = c.seed;
@@ -109,6 +112,8 @@ std::string train_usage() {
          "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
          "                 [--optimizer sgd|adam|adamw] [--lr LR] [--lr-schedule constant|cosine]\n"
          "                 [--warmup-steps N] [--weight-decay W] [--momentum M] [--adam-eps E]\n"
+         "                 [--clip-grad-norm X]  (global L2 norm over every layout; default 0: measured, not clipped)\n"
+         "                 [--activation-checkpointing none|blocks|every-N]  (recompute blocks in backward)\n"
          "                 [--seed S] [--log-every N] [--data FILE | --digits D] [--metrics-out FILE] [--plot FILE.svg]\n"
          "                 [--bucket-cap-mb MB] [--no-overlap] [--untied] [--eval-problems N]\n"
          "                 [--save-dir DIR --save-every N] [--resume] [--trace FILE]\n"
@@ -160,6 +165,9 @@ TrainConfig resolve(TrainConfig c, int world) {
   MESHTRAIN_CHECK(c.steps >= 1, "--steps ", c.steps, " must be at least 1");
   MESHTRAIN_CHECK(c.lr > 0, "--lr ", c.lr, " must be positive");
   MESHTRAIN_CHECK(c.adam_eps > 0, "--adam-eps ", c.adam_eps, " must be positive");
+  MESHTRAIN_CHECK(std::isfinite(c.clip_grad_norm) && c.clip_grad_norm >= 0, "--clip-grad-norm ", c.clip_grad_norm,
+                  " must be a finite number >= 0 (0: no clipping)");
+  models::checkpointing_period(c.activation_checkpointing);  // throws ConfigError naming the value
   MESHTRAIN_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "--lr-schedule '", c.lr_schedule,
                   "' is unknown; use constant or cosine");
   MESHTRAIN_CHECK(c.warmup_steps >= 0, "--warmup-steps ", c.warmup_steps, " must be >= 0");
@@ -182,7 +190,6 @@ TrainConfig resolve(TrainConfig c, int world) {
   MESHTRAIN_CHECK(c.strategy == "ddp" || c.zero == 0, "--strategy dp (master DP) cannot be combined with --zero ",
                   c.zero, "; ZeRO partitions DDP's state: use --strategy ddp");
   MESHTRAIN_CHECK(!c.sequence_parallel || c.tp > 1, "--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel ranks)");
-  MESHTRAIN_CHECK(c.tp == 1 || m.kind == "gpt", "--tp applies to the GPT (the MLP has no tensor-parallel layers)");
   MESHTRAIN_CHECK(c.strategy == "ddp" || (c.pp == 1 && c.tp == 1), "--strategy dp (the article's master DP) runs the "
                   "whole model on every rank and computes the loss on rank 0; it cannot be combined with --pp ", c.pp,
                   " or --tp ", c.tp, ". Use --strategy ddp (optionally with --zero) for the data axis of a mesh");
@@ -251,6 +258,7 @@ std::string to_json(const TrainConfig& c) {
       .integer("global_batch", c.global_batch).integer("micro_batch", c.micro_batch)
       .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)
       .str("optimizer", c.optimizer).num("lr", c.lr).str("lr_schedule", c.lr_schedule).integer("warmup_steps", c.warmup_steps).num("weight_decay", c.weight_decay).num("momentum", c.momentum).num("adam_eps", c.adam_eps)
+      .num("clip_grad_norm", c.clip_grad_norm).str("activation_checkpointing", c.activation_checkpointing)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap)
       .str("backend", c.backend.empty() ? "auto" : c.backend);

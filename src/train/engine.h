@@ -25,6 +25,8 @@ class Engine {
   virtual double step(int64_t step) = 0;
   // Every optimizer of this rank uses `lr` from the next step on.
   virtual void set_learning_rate(double lr) = 0;
+  // The global gradient norm of the last step, before clipping (--clip-grad-norm).
+  virtual double last_grad_norm() const = 0;
   // Full parameters under the single-process model's names, on rank 0.
   virtual std::map<std::string, at::Tensor> full_parameters() = 0;
   virtual StateBytes state_bytes() const = 0;

@@ -8,7 +8,9 @@
 #include "engine.h"
 #include "meshtrain/dp/master_dp.h"
 #include "meshtrain/dp/params.h"
+#include "meshtrain/models/checkpointing.h"
 #include "meshtrain/models/models.h"
+#include "meshtrain/train/clip.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/optimizer_state.h"
@@ -42,6 +44,7 @@ class MasterDpEngine : public Engine {
   MasterDpEngine(const TrainConfig& c, comm::CommPtr comm)
       : c_(c), comm_(std::move(comm)), data_(make_dataset(c)) {
     model_ = models::build_stage(c.model, 0, models::num_pieces(c.model));
+    models::apply_checkpointing(*model_, c.model, c.activation_checkpointing, 0);
     mdp_ = std::make_unique<dp::MasterDataParallel>(model_.ptr(), comm_, [this](const at::Tensor& y, const at::Tensor& t) {
       return models::loss(c_.model, y, t) * scale_;
     });
@@ -61,6 +64,11 @@ class MasterDpEngine : public Engine {
       at::Tensor l = mdp_->step(b.inputs, b.targets, [this](const at::Tensor& x) { return model_->forward(x); });
       if (root) loss += l.item<double>();
     }
+    // Only the master holds gradients (the sum of every worker's).
+    std::vector<GradPart> parts;
+    if (root)
+      for (const auto& p : params_) parts.push_back({p.tensor.grad(), true});
+    grad_norm_ = clip_grad_norm(parts, c_.clip_grad_norm, *comm_);
     if (root) optimizer_->step();
     return loss;  // the trainer sums: only rank 0 contributes
   }
@@ -68,6 +76,8 @@ class MasterDpEngine : public Engine {
   std::map<std::string, at::Tensor> full_parameters() override {
     return comm_->rank() == 0 ? clone_all(params_) : std::map<std::string, at::Tensor>{};
   }
+
+  double last_grad_norm() const override { return grad_norm_; }
 
   void set_learning_rate(double lr) override {
     if (optimizer_) train::set_learning_rate(*optimizer_, lr);
@@ -122,6 +132,7 @@ class MasterDpEngine : public Engine {
   std::vector<dp::NamedParam> params_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   double scale_ = 1.0;
+  double grad_norm_ = 0;
 };
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "chunk.h"
 #include "engine.h"
 #include "meshtrain/mesh/mesh.h"
+#include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/executor.h"
 #include "meshtrain/tp/layers.h"
 #include "meshtrain/train/optim.h"
@@ -57,6 +58,7 @@ class MeshEngine : public Engine {
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
       models::Stage stage = models::build_stage(c.model, bounds[s], bounds[s + 1], ctx_);
+      models::apply_checkpointing(*stage, c.model, c.activation_checkpointing, bounds[s]);
       // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
       // weight, on this stage or, through a copy sent after the first forward, on the last.
       const bool keep = gpt_tied && s == 0;
@@ -116,6 +118,12 @@ class MeshEngine : public Engine {
     }
     for (auto& w : tie_sends_) w->wait();  // received within this step (see the Note)
     tie_sends_.clear();
+    std::vector<GradPart> parts;
+    for (auto& kv : chunks_) {
+      std::vector<GradPart> mine = kv.second->gradient_parts(place(*kv.second));
+      parts.insert(parts.end(), mine.begin(), mine.end());
+    }
+    grad_norm_ = clip_grad_norm(parts, c_.clip_grad_norm, *mesh_.world());
     for (auto& kv : chunks_) kv.second->step();
     // Only the last stage computed the loss; tp ranks computed it alike.
     return last_ && mesh_.coord().tp == 0 ? loss_sum / c_.dp : 0.0;
@@ -124,6 +132,8 @@ class MeshEngine : public Engine {
   void set_learning_rate(double lr) override {
     for (auto& kv : chunks_) train::set_learning_rate(kv.second->optimizer(), lr);
   }
+
+  double last_grad_norm() const override { return grad_norm_; }
 
   std::map<std::string, at::Tensor> full_parameters() override {
     std::map<std::string, at::Tensor> mine;
@@ -242,6 +252,7 @@ class MeshEngine : public Engine {
   std::vector<comm::WorkPtr> tie_sends_;
   std::vector<pp::TraceEvent> trace_;
   int max_in_flight_ = 0;
+  double grad_norm_ = 0;
 };
 
 }  // namespace

@@ -36,11 +36,13 @@ int64_t current_rss_bytes() {
   return resident * 4096;
 }
 
-void print_progress(const TrainConfig& c, int64_t step, double loss, double seconds) {
+void print_progress(const TrainConfig& c, int64_t step, double loss, double grad_norm, double seconds) {
   const double samples = c.global_batch / seconds;
   const double tokens = c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0;
-  std::printf("step %4lld/%d | loss %8.4f | %9.1f samples/s | %10.0f tokens/s | %7.3f s/step | rss %5.0f MiB\n",
-              static_cast<long long>(step + 1), c.steps, loss, samples, tokens, seconds,
+  std::printf("step %4lld/%d | loss %8.4f | grad norm %8.4f%s | %9.1f samples/s | %10.0f tokens/s | %7.3f s/step | "
+              "rss %5.0f MiB\n",
+              static_cast<long long>(step + 1), c.steps, loss, grad_norm,
+              c.clip_grad_norm > 0 && grad_norm > c.clip_grad_norm ? " (clipped)" : "", samples, tokens, seconds,
               current_rss_bytes() / 1048576.0);
   std::fflush(stdout);
 }
@@ -162,9 +164,12 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     metrics->all_reduce(loss);  // the sum of the ranks' contributions is the global-batch loss
     result.losses.push_back(loss.item<double>());
     result.step_times.push_back(seconds);
+    result.grad_norms.push_back(engine->last_grad_norm());
+    MESHTRAIN_CHECK(std::isfinite(result.grad_norms.back()), "step ", step + 1, ": the gradient norm is ",
+                    result.grad_norms.back(), " (a gradient is not finite); lower --lr or clip with --clip-grad-norm");
     if (chief && options.verbose && step == first_step && first_step > 0) report_restart_time();
     if (chief && options.verbose && ((step + 1) % c.log_every == 0 || step + 1 == c.steps)) {
-      print_progress(c, step, result.losses.back(), seconds);
+      print_progress(c, step, result.losses.back(), result.grad_norms.back(), seconds);
     }
     if (!c.save_dir.empty() && c.save_every > 0 && (step + 1) % c.save_every == 0) {
       RankState state = engine->checkpoint_state();
@@ -259,6 +264,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                               .raw("config", to_json(c))
                               .integer("world_size", world->size())
                               .raw("losses", json::numbers(result.losses))
+                              .raw("grad_norms", json::numbers(result.grad_norms))
                               .raw("step_times_s", json::numbers(result.step_times))
                               .num("step_time_s", step_time)
                               .num("samples_per_s", samples)

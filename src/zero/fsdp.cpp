@@ -50,6 +50,7 @@ class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
   FullState consolidated_state(int root);
   void load_state(const FullState& state);
   std::vector<OwnedPiece> owned() { return owned_pieces(pieces_, *optimizer_, params_); }
+  std::vector<std::pair<std::string, at::Tensor>> shard_gradients() const { return pieces_.gradients(params_); }
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
@@ -376,6 +377,9 @@ FullState FullyShardedDataParallel::consolidated_state(int root) { return core_-
 void FullyShardedDataParallel::load_state(const FullState& state) { core_->load_state(state); }
 HeldBytes FullyShardedDataParallel::held_bytes() const { return core_->held_bytes(); }
 std::vector<OwnedPiece> FullyShardedDataParallel::owned_pieces() { return core_->owned(); }
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::shard_gradients() {
+  return core_->shard_gradients();
+}
 torch::optim::Optimizer& FullyShardedDataParallel::optimizer() { return core_->optimizer(); }
 
 }  // namespace zero

@@ -41,6 +41,12 @@ int64_t Pieces::optimizer_bytes(torch::optim::Optimizer& optimizer) const {
   return n;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> Pieces::gradients(const std::vector<dp::NamedParam>& params) const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < pieces.size(); ++i) out.emplace_back(params[pieces[i].param].name, values[i].grad());
+  return out;
+}
+
 std::vector<at::Tensor> gather_full(comm::Communicator& comm, const Layout& layout, const at::Tensor& my_shard,
                                     const std::vector<dp::NamedParam>& params, int root) {
   std::vector<at::Tensor> shards = comm.gather(my_shard.contiguous(), root);

@@ -24,6 +24,8 @@ struct Pieces {
   void attach(torch::optim::Optimizer& optimizer, const std::vector<dp::NamedParam>& params,
               const std::function<at::Tensor(const ShardPiece&)>& grads);
   int64_t optimizer_bytes(torch::optim::Optimizer& optimizer) const;
+  // Each piece's gradient (what the optimizer steps) under its parameter's name.
+  std::vector<std::pair<std::string, at::Tensor>> gradients(const std::vector<dp::NamedParam>& params) const;
 };
 
 // Full parameter-shaped tensors on `root` from every rank's shard buffer (the

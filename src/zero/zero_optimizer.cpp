@@ -24,6 +24,7 @@ class ShardedCore : public std::enable_shared_from_this<ShardedCore> {
   FullState consolidated_state(int root);
   void load_state(const FullState& state);
   std::vector<OwnedPiece> owned() { return owned_pieces(pieces_, *optimizer_, params_); }
+  std::vector<std::pair<std::string, at::Tensor>> shard_gradients() const { return pieces_.gradients(params_); }
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
@@ -258,6 +259,9 @@ FullState ZeroRedundancyOptimizer::consolidated_state(int root) { return core_->
 void ZeroRedundancyOptimizer::load_state(const FullState& state) { core_->load_state(state); }
 HeldBytes ZeroRedundancyOptimizer::held_bytes() const { return core_->held_bytes(); }
 std::vector<OwnedPiece> ZeroRedundancyOptimizer::owned_pieces() { return core_->owned(); }
+std::vector<std::pair<std::string, at::Tensor>> ZeroRedundancyOptimizer::shard_gradients() {
+  return core_->shard_gradients();
+}
 torch::optim::Optimizer& ZeroRedundancyOptimizer::optimizer() { return core_->optimizer(); }
 
 ZeroRedundancyOptimizer::NoSync::NoSync(ShardedCore* core) : core_(core) { core_->set_sync(false); }

@@ -134,6 +134,7 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
     if (comm.rank() == 0) {
       auto out = r.full_parameters;
       out["__losses__"] = torch::tensor(r.losses, torch::kDouble);
+      out["__grad_norms__"] = torch::tensor(r.grad_norms, torch::kDouble);
       save_tensors(shared_dir() + "/result.bin", out);
     }
   }, options);
@@ -150,6 +151,7 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
   single.microbatches = 0;
   single.virtual_stages = 1;
   single.stage_boundaries.clear();
+  single.activation_checkpointing = "none";  // recomputing must change nothing
   train::TrainResult ref = train::run_training(train::resolve(single, 1), comm::make_single_process_world(), quiet);
   auto got = load_tensors(run.file("result.bin"));
   at::Tensor losses = got.at("__losses__");
@@ -158,6 +160,15 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
     const double a = losses[s].item<double>(), b = ref.losses[s];
     EXPECT_LE(std::abs(a - b), tol.loss_atol + tol.loss_rtol * std::abs(b))
         << "step " << s << ": loss " << a << " on " << world << " ranks vs " << b << " in one process";
+  }
+  // The global gradient norm (before clipping) counts every element once on any layout.
+  at::Tensor norms = got.at("__grad_norms__");
+  got.erase("__grad_norms__");
+  ASSERT_EQ(norms.numel(), static_cast<int64_t>(ref.grad_norms.size()));
+  for (size_t s = 0; s < ref.grad_norms.size(); ++s) {
+    const double a = norms[s].item<double>(), b = ref.grad_norms[s];
+    EXPECT_LE(std::abs(a - b), tol.grad_norm_rtol * b) << "step " << s << ": gradient norm " << a << " on " << world
+                                                        << " ranks vs " << b << " in one process";
   }
   ASSERT_EQ(got.size() - 1, ref.full_parameters.size()) << "different parameter sets";
   double worst = 0, worst_abs = 0, worst_loss = 0;

@@ -44,6 +44,10 @@ struct Tolerance {
   double loss_atol = 1e-6;
   double weight_rtol = 2e-4;
   double weight_atol = 2e-5;
+  // The global gradient norm: a sum of squares taken in another order (and
+  // gradients that differ by reassociation); a norm counting a replicated
+  // parameter twice, or missing a shard, is off by far more.
+  double grad_norm_rtol = 1e-5;
 };
 
 // The weight tolerance Adam's eps amplification needs (see Tolerance).

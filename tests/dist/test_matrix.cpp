@@ -1,6 +1,8 @@
 // The equivalence matrix: every layout dp x pp x tp of 2, 4 and 8 ranks, times
 // ZeRO stages, pipeline schedules and sequence parallelism, trains like one
-// process. Built twice: into dist_tests with a representative sample (every
+// process, with gradient clipping active on every step (the global norm must
+// count every element once) and activation checkpointing rotating over the
+// cases (none, blocks, every-2) against a reference that keeps activations. Built twice: into dist_tests with a representative sample (every
 // layout once, the other dimensions rotating), and into matrix_full_tests
 // (MESHTRAIN_FULL_MATRIX) with the full product (ctest -L full).
 
@@ -17,6 +19,7 @@ struct Case {
   std::string schedule;
   int virtual_stages;
   bool sp;
+  std::string checkpointing = "none";
   int world() const { return dp * pp * tp; }
 };
 
@@ -27,6 +30,8 @@ meshtrain::train::TrainConfig matrix_gpt() {
   c.global_batch = 48;
   c.steps = 3;
   c.bucket_cap_mb = 0.02;
+  // Its gradient norms in one process are 6.49, 1.64, 1.44: this clips every step.
+  c.clip_grad_norm = 1.0;
   return c;
 }
 
@@ -52,10 +57,16 @@ std::vector<Case> all_cases() {
   return out;
 }
 
+std::vector<Case> with_checkpointing_rotating(std::vector<Case> cases) {
+  const char* policies[] = {"none", "blocks", "every-2"};
+  for (size_t i = 0; i < cases.size(); ++i) cases[i].checkpointing = policies[i % 3];
+  return cases;
+}
+
 std::vector<Case> cases() {
   std::vector<Case> all = all_cases();
 #ifdef MESHTRAIN_FULL_MATRIX
-  return all;
+  return with_checkpointing_rotating(all);
 #else
   // Every layout once; ZeRO stage, schedule and SP rotate with the layout's index.
   std::vector<Case> sample;
@@ -73,7 +84,7 @@ std::vector<Case> cases() {
   // The layout the README and docs/composition.md show: dp 2 x pp 2 x tp 2, ZeRO-1, 1F1B.
   for (auto& s : sample)
     if (s.dp == 2 && s.pp == 2 && s.tp == 2) s = Case{2, 2, 2, 1, "1f1b", 1, false};
-  return sample;
+  return with_checkpointing_rotating(sample);
 #endif
 }
 
@@ -89,6 +100,7 @@ TEST_P(EquivalenceMatrix, TrainsLikeOneProcess) {
   c.schedule = p.schedule;
   c.virtual_stages = p.virtual_stages;
   c.sequence_parallel = p.sp;
+  c.activation_checkpointing = p.checkpointing;
   if (p.pp > 1) c.microbatches = p.schedule == "naive" ? 1 : 2 * p.pp;
   expect_trains_like_one_process(c, p.world());
 }
@@ -99,6 +111,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EquivalenceMatrix, ::testing::ValuesIn(cases()
                      "_zero" + std::to_string(c.zero);
   if (c.pp > 1) name += "_" + c.schedule + (c.virtual_stages > 1 ? "_v" + std::to_string(c.virtual_stages) : "");
   if (c.sp) name += "_sp";
+  if (c.checkpointing != "none") name += "_ac_" + (c.checkpointing == "blocks" ? std::string("blocks") : "every2");
   return name;
 });
 

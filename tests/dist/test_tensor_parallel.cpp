@@ -18,6 +18,7 @@ using meshtrain::comm::Communicator;
 using meshtrain::testing::expect_trains_like_one_process;
 using meshtrain::testing::run_ranks;
 using meshtrain::testing::tiny_gpt;
+using meshtrain::testing::tiny_mlp;
 namespace tp = meshtrain::tp;
 
 namespace {
@@ -167,6 +168,34 @@ TEST(TensorParallel, DataParallelTimesTensorParallelAndPipelineTimesTensorParall
   p.tp = 2;
   p.microbatches = 4;
   p.sequence_parallel = true;
+  expect_trains_like_one_process(p, 4);
+}
+
+// Megatron's MLP: layer pairs column- then row-parallel, an odd last layer
+// replicated; alone, with data parallelism (ZeRO-3), across pipeline stages
+// (a cut between the column and the row layer sends tp-local activations), and
+// with gradient clipping and activation checkpointing.
+TEST(TensorParallel, MlpMatchesOneProcessOnEveryAxis) {
+  auto c = tiny_mlp();
+  c.tp = 2;
+  expect_trains_like_one_process(c, 2);
+  c.model.layers = 5;  // the last layer stays replicated
+  c.tp = 4;
+  c.clip_grad_norm = 0.1;
+  expect_trains_like_one_process(c, 4);
+  auto d = tiny_mlp();
+  d.dp = 2;
+  d.tp = 2;
+  d.zero = 3;
+  d.activation_checkpointing = "blocks";
+  expect_trains_like_one_process(d, 4);
+  auto p = tiny_mlp();
+  p.pp = 2;
+  p.tp = 2;
+  p.microbatches = 4;
+  p.stage_boundaries = {1};  // stage 0: the column layer alone
+  p.clip_grad_norm = 0.1;
+  p.optimizer = "sgd";  // the update is proportional to the clipping coefficient
   expect_trains_like_one_process(p, 4);
 }
 

@@ -37,7 +37,8 @@ struct BuildContext {
   bool sequence_parallel = false;
 };
 
-// Pieces: MLP: `layers` linear layers; GPT: embed, layers blocks, head.
+// Pieces: MLP: `layers` linear layers (pairs tensor-parallel: MlpColumn,
+// MlpRow); GPT: embed, layers blocks, head.
 // Checks the sizes and their divisibility by tp (ConfigError naming the value
 // and the valid choices). build_stage calls it; the trainer calls it before
 // any communication.
@@ -101,6 +102,24 @@ struct MlpLayerImpl : torch::nn::Module {
   bool relu;
 };
 TORCH_MODULE(MlpLayer);
+
+// The MLP under tensor parallelism (Megatron's MLP): layers 2k and 2k+1 are a
+// column-parallel linear (output features split, ReLU on the slice) and a
+// row-parallel one (input features split, partial outputs all-reduced): one
+// all-reduce per pair forward, one backward. An odd last layer stays
+// replicated. Values equal the dense MlpLayer's, sliced.
+struct MlpColumnImpl : tp::ColumnParallelLinearImpl {
+  MlpColumnImpl(int64_t in, int64_t out, uint64_t seed, const std::string& name, comm::CommPtr tp);
+  at::Tensor forward(const at::Tensor& x);  // [B, in] replicated -> [B, out/tp]
+};
+TORCH_MODULE(MlpColumn);
+
+struct MlpRowImpl : tp::RowParallelLinearImpl {
+  MlpRowImpl(int64_t in, int64_t out, bool relu, uint64_t seed, const std::string& name, comm::CommPtr tp);
+  at::Tensor forward(const at::Tensor& x);  // [B, in/tp] -> [B, out] replicated
+  bool relu;
+};
+TORCH_MODULE(MlpRow);
 
 }  // namespace models
 }  // namespace meshtrain

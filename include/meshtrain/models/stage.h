@@ -29,6 +29,7 @@ class StageImpl : public torch::nn::Module {
     }
     pieces_.emplace_back(piece);
     names_.push_back(group.empty() ? key : group + "." + key);
+    checkpointed_.push_back(false);
   }
   // Applies the pieces in order.
   at::Tensor forward(at::Tensor x);
@@ -37,11 +38,15 @@ class StageImpl : public torch::nn::Module {
   size_t num_pieces() const { return pieces_.size(); }
   std::shared_ptr<torch::nn::Module> piece(size_t i) const { return pieces_.at(i).ptr(); }
   const std::vector<std::string>& piece_names() const { return names_; }
+  // Piece i recomputes its activations in backward (models/checkpointing.h).
+  void set_checkpointed(size_t i, bool on) { checkpointed_.at(i) = on; }
+  bool checkpointed(size_t i) const { return checkpointed_.at(i); }
 
  private:
   torch::nn::ModuleDict dict(const std::string& group);
   std::vector<torch::nn::AnyModule> pieces_;
   std::vector<std::string> names_;
+  std::vector<bool> checkpointed_;
 };
 TORCH_MODULE(Stage);
 

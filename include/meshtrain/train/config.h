@@ -35,6 +35,10 @@ struct TrainConfig {
   double weight_decay = 0.0;
   double momentum = 0.0;
   double adam_eps = 1e-8;   // Adam/AdamW eps (torch's default)
+  double clip_grad_norm = 0;  // clip the global gradient norm to this (0: measure only)
+  // Recompute in backward instead of keeping activations: none | blocks (every
+  // GPT block / MLP layer) | every-N (every N-th block, from the first).
+  std::string activation_checkpointing = "none";
   uint64_t seed = 1234;
   int log_every = 1;
   std::string data;         // text file (byte tokens); empty: built-in synthetic task

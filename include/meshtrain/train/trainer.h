@@ -24,6 +24,7 @@ struct TrainResult {
   int64_t first_step = 0;          // > 0 after resuming from a checkpoint
   std::vector<double> losses;      // global-batch loss of steps first_step, first_step + 1, ... (every rank)
   std::vector<double> step_times;  // seconds
+  std::vector<double> grad_norms;  // global gradient norm of each step, before clipping
   double accuracy = std::numeric_limits<double>::quiet_NaN();
   // The full, unsharded parameters under the single-process model's names (rank 0).
   std::map<std::string, at::Tensor> full_parameters;

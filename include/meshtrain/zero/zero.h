@@ -90,6 +90,10 @@ class ZeroRedundancyOptimizer {
   FullState consolidated_state(int root = 0);  // collective; complete on root
   void load_state(const FullState& state);     // every rank passes the same state
   std::vector<OwnedPiece> owned_pieces();
+  // This rank's reduced gradient shard, the one its optimizer steps, as 1-D
+  // pieces by parameter name (complete after the step's last backward; for
+  // gradient clipping: train/clip.h).
+  std::vector<std::pair<std::string, at::Tensor>> shard_gradients();
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer();
 
@@ -128,6 +132,7 @@ class FullyShardedDataParallel {
   FullState consolidated_state(int root = 0);
   void load_state(const FullState& state);
   std::vector<OwnedPiece> owned_pieces();
+  std::vector<std::pair<std::string, at::Tensor>> shard_gradients();  // as ZeroRedundancyOptimizer's
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer();
 

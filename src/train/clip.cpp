@@ -1,0 +1,51 @@
+#include "meshtrain/train/clip.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "meshtrain/dp/params.h"
+#include "meshtrain/tp/layers.h"
+
+namespace meshtrain {
+namespace train {
+
+double clip_grad_norm(const std::vector<GradPart>& parts, double max_norm, comm::Communicator& group) {
+  at::Tensor sum_sq = at::zeros({1}, at::kDouble);
+  for (const auto& p : parts) {
+    if (!p.counted || !p.grad.defined() || p.grad.numel() == 0) continue;
+    sum_sq += at::linalg_vector_norm(p.grad, 2, c10::nullopt, false, at::kDouble).square();
+  }
+  group.all_reduce(sum_sq);
+  const double norm = std::sqrt(sum_sq.item<double>());
+  if (max_norm > 0 && std::isfinite(norm)) {
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+      at::NoGradGuard no_grad;
+      for (const auto& p : parts)
+        if (p.grad.defined()) p.grad.mul_(coef);
+    }
+  }
+  return norm;
+}
+
+std::vector<GradPart> count_once(const NamedGrads& grads, const std::map<std::string, int64_t>& tp_dims,
+                                 bool replicated_over_dp, const mesh::Coord& at) {
+  std::vector<GradPart> parts;
+  const bool dp_counts = !replicated_over_dp || at.dp == 0;
+  for (const auto& g : grads) {
+    auto dim = tp_dims.find(g.first);
+    const bool split = dim != tp_dims.end() && dim->second >= 0;
+    parts.push_back({g.second, dp_counts && (split || at.tp == 0)});
+  }
+  return parts;
+}
+
+double clip_grad_norm(const torch::nn::Module& module, double max_norm, const mesh::DeviceMesh& mesh) {
+  NamedGrads grads;
+  for (const auto& p : dp::unique_parameters(module)) grads.emplace_back(p.name, p.tensor.grad());
+  return clip_grad_norm(count_once(grads, tp::shard_dims(module), true, mesh.coord()), max_norm, *mesh.world());
+}
+
+}  // namespace train
+}  // namespace meshtrain

@@ -1,0 +1,120 @@
+// Gradient clipping's counting rule and one-process norm, and activation
+// checkpointing's policy and gradients (no communication: a world of one).
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/models/checkpointing.h"
+#include "meshtrain/models/models.h"
+#include "meshtrain/train/clip.h"
+#include "meshtrain/util/error.h"
+
+using namespace meshtrain;
+
+namespace {
+
+std::vector<bool> counted(const std::vector<train::GradPart>& parts) {
+  std::vector<bool> out;
+  for (const auto& p : parts) out.push_back(p.counted);
+  return out;
+}
+
+}  // namespace
+
+TEST(ClipGradNorm, CountsReplicasOnceAndSlicesEverywhere) {
+  const train::NamedGrads grads = {{"w_col", at::ones({2})}, {"ln", at::ones({2})}, {"w_row", at::ones({2})}};
+  const std::map<std::string, int64_t> dims = {{"w_col", 0}, {"ln", -1}, {"w_row", 1}};
+  // DDP replicas: dp rank 0 counts; tp slices on every tp rank, replicated ln on tp rank 0.
+  EXPECT_EQ(counted(train::count_once(grads, dims, true, {0, 0, 0})), (std::vector<bool>{true, true, true}));
+  EXPECT_EQ(counted(train::count_once(grads, dims, true, {0, 0, 1})), (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(counted(train::count_once(grads, dims, true, {1, 0, 0})), (std::vector<bool>{false, false, false}));
+  // ZeRO shards differ per dp rank: every dp rank counts its own.
+  EXPECT_EQ(counted(train::count_once(grads, dims, false, {1, 0, 1})), (std::vector<bool>{true, false, true}));
+  // A parameter missing from the tp map is replicated.
+  EXPECT_EQ(counted(train::count_once({{"other", at::ones({1})}}, dims, false, {0, 0, 1})), (std::vector<bool>{false}));
+}
+
+TEST(ClipGradNorm, MatchesTorchsClipGradNormInOneProcess) {
+  torch::manual_seed(3);
+  std::vector<at::Tensor> a = {torch::randn({5, 3}), torch::randn({7})}, b;
+  for (const auto& t : a) b.push_back(t.clone());
+  // The same values as .grad of leaves for torch's reference.
+  std::vector<at::Tensor> leaves;
+  for (const auto& t : b) {
+    at::Tensor p = torch::zeros_like(t).requires_grad_(true);
+    p.mutable_grad() = t;
+    leaves.push_back(p);
+  }
+  const double want = torch::nn::utils::clip_grad_norm_(leaves, 0.5);
+  std::vector<train::GradPart> parts;
+  for (const auto& t : a) parts.push_back({t, true});
+  auto world = comm::make_single_process_world();
+  const double got = train::clip_grad_norm(parts, 0.5, *world);
+  EXPECT_NEAR(got, want, 1e-5 * want);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::allclose(a[i], leaves[i].grad(), 1e-6, 1e-7));
+  // Uncounted parts are scaled but not summed; max_norm 0 only measures.
+  std::vector<train::GradPart> half = {{a[0], true}, {a[1], false}};
+  const double norm0 = a[0].norm().item<double>();
+  EXPECT_NEAR(train::clip_grad_norm(half, 0, *world), norm0, 1e-5 * norm0);
+  EXPECT_NEAR(a[0].norm().item<double>(), norm0, 1e-6);
+}
+
+TEST(ActivationCheckpointing, PoliciesNameTheirBlocks) {
+  models::ModelConfig gpt;
+  gpt.layers = 4;  // pieces: embed, 4 blocks, head
+  std::vector<bool> blocks, every2;
+  for (int64_t i = 0; i < models::num_pieces(gpt); ++i) {
+    blocks.push_back(models::is_checkpointed_piece(gpt, "blocks", i));
+    every2.push_back(models::is_checkpointed_piece(gpt, "every-2", i));
+    EXPECT_FALSE(models::is_checkpointed_piece(gpt, "none", i));
+  }
+  EXPECT_EQ(blocks, (std::vector<bool>{false, true, true, true, true, false}));
+  EXPECT_EQ(every2, (std::vector<bool>{false, true, false, true, false, false}));
+  for (const char* bad : {"all", "every-0", "every-", "every-x", "every--1", "Blocks"}) {
+    EXPECT_THROW(models::checkpointing_period(bad), ConfigError) << bad;
+  }
+  try {
+    models::checkpointing_period("every-0");
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'every-0'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ActivationCheckpointing, GradientsEqualKeepingActivationsAndDropoutReplays) {
+  torch::manual_seed(7);
+  torch::nn::Linear a(6, 8), b(8, 4);
+  auto block = [&](const at::Tensor& x) { return b(torch::dropout(torch::relu(a(x)), 0.3, true)); };
+  std::vector<at::Tensor> params;
+  for (auto& p : a->parameters()) params.push_back(p);
+  for (auto& p : b->parameters()) params.push_back(p);
+  const at::Tensor input = torch::randn({5, 6});
+
+  auto run = [&](bool checkpointed) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    at::Tensor x = input.clone().requires_grad_(true);
+    torch::manual_seed(11);  // the dropout mask
+    at::Tensor y = checkpointed ? models::checkpoint(block, x, params) : block(x);
+    torch::manual_seed(99);  // backward must replay the forward's mask, not this state
+    (y * y).sum().backward();
+    std::vector<at::Tensor> grads = {y.detach(), x.grad()};
+    for (auto& p : params) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto kept = run(false), recomputed = run(true);
+  ASSERT_EQ(kept.size(), recomputed.size());
+  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], recomputed[i])) << "tensor " << i;
+}
+
+TEST(ActivationCheckpointing, AnInputModifiedInPlaceIsAnError) {
+  torch::nn::Linear a(3, 3);
+  at::Tensor x = torch::randn({2, 3});
+  at::Tensor y = models::checkpoint(a, x);
+  x.add_(1);
+  try {
+    y.sum().backward();
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("modified in place"), std::string::npos) << e.what();
+  }
+}
