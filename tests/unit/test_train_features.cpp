@@ -8,6 +8,7 @@
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/train/clip.h"
+#include "meshtrain/train/config.h"
 #include "meshtrain/util/error.h"
 
 using namespace meshtrain;
@@ -117,4 +118,23 @@ TEST(ActivationCheckpointing, AnInputModifiedInPlaceIsAnError) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("modified in place"), std::string::npos) << e.what();
   }
+}
+
+TEST(TrainingOptionFlags, BadValuesNameTheFlagBeforeAnyCommunication) {
+  auto expect_error = [](const std::vector<std::string>& args, const std::string& needle, int world = 1) {
+    try {
+      train::resolve(train::parse_train_args(args), world);
+      ADD_FAILURE() << "accepted: " << args.back();
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error({"--clip-grad-norm", "-1"}, "--clip-grad-norm -1");
+  expect_error({"--clip-grad-norm", "nan"}, "--clip-grad-norm nan");
+  expect_error({"--activation-checkpointing", "all"}, "'all'");
+  expect_error({"--model", "mlp", "--hidden", "30", "--tp", "4"}, "--hidden 30", 4);
+  const auto c = train::resolve(train::parse_train_args({"--clip-grad-norm", "0.5", "--activation-checkpointing",
+                                                         "every-3"}), 1);
+  EXPECT_EQ(c.clip_grad_norm, 0.5);
+  EXPECT_EQ(c.activation_checkpointing, "every-3");
 }
