@@ -51,7 +51,9 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
       slot_of_[idx] = b.params.size() - 1;
       numel += params_[idx].tensor.numel();
     }
-    b.flat = at::zeros({numel}, params_[members.front()].tensor.options().requires_grad(false));
+    const at::Tensor& first = params_[members.front()].tensor;
+    b.flat = at::zeros({numel}, first.options().dtype(options_.reduce_dtype().value_or(first.scalar_type()))
+                                    .requires_grad(false));
     b.pending = members.size();
     buckets_.push_back(std::move(b));
   }
@@ -157,7 +159,7 @@ void Reducer::finalize() {
     if (p.grad().defined()) {
       p.mutable_grad().copy_(avg);
     } else {
-      p.mutable_grad() = avg.clone();
+      p.mutable_grad() = avg.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     }
   }
   if (!rebuilt_ && options_.rebuild_buckets()) {

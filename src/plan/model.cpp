@@ -161,7 +161,7 @@ ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& b, int z
 }
 
 ModelStateBytes predict_rank_state_bytes(const GptShape& shape, const Layout& layout, int stage, int tp_rank,
-                                         int dp_rank) {
+                                         int dp_rank, Precision precision) {
   check_gpt_shape(shape);
   const std::string problem = layout_problem(shape, layout);
   MESHTRAIN_CHECK(problem.empty(), problem);
@@ -170,8 +170,8 @@ ModelStateBytes predict_rank_state_bytes(const GptShape& shape, const Layout& la
   // tp ranks of a stage hold the same number of parameters.
   MESHTRAIN_CHECK(tp_rank >= 0 && tp_rank < layout.tp, "tp_rank ", tp_rank, " is outside [0, ", layout.tp, ")");
   const int64_t psi = stage_parameter_count(shape, layout.pp, layout.tp, stage);
-  const StateBytesPerParam fp32_adam = state_bytes_per_param(Precision::kFp32, OptimizerKind::kAdam, false);
-  return zero_model_state(psi, fp32_adam, layout.zero, layout.dp, dp_rank);
+  return zero_model_state(psi, state_bytes_per_param(precision, OptimizerKind::kAdam, false), layout.zero, layout.dp,
+                          dp_rank);
 }
 
 }  // namespace plan

@@ -4,6 +4,7 @@
 
 #include "meshtrain/dp/ddp.h"
 #include "meshtrain/dp/params.h"
+#include "meshtrain/train/mixed_precision.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/optimizer_state.h"
@@ -46,9 +47,10 @@ at::Tensor local_part(CheckpointReader& reader, const std::string& param, const 
 }
 
 // Whole parameters with their optimizer state (plain and DDP chunks, dp rank 0).
-void add_whole(const models::Stage& stage, torch::optim::Optimizer& opt, RankState& out, const ShardPlace& place) {
+void add_whole(const std::vector<dp::NamedParam>& params, torch::optim::Optimizer& opt, RankState& out,
+               const ShardPlace& place) {
   if (place.dp_rank != 0) return;  // the other dp ranks hold the same replica
-  for (const auto& p : dp::unique_parameters(*stage)) {
+  for (const auto& p : params) {
     out.chunks.push_back(make_chunk(p.name, "value", p.tensor, place, 0, p.tensor));
     for (const auto& kv : zero::state_of(opt, p.tensor)) {
       if (kv.first == "step") out.steps[p.name] = kv.second.item<int64_t>();
@@ -57,9 +59,10 @@ void add_whole(const models::Stage& stage, torch::optim::Optimizer& opt, RankSta
   }
 }
 
-void load_whole(const models::Stage& stage, torch::optim::Optimizer& opt, CheckpointReader& reader, const ShardPlace& place) {
+void load_whole(const std::vector<dp::NamedParam>& params, torch::optim::Optimizer& opt, CheckpointReader& reader,
+                const ShardPlace& place) {
   at::NoGradGuard no_grad;
-  for (auto& p : dp::unique_parameters(*stage)) {
+  for (auto p : params) {
     MESHTRAIN_CHECK(reader.has(p.name), "checkpoint has no parameter '", p.name, "' (saved from another model?)");
     p.tensor.copy_(local_part(reader, p.name, "value", p.tensor, place));
     std::map<std::string, at::Tensor> state;
@@ -111,84 +114,84 @@ std::vector<at::Tensor> tensors(const models::Stage& stage) {
   return out;
 }
 
-std::map<std::string, at::Tensor> clones(const models::Stage& stage) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : dp::unique_parameters(*stage)) out[p.name] = p.tensor.detach().clone();
-  return out;
-}
-
 mesh::Coord coord_of(const ShardPlace& place) { return mesh::Coord{place.dp_rank, 0, place.tp_index}; }
 
-// Plain and DDP chunks: whole gradients, the same on every dp rank.
-std::vector<GradPart> whole_gradient_parts(const models::Stage& stage, const ShardPlace& place) {
-  NamedGrads grads;
-  for (const auto& p : dp::unique_parameters(*stage)) grads.emplace_back(p.name, p.tensor.grad());
-  return count_once(grads, place.tp_dims, /*replicated_over_dp=*/true, coord_of(place));
-}
-
-StateBytes local_bytes(const models::Stage& stage, const torch::optim::Optimizer& opt) {
-  StateBytes s;
-  for (const auto& p : dp::unique_parameters(*stage)) {
-    s.parameters += p.tensor.nbytes();
-    if (p.tensor.grad().defined()) s.gradients += p.tensor.grad().nbytes();
-  }
-  s.optimizer = optimizer_state_bytes(opt);
-  return s;
-}
-
-class PlainChunk : public ChunkTrainer {
+// Whole parameters on every dp rank: plain training (dp 1) or DDP, in fp32 or
+// bf16-mixed (bf16 module, fp32 masters that the optimizer steps and
+// checkpoints hold: train/mixed_precision.h).
+class WholeChunk : public ChunkTrainer {
  public:
-  PlainChunk(const TrainConfig& c, models::Stage stage) : ChunkTrainer(std::move(stage)), opt_(make_optimizer(c, tensors(stage_))) {}
-  at::Tensor forward(const at::Tensor& x) override { return stage_->forward(x); }
-  void zero_grad() override { opt_->zero_grad(); }
-  void step() override { opt_->step(); }
-  torch::optim::Optimizer& optimizer() override { return *opt_; }
-  void begin_backward(bool) override {}
-  void end_backward() override {}
-  std::map<std::string, at::Tensor> parameters_on_dp_root() override { return clones(stage_); }
-  StateBytes held() const override { return local_bytes(stage_, *opt_); }
-  std::vector<GradPart> gradient_parts(const ShardPlace& place) override { return whole_gradient_parts(stage_, place); }
-  void add_to_checkpoint(RankState& out, const ShardPlace& place) override { add_whole(stage_, *opt_, out, place); }
-  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { load_whole(stage_, *opt_, r, place); }
-
- private:
-  std::unique_ptr<torch::optim::Optimizer> opt_;
-};
-
-class DdpChunk : public ChunkTrainer {
- public:
-  DdpChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp)
-      : ChunkTrainer(std::move(stage)), dp_(std::move(dp)) {
-    ddp_ = std::make_unique<dp::DistributedDataParallel>(
-        stage_.ptr(), dp_,
-        dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap).rebuild_buckets(false));
-    opt_ = make_optimizer(c, tensors(stage_));
+  WholeChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp) : ChunkTrainer(std::move(stage)) {
+    if (c.precision == "bf16-mixed") masters_.emplace(*stage_);
+    stepped_ = masters_ ? masters_->masters() : dp::unique_parameters(*stage_);
+    if (dp->size() > 1) {
+      auto options = dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap)
+                         .rebuild_buckets(false);
+      if (masters_ && c.reduce_dtype == "fp32") options.reduce_dtype(at::kFloat);
+      reduce_bytes_per_element_ = masters_ ? (c.reduce_dtype == "fp32" ? 4 : 2) : 4;
+      dp_ = std::move(dp);
+      ddp_ = std::make_unique<dp::DistributedDataParallel>(stage_.ptr(), dp_, options);
+    }
+    std::vector<at::Tensor> tensors;
+    for (const auto& p : stepped_) tensors.push_back(p.tensor);
+    opt_ = make_optimizer(c, tensors);
   }
-  at::Tensor forward(const at::Tensor& x) override {
-    return ddp_->forward([&] { return stage_->forward(x); });
+  at::Tensor forward(const at::Tensor& input) override {
+    // bf16-mixed: float inputs (the MLP's features) enter in bf16.
+    const at::Tensor x = masters_ && input.is_floating_point() ? input.to(at::kBFloat16) : input;
+    return ddp_ ? ddp_->forward([&] { return stage_->forward(x); }) : stage_->forward(x);
   }
-  void zero_grad() override { opt_->zero_grad(); }
-  void step() override { opt_->step(); }
+  void zero_grad() override {
+    opt_->zero_grad();
+    if (masters_) masters_->zero_model_grad();
+  }
+  void finish_gradients() override {
+    if (masters_) masters_->gradients_to_masters();
+  }
+  void step() override {
+    opt_->step();
+    if (masters_) masters_->masters_to_parameters();
+  }
   torch::optim::Optimizer& optimizer() override { return *opt_; }
   void begin_backward(bool last) override {
-    if (!last) no_sync_.emplace(ddp_->no_sync());  // communicate on the last micro-batch only
+    if (ddp_ && !last) no_sync_.emplace(ddp_->no_sync());  // communicate on the last micro-batch only
   }
   void end_backward() override { no_sync_.reset(); }
   std::map<std::string, at::Tensor> parameters_on_dp_root() override {
-    return dp_->rank() == 0 ? clones(stage_) : std::map<std::string, at::Tensor>{};
+    if (dp_ && dp_->rank() != 0) return {};
+    std::map<std::string, at::Tensor> out;
+    for (const auto& p : stepped_) out[p.name] = p.tensor.detach().clone();
+    return out;
   }
   StateBytes held() const override {
-    StateBytes s = local_bytes(stage_, *opt_);
-    s.buffers = s.parameters;  // DDP's buckets mirror the gradients
+    StateBytes s;
+    int64_t elements = 0;
+    for (const auto& p : dp::unique_parameters(*stage_)) {
+      s.parameters += p.tensor.nbytes();
+      if (p.tensor.grad().defined()) s.gradients += p.tensor.grad().nbytes();
+      elements += p.tensor.numel();
+    }
+    s.optimizer = optimizer_state_bytes(*opt_) + (masters_ ? masters_->master_bytes() : 0);
+    if (ddp_) s.buffers = elements * reduce_bytes_per_element_;  // DDP's buckets mirror the gradients
     return s;
   }
-  std::vector<GradPart> gradient_parts(const ShardPlace& place) override { return whole_gradient_parts(stage_, place); }
-  void add_to_checkpoint(RankState& out, const ShardPlace& place) override { add_whole(stage_, *opt_, out, place); }
-  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { load_whole(stage_, *opt_, r, place); }
+  std::vector<GradPart> gradient_parts(const ShardPlace& place) override {
+    NamedGrads grads;
+    for (const auto& p : stepped_) grads.emplace_back(p.name, p.tensor.grad());
+    return count_once(grads, place.tp_dims, /*replicated_over_dp=*/true, coord_of(place));
+  }
+  void add_to_checkpoint(RankState& out, const ShardPlace& place) override { add_whole(stepped_, *opt_, out, place); }
+  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override {
+    load_whole(stepped_, *opt_, r, place);
+    if (masters_) masters_->masters_to_parameters();
+  }
 
  private:
+  std::optional<MasterWeights> masters_;
+  std::vector<dp::NamedParam> stepped_;  // what the optimizer steps: the parameters, or their fp32 masters
   comm::CommPtr dp_;
   std::unique_ptr<dp::DistributedDataParallel> ddp_;
+  int64_t reduce_bytes_per_element_ = 4;
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::optional<dp::DistributedDataParallel::NoSync> no_sync_;
 };
@@ -274,8 +277,7 @@ std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainConfig& c, models::S
                                                  bool keep_first_unit) {
   if (c.zero == 3) return std::make_unique<FsdpChunk>(c, std::move(stage), std::move(dp), keep_first_unit);
   if (c.zero > 0) return std::make_unique<ZeroChunk>(c, std::move(stage), std::move(dp));
-  if (dp->size() == 1) return std::make_unique<PlainChunk>(c, std::move(stage));
-  return std::make_unique<DdpChunk>(c, std::move(stage), std::move(dp));
+  return std::make_unique<WholeChunk>(c, std::move(stage), std::move(dp));
 }
 
 }  // namespace train

@@ -1,8 +1,8 @@
 #pragma once
 // A model chunk (the pieces one pipeline stage holds, or the whole model) with
 // its data-parallel wrapper and optimizer (internal to the trainer):
-//   plain  dp == 1: the optimizer alone
-//   ddp    DistributedDataParallel over the dp communicator
+//   whole  dp == 1: the optimizer alone; dp > 1: DistributedDataParallel over
+//          the dp communicator (either in fp32 or bf16-mixed)
 //   zero   ZeRO stage 1 or 2 (ZeroRedundancyOptimizer)
 //   fsdp   ZeRO stage 3 (FullyShardedDataParallel), one unit per piece
 
@@ -47,6 +47,9 @@ class ChunkTrainer {
   // The gradients this rank's optimizer steps (after the step's last
   // backward), each marked counted once across the mesh (train/clip.h).
   virtual std::vector<GradPart> gradient_parts(const ShardPlace& place) = 0;
+  // After the step's last backward, before gradient_parts and step: bf16-mixed
+  // chunks copy their gradients to the fp32 masters.
+  virtual void finish_gradients() {}
   // Checkpoints: this rank's share of the chunk's state (replicas are written
   // once: by dp rank 0, or by each rank for its ZeRO shard), and loading.
   virtual void add_to_checkpoint(RankState& out, const ShardPlace& place) = 0;

@@ -70,6 +70,8 @@ const std::map<std::string, Setter>& value_flags() {
       {"--weight-decay", [](TrainConfig& c, const std::string& f, const std::string& v) { c.weight_decay = to_double(f, v); }},
       {"--momentum", [](TrainConfig& c, const std::string& f, const std::string& v) { c.momentum = to_double(f, v); }},
       {"--adam-eps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.adam_eps = to_double(f, v); }},
+      {"--precision", [](TrainConfig& c, const std::string&, const std::string& v) { c.precision = v; }},
+      {"--reduce-dtype", [](TrainConfig& c, const std::string&, const std::string& v) { c.reduce_dtype = v; }},
       {"--clip-grad-norm", [](TrainConfig& c, const std::string& f, const std::string& v) { c.clip_grad_norm = to_double(f, v); }},
       {"--activation-checkpointing", [](TrainConfig& c, const std::string&, const std::string& v) { c.activation_checkpointing = v; }},
       {"--seed", [](TrainConfig& c, const std::string& f, const std::string& v) {
@@ -112,6 +114,7 @@ std::string train_usage() {
          "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
          "                 [--optimizer sgd|adam|adamw] [--lr LR] [--lr-schedule constant|cosine]\n"
          "                 [--warmup-steps N] [--weight-decay W] [--momentum M] [--adam-eps E]\n"
+         "                 [--precision fp32|bf16-mixed [--reduce-dtype bf16|fp32]]  (bf16 compute, fp32 master weights)\n"
          "                 [--clip-grad-norm X]  (global L2 norm over every layout; default 0: measured, not clipped)\n"
          "                 [--activation-checkpointing none|blocks|every-N]  (recompute blocks in backward)\n"
          "                 [--seed S] [--log-every N] [--data FILE | --digits D] [--metrics-out FILE] [--plot FILE.svg]\n"
@@ -168,6 +171,14 @@ TrainConfig resolve(TrainConfig c, int world) {
   MESHTRAIN_CHECK(std::isfinite(c.clip_grad_norm) && c.clip_grad_norm >= 0, "--clip-grad-norm ", c.clip_grad_norm,
                   " must be a finite number >= 0 (0: no clipping)");
   models::checkpointing_period(c.activation_checkpointing);  // throws ConfigError naming the value
+  MESHTRAIN_CHECK(c.precision == "fp32" || c.precision == "bf16-mixed", "--precision '", c.precision,
+                  "' is unknown; use fp32 or bf16-mixed");
+  MESHTRAIN_CHECK(c.reduce_dtype == "bf16" || c.reduce_dtype == "fp32", "--reduce-dtype '", c.reduce_dtype,
+                  "' is unknown; use bf16 (half the bytes) or fp32 (sums in fp32)");
+  MESHTRAIN_CHECK(c.precision == "fp32" || (c.zero == 0 && c.strategy == "ddp"), "--precision bf16-mixed runs with "
+                  "DDP or plain training on any dp x pp x tp layout; with ", c.zero > 0 ? str_cat("--zero ", c.zero)
+                  : std::string("--strategy dp"), " it is not implemented yet (ZeRO and master DP keep float32 "
+                  "parameters): use --zero 0 --strategy ddp, or --precision fp32");
   MESHTRAIN_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "--lr-schedule '", c.lr_schedule,
                   "' is unknown; use constant or cosine");
   MESHTRAIN_CHECK(c.warmup_steps >= 0, "--warmup-steps ", c.warmup_steps, " must be >= 0");
@@ -258,6 +269,8 @@ std::string to_json(const TrainConfig& c) {
       .integer("global_batch", c.global_batch).integer("micro_batch", c.micro_batch)
       .integer("accumulation_steps", accumulation_steps(c)).integer("steps", c.steps)
       .str("optimizer", c.optimizer).num("lr", c.lr).str("lr_schedule", c.lr_schedule).integer("warmup_steps", c.warmup_steps).num("weight_decay", c.weight_decay).num("momentum", c.momentum).num("adam_eps", c.adam_eps)
+      .str("precision", c.precision)
+      .str("reduce_dtype", c.precision == "fp32" ? "fp32" : c.reduce_dtype)
       .num("clip_grad_norm", c.clip_grad_norm).str("activation_checkpointing", c.activation_checkpointing)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap)

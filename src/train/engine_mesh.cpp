@@ -90,7 +90,7 @@ class MeshEngine : public Engine {
     double loss_sum = 0;
     const double scale = 1.0 / static_cast<double>(M);  // micro-batch means -> this replica's mean
     auto loss = [&](const at::Tensor& out, const at::Tensor& targets) {
-      return models::loss(c_.model, out, targets, ctx_) * scale;
+      return models::loss(c_.model, out.to(at::kFloat), targets, ctx_) * scale;  // bf16-mixed: the loss in fp32
     };
     if (!executor_) {
       ChunkTrainer& chunk = *chunks_.begin()->second;
@@ -119,6 +119,7 @@ class MeshEngine : public Engine {
     for (auto& w : tie_sends_) w->wait();  // received within this step (see the Note)
     tie_sends_.clear();
     std::vector<GradPart> parts;
+    for (auto& kv : chunks_) kv.second->finish_gradients();
     for (auto& kv : chunks_) {
       std::vector<GradPart> mine = kv.second->gradient_parts(place(*kv.second));
       parts.insert(parts.end(), mine.begin(), mine.end());

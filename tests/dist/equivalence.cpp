@@ -189,8 +189,11 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
                            << (it->second - kv.second).abs().max().item<double>() << " (max abs) after "
                            << ref.losses.size() << " steps";
   }
+  double worst_norm = 0;
+  for (size_t s = 0; s < ref.grad_norms.size(); ++s)
+    worst_norm = std::max(worst_norm, std::abs(norms[s].item<double>() / ref.grad_norms[s] - 1));
   std::cout << "equivalence on " << world << " ranks: max |loss diff| " << worst_loss << ", max |weight diff| "
-            << worst_abs << "\n";
+            << worst_abs << ", max |norm / norm - 1| " << worst_norm << "\n";
 }
 
 }  // namespace testing

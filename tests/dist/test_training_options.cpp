@@ -73,3 +73,103 @@ TEST(TrainingOptions, MetricsReportTheNormOfEveryStep) {
   for (const auto& n : m["grad_norms"].items) EXPECT_GT(n.number, 0.5);  // clipped: the norm before clipping
   EXPECT_EQ(m["config"]["clip_grad_norm"].number, 0.5);
 }
+
+// bf16-mixed against a one-process bf16-mixed run. The layouts differ from one
+// process only in where bf16 values are rounded (matrix products split over
+// tp, gradients summed over dp and micro-batches, activations split over
+// stages): each rounding is within 2^-9 = 2e-3 relative, so gradient elements
+// differ by a few parts in a thousand, 100,000x fp32's differences. Measured
+// on these layouts (4 SGD steps at lr 0.1): losses within 1e-4 relative,
+// weights within 1.1e-3, norms within 2.5e-3 relative; the bounds leave ~4x.
+// Under SGD the update is proportional to the gradient, so a gradient summed
+// instead of averaged over 2 ranks changes the second step's loss by about
+// lr x |g|^2 ~ 1 (1,000x the loss bound), and a norm counting the replicated
+// layer norms twice is off by ~30% (the fp32 matrix shows 8.90 vs 6.49).
+namespace {
+
+meshtrain::testing::Tolerance bf16_tolerance() {
+  meshtrain::testing::Tolerance t;
+  t.loss_rtol = 5e-4;
+  t.loss_atol = 0;
+  t.weight_rtol = 0;
+  t.weight_atol = 4e-3;
+  t.grad_norm_rtol = 1e-2;
+  return t;
+}
+
+meshtrain::train::TrainConfig bf16_gpt() {
+  auto c = tiny_gpt();
+  c.precision = "bf16-mixed";
+  c.optimizer = "sgd";
+  c.lr = 0.1;
+  return c;
+}
+
+}  // namespace
+
+TEST(MixedPrecision, EveryAxisMatchesOneProcessInBf16) {
+  for (const char* reduce : {"bf16", "fp32"}) {
+    auto c = bf16_gpt();
+    c.reduce_dtype = reduce;
+    c.dp = 2;
+    expect_trains_like_one_process(c, 2, bf16_tolerance());
+  }
+  auto t = bf16_gpt();
+  t.tp = 2;
+  t.sequence_parallel = true;
+  expect_trains_like_one_process(t, 2, bf16_tolerance());
+  auto p = bf16_gpt();
+  p.pp = 2;  // the tied embedding's weight and gradient cross stages in bf16
+  p.microbatches = 4;
+  expect_trains_like_one_process(p, 2, bf16_tolerance());
+  auto all = bf16_gpt();
+  all.dp = 2;
+  all.pp = 2;
+  all.tp = 2;
+  all.microbatches = 2;
+  all.clip_grad_norm = 0.5;
+  all.activation_checkpointing = "blocks";
+  expect_trains_like_one_process(all, 8, bf16_tolerance());
+  auto mlp = meshtrain::testing::tiny_mlp();
+  mlp.precision = "bf16-mixed";
+  mlp.optimizer = "sgd";
+  mlp.lr = 0.1;
+  mlp.dp = 2;
+  mlp.tp = 2;
+  expect_trains_like_one_process(mlp, 4, bf16_tolerance());
+}
+
+TEST(MixedPrecision, HoldsTwoPlusTwoPlusTwelveBytesPerParameterAndHalvesDdpTraffic) {
+  auto c = tiny_gpt();  // AdamW
+  c.dp = 2;
+  c.steps = 2;
+  const auto fp32 = metrics_on_ranks(c, 2);
+  c.precision = "bf16-mixed";
+  const auto bf16 = metrics_on_ranks(c, 2);
+  if (::testing::Test::HasFailure() || fp32.type == meshtrain::json::Value::Type::kNull) return;
+  const double psi = bf16["config"]["model"]["parameters"].num();
+  const auto& s = bf16["ranks"][0]["state_bytes"];
+  EXPECT_EQ(s["parameters"].num(), 2 * psi);
+  EXPECT_EQ(s["gradients"].num(), 2 * psi);
+  EXPECT_EQ(s["optimizer"].num(), 12 * psi);  // fp32 masters + Adam's two moments
+  EXPECT_EQ(fp32["ranks"][0]["state_bytes"]["optimizer"].num(), 8 * psi);
+  const double sent32 = fp32["ranks"][0]["traffic"]["all_reduce"]["bytes_sent"].num();
+  const double sent16 = bf16["ranks"][0]["traffic"]["all_reduce"]["bytes_sent"].num();
+  EXPECT_GT(sent32, 0);
+  EXPECT_EQ(sent16 * 2, sent32);
+}
+
+TEST(MixedPrecision, UnsupportedCombinationsAreClearErrors) {
+  for (auto [zero, strategy] : {std::make_pair(1, "ddp"), std::make_pair(3, "ddp"), std::make_pair(0, "dp")}) {
+    auto c = tiny_gpt();
+    c.precision = "bf16-mixed";
+    c.zero = zero;
+    c.strategy = strategy;
+    try {
+      meshtrain::train::resolve(c, 2);
+      ADD_FAILURE() << "accepted zero " << zero << " strategy " << strategy;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
+    }
+  }
+}

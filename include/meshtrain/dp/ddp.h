@@ -44,6 +44,11 @@ struct DistributedDataParallelOptions {
   // boundaries, and with them the order floats are summed in, never depend on
   // when the run started (the trainer turns it off for bitwise-exact resume).
   TORCH_ARG(bool, rebuild_buckets) = true;
+  // The dtype gradients are all-reduced in (default: each parameter's own).
+  // at::kFloat for bf16 parameters: buckets hold float32 copies of the
+  // gradients, so the sum over ranks is taken in float32 and rounded to the
+  // parameter's dtype once, at the cost of twice the bytes.
+  TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
 };
 
 class Reducer;

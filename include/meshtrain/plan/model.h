@@ -127,12 +127,12 @@ struct ModelStateBytes {
 ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& bytes, int zero, int dp_size, int dp_rank = 0);
 
 // Predicted model state (parameters, gradients, optimizer) of one rank of a
-// GPT trained with fp32 Adam in `layout`, for comparison with what meshtrain
+// GPT trained with Adam in `layout` (fp32: 4 + 4 + 8; bf16-mixed: 2 + 2 + 12), for comparison with what meshtrain
 // measures (train::StateBytes). Assumes ZeRO shards the stage's parameters as
 // one flat buffer; meshtrain shards bucket by bucket, so a shard may differ by
 // up to one element per bucket (x 4 or 8 bytes) — calibrate against measurements.
 ModelStateBytes predict_rank_state_bytes(const GptShape& shape, const Layout& layout, int stage, int tp_rank,
-                                         int dp_rank = 0);
+                                         int dp_rank = 0, Precision precision = Precision::kFp32);
 
 }  // namespace plan
 }  // namespace meshtrain

@@ -35,6 +35,10 @@ struct TrainConfig {
   double weight_decay = 0.0;
   double momentum = 0.0;
   double adam_eps = 1e-8;   // Adam/AdamW eps (torch's default)
+  // fp32 | bf16-mixed: bf16 parameters and gradients for forward and backward,
+  // fp32 master weights and optimizer state (train/mixed_precision.h).
+  std::string precision = "fp32";
+  std::string reduce_dtype = "bf16";  // bf16-mixed: gradients reduced in bf16 | fp32
   double clip_grad_norm = 0;  // clip the global gradient norm to this (0: measure only)
   // Recompute in backward instead of keeping activations: none | blocks (every
   // GPT block / MLP layer) | every-N (every N-th block, from the first).

@@ -1,0 +1,49 @@
+#include "meshtrain/train/mixed_precision.h"
+
+#include <ATen/ATen.h>
+
+namespace meshtrain {
+namespace train {
+
+MasterWeights::MasterWeights(torch::nn::Module& module, at::ScalarType compute) {
+  at::NoGradGuard no_grad;
+  model_ = dp::unique_parameters(module);
+  for (auto& p : model_) {
+    masters_.push_back({p.name, p.tensor.detach().to(at::kFloat, false, /*copy=*/true).requires_grad_(true)});
+    if (p.tensor.is_floating_point()) p.tensor.set_data(p.tensor.detach().to(compute));
+  }
+}
+
+std::vector<at::Tensor> MasterWeights::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& m : masters_) out.push_back(m.tensor);
+  return out;
+}
+
+void MasterWeights::gradients_to_masters() {
+  for (size_t i = 0; i < model_.size(); ++i) {
+    const at::Tensor& g = model_[i].tensor.grad();
+    masters_[i].tensor.mutable_grad() = g.defined() ? g.to(at::kFloat) : at::Tensor();
+  }
+}
+
+void MasterWeights::masters_to_parameters() {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < model_.size(); ++i) {
+    model_[i].tensor.copy_(masters_[i].tensor);
+    masters_[i].tensor.mutable_grad() = at::Tensor();  // float32 gradients live for the step only
+  }
+}
+
+void MasterWeights::zero_model_grad() {
+  for (auto& p : model_) p.tensor.mutable_grad() = at::Tensor();
+}
+
+int64_t MasterWeights::master_bytes() const {
+  int64_t n = 0;
+  for (const auto& m : masters_) n += m.tensor.nbytes();
+  return n;
+}
+
+}  // namespace train
+}  // namespace meshtrain
