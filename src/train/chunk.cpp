@@ -198,12 +198,16 @@ class WholeChunk : public ChunkTrainer {
 
 class ZeroChunk : public ChunkTrainer {
  public:
-  ZeroChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp) : ChunkTrainer(std::move(stage)), stage_no_(c.zero) {
-    zro_ = std::make_unique<zero::ZeroRedundancyOptimizer>(
-        stage_.ptr(), make_optimizer(c, tensors(stage_)), std::move(dp),
-        zero::ZeroOptions().stage(c.zero).bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap));
+  ZeroChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp)
+      : ChunkTrainer(std::move(stage)), stage_no_(c.zero), mixed_(c.precision == "bf16-mixed") {
+    auto options = zero::ZeroOptions().stage(c.zero).bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap);
+    if (mixed_) options.param_dtype(at::kBFloat16);
+    zro_ = std::make_unique<zero::ZeroRedundancyOptimizer>(stage_.ptr(), make_optimizer(c, tensors(stage_)),
+                                                           std::move(dp), options);
   }
-  at::Tensor forward(const at::Tensor& x) override { return stage_->forward(x); }
+  at::Tensor forward(const at::Tensor& x) override {
+    return stage_->forward(mixed_ && x.is_floating_point() ? x.to(at::kBFloat16) : x);
+  }
   void zero_grad() override { zro_->zero_grad(); }
   void step() override { zro_->step(); }
   torch::optim::Optimizer& optimizer() override { return zro_->optimizer(); }
@@ -222,12 +226,14 @@ class ZeroChunk : public ChunkTrainer {
     return count_once(zro_->shard_gradients(), place.tp_dims, /*replicated_over_dp=*/false, coord_of(place));
   }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
-    add_pieces(stage_, zro_->owned_pieces(), /*values=*/false, out, place);
+    // Mixed: each rank writes its float32 masters (the module holds bf16 copies).
+    add_pieces(stage_, zro_->owned_pieces(), /*values=*/mixed_, out, place);
   }
   void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { zro_->load_state(full_state(stage_, r, place)); }
 
  private:
   int stage_no_;
+  bool mixed_;
   std::unique_ptr<zero::ZeroRedundancyOptimizer> zro_;
   std::optional<zero::ZeroRedundancyOptimizer::NoSync> no_sync_;
 };

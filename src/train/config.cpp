@@ -175,10 +175,13 @@ TrainConfig resolve(TrainConfig c, int world) {
                   "' is unknown; use fp32 or bf16-mixed");
   MESHTRAIN_CHECK(c.reduce_dtype == "bf16" || c.reduce_dtype == "fp32", "--reduce-dtype '", c.reduce_dtype,
                   "' is unknown; use bf16 (half the bytes) or fp32 (sums in fp32)");
-  MESHTRAIN_CHECK(c.precision == "fp32" || (c.zero == 0 && c.strategy == "ddp"), "--precision bf16-mixed runs with "
-                  "DDP or plain training on any dp x pp x tp layout; with ", c.zero > 0 ? str_cat("--zero ", c.zero)
-                  : std::string("--strategy dp"), " it is not implemented yet (ZeRO and master DP keep float32 "
-                  "parameters): use --zero 0 --strategy ddp, or --precision fp32");
+  MESHTRAIN_CHECK(c.precision == "fp32" || (c.zero <= 2 && c.strategy == "ddp"), "--precision bf16-mixed runs with "
+                  "DDP, ZeRO 1 and 2 or plain training on any dp x pp x tp layout; with ", c.zero > 2 ?
+                  str_cat("--zero ", c.zero) : std::string("--strategy dp"), " it is not implemented yet (ZeRO-3 and "
+                  "master DP keep float32 parameters): use --zero 0, 1 or 2 with --strategy ddp, or --precision fp32");
+  MESHTRAIN_CHECK(c.precision == "fp32" || c.zero == 0 || c.reduce_dtype == "bf16", "--reduce-dtype fp32 with "
+                  "--zero ", c.zero, " is not implemented yet (ZeRO reduce-scatters in the parameters' dtype); use "
+                  "--reduce-dtype bf16 or --zero 0");
   MESHTRAIN_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "--lr-schedule '", c.lr_schedule,
                   "' is unknown; use constant or cosine");
   MESHTRAIN_CHECK(c.warmup_steps >= 0, "--warmup-steps ", c.warmup_steps, " must be >= 0");

@@ -24,7 +24,12 @@ class ShardedCore : public std::enable_shared_from_this<ShardedCore> {
   FullState consolidated_state(int root);
   void load_state(const FullState& state);
   std::vector<OwnedPiece> owned() { return owned_pieces(pieces_, *optimizer_, params_); }
-  std::vector<std::pair<std::string, at::Tensor>> shard_gradients() const { return pieces_.gradients(params_); }
+  std::vector<std::pair<std::string, at::Tensor>> shard_gradients() const {
+    if (!mixed_) return pieces_.gradients(params_);
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (size_t i = 0; i < piece_grads_.size(); ++i) out.emplace_back(params_[pieces_.pieces[i].param].name, piece_grads_[i]);
+    return out;
+  }
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
@@ -46,6 +51,11 @@ class ShardedCore : public std::enable_shared_from_this<ShardedCore> {
   at::Tensor flat_grads_;   // stage 1: full; the parameters' .grad are views into it
   at::Tensor shard_grads_;  // stage 2: this rank's shard only
   Pieces pieces_;
+  // Mixed precision: pieces_.values are float32 masters; these are the pieces'
+  // gradients in the module's dtype (views into flat_grads_ / shard_grads_).
+  at::ScalarType dtype_ = at::kFloat;
+  bool mixed_ = false;
+  std::vector<at::Tensor> piece_grads_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   // One backward's bookkeeping.
   std::vector<bool> ready_;
@@ -64,6 +74,8 @@ ShardedCore::ShardedCore(std::shared_ptr<torch::nn::Module> module, std::unique_
   MESHTRAIN_CHECK(options_.stage() == 1 || options_.stage() == 2, "ZeroRedundancyOptimizer: stage ", options_.stage(),
                   " must be 1 or 2 (stage 3 is FullyShardedDataParallel)");
   MESHTRAIN_CHECK(optimizer_ && module_ && comm_, "ZeroRedundancyOptimizer needs a module, an optimizer and a communicator");
+  dtype_ = options_.param_dtype().value_or(at::kFloat);
+  mixed_ = dtype_ != at::kFloat;
   check_elementwise(*optimizer_);
   params_ = dp::unique_parameters(*module_);
   dp::verify_same_parameters(*comm_, params_, "ZeroRedundancyOptimizer");
@@ -85,33 +97,43 @@ ShardedCore::ShardedCore(std::shared_ptr<torch::nn::Module> module, std::unique_
       if (e.offset >= layout_.buckets[b].begin && e.offset < layout_.buckets[b].end) bucket_of_param_[e.param] = b;
     }
   }
-  // The module's parameters become views into one flat buffer, equal on all ranks.
-  flat_params_ = at::empty({layout_.total}, at::kFloat);
+  // The module's parameters become views into one flat buffer, equal on all
+  // ranks (rank 0's float32 values; under mixed precision their masters too).
+  at::Tensor flat32 = at::empty({layout_.total}, at::kFloat);
+  for (const auto& e : layout_.entries) {
+    offset_of_param_[e.param] = e.offset;
+    flat32.narrow(0, e.offset, e.numel).copy_(params_[e.param].tensor.detach().reshape({-1}));
+  }
+  comm_->broadcast(flat32, 0);
+  flat_params_ = mixed_ ? flat32.to(dtype_) : flat32;
   {
     at::NoGradGuard no_grad;
     for (const auto& e : layout_.entries) {
-      offset_of_param_[e.param] = e.offset;
       at::Tensor& p = params_[e.param].tensor;
-      flat_params_.narrow(0, e.offset, e.numel).copy_(p.detach().reshape({-1}));
       p.set_data(flat_params_.narrow(0, e.offset, e.numel).view(p.sizes()));
     }
   }
-  comm_->broadcast(flat_params_, 0);
   if (options_.stage() == 1) {
-    flat_grads_ = at::zeros({layout_.total}, at::kFloat);
+    flat_grads_ = at::zeros({layout_.total}, dtype_);
     for (size_t i = 0; i < params_.size(); ++i) {
       params_[i].tensor.mutable_grad() =
           flat_grads_.narrow(0, offset_of_param_[i], params_[i].tensor.numel()).view(params_[i].tensor.sizes());
     }
   } else {
-    shard_grads_ = at::zeros({layout_.shard_numel(comm_->rank())}, at::kFloat);
+    shard_grads_ = at::zeros({layout_.shard_numel(comm_->rank())}, dtype_);
   }
   pieces_.pieces = layout_.pieces(comm_->rank());
-  for (const auto& piece : pieces_.pieces) pieces_.values.push_back(flat_params_.narrow(0, piece.flat_offset, piece.numel));
-  pieces_.attach(*optimizer_, params_, [this](const ShardPiece& piece) {
+  auto grad_of = [this](const ShardPiece& piece) {
     return options_.stage() == 1 ? flat_grads_.narrow(0, piece.flat_offset, piece.numel)
                                  : shard_grads_.narrow(0, piece.shard_offset, piece.numel);
-  });
+  };
+  for (const auto& piece : pieces_.pieces) {
+    pieces_.values.push_back(mixed_ ? flat32.narrow(0, piece.flat_offset, piece.numel).clone()
+                                    : flat_params_.narrow(0, piece.flat_offset, piece.numel));
+    if (mixed_) piece_grads_.push_back(grad_of(piece));
+  }
+  // Mixed: the masters get float32 gradients for the optimizer step only (step()).
+  pieces_.attach(*optimizer_, params_, [&](const ShardPiece& piece) { return mixed_ ? at::Tensor() : grad_of(piece); });
   ready_.assign(params_.size(), false);
   pending_.assign(layout_.buckets.size(), 0);
   for (size_t b : bucket_of_param_) ++pending_[b];
@@ -130,7 +152,7 @@ void ShardedCore::install_hooks() {
 at::Tensor ShardedCore::bucket_grads(size_t b) {
   const Bucket& bucket = layout_.buckets[b];
   if (options_.stage() == 1) return flat_grads_.narrow(0, bucket.begin, bucket.numel());
-  if (!staging_[b].defined()) staging_[b] = at::zeros({bucket.numel()}, at::kFloat);
+  if (!staging_[b].defined()) staging_[b] = at::zeros({bucket.numel()}, dtype_);
   return staging_[b];
 }
 
@@ -164,7 +186,7 @@ void ShardedCore::launch_full_buckets_in_order() {
     // Stage 1 reduces in place (the shard's own region of the full gradient);
     // stage 2 into a temporary that is added to the persistent shard.
     at::Tensor output = options_.stage() == 1 ? flat_grads_.narrow(0, bucket.shard(r).offset, bucket.shard(r).size)
-                                              : (reduced_[b] = at::empty({bucket.shard(r).size}, at::kFloat));
+                                              : (reduced_[b] = at::empty({bucket.shard(r).size}, dtype_));
     works_[b] = comm_->reduce_scatter_async(input, comm::ReduceOp::kAvg, output, bucket.shard_sizes);
   }
 }
@@ -207,7 +229,18 @@ void ShardedCore::zero_grad() {
 
 void ShardedCore::step() {
   MESHTRAIN_CHECK(!in_backward_, "ZeroRedundancyOptimizer::step() called during backward");
-  optimizer_->step();  // this rank's pieces: views into flat_params_
+  if (mixed_) {
+    for (size_t i = 0; i < piece_grads_.size(); ++i) pieces_.values[i].mutable_grad() = piece_grads_[i].to(at::kFloat);
+  }
+  optimizer_->step();  // this rank's pieces: views into flat_params_ (mixed: float32 masters)
+  if (mixed_) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < pieces_.values.size(); ++i) {
+      const ShardPiece& piece = pieces_.pieces[i];
+      flat_params_.narrow(0, piece.flat_offset, piece.numel).copy_(pieces_.values[i]);
+      pieces_.values[i].mutable_grad() = at::Tensor();
+    }
+  }
   // Everyone gets everyone's updated shards, bucket by bucket.
   const int r = comm_->rank();
   std::vector<comm::WorkPtr> gathers;
@@ -221,7 +254,13 @@ void ShardedCore::step() {
 
 FullState ShardedCore::consolidated_state(int root) {
   FullState s;
-  if (comm_->rank() == root) {
+  if (mixed_) {  // the float32 masters, from every rank's shard
+    at::Tensor shard = at::empty({layout_.shard_numel(comm_->rank())}, at::kFloat);
+    for (size_t i = 0; i < pieces_.values.size(); ++i)
+      shard.narrow(0, pieces_.pieces[i].shard_offset, pieces_.pieces[i].numel).copy_(pieces_.values[i]);
+    std::vector<at::Tensor> full = gather_full(*comm_, layout_, shard, params_, root);
+    for (size_t i = 0; i < full.size(); ++i) s.parameters[params_[i].name] = full[i];
+  } else if (comm_->rank() == root) {
     for (const auto& p : params_) s.parameters[p.name] = p.tensor.detach().clone();
   }
   s.optimizer = consolidate_optimizer(*comm_, layout_, pieces_, *optimizer_, params_, root);
@@ -243,6 +282,8 @@ HeldBytes ShardedCore::held_bytes() const {
   h.parameters = flat_params_.nbytes();
   h.gradients = options_.stage() == 1 ? flat_grads_.nbytes() : shard_grads_.nbytes();
   h.optimizer = const_cast<Pieces&>(pieces_).optimizer_bytes(*optimizer_);
+  if (mixed_)
+    for (const auto& v : pieces_.values) h.optimizer += v.nbytes();  // the float32 masters
   return h;
 }
 

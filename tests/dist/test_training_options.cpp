@@ -114,6 +114,14 @@ TEST(MixedPrecision, EveryAxisMatchesOneProcessInBf16) {
     c.dp = 2;
     expect_trains_like_one_process(c, 2, bf16_tolerance());
   }
+  for (int zero : {1, 2}) {  // float32 masters of each rank's shard
+    auto z = bf16_gpt();
+    z.dp = 3;  // shards that do not divide evenly
+    z.zero = zero;
+    z.micro_batch = 4;  // stage 2 reduce-scatters every micro-batch
+    z.clip_grad_norm = 0.5;
+    expect_trains_like_one_process(z, 3, bf16_tolerance());
+  }
   auto t = bf16_gpt();
   t.tp = 2;
   t.sequence_parallel = true;
@@ -126,6 +134,7 @@ TEST(MixedPrecision, EveryAxisMatchesOneProcessInBf16) {
   all.dp = 2;
   all.pp = 2;
   all.tp = 2;
+  all.zero = 1;
   all.microbatches = 2;
   all.clip_grad_norm = 0.5;
   all.activation_checkpointing = "blocks";
@@ -160,11 +169,13 @@ TEST(MixedPrecision, HoldsTwoPlusTwoPlusTwelveBytesPerParameterAndHalvesDdpTraff
 }
 
 TEST(MixedPrecision, UnsupportedCombinationsAreClearErrors) {
-  for (auto [zero, strategy] : {std::make_pair(1, "ddp"), std::make_pair(3, "ddp"), std::make_pair(0, "dp")}) {
+  for (auto [zero, strategy, reduce] : {std::make_tuple(3, "ddp", "bf16"), std::make_tuple(0, "dp", "bf16"),
+                                        std::make_tuple(1, "ddp", "fp32")}) {
     auto c = tiny_gpt();
     c.precision = "bf16-mixed";
     c.zero = zero;
     c.strategy = strategy;
+    c.reduce_dtype = reduce;
     try {
       meshtrain::train::resolve(c, 2);
       ADD_FAILURE() << "accepted zero " << zero << " strategy " << strategy;

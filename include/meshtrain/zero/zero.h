@@ -61,6 +61,11 @@ struct ZeroOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   // Reduce-scatter each bucket during backward (off: after backward).
   TORCH_ARG(bool, overlap) = true;
+  // Mixed precision: the module's parameters and gradients, and the
+  // reduce-scatter and all-gather, in this dtype (at::kBFloat16); the optimizer
+  // steps float32 masters of this rank's shard, which checkpoints hold: the ZeRO
+  // paper's (2 + 2) psi + 12 psi / N for stage 1, 2 psi + (2 + 12) psi / N for 2.
+  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
 };
 
 class ZeroRedundancyOptimizer {
