@@ -240,16 +240,18 @@ class ZeroChunk : public ChunkTrainer {
 
 class FsdpChunk : public ChunkTrainer {
  public:
-  FsdpChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp, bool keep_first) : ChunkTrainer(std::move(stage)) {
+  FsdpChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp, bool keep_first)
+      : ChunkTrainer(std::move(stage)), mixed_(c.precision == "bf16-mixed") {
     std::vector<std::shared_ptr<torch::nn::Module>> units;
     for (size_t i = 0; i < stage_->num_pieces(); ++i) units.push_back(stage_->piece(i));
     zero::FsdpOptions options;
     if (keep_first) options.keep_gathered({0});
+    if (mixed_) options.param_dtype(at::kBFloat16);
     fsdp_ = std::make_unique<zero::FullyShardedDataParallel>(stage_.ptr(), units, make_optimizer(c, tensors(stage_)),
                                                              std::move(dp), options);
   }
   at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor h = x;
+    at::Tensor h = mixed_ && x.is_floating_point() ? x.to(at::kBFloat16) : x;
     for (size_t i = 0; i < stage_->num_pieces(); ++i) {
       h = fsdp_->run_unit(i, [&] { return stage_->forward_range(h, i, i + 1); });
     }
@@ -274,6 +276,7 @@ class FsdpChunk : public ChunkTrainer {
   void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { fsdp_->load_state(full_state(stage_, r, place)); }
 
  private:
+  bool mixed_;
   std::unique_ptr<zero::FullyShardedDataParallel> fsdp_;
 };
 

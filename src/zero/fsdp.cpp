@@ -46,7 +46,7 @@ class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
   void before_backward(int64_t unit);  // -1: every unit
   size_t num_units() const { return units_.size(); }
   void zero_grad() { shard_grads_.zero_(); }
-  void step() { optimizer_->step(); }
+  void step();
   FullState consolidated_state(int root);
   void load_state(const FullState& state);
   std::vector<OwnedPiece> owned() { return owned_pieces(pieces_, *optimizer_, params_); }
@@ -85,8 +85,10 @@ class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
   std::vector<size_t> unit_of_param_;
   std::vector<int64_t> offset_in_unit_;
   Layout layout_;
-  at::Tensor shard_params_, shard_grads_;
-  Pieces pieces_;
+  at::Tensor shard_params_, shard_grads_;  // in dtype_
+  Pieces pieces_;  // mixed: float32 masters of shard_params_, low_grads in shard_grads_
+  at::ScalarType dtype_ = at::kFloat;
+  bool mixed_ = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<bool> ready_;
   bool in_backward_ = false;
@@ -111,6 +113,8 @@ FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::s
                    std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm, FsdpOptions options)
     : module_(std::move(module)), comm_(std::move(comm)), options_(options), optimizer_(std::move(optimizer)) {
   MESHTRAIN_CHECK(optimizer_ && module_ && comm_, "FullyShardedDataParallel needs a module, an optimizer and a communicator");
+  dtype_ = options_.param_dtype().value_or(at::kFloat);
+  mixed_ = dtype_ != at::kFloat;
   check_elementwise(*optimizer_);
   params_ = dp::unique_parameters(*module_);
   dp::verify_same_parameters(*comm_, params_, "FullyShardedDataParallel");
@@ -165,34 +169,41 @@ FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::s
     if (unit.params.empty()) continue;
     unit.bucket = bucket++;
     const Bucket& b = layout_.buckets[unit.bucket];
-    unit.full = at::empty({b.numel()}, at::kFloat);
-    unit.alias = at::empty({0}, at::kFloat);
+    unit.full = at::empty({b.numel()}, dtype_);
+    unit.alias = at::empty({0}, dtype_);
     unit.alias.set_(unit.full.storage(), 0, {b.numel()}, {1});
   }
   // Rank 0's values, then each rank keeps its shard; parameters become views of the full buffers.
-  shard_params_ = at::empty({layout_.shard_numel(comm_->rank())}, at::kFloat);
-  shard_grads_ = at::zeros_like(shard_params_);
+  // The shard in float32 (rank 0's values): the masters under mixed precision.
+  at::Tensor shard32 = at::empty({layout_.shard_numel(comm_->rank())}, at::kFloat);
   at::NoGradGuard no_grad;
   for (auto& unit : units_) {
     if (unit.bucket < 0) continue;
     const Bucket& b = layout_.buckets[unit.bucket];
+    at::Tensor full32 = at::empty({b.numel()}, at::kFloat);
     for (const auto& e : layout_.entries) {
       if (e.offset < b.begin || e.offset >= b.end) continue;
       at::Tensor& p = params_[e.param].tensor;
       offset_in_unit_[e.param] = e.offset - b.begin;
-      unit.full.narrow(0, e.offset - b.begin, e.numel).copy_(p.detach().reshape({-1}));
+      full32.narrow(0, e.offset - b.begin, e.numel).copy_(p.detach().reshape({-1}));
       p.set_data(unit.full.narrow(0, e.offset - b.begin, e.numel).view(p.sizes()));
     }
-    comm_->broadcast(unit.full, 0);
+    comm_->broadcast(full32, 0);
     const Range own = b.shard(comm_->rank());
-    shard_params_.narrow(0, layout_.shard_offset(comm_->rank(), unit.bucket), own.size)
-        .copy_(unit.full.narrow(0, own.offset - b.begin, own.size));
+    shard32.narrow(0, layout_.shard_offset(comm_->rank(), unit.bucket), own.size)
+        .copy_(full32.narrow(0, own.offset - b.begin, own.size));
     free_storage(unit.full);
   }
+  shard_params_ = mixed_ ? shard32.to(dtype_) : shard32;
+  shard_grads_ = at::zeros_like(shard_params_);
   pieces_.pieces = layout_.pieces(comm_->rank());
-  for (const auto& piece : pieces_.pieces) pieces_.values.push_back(shard_params_.narrow(0, piece.shard_offset, piece.numel));
+  for (const auto& piece : pieces_.pieces) {
+    pieces_.values.push_back((mixed_ ? shard32 : shard_params_).narrow(0, piece.shard_offset, piece.numel));
+    if (mixed_) pieces_.low_grads.push_back(shard_grads_.narrow(0, piece.shard_offset, piece.numel));
+  }
+  // Mixed: the masters get float32 gradients for the optimizer step only (step()).
   pieces_.attach(*optimizer_, params_, [this](const ShardPiece& piece) {
-    return shard_grads_.narrow(0, piece.shard_offset, piece.numel);
+    return mixed_ ? at::Tensor() : shard_grads_.narrow(0, piece.shard_offset, piece.numel);
   });
   ready_.assign(params_.size(), false);
   reset_backward();
@@ -209,8 +220,8 @@ void FsdpCore::launch_gather(size_t u) {
   Unit& unit = units_[u];
   if (unit.bucket < 0 || unit.gathered || unit.gathering) return;
   const Bucket& b = layout_.buckets[unit.bucket];
-  allocate_storage(unit.full, b.numel() * sizeof(float));
-  gathered_bytes_ += b.numel() * sizeof(float);
+  allocate_storage(unit.full, b.numel() * unit.full.element_size());
+  gathered_bytes_ += b.numel() * unit.full.element_size();
   peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
   const int r = comm_->rank();
   unit.gathering = comm_->all_gather_async(shard_params_.narrow(0, layout_.shard_offset(r, unit.bucket), b.shard(r).size),
@@ -232,7 +243,7 @@ void FsdpCore::release(size_t u) {
   if (unit.bucket < 0 || !unit.gathered || unit.keep) return;
   free_storage(unit.full);
   unit.gathered = false;
-  gathered_bytes_ -= layout_.buckets[unit.bucket].numel() * sizeof(float);
+  gathered_bytes_ -= layout_.buckets[unit.bucket].numel() * unit.full.element_size();
 }
 
 at::Tensor FsdpCore::run_unit(size_t u, const std::function<at::Tensor()>& fn) {
@@ -286,7 +297,7 @@ void FsdpCore::reduce_unit(size_t u) {
   if (unit.reduced || unit.bucket < 0) return;
   unit.reduced = true;
   const Bucket& b = layout_.buckets[unit.bucket];
-  unit.staging = at::zeros({b.numel()}, at::kFloat);
+  unit.staging = at::zeros({b.numel()}, dtype_);
   for (size_t i : unit.params) {
     at::Tensor& p = params_[i].tensor;
     if (p.grad().defined()) {
@@ -294,7 +305,7 @@ void FsdpCore::reduce_unit(size_t u) {
       p.mutable_grad().reset();
     }
   }
-  unit.reduced_shard = at::empty({b.shard(comm_->rank()).size}, at::kFloat);
+  unit.reduced_shard = at::empty({b.shard(comm_->rank()).size}, dtype_);
   unit.reducing = comm_->reduce_scatter_async(unit.staging, comm::ReduceOp::kAvg, unit.reduced_shard, b.shard_sizes);
   release(u);
 }
@@ -332,14 +343,22 @@ void FsdpCore::reset_backward() {
 
 FullState FsdpCore::consolidated_state(int root) {
   FullState s;
-  std::vector<at::Tensor> full = gather_full(*comm_, layout_, shard_params_, params_, root);
+  const at::Tensor shard = mixed_ ? pieces_.masters_shard(shard_params_.numel()) : shard_params_;
+  std::vector<at::Tensor> full = gather_full(*comm_, layout_, shard, params_, root);
   for (size_t i = 0; i < full.size(); ++i) s.parameters[params_[i].name] = full[i];
   s.optimizer = consolidate_optimizer(*comm_, layout_, pieces_, *optimizer_, params_, root);
   return s;
 }
 
+void FsdpCore::step() {
+  if (mixed_) pieces_.masters_take_gradients();
+  optimizer_->step();
+  if (mixed_) pieces_.masters_into(shard_params_, /*by_flat_offset=*/false);
+}
+
 void FsdpCore::load_state(const FullState& state) {
   load_pieces(state, pieces_, *optimizer_, params_);
+  if (mixed_) pieces_.masters_into(shard_params_, /*by_flat_offset=*/false);
   for (size_t u = 0; u < units_.size(); ++u) {  // stale gathered values go
     const bool keep = units_[u].keep;
     units_[u].keep = false;
@@ -352,7 +371,7 @@ HeldBytes FsdpCore::held_bytes() const {
   HeldBytes h;
   h.parameters = shard_params_.nbytes();
   h.gradients = shard_grads_.nbytes();
-  h.optimizer = const_cast<Pieces&>(pieces_).optimizer_bytes(*optimizer_);
+  h.optimizer = const_cast<Pieces&>(pieces_).optimizer_bytes(*optimizer_) + (mixed_ ? pieces_.master_bytes() : 0);
   h.buffers = peak_gathered_bytes_;
   return h;
 }

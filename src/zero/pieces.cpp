@@ -43,8 +43,34 @@ int64_t Pieces::optimizer_bytes(torch::optim::Optimizer& optimizer) const {
 
 std::vector<std::pair<std::string, at::Tensor>> Pieces::gradients(const std::vector<dp::NamedParam>& params) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (size_t i = 0; i < pieces.size(); ++i) out.emplace_back(params[pieces[i].param].name, values[i].grad());
+  for (size_t i = 0; i < pieces.size(); ++i)
+    out.emplace_back(params[pieces[i].param].name, low_grads.empty() ? values[i].grad() : low_grads[i]);
   return out;
+}
+
+void Pieces::masters_take_gradients() {
+  for (size_t i = 0; i < low_grads.size(); ++i) values[i].mutable_grad() = low_grads[i].to(at::kFloat);
+}
+
+void Pieces::masters_into(at::Tensor buffer, bool by_flat_offset) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const ShardPiece& p = pieces[i];
+    buffer.narrow(0, by_flat_offset ? p.flat_offset : p.shard_offset, p.numel).copy_(values[i]);
+    values[i].mutable_grad() = at::Tensor();
+  }
+}
+
+at::Tensor Pieces::masters_shard(int64_t shard_numel) const {
+  at::Tensor shard = at::empty({shard_numel}, at::kFloat);
+  for (size_t i = 0; i < values.size(); ++i) shard.narrow(0, pieces[i].shard_offset, pieces[i].numel).copy_(values[i]);
+  return shard;
+}
+
+int64_t Pieces::master_bytes() const {
+  int64_t n = 0;
+  for (const auto& v : values) n += v.nbytes();
+  return n;
 }
 
 std::vector<at::Tensor> gather_full(comm::Communicator& comm, const Layout& layout, const at::Tensor& my_shard,

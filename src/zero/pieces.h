@@ -26,6 +26,19 @@ struct Pieces {
   int64_t optimizer_bytes(torch::optim::Optimizer& optimizer) const;
   // Each piece's gradient (what the optimizer steps) under its parameter's name.
   std::vector<std::pair<std::string, at::Tensor>> gradients(const std::vector<dp::NamedParam>& params) const;
+
+  // Mixed precision: `values` are float32 masters of pieces that the module
+  // holds in a lower precision; `low_grads` are the pieces' gradients there.
+  std::vector<at::Tensor> low_grads;
+  // Before the optimizer step: float32 copies of low_grads become the masters'
+  // gradients (for this step only).
+  void masters_take_gradients();
+  // After it: the masters into `buffer` (the module's precision) at each
+  // piece's flat offset (`by_flat_offset`) or shard offset; gradients dropped.
+  void masters_into(at::Tensor buffer, bool by_flat_offset);
+  // The float32 shard of `shard_numel` elements made of the masters (for consolidation).
+  at::Tensor masters_shard(int64_t shard_numel) const;
+  int64_t master_bytes() const;
 };
 
 // Full parameter-shaped tensors on `root` from every rank's shard buffer (the

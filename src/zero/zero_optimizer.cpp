@@ -24,12 +24,7 @@ class ShardedCore : public std::enable_shared_from_this<ShardedCore> {
   FullState consolidated_state(int root);
   void load_state(const FullState& state);
   std::vector<OwnedPiece> owned() { return owned_pieces(pieces_, *optimizer_, params_); }
-  std::vector<std::pair<std::string, at::Tensor>> shard_gradients() const {
-    if (!mixed_) return pieces_.gradients(params_);
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (size_t i = 0; i < piece_grads_.size(); ++i) out.emplace_back(params_[pieces_.pieces[i].param].name, piece_grads_[i]);
-    return out;
-  }
+  std::vector<std::pair<std::string, at::Tensor>> shard_gradients() const { return pieces_.gradients(params_); }
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
@@ -51,11 +46,10 @@ class ShardedCore : public std::enable_shared_from_this<ShardedCore> {
   at::Tensor flat_grads_;   // stage 1: full; the parameters' .grad are views into it
   at::Tensor shard_grads_;  // stage 2: this rank's shard only
   Pieces pieces_;
-  // Mixed precision: pieces_.values are float32 masters; these are the pieces'
-  // gradients in the module's dtype (views into flat_grads_ / shard_grads_).
+  // Mixed precision: pieces_.values are float32 masters, pieces_.low_grads
+  // their gradients in the module's dtype (views into flat_grads_ / shard_grads_).
   at::ScalarType dtype_ = at::kFloat;
   bool mixed_ = false;
-  std::vector<at::Tensor> piece_grads_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   // One backward's bookkeeping.
   std::vector<bool> ready_;
@@ -130,7 +124,7 @@ ShardedCore::ShardedCore(std::shared_ptr<torch::nn::Module> module, std::unique_
   for (const auto& piece : pieces_.pieces) {
     pieces_.values.push_back(mixed_ ? flat32.narrow(0, piece.flat_offset, piece.numel).clone()
                                     : flat_params_.narrow(0, piece.flat_offset, piece.numel));
-    if (mixed_) piece_grads_.push_back(grad_of(piece));
+    if (mixed_) pieces_.low_grads.push_back(grad_of(piece));
   }
   // Mixed: the masters get float32 gradients for the optimizer step only (step()).
   pieces_.attach(*optimizer_, params_, [&](const ShardPiece& piece) { return mixed_ ? at::Tensor() : grad_of(piece); });
@@ -229,18 +223,9 @@ void ShardedCore::zero_grad() {
 
 void ShardedCore::step() {
   MESHTRAIN_CHECK(!in_backward_, "ZeroRedundancyOptimizer::step() called during backward");
-  if (mixed_) {
-    for (size_t i = 0; i < piece_grads_.size(); ++i) pieces_.values[i].mutable_grad() = piece_grads_[i].to(at::kFloat);
-  }
+  if (mixed_) pieces_.masters_take_gradients();
   optimizer_->step();  // this rank's pieces: views into flat_params_ (mixed: float32 masters)
-  if (mixed_) {
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < pieces_.values.size(); ++i) {
-      const ShardPiece& piece = pieces_.pieces[i];
-      flat_params_.narrow(0, piece.flat_offset, piece.numel).copy_(pieces_.values[i]);
-      pieces_.values[i].mutable_grad() = at::Tensor();
-    }
-  }
+  if (mixed_) pieces_.masters_into(flat_params_, /*by_flat_offset=*/true);
   // Everyone gets everyone's updated shards, bucket by bucket.
   const int r = comm_->rank();
   std::vector<comm::WorkPtr> gathers;
@@ -255,10 +240,8 @@ void ShardedCore::step() {
 FullState ShardedCore::consolidated_state(int root) {
   FullState s;
   if (mixed_) {  // the float32 masters, from every rank's shard
-    at::Tensor shard = at::empty({layout_.shard_numel(comm_->rank())}, at::kFloat);
-    for (size_t i = 0; i < pieces_.values.size(); ++i)
-      shard.narrow(0, pieces_.pieces[i].shard_offset, pieces_.pieces[i].numel).copy_(pieces_.values[i]);
-    std::vector<at::Tensor> full = gather_full(*comm_, layout_, shard, params_, root);
+    std::vector<at::Tensor> full =
+        gather_full(*comm_, layout_, pieces_.masters_shard(layout_.shard_numel(comm_->rank())), params_, root);
     for (size_t i = 0; i < full.size(); ++i) s.parameters[params_[i].name] = full[i];
   } else if (comm_->rank() == root) {
     for (const auto& p : params_) s.parameters[p.name] = p.tensor.detach().clone();
@@ -282,8 +265,7 @@ HeldBytes ShardedCore::held_bytes() const {
   h.parameters = flat_params_.nbytes();
   h.gradients = options_.stage() == 1 ? flat_grads_.nbytes() : shard_grads_.nbytes();
   h.optimizer = const_cast<Pieces&>(pieces_).optimizer_bytes(*optimizer_);
-  if (mixed_)
-    for (const auto& v : pieces_.values) h.optimizer += v.nbytes();  // the float32 masters
+  if (mixed_) h.optimizer += pieces_.master_bytes();
   return h;
 }
 

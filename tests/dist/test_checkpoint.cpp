@@ -78,7 +78,7 @@ TEST(Checkpoint, ExactResumeOnTheSameLayout) {
 // every rank's shard), so resuming is still bitwise, and a bf16 run saved
 // under ZeRO-2 continues under DDP on other ranks from the same masters.
 TEST(Checkpoint, Bf16MixedResumesExactlyAndReshards) {
-  for (int zero : {0, 1, 2}) {
+  for (int zero : {0, 1, 2, 3}) {
     const std::string name = "bf16zero" + std::to_string(zero);
     const std::string dir = checkpoint_dir(name);
     TrainConfig c = layout(2, 1, 1, zero);

@@ -1,6 +1,6 @@
 // The planner's model-state prediction against what the trainer holds: for
 // every layout of 3 and 4 ranks (dp x pp x tp, every ZeRO stage where dp > 1;
-// up to ZeRO-2 also in bf16-mixed),
+// in fp32 and in bf16-mixed),
 // each rank's parameter, gradient and optimizer bytes from the tensors it
 // really holds (the metrics' state_bytes) are within 5% of
 // plan::predict_rank_state_bytes for that rank's coordinates.
@@ -109,13 +109,13 @@ TEST(PlanVsTrainer, PredictedModelStateMatchesEveryRankWithinFivePercent) {
                              c.model.tie_embeddings};
   std::vector<Row> rows;
   double worst = 0;
-  // bf16-mixed (2 + 2 + 12 bytes per parameter) runs without ZeRO-3 so far.
+  // fp32 (4 + 4 + 8 bytes per parameter) and bf16-mixed (2 + 2 + 12).
   std::vector<std::pair<plan::Layout, bool>> runs;
   for (int world : {3, 4})
     for (const plan::Layout& layout : layouts_of(world)) {
       if (!plan::layout_problem(shape, layout).empty()) continue;  // e.g. tp 3 does not divide 4 heads
       runs.push_back({layout, false});
-      if (layout.zero <= 2) runs.push_back({layout, true});
+      runs.push_back({layout, true});
     }
   for (const auto& [layout, bf16] : runs) {
     const auto measured = measure(c, layout, bf16);

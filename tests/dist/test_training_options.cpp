@@ -114,7 +114,7 @@ TEST(MixedPrecision, EveryAxisMatchesOneProcessInBf16) {
     c.dp = 2;
     expect_trains_like_one_process(c, 2, bf16_tolerance());
   }
-  for (int zero : {1, 2}) {  // float32 masters of each rank's shard
+  for (int zero : {1, 2, 3}) {  // float32 masters of each rank's shard
     auto z = bf16_gpt();
     z.dp = 3;  // shards that do not divide evenly
     z.zero = zero;
@@ -134,7 +134,7 @@ TEST(MixedPrecision, EveryAxisMatchesOneProcessInBf16) {
   all.dp = 2;
   all.pp = 2;
   all.tp = 2;
-  all.zero = 1;
+  all.zero = 3;  // the layout
   all.microbatches = 2;
   all.clip_grad_norm = 0.5;
   all.activation_checkpointing = "blocks";
@@ -169,8 +169,8 @@ TEST(MixedPrecision, HoldsTwoPlusTwoPlusTwelveBytesPerParameterAndHalvesDdpTraff
 }
 
 TEST(MixedPrecision, UnsupportedCombinationsAreClearErrors) {
-  for (auto [zero, strategy, reduce] : {std::make_tuple(3, "ddp", "bf16"), std::make_tuple(0, "dp", "bf16"),
-                                        std::make_tuple(1, "ddp", "fp32")}) {
+  for (auto [zero, strategy, reduce] : {std::make_tuple(0, "dp", "bf16"), std::make_tuple(1, "ddp", "fp32"),
+                                        std::make_tuple(3, "ddp", "fp32")}) {
     auto c = tiny_gpt();
     c.precision = "bf16-mixed";
     c.zero = zero;

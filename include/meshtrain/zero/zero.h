@@ -112,6 +112,10 @@ struct FsdpOptions {
   // Units kept gathered from their first use to the end of backward (e.g. an
   // embedding whose weight the LM head also uses).
   TORCH_ARG(std::set<size_t>, keep_gathered) = {};
+  // Mixed precision, as ZeroOptions::param_dtype: shards, gathered units,
+  // gradients and their reduce-scatter in this dtype; the optimizer steps
+  // float32 masters of the shard: (2 + 2 + 12) psi / N.
+  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
 };
 
 class FullyShardedDataParallel {
