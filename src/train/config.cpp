@@ -175,9 +175,6 @@ TrainConfig resolve(TrainConfig c, int world) {
                   "' is unknown; use fp32 or bf16-mixed");
   MESHTRAIN_CHECK(c.reduce_dtype == "bf16" || c.reduce_dtype == "fp32", "--reduce-dtype '", c.reduce_dtype,
                   "' is unknown; use bf16 (half the bytes) or fp32 (sums in fp32)");
-  MESHTRAIN_CHECK(c.precision == "fp32" || c.strategy == "ddp", "--precision bf16-mixed runs with DDP, ZeRO 1-3 or "
-                  "plain training on any dp x pp x tp layout; with --strategy dp (the article's master DP) it is not "
-                  "implemented yet: use --strategy ddp, or --precision fp32");
   MESHTRAIN_CHECK(c.precision == "fp32" || c.zero == 0 || c.reduce_dtype == "bf16", "--reduce-dtype fp32 with "
                   "--zero ", c.zero, " is not implemented yet (ZeRO reduce-scatters in the parameters' dtype); use "
                   "--reduce-dtype bf16 or --zero 0");

@@ -11,6 +11,7 @@
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/train/clip.h"
+#include "meshtrain/train/mixed_precision.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/optimizer_state.h"
@@ -45,11 +46,17 @@ class MasterDpEngine : public Engine {
       : c_(c), comm_(std::move(comm)), data_(make_dataset(c)) {
     model_ = models::build_stage(c.model, 0, models::num_pieces(c.model));
     models::apply_checkpointing(*model_, c.model, c.activation_checkpointing, 0);
+    const bool root = comm_->rank() == 0;
+    mixed_ = c.precision == "bf16-mixed";
+    // bf16-mixed: the master keeps float32 masters; every rank computes in bf16.
+    if (mixed_ && root) masters_.emplace(*model_);
+    if (mixed_ && !root) cast_parameters(*model_, at::kBFloat16);
     mdp_ = std::make_unique<dp::MasterDataParallel>(model_.ptr(), comm_, [this](const at::Tensor& y, const at::Tensor& t) {
-      return models::loss(c_.model, y, t) * scale_;
+      return models::loss(c_.model, y.to(at::kFloat), t) * scale_;
     });
     params_ = dp::unique_parameters(*model_);
-    if (comm_->rank() == 0) optimizer_ = make_optimizer(c, tensors_of(params_));  // only the master steps
+    stepped_ = masters_ ? masters_->masters() : params_;
+    if (root) optimizer_ = make_optimizer(c, tensors_of(stepped_));  // only the master steps
   }
 
   double step(int64_t step) override {
@@ -57,24 +64,29 @@ class MasterDpEngine : public Engine {
     const int64_t chunk = c_.dp * c_.micro_batch, chunks = c_.global_batch / chunk;
     const bool root = comm_->rank() == 0;
     if (root) optimizer_->zero_grad();
+    if (masters_) masters_->zero_model_grad();
     scale_ = static_cast<double>(chunk) / c_.global_batch;
     double loss = 0;
     for (int64_t j = 0; j < chunks; ++j) {
       Batch b = root ? data_->samples(step * c_.global_batch + j * chunk, chunk) : Batch{};
-      at::Tensor l = mdp_->step(b.inputs, b.targets, [this](const at::Tensor& x) { return model_->forward(x); });
+      at::Tensor l = mdp_->step(b.inputs, b.targets, [this](const at::Tensor& x) {
+        return model_->forward(mixed_ && x.is_floating_point() ? x.to(at::kBFloat16) : x);
+      });
       if (root) loss += l.item<double>();
     }
     // Only the master holds gradients (the sum of every worker's).
+    if (masters_) masters_->gradients_to_masters();
     std::vector<GradPart> parts;
     if (root)
-      for (const auto& p : params_) parts.push_back({p.tensor.grad(), true});
+      for (const auto& p : stepped_) parts.push_back({p.tensor.grad(), true});
     grad_norm_ = clip_grad_norm(parts, c_.clip_grad_norm, *comm_);
     if (root) optimizer_->step();
+    if (masters_) masters_->masters_to_parameters();
     return loss;  // the trainer sums: only rank 0 contributes
   }
 
   std::map<std::string, at::Tensor> full_parameters() override {
-    return comm_->rank() == 0 ? clone_all(params_) : std::map<std::string, at::Tensor>{};
+    return comm_->rank() == 0 ? clone_all(stepped_) : std::map<std::string, at::Tensor>{};
   }
 
   double last_grad_norm() const override { return grad_norm_; }
@@ -87,7 +99,7 @@ class MasterDpEngine : public Engine {
     StateBytes s;
     s.parameters = dp::total_bytes(tensors_of(params_));
     s.gradients = grad_bytes(params_);
-    s.optimizer = optimizer_ ? optimizer_state_bytes(*optimizer_) : 0;
+    s.optimizer = (optimizer_ ? optimizer_state_bytes(*optimizer_) : 0) + (masters_ ? masters_->master_bytes() : 0);
     return s;
   }
 
@@ -98,7 +110,7 @@ class MasterDpEngine : public Engine {
   RankState checkpoint_state() override {
     RankState out;
     if (comm_->rank() != 0) return out;
-    for (const auto& p : params_) {
+    for (const auto& p : stepped_) {
       out.chunks.push_back({p.name, "value", p.tensor.sizes().vec(), -1, 0, 1, 0, p.tensor.detach().reshape({-1})});
       for (const auto& kv : zero::state_of(*optimizer_, p.tensor)) {
         if (kv.first == "step") out.steps[p.name] = kv.second.item<int64_t>();
@@ -109,7 +121,7 @@ class MasterDpEngine : public Engine {
   }
   void load_checkpoint(CheckpointReader& reader) override {
     at::NoGradGuard no_grad;
-    for (auto& p : params_) {
+    for (auto& p : stepped_) {
       MESHTRAIN_CHECK(reader.has(p.name), "checkpoint has no parameter '", p.name, "'");
       p.tensor.copy_(reader.full(p.name, "value").view_as(p.tensor));
       if (!optimizer_) continue;
@@ -121,6 +133,7 @@ class MasterDpEngine : public Engine {
       if (auto step = reader.optimizer_step(p.name)) state["step"] = at::scalar_tensor(*step, at::kLong);
       zero::set_state(*optimizer_, p.tensor, state);
     }
+    if (masters_) masters_->masters_to_parameters();
   }
 
  private:
@@ -129,7 +142,10 @@ class MasterDpEngine : public Engine {
   std::unique_ptr<Dataset> data_;
   models::Stage model_{nullptr};
   std::unique_ptr<dp::MasterDataParallel> mdp_;
-  std::vector<dp::NamedParam> params_;
+  std::vector<dp::NamedParam> params_;   // the module's (bf16 under bf16-mixed)
+  std::optional<MasterWeights> masters_;  // bf16-mixed, on the master only
+  std::vector<dp::NamedParam> stepped_;  // what the optimizer steps and checkpoints hold
+  bool mixed_ = false;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   double scale_ = 1.0;
   double grad_norm_ = 0;

@@ -5,13 +5,17 @@
 namespace meshtrain {
 namespace train {
 
-MasterWeights::MasterWeights(torch::nn::Module& module, at::ScalarType compute) {
+void cast_parameters(torch::nn::Module& module, at::ScalarType dtype) {
   at::NoGradGuard no_grad;
+  for (auto& p : dp::unique_parameters(module))
+    if (p.tensor.is_floating_point()) p.tensor.set_data(p.tensor.detach().to(dtype));
+}
+
+MasterWeights::MasterWeights(torch::nn::Module& module, at::ScalarType compute) {
   model_ = dp::unique_parameters(module);
-  for (auto& p : model_) {
+  for (auto& p : model_)
     masters_.push_back({p.name, p.tensor.detach().to(at::kFloat, false, /*copy=*/true).requires_grad_(true)});
-    if (p.tensor.is_floating_point()) p.tensor.set_data(p.tensor.detach().to(compute));
-  }
+  cast_parameters(module, compute);
 }
 
 std::vector<at::Tensor> MasterWeights::parameters() const {

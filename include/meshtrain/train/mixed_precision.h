@@ -27,6 +27,10 @@
 namespace meshtrain {
 namespace train {
 
+// Casts the module's floating-point parameters to `dtype` in place (a rank
+// that computes in bf16 but keeps no masters).
+void cast_parameters(torch::nn::Module& module, at::ScalarType dtype);
+
 class MasterWeights {
  public:
   // Copies the module's parameters to float32 masters, then casts the
