@@ -258,8 +258,6 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   if (chief) {
     const double step_time = mean_after_first(result.step_times);
     const double samples = c.global_batch / step_time;
-    std::vector<std::string> rss, states, traffics;
-    for (const auto& r : ranks) rss.push_back(r);
     result.metrics_json = json::Object()
                               .raw("config", to_json(c))
                               .integer("world_size", world->size())
@@ -273,7 +271,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                               .raw("pipeline", pipeline_json.empty() ? "null" : pipeline_json)
                               .integer("first_step", first_step)
                               .raw("checkpoint", checkpoint_json)
-                              .raw("ranks", json::array(rss))
+                              .raw("ranks", json::array(ranks))
                               .str();
     if (!c.metrics_out.empty()) {
       std::ofstream out(c.metrics_out);

@@ -12,7 +12,7 @@
 // in-place modification to autograd's saved-variable checks.
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/zero.h"
@@ -44,6 +44,7 @@ class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
   at::Tensor run_unit(size_t u, const std::function<at::Tensor()>& fn);
   at::Tensor forward_all(const std::function<at::Tensor()>& fn);
   void before_backward(int64_t unit);  // -1: every unit
+  void close() { closed_ = true; }
   size_t num_units() const { return units_.size(); }
   void zero_grad() { shard_grads_.zero_(); }
   void step();
@@ -92,22 +93,35 @@ class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<bool> ready_;
   bool in_backward_ = false;
+  bool closed_ = false;  // the FullyShardedDataParallel object is gone
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
 };
 
-// Identity in forward; in backward, regathers the unit before its own backward runs.
-struct RegatherBeforeBackward : public torch::autograd::Function<RegatherBeforeBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, int64_t core, int64_t unit) {
-    ctx->saved_data["core"] = core;
-    ctx->saved_data["unit"] = unit;
-    return x;
+// Identity in forward; in backward, regathers the unit before its own backward
+// runs. The node shares ownership of the core, so a backward that outlives the
+// FullyShardedDataParallel object finds it closed (a clear error), never freed.
+class RegatherBeforeBackward : public torch::autograd::Node {
+ public:
+  RegatherBeforeBackward(std::shared_ptr<FsdpCore> core, int64_t unit) : core_(std::move(core)), unit_(unit) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    core_->before_backward(unit_);
+    return {grads[0]};
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    reinterpret_cast<FsdpCore*>(ctx->saved_data["core"].toInt())->before_backward(ctx->saved_data["unit"].toInt());
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
+  std::string name() const override { return "meshtrain::RegatherBeforeBackward"; }
+
+ private:
+  std::shared_ptr<FsdpCore> core_;
+  int64_t unit_;
 };
+
+at::Tensor regather_before_backward(const at::Tensor& out, std::shared_ptr<FsdpCore> core, int64_t unit) {
+  auto node = std::shared_ptr<RegatherBeforeBackward>(new RegatherBeforeBackward(std::move(core), unit),
+                                                      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(out));
+  at::Tensor y = out.detach();  // the same values, with this node as its history
+  torch::autograd::create_gradient_edge(y, node);
+  return y;
+}
 
 FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::shared_ptr<torch::nn::Module>> units,
                    std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm, FsdpOptions options)
@@ -257,7 +271,7 @@ at::Tensor FsdpCore::run_unit(size_t u, const std::function<at::Tensor()>& fn) {
   at::Tensor out = fn();
   release(u);
   if (!at::GradMode::is_enabled() || !out.requires_grad()) return out;
-  return RegatherBeforeBackward::apply(out, reinterpret_cast<int64_t>(this), static_cast<int64_t>(u));
+  return regather_before_backward(out, shared_from_this(), static_cast<int64_t>(u));
 }
 
 at::Tensor FsdpCore::forward_all(const std::function<at::Tensor()>& fn) {
@@ -266,10 +280,12 @@ at::Tensor FsdpCore::forward_all(const std::function<at::Tensor()>& fn) {
   at::Tensor out = fn();
   for (size_t u = 0; u < units_.size(); ++u) release(u);
   if (!at::GradMode::is_enabled() || !out.requires_grad()) return out;
-  return RegatherBeforeBackward::apply(out, reinterpret_cast<int64_t>(this), -1);
+  return regather_before_backward(out, shared_from_this(), -1);
 }
 
 void FsdpCore::before_backward(int64_t unit) {
+  MESHTRAIN_CHECK(!closed_, "FullyShardedDataParallel: backward reached unit ", unit, " after the "
+                  "FullyShardedDataParallel object was destroyed; keep it alive until backward has run");
   if (unit < 0) {
     for (size_t u = 0; u < units_.size(); ++u) launch_gather(u);
     for (size_t u = 0; u < units_.size(); ++u) gather(u);
@@ -384,7 +400,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Mo
                                        options)) {
   core_->install_hooks();
 }
-FullyShardedDataParallel::~FullyShardedDataParallel() = default;
+FullyShardedDataParallel::~FullyShardedDataParallel() { core_->close(); }
 at::Tensor FullyShardedDataParallel::run_unit(size_t unit, const std::function<at::Tensor()>& fn) {
   return core_->run_unit(unit, fn);
 }

@@ -10,6 +10,7 @@
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/zero/zero.h"
 
 using namespace meshtrain;
 
@@ -137,4 +138,25 @@ TEST(TrainingOptionFlags, BadValuesNameTheFlagBeforeAnyCommunication) {
                                                          "every-3"}), 1);
   EXPECT_EQ(c.clip_grad_norm, 0.5);
   EXPECT_EQ(c.activation_checkpointing, "every-3");
+}
+
+// The regather node owns a reference to FSDP's core: a backward that outlives
+// the wrapper gets an error naming the cause, not a use-after-free.
+TEST(FullyShardedDataParallel, BackwardAfterTheWrapperIsDestroyedIsAClearError) {
+  torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+  at::Tensor y;
+  {
+    std::vector<std::shared_ptr<torch::nn::Module>> units = {model[0], model[1]};
+    zero::FullyShardedDataParallel fsdp(model.ptr(), units,
+                                        std::make_unique<torch::optim::SGD>(model->parameters(), 0.1),
+                                        comm::make_single_process_world());
+    at::Tensor h = fsdp.run_unit(0, [&] { return model[0]->as<torch::nn::Linear>()->forward(torch::ones({3, 4})); });
+    y = fsdp.run_unit(1, [&] { return model[1]->as<torch::nn::Linear>()->forward(h); });
+  }
+  try {
+    y.sum().backward();
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("destroyed"), std::string::npos) << e.what();
+  }
 }
