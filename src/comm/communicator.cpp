@@ -3,12 +3,37 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "meshtrain/util/error.h"
 #include "queued.h"
 
 namespace meshtrain {
 namespace comm {
+
+namespace {
+
+at::Tensor bytes_of(const std::string& s) {
+  at::Tensor t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+  if (!s.empty()) std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+std::vector<std::string> strings_of(const std::vector<at::Tensor>& all) {
+  std::vector<std::string> out;
+  for (const auto& t : all) out.emplace_back(static_cast<const char*>(t.data_ptr()), t.numel());
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  return strings_of(comm.all_gather(bytes_of(mine)));
+}
+
+std::vector<std::string> gather_strings(Communicator& comm, const std::string& mine, int root) {
+  return strings_of(comm.gather(bytes_of(mine), root));
+}
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {

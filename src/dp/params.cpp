@@ -54,13 +54,10 @@ void verify_same_parameters(comm::Communicator& comm, const std::vector<NamedPar
                             const std::string& who) {
   std::string mine;
   for (const auto& p : params) mine += describe(p) + "\n";
-  at::Tensor bytes = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
-  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
   // Every rank learns every rank's list (sizes may differ), then all compare
   // the same data and reach the same verdict: no rank waits for another.
-  std::vector<at::Tensor> all = comm.all_gather(bytes);
   std::vector<std::vector<std::string>> lists;
-  for (const auto& t : all) lists.push_back(split_lines(std::string(static_cast<const char*>(t.data_ptr()), t.numel())));
+  for (const auto& s : comm::all_gather_strings(comm, mine)) lists.push_back(split_lines(s));
   for (size_t i = 0;; ++i) {
     std::map<std::string, std::vector<int>> variants;  // description -> ranks
     bool any = false;

@@ -120,12 +120,10 @@ SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState&
     outcome = std::string("error ") + e.what();
   }
   // Every rank learns every rank's outcome: all commit, or all raise.
-  at::Tensor bytes = at::empty({static_cast<int64_t>(outcome.size())}, at::kByte);
-  std::memcpy(bytes.data_ptr(), outcome.data(), outcome.size());
-  std::vector<at::Tensor> all = comm.all_gather(bytes);
+  const std::vector<std::string> all = comm::all_gather_strings(comm, outcome);
   std::vector<std::string> shards;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    const std::string o(static_cast<const char*>(all[r].data_ptr()), all[r].numel());
+    const std::string& o = all[r];
     if (o.rfind("ok ", 0) != 0) {
       throw std::runtime_error(str_cat("checkpoint of step ", step, " failed on rank ", r, ": ", o.substr(6),
                                        "; nothing was committed"));

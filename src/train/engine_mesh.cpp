@@ -147,15 +147,10 @@ class MeshEngine : public Engine {
     }
     // Every stage's dp-root, tp rank 0, sends its parameters to world rank 0.
     const bool sender = me.dp == 0 && me.tp == 0;
-    const std::string bytes = sender ? serialize_tensors(mine) : std::string();
-    at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-    if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-    std::vector<at::Tensor> all = mesh_.world()->gather(t, 0);
     std::map<std::string, at::Tensor> full;
-    for (const auto& part : all) {
-      if (part.numel() == 0) continue;
-      for (auto& kv : deserialize_tensors(std::string(static_cast<const char*>(part.data_ptr()), part.numel()), "stage parameters"))
-        full[kv.first] = kv.second;
+    for (const auto& part : comm::gather_strings(*mesh_.world(), sender ? serialize_tensors(mine) : std::string(), 0)) {
+      if (part.empty()) continue;
+      for (auto& kv : deserialize_tensors(part, "stage parameters")) full[kv.first] = kv.second;
     }
     return full;
   }

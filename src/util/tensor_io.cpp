@@ -10,6 +10,9 @@
 
 namespace meshtrain {
 
+// Integers and tensor bytes are written as they lie in memory; the format is little endian.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "meshtrain's tensor files are little endian");
+
 namespace {
 
 constexpr char kMagic[8] = {'M', 'T', 'T', 'E', 'N', 'S', '0', '1'};

@@ -65,10 +65,6 @@ struct CommOptions {
   // hosts, MPI under mpirun). Sub-communicators choose again for their members.
   std::string backend;
 
-  CommOptions& set_timeout(std::chrono::milliseconds t) { timeout = t; return *this; }
-  CommOptions& set_verify(bool v) { verify = v; return *this; }
-  CommOptions& set_label(std::string l) { label = std::move(l); return *this; }
-  CommOptions& set_inline_bytes(int64_t b) { inline_bytes = b; return *this; }
   CommOptions& set_backend(std::string b) { backend = std::move(b); return *this; }
 };
 
@@ -164,6 +160,12 @@ class Communicator {
 };
 
 using CommPtr = std::shared_ptr<Communicator>;
+
+// Byte strings of any length from every rank, in rank order (collectives over
+// all_gather and gather: every rank calls them).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
+// On `root` every rank's string; elsewhere an empty vector.
+std::vector<std::string> gather_strings(Communicator& comm, const std::string& mine, int root);
 
 }  // namespace comm
 }  // namespace meshtrain

@@ -15,7 +15,8 @@
 // single-process gradient. (The article says "averaged": per-sample gradients
 // are averaged — by the loss, once.) Minibatch sizes need not be equal.
 //
-// Compared with DDP: five exchanges per step instead of one, and rank 0 does
+// Compared with DDP: six exchanges per step instead of one (steps 1-5, plus a
+// small broadcast of the batch's dtype and shape before step 2), and rank 0 does
 // all the talking and the loss (DDP averages per-minibatch gradients, which
 // differs when the batch loss is not a sum of per-sample terms).
 

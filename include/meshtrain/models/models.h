@@ -86,7 +86,6 @@ struct GptHeadImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> logits [B, T, vocab/tp]
   at::Tensor out_weight() const;
   void set_tied(at::Tensor w) { tied = std::move(w); }
-  bool needs_tied_weight() const { return !out; }
   torch::nn::LayerNorm ln{nullptr};
   tp::ColumnParallelLinear out{nullptr};  // [vocab/tp, H] when untied
   at::Tensor tied;    // not registered: the embedding owns it

@@ -28,7 +28,6 @@ class StageImpl : public torch::nn::Module {
       dict(group)->update({{key, piece.ptr()}});
     }
     pieces_.emplace_back(piece);
-    names_.push_back(group.empty() ? key : group + "." + key);
     checkpointed_.push_back(false);
   }
   // Applies the pieces in order.
@@ -37,7 +36,6 @@ class StageImpl : public torch::nn::Module {
   at::Tensor forward_range(at::Tensor x, size_t first, size_t last);
   size_t num_pieces() const { return pieces_.size(); }
   std::shared_ptr<torch::nn::Module> piece(size_t i) const { return pieces_.at(i).ptr(); }
-  const std::vector<std::string>& piece_names() const { return names_; }
   // Piece i recomputes its activations in backward (models/checkpointing.h).
   void set_checkpointed(size_t i, bool on) { checkpointed_.at(i) = on; }
   bool checkpointed(size_t i) const { return checkpointed_.at(i); }
@@ -45,7 +43,6 @@ class StageImpl : public torch::nn::Module {
  private:
   torch::nn::ModuleDict dict(const std::string& group);
   std::vector<torch::nn::AnyModule> pieces_;
-  std::vector<std::string> names_;
   std::vector<bool> checkpointed_;
 };
 TORCH_MODULE(Stage);

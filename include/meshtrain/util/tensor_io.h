@@ -1,6 +1,8 @@
 #pragma once
 // Named tensors to and from a file, in a small format of our own: a magic
-// word, then per tensor its name, dtype, shape and raw bytes (little endian).
+// word, then per tensor its name, dtype, shape and raw bytes, all in the host's
+// byte order, which must be little endian (tensor_io.cpp refuses to build on a
+// big-endian host rather than write files no other machine could read).
 // Used by tests to hand results between processes and by checkpoints.
 
 #include <ATen/core/Tensor.h>
