@@ -18,13 +18,17 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   for (const auto& b : unique_buffers(*module_)) state.push_back(b.tensor);
   broadcast_coalesced(*comm_, state, 0);  // every replica starts from rank 0's values
   reducer_ = std::make_shared<Reducer>(std::move(params), comm_, options_);
+  if (options_.broadcast_buffers() && !unique_buffers(*module_).empty()) {
+    // The reducer lives no longer than this object (it is ours alone), so `this` stays valid.
+    reducer_->set_after_sync([this] { broadcast_buffers(); });
+  }
   reducer_->install_hooks();
 }
 
 DistributedDataParallel::~DistributedDataParallel() = default;
 
-void DistributedDataParallel::pre_forward() {
-  if (!options_.broadcast_buffers()) return;
+void DistributedDataParallel::broadcast_buffers() {
+  at::NoGradGuard no_grad;
   std::vector<at::Tensor> buffers;
   for (const auto& b : unique_buffers(*module_)) buffers.push_back(b.tensor);
   if (!buffers.empty()) broadcast_coalesced(*comm_, buffers, 0);

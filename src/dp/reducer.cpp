@@ -173,6 +173,7 @@ void Reducer::finalize() {
     rebuilt_ = true;
   }
   reset_iteration();
+  if (after_sync_) after_sync_();
 }
 
 void Reducer::reset_iteration() {

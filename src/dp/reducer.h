@@ -3,6 +3,7 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -24,6 +25,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finalize();
   void mark_unused_from_graph(const std::vector<at::Tensor>& outputs);
   void set_sync(bool enabled) { sync_ = enabled; }
+  // Runs at the end of every synchronizing backward, after the gradients are written.
+  void set_after_sync(std::function<void()> fn) { after_sync_ = std::move(fn); }
   bool sync() const { return sync_; }
   std::vector<std::vector<std::string>> bucket_names() const;
 
@@ -55,6 +58,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool sync_ = true;
   bool callback_queued_ = false;
   bool rebuilt_ = false;
+  std::function<void()> after_sync_;
 };
 
 }  // namespace dp

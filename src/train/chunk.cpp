@@ -139,7 +139,7 @@ class WholeChunk : public ChunkTrainer {
   at::Tensor forward(const at::Tensor& input) override {
     // bf16-mixed: float inputs (the MLP's features) enter in bf16.
     const at::Tensor x = masters_ && input.is_floating_point() ? input.to(at::kBFloat16) : input;
-    return ddp_ ? ddp_->forward([&] { return stage_->forward(x); }) : stage_->forward(x);
+    return stage_->forward(x);  // DDP works from autograd hooks alone
   }
   void zero_grad() override {
     opt_->zero_grad();

@@ -9,6 +9,7 @@
 #include "harness.h"
 #include "meshtrain/dp/ddp.h"
 #include "meshtrain/dp/master_dp.h"
+#include "meshtrain/dp/replicate.h"
 #include "meshtrain/util/error.h"
 
 using meshtrain::ConfigError;
@@ -114,26 +115,33 @@ torch::Tensor batch_of(int rank, int step) {
 // With two micro-batches the first runs under no_sync; the pattern of
 // uses_maybe then leaves `maybe` used only in the accumulated micro-batch on
 // some ranks, and unused everywhere in the synchronizing one (step 2).
+// Twice: through DistributedDataParallel::forward(fn), which finds unused
+// parameters after forward, and through dp::replicate with the module's own
+// forward, which finds them at the end of backward.
 TEST(DataParallel, UnusedAndTiedParametersMatchOneProcess) {
+  for (bool replicated : {false, true})
   for (int micro : {1, 2}) {
-    run_ranks(3, [micro](Communicator& comm) {
-      auto model = std::make_shared<Branchy>();
-      meshtrain::dp::DistributedDataParallel ddp(
-          model, std::shared_ptr<Communicator>(&comm, [](Communicator*) {}),
-          meshtrain::dp::DistributedDataParallelOptions().find_unused_parameters(true).bucket_cap_mb(1e-9));
-      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    run_ranks(3, [micro, replicated](Communicator& comm) {
+      const auto options = meshtrain::dp::DistributedDataParallelOptions().find_unused_parameters(true).bucket_cap_mb(1e-9);
+      auto wrapped = meshtrain::dp::replicate(std::make_shared<Branchy>(),
+                                              std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), options);
+      const std::shared_ptr<Branchy>& model = wrapped.module();
+      meshtrain::dp::DistributedDataParallel& ddp = wrapped.ddp();
+      torch::optim::SGD opt(wrapped->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       auto ref = std::make_shared<Branchy>();
       torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       const int n = comm.size();
       auto local_loss = [&](int k, int step) {
         const int i = step * micro + k;
         auto x = batch_of(comm.rank(), i);
-        return ddp.forward([&] { return model->forward(x, uses_maybe(comm.rank(), i)); }).pow(2).mean() / micro;
+        auto y = replicated ? wrapped->forward(x, uses_maybe(comm.rank(), i))
+                            : ddp.forward([&] { return model->forward(x, uses_maybe(comm.rank(), i)); });
+        return y.pow(2).mean() / micro;
       };
       for (int step = 0; step < 6; ++step) {
         opt.zero_grad();
         for (int k = 0; k < micro - 1; ++k) {
-          auto guard = ddp.no_sync();
+          auto guard = wrapped.no_sync();
           local_loss(k, step).backward();
         }
         local_loss(micro - 1, step).backward();
@@ -151,7 +159,7 @@ TEST(DataParallel, UnusedAndTiedParametersMatchOneProcess) {
         for (const auto& kv : want) {
           EXPECT_TRUE(torch::allclose(got[kv.key()], kv.value(), 1e-5, 1e-6))
               << "micro-batches " << micro << " step " << step << " parameter " << kv.key() << " rank "
-              << comm.rank();
+              << comm.rank() << (replicated ? " (dp::replicate)" : " (forward(fn))");
         }
       }
     });
@@ -188,18 +196,29 @@ TEST(DataParallel, DifferentModelsAcrossRanksAreRejectedNamingTheParameter) {
   });
 }
 
-TEST(DataParallel, BuffersComeFromRankZeroBeforeEachForward) {
-  run_ranks(2, [](Communicator& comm) {
-    auto bn = std::make_shared<torch::nn::BatchNorm1dImpl>(3);
-    meshtrain::dp::DistributedDataParallel ddp(bn, std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+// BatchNorm's running statistics diverge in each rank's forward; every
+// synchronizing backward ends with rank 0's on every rank, and under no_sync
+// each rank keeps its own.
+TEST(DataParallel, BuffersComeFromRankZeroAfterEachSynchronizingBackward) {
+  run_ranks(3, [](Communicator& comm) {
+    auto model = meshtrain::dp::replicate(torch::nn::BatchNorm1d(3), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
     torch::manual_seed(comm.rank());
     auto x = torch::randn({5, 3}) + 10 * comm.rank();
-    ddp.forward([&] { return bn->forward(x); }).sum().backward();
-    // Running statistics diverged locally; the next forward starts from rank 0's.
-    ddp.pre_forward();
-    auto mean = bn->running_mean.clone();
-    comm.broadcast(mean, 0);
-    EXPECT_TRUE(torch::equal(mean, bn->running_mean));
+    auto rank0_mean = [&] {
+      auto mean = model->running_mean.clone();
+      comm.broadcast(mean, 0);
+      return mean;
+    };
+    {
+      auto guard = model.no_sync();
+      model->forward(x).pow(2).sum().backward();
+    }
+    const auto after_no_sync = rank0_mean();
+    EXPECT_EQ(torch::equal(after_no_sync, model->running_mean), comm.rank() == 0) << "rank " << comm.rank();
+    model->forward(x).pow(2).sum().backward();
+    const auto after_sync = rank0_mean();
+    EXPECT_TRUE(torch::equal(after_sync, model->running_mean)) << "rank " << comm.rank();
+    EXPECT_FALSE(torch::equal(after_sync, after_no_sync));  // the statistics did move
   });
 }
 

@@ -9,11 +9,16 @@
 // into its bucket as soon as autograd has accumulated it; a full bucket's
 // all-reduce starts at once (asynchronously, in bucket order on every rank),
 // overlapping the rest of backward. At the end of backward the averaged
-// gradients are written back to .grad. Buckets follow the order gradients
-// became ready in the first iteration (reverse registration order before it).
+// gradients are written back to .grad, and buffers are broadcast from rank 0
+// (broadcast_buffers). Buckets follow the order gradients became ready in the
+// first iteration (reverse registration order before it).
+//
+// Most code wants dp::replicate (replicate.h), which wraps a module and leaves
+// its forward as it is. This class is the engine, for code that keeps the
+// module and the DDP object apart:
 //
 //   dp::DistributedDataParallel ddp(model, world);
-//   auto loss = loss_fn(ddp.forward([&] { return model->forward(x); }), y);
+//   auto loss = loss_fn(model->forward(x), y);
 //   loss.backward();          // gradients are averaged across ranks here
 //   optimizer.step();
 //   { auto guard = ddp.no_sync(); ... }   // accumulate without communicating
@@ -35,7 +40,10 @@ struct DistributedDataParallelOptions {
   // Parameters may get no gradient in an iteration (found by walking the
   // autograd graph after forward). Off: such a parameter is an error naming it.
   TORCH_ARG(bool, find_unused_parameters) = false;
-  // Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 before each forward.
+  // Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at the
+  // end of every synchronizing backward (PyTorch: before each forward; there
+  // is no forward hook to do it in libtorch, and rank 0's buffers evolve the
+  // same way), so that every replica holds rank 0's for the next forward.
   TORCH_ARG(bool, broadcast_buffers) = true;
   // Start each bucket's all-reduce during backward; off: all after backward (for measurements).
   TORCH_ARG(bool, overlap) = true;
@@ -61,16 +69,19 @@ class DistributedDataParallel {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  // Runs fn (the module's forward) between pre_forward() and post_forward().
+  // Runs fn (the module's forward), then post_forward() on its outputs. Needed
+  // only with find_unused_parameters, to reduce unused parameters' buckets
+  // early and to let a rank whose backward reaches no parameter take part;
+  // otherwise call the module's forward directly.
   template <typename Fn>
   auto forward(Fn&& fn) -> decltype(fn()) {
-    pre_forward();
     auto out = fn();
     post_forward(outputs_of(out));
     return out;
   }
-  // Broadcasts buffers (when enabled). Call before forward if you do not use forward(fn).
-  void pre_forward();
+  // Broadcasts the buffers from rank 0 now (a collective: every rank calls
+  // it), e.g. after changing them outside of training.
+  void broadcast_buffers();
   // Finds unused parameters from the outputs' autograd graph (when enabled).
   void post_forward(const std::vector<at::Tensor>& outputs);
 
