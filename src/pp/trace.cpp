@@ -6,6 +6,7 @@
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/json.h"
+#include "util/svg.h"
 
 namespace meshtrain {
 namespace pp {
@@ -58,41 +59,27 @@ std::string schedule_svg(const std::vector<TraceEvent>& events, int ranks, const
   const int W = 960, left = 70, right = 20, top = 46, row = 34, gap = 6;
   const int H = top + ranks * (row + gap) + 48;
   const double scale = b.span > 0 ? (W - left - right) / b.span : 1.0;
-  std::string out;
-  char buf[512];
-  std::snprintf(buf, sizeof buf,
-                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" font-family=\"sans-serif\" font-size=\"11\">\n"
-                "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
-                "<text x=\"%d\" y=\"22\" font-size=\"14\">%s: bubble %.1f%% (measured)</text>\n",
-                W, H, left, title.c_str(), 100 * b.bubble);
-  out += buf;
+  char bubble[64];
+  std::snprintf(bubble, sizeof bubble, ": bubble %.1f%% (measured)", 100 * b.bubble);
+  svg::Document doc(W, H, 11);
+  doc.text(left, 22, title + bubble, "start", 14);
   for (int r = 0; r < ranks; ++r) {
     const int y = top + r * (row + gap);
-    std::snprintf(buf, sizeof buf,
-                  "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">rank %d</text>\n"
-                  "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#eeeeee\"/>\n",
-                  left - 8, y + row / 2 + 4, r, left, y, W - left - right, row);
-    out += buf;
+    doc.text(left - 8, y + row / 2 + 4, "rank " + std::to_string(r), "end").rect(left, y, W - left - right, row, {"#eeeeee", ""});
   }
   for (const auto& e : events) {
     const int y = top + e.rank * (row + gap);
     const double x = left + (e.start - lo) * scale, w = std::max(1.0, (e.end - e.start) * scale);
-    std::snprintf(buf, sizeof buf,
-                  "<rect x=\"%.1f\" y=\"%d\" width=\"%.1f\" height=\"%d\" fill=\"%s\" stroke=\"white\"/>\n"
-                  "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\" fill=\"white\">%d</text>\n",
-                  x, y, w, row, e.forward ? "#1f77b4" : "#ff7f0e", x + w / 2, y + row / 2 + 4, e.microbatch);
-    out += buf;
+    doc.rect(x, y, w, row, {e.forward ? "#1f77b4" : "#ff7f0e", "white"})
+        .text(x + w / 2, y + row / 2 + 4, std::to_string(e.microbatch), "middle", 0, "white");
   }
   const int ly = top + ranks * (row + gap) + 14;
-  std::snprintf(buf, sizeof buf,
-                "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"#1f77b4\"/><text x=\"%d\" y=\"%d\">forward (micro-batch)</text>\n"
-                "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"#ff7f0e\"/><text x=\"%d\" y=\"%d\">backward</text>\n"
-                "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"#eeeeee\"/><text x=\"%d\" y=\"%d\">idle (bubble)</text>\n"
-                "<text x=\"%d\" y=\"%d\">time: %.1f ms in all</text>\n</svg>\n",
-                left, ly, left + 20, ly + 11, left + 180, ly, left + 200, ly + 11, left + 300, ly, left + 320, ly + 11,
-                left + 460, ly + 11, b.span * 1e3);
-  out += buf;
-  return out;
+  const char* legend[][2] = {{"#1f77b4", "forward (micro-batch)"}, {"#ff7f0e", "backward"}, {"#eeeeee", "idle (bubble)"}};
+  for (int i = 0; i < 3; ++i) doc.rect(left + 180 * i, ly, 14, 14, {legend[i][0], ""}).text(left + 180 * i + 20, ly + 11, legend[i][1]);
+  char total[64];
+  std::snprintf(total, sizeof total, "time: %.1f ms in all", b.span * 1e3);
+  doc.text(left + 520, ly + 11, total);
+  return doc.str();
 }
 
 std::string write_trace_files(const std::string& path, const std::vector<TraceEvent>& events, int ranks,
@@ -104,6 +91,7 @@ std::string write_trace_files(const std::string& path, const std::vector<TraceEv
   std::ofstream out(svg);
   MESHTRAIN_CHECK(out.good(), "--trace: cannot write ", svg);
   out << schedule_svg(events, ranks, title);
+  MESHTRAIN_CHECK(out.good(), "--trace: writing ", svg, " failed");
   return svg;
 }
 

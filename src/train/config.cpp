@@ -1,8 +1,9 @@
 #include "meshtrain/train/config.h"
 
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <map>
+#include <type_traits>
 
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/schedule.h"
@@ -36,94 +37,146 @@ double to_double(const std::string& flag, const std::string& v) {
   throw ConfigError(str_cat("meshtrain: ", flag, " '", v, "' is not a number"));
 }
 
-using Setter = std::function<void(TrainConfig&, const std::string&, const std::string&)>;
+// A flag: its name, how its value reads (nullptr: a switch), its help line,
+// and what it sets. The usage text is generated from this table.
+using Setter = std::function<void(TrainConfig&, const std::string& flag, const std::string& value)>;
+struct Flag {
+  const char* name;
+  const char* value;
+  const char* help;
+  Setter set;
+};
+struct FlagGroup {
+  const char* title;
+  std::vector<Flag> flags;
+};
 
-const std::map<std::string, Setter>& value_flags() {
-  static const std::map<std::string, Setter> flags = {
-      {"--model", [](TrainConfig& c, const std::string&, const std::string& v) { c.model.kind = v; }},
-      {"--layers", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.layers = to_int(f, v); }},
-      {"--hidden", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.hidden = to_int(f, v); }},
-      {"--heads", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.heads = to_int(f, v); }},
-      {"--vocab", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.vocab = to_int(f, v); }},
-      {"--seq-len", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.seq_len = to_int(f, v); }},
-      {"--features", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.features = to_int(f, v); }},
-      {"--classes", [](TrainConfig& c, const std::string& f, const std::string& v) { c.model.classes = to_int(f, v); }},
-      {"--strategy", [](TrainConfig& c, const std::string&, const std::string& v) { c.strategy = v; }},
-      {"--zero", [](TrainConfig& c, const std::string& f, const std::string& v) { c.zero = static_cast<int>(to_int(f, v)); }},
-      {"--dp", [](TrainConfig& c, const std::string& f, const std::string& v) { c.dp = static_cast<int>(to_int(f, v)); }},
-      {"--pp", [](TrainConfig& c, const std::string& f, const std::string& v) { c.pp = static_cast<int>(to_int(f, v)); }},
-      {"--tp", [](TrainConfig& c, const std::string& f, const std::string& v) { c.tp = static_cast<int>(to_int(f, v)); }},
-      {"--schedule", [](TrainConfig& c, const std::string&, const std::string& v) { c.schedule = v; }},
-      {"--microbatches", [](TrainConfig& c, const std::string& f, const std::string& v) { c.microbatches = static_cast<int>(to_int(f, v)); }},
-      {"--virtual-stages", [](TrainConfig& c, const std::string& f, const std::string& v) { c.virtual_stages = static_cast<int>(to_int(f, v)); }},
-      {"--stage-boundaries", [](TrainConfig& c, const std::string& f, const std::string& v) {
-         c.stage_boundaries.clear();
-         for (const std::string& b : split(v, ',')) c.stage_boundaries.push_back(to_int(f, b));
-       }},
-      {"--global-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.global_batch = to_int(f, v); }},
-      {"--micro-batch", [](TrainConfig& c, const std::string& f, const std::string& v) { c.micro_batch = to_int(f, v); }},
-      {"--steps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.steps = static_cast<int>(to_int(f, v)); }},
-      {"--optimizer", [](TrainConfig& c, const std::string&, const std::string& v) { c.optimizer = v; }},
-      {"--lr", [](TrainConfig& c, const std::string& f, const std::string& v) { c.lr = to_double(f, v); }},
-      {"--lr-schedule", [](TrainConfig& c, const std::string&, const std::string& v) { c.lr_schedule = v; }},
-      {"--warmup-steps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.warmup_steps = static_cast<int>(to_int(f, v)); }},
-      {"--weight-decay", [](TrainConfig& c, const std::string& f, const std::string& v) { c.weight_decay = to_double(f, v); }},
-      {"--momentum", [](TrainConfig& c, const std::string& f, const std::string& v) { c.momentum = to_double(f, v); }},
-      {"--adam-eps", [](TrainConfig& c, const std::string& f, const std::string& v) { c.adam_eps = to_double(f, v); }},
-      {"--precision", [](TrainConfig& c, const std::string&, const std::string& v) { c.precision = v; }},
-      {"--reduce-dtype", [](TrainConfig& c, const std::string&, const std::string& v) { c.reduce_dtype = v; }},
-      {"--clip-grad-norm", [](TrainConfig& c, const std::string& f, const std::string& v) { c.clip_grad_norm = to_double(f, v); }},
-      {"--activation-checkpointing", [](TrainConfig& c, const std::string&, const std::string& v) { c.activation_checkpointing = v; }},
-      {"--seed", [](TrainConfig& c, const std::string& f, const std::string& v) {
-         c.seed = static_cast<uint64_t>(to_int(f, v));
-         c.model.seed = c.seed;
-       }},
-      {"--log-every", [](TrainConfig& c, const std::string& f, const std::string& v) { c.log_every = static_cast<int>(to_int(f, v)); }},
-      {"--data", [](TrainConfig& c, const std::string&, const std::string& v) { c.data = v; }},
-      {"--digits", [](TrainConfig& c, const std::string& f, const std::string& v) { c.digits = static_cast<int>(to_int(f, v)); }},
-      {"--metrics-out", [](TrainConfig& c, const std::string&, const std::string& v) { c.metrics_out = v; }},
-      {"--bucket-cap-mb", [](TrainConfig& c, const std::string& f, const std::string& v) { c.bucket_cap_mb = to_double(f, v); }},
-      {"--eval-problems", [](TrainConfig& c, const std::string& f, const std::string& v) { c.eval_problems = static_cast<int>(to_int(f, v)); }},
-      {"--plot", [](TrainConfig& c, const std::string&, const std::string& v) { c.plot = v; }},
-      {"--save-dir", [](TrainConfig& c, const std::string&, const std::string& v) { c.save_dir = v; }},
-      {"--save-every", [](TrainConfig& c, const std::string& f, const std::string& v) { c.save_every = static_cast<int>(to_int(f, v)); }},
-      {"--trace", [](TrainConfig& c, const std::string&, const std::string& v) { c.trace = v; }},
-      {"--backend", [](TrainConfig& c, const std::string&, const std::string& v) { c.backend = v; }},
-  };
-  return flags;
+template <typename T>
+T parse_as(const std::string& flag, const std::string& v) {
+  if constexpr (std::is_same<T, std::string>::value) {
+    return v;
+  } else if constexpr (std::is_floating_point<T>::value) {
+    return to_double(flag, v);
+  } else {
+    return static_cast<T>(to_int(flag, v));
+  }
 }
 
-const std::map<std::string, std::function<void(TrainConfig&)>>& switch_flags() {
-  static const std::map<std::string, std::function<void(TrainConfig&)>> flags = {
-      {"--sequence-parallel", [](TrainConfig& c) { c.sequence_parallel = true; }},
-      {"--no-overlap", [](TrainConfig& c) { c.overlap = false; }},
-      {"--untied", [](TrainConfig& c) { c.model.tie_embeddings = false; }},
-      {"--resume", [](TrainConfig& c) { c.resume = true; }},
+// A flag that sets one field of the config, or of its model.
+template <typename T>
+Setter field(T TrainConfig::*member) {
+  return [member](TrainConfig& c, const std::string& f, const std::string& v) { c.*member = parse_as<T>(f, v); };
+}
+template <typename T>
+Setter model_field(T models::ModelConfig::*member) {
+  return [member](TrainConfig& c, const std::string& f, const std::string& v) { c.model.*member = parse_as<T>(f, v); };
+}
+Setter turn_on(bool TrainConfig::*member) {
+  return [member](TrainConfig& c, const std::string&, const std::string&) { c.*member = true; };
+}
+
+void set_seed(TrainConfig& c, const std::string& f, const std::string& v) {
+  c.seed = parse_as<uint64_t>(f, v);
+  c.model.seed = c.seed;
+}
+
+void set_stage_boundaries(TrainConfig& c, const std::string& f, const std::string& v) {
+  c.stage_boundaries.clear();
+  for (const std::string& b : split(v, ',')) c.stage_boundaries.push_back(to_int(f, b));
+}
+
+const std::vector<FlagGroup>& flag_table() {
+  using M = models::ModelConfig;
+  using C = TrainConfig;
+  static const std::vector<FlagGroup> groups = {
+      {"model",
+       {{"--model", "gpt|mlp", "the built-in model (default gpt)", model_field(&M::kind)},
+        {"--layers", "N", "GPT blocks / MLP hidden layers", model_field(&M::layers)},
+        {"--hidden", "H", "hidden size", model_field(&M::hidden)},
+        {"--heads", "A", "attention heads (gpt)", model_field(&M::heads)},
+        {"--vocab", "V", "vocabulary (gpt)", model_field(&M::vocab)},
+        {"--seq-len", "T", "sequence length (gpt)", model_field(&M::seq_len)},
+        {"--features", "F", "input features (mlp)", model_field(&M::features)},
+        {"--classes", "C", "classes (mlp)", model_field(&M::classes)},
+        {"--untied", nullptr, "the GPT head gets its own weight (default: tied to the embedding)",
+         [](C& c, const std::string&, const std::string&) { c.model.tie_embeddings = false; }}}},
+      {"layout",
+       {{"--dp", "D", "data-parallel degree (default: world / (pp x tp))", field(&C::dp)},
+        {"--pp", "P", "pipeline stages", field(&C::pp)},
+        {"--tp", "T", "tensor-parallel degree", field(&C::tp)},
+        {"--strategy", "ddp|dp", "data axis: DDP, or the article's master DP (default ddp)", field(&C::strategy)},
+        {"--zero", "0|1|2|3", "ZeRO stage on the data axis (default 0: plain DDP)", field(&C::zero)},
+        {"--schedule", "naive|gpipe|1f1b|interleaved", "pipeline schedule (default 1f1b)", field(&C::schedule)},
+        {"--microbatches", "M", "pipeline micro-batches (default: derived)", field(&C::microbatches)},
+        {"--virtual-stages", "V", "model chunks per pipeline rank (interleaved)", field(&C::virtual_stages)},
+        {"--stage-boundaries", "B1,B2,...", "first piece of each later stage (default: balanced)", set_stage_boundaries},
+        {"--sequence-parallel", nullptr, "shard layer norms' activations along the sequence over tp",
+         turn_on(&C::sequence_parallel)}}},
+      {"optimization",
+       {{"--global-batch", "G", "samples per step (default 24)", field(&C::global_batch)},
+        {"--micro-batch", "B", "samples per forward (default: global batch / dp, no accumulation)",
+         field(&C::micro_batch)},
+        {"--steps", "S", "optimizer steps (default 20)", field(&C::steps)},
+        {"--optimizer", "sgd|adam|adamw", "default adamw", field(&C::optimizer)},
+        {"--lr", "LR", "learning rate (default 2e-3)", field(&C::lr)},
+        {"--lr-schedule", "constant|cosine", "cosine: to lr/10 at the last step", field(&C::lr_schedule)},
+        {"--warmup-steps", "N", "linear warm-up from 0", field(&C::warmup_steps)},
+        {"--weight-decay", "W", "default 0", field(&C::weight_decay)},
+        {"--momentum", "M", "SGD momentum (default 0)", field(&C::momentum)},
+        {"--adam-eps", "E", "Adam/AdamW eps (default 1e-8)", field(&C::adam_eps)},
+        {"--precision", "fp32|bf16-mixed", "bf16-mixed: bf16 compute, fp32 master weights", field(&C::precision)},
+        {"--reduce-dtype", "bf16|fp32", "bf16-mixed: dtype gradients are reduced in (default bf16)",
+         field(&C::reduce_dtype)},
+        {"--clip-grad-norm", "X", "clip the global L2 norm over every layout (default 0: measured, not clipped)",
+         field(&C::clip_grad_norm)},
+        {"--activation-checkpointing", "none|blocks|every-N", "recompute blocks in backward (default none)",
+         field(&C::activation_checkpointing)},
+        {"--seed", "S", "model and data seed (default 1234)", set_seed}}},
+      {"data and output",
+       {{"--data", "FILE", "train on a text file (byte tokens; default: the built-in a+b= task)", field(&C::data)},
+        {"--digits", "D", "operand digits of the built-in task (default 1)", field(&C::digits)},
+        {"--eval-problems", "N", "held-out problems for the final accuracy (0: skip)", field(&C::eval_problems)},
+        {"--log-every", "N", "progress line every N steps (default 1)", field(&C::log_every)},
+        {"--metrics-out", "FILE", "JSON: losses, times, memory and traffic per rank", field(&C::metrics_out)},
+        {"--plot", "FILE.svg", "the loss curve", field(&C::plot)},
+        {"--trace", "FILE", "the last step's pipeline timeline (Chrome trace JSON + SVG)", field(&C::trace)}}},
+      {"checkpoints",
+       {{"--save-dir", "DIR", "where checkpoints go", field(&C::save_dir)},
+        {"--save-every", "N", "save every N steps", field(&C::save_every)},
+        {"--resume", nullptr, "continue from the latest complete checkpoint in --save-dir", turn_on(&C::resume)}}},
+      {"communication",
+       {{"--backend", "auto|shm|gloo|mpi",
+         "default: MESHTRAIN_BACKEND, else auto (shared memory inside a host, hierarchical across hosts, MPI "
+         "under mpirun)",
+         field(&C::backend)},
+        {"--bucket-cap-mb", "MB", "DDP bucket size (default 25)", field(&C::bucket_cap_mb)},
+        {"--no-overlap", nullptr, "DDP: all-reduce after backward instead of during it",
+         [](C& c, const std::string&, const std::string&) { c.overlap = false; }}}},
   };
-  return flags;
+  return groups;
+}
+
+const Flag* find_flag(const std::string& name) {
+  for (const auto& g : flag_table())
+    for (const auto& f : g.flags)
+      if (name == f.name) return &f;
+  return nullptr;
 }
 
 }  // namespace
 
 std::string train_usage() {
-  return "usage: meshtrain [--model gpt|mlp] [--layers N --hidden H --heads A --vocab V --seq-len T]\n"
-         "                 [--features F --classes C]  (mlp)\n"
-         "                 [--dp D --pp P --tp T] [--strategy ddp|dp] [--zero 0|1|2|3]\n"
-         "                 [--schedule naive|gpipe|1f1b|interleaved --microbatches M --virtual-stages V]\n"
-         "                 [--stage-boundaries B1,B2,...]  (first piece of each later stage; default: balanced)\n"
-         "                 [--sequence-parallel] [--global-batch G] [--micro-batch B] [--steps S]\n"
-         "                 [--optimizer sgd|adam|adamw] [--lr LR] [--lr-schedule constant|cosine]\n"
-         "                 [--warmup-steps N] [--weight-decay W] [--momentum M] [--adam-eps E]\n"
-         "                 [--precision fp32|bf16-mixed [--reduce-dtype bf16|fp32]]  (bf16 compute, fp32 master weights)\n"
-         "                 [--clip-grad-norm X]  (global L2 norm over every layout; default 0: measured, not clipped)\n"
-         "                 [--activation-checkpointing none|blocks|every-N]  (recompute blocks in backward)\n"
-         "                 [--seed S] [--log-every N] [--data FILE | --digits D] [--metrics-out FILE] [--plot FILE.svg]\n"
-         "                 [--bucket-cap-mb MB] [--no-overlap] [--untied] [--eval-problems N]\n"
-         "                 [--save-dir DIR --save-every N] [--resume] [--trace FILE]\n"
-         "                 [--backend auto|shm|gloo|mpi]  (default: MESHTRAIN_BACKEND, else auto: shared memory\n"
-         "                  inside a host, hierarchical across hosts, MPI under mpirun)\n"
-         "       meshtrain plan ...   (the planner; meshtrain plan --help)\n"
-         "Run under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n";
+  std::string out = "usage: meshtrain [flags]        (meshtrain plan --help: the planner)\n";
+  for (const auto& g : flag_table()) {
+    out += std::string("\n") + g.title + ":\n";
+    for (const auto& f : g.flags) {
+      std::string left = std::string("  ") + f.name + (f.value ? std::string(" ") + f.value : "");
+      left.resize(std::max<size_t>(left.size() + 2, 44), ' ');
+      out += left + f.help + "\n";
+    }
+  }
+  out += "\nRun under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n";
+  return out;
 }
 
 TrainConfig parse_train_args(const std::vector<std::string>& args) {
@@ -139,24 +192,22 @@ TrainConfig parse_train_args(const std::vector<std::string>& args) {
       has_inline = true;
     }
     if (flag == "--help" || flag == "-h") throw ConfigError(train_usage());
-    auto sw = switch_flags().find(flag);
-    if (sw != switch_flags().end()) {
-      sw->second(c);
-      continue;
-    }
-    auto vf = value_flags().find(flag);
-    MESHTRAIN_CHECK(vf != value_flags().end(), "meshtrain: unknown flag '", args[i], "'\n", train_usage());
-    if (!has_inline) {
+    const Flag* f = find_flag(flag);
+    MESHTRAIN_CHECK(f, "meshtrain: unknown flag '", args[i], "'\n", train_usage());
+    if (f->value && !has_inline) {
       MESHTRAIN_CHECK(i + 1 < args.size(), "meshtrain: ", flag, " needs a value");
       value = args[++i];
     }
-    vf->second(c, flag, value);
+    f->set(c, flag, value);
   }
   return c;
 }
 
-TrainConfig resolve(TrainConfig c, int world) {
-  auto& m = c.model;
+namespace {
+
+// Each flag's value on its own: known names, ranges.
+void check_values(const TrainConfig& c) {
+  const auto& m = c.model;
   MESHTRAIN_CHECK(m.kind == "gpt" || m.kind == "mlp", "--model '", m.kind, "' is unknown; use gpt or mlp");
   MESHTRAIN_CHECK(c.strategy == "ddp" || c.strategy == "dp", "--strategy '", c.strategy,
                   "' is unknown; use ddp (DistributedDataParallel) or dp (the article's master DP)");
@@ -189,6 +240,10 @@ TrainConfig resolve(TrainConfig c, int world) {
   MESHTRAIN_CHECK(c.backend.empty() || c.backend == "auto" || c.backend == "shm" || c.backend == "gloo" ||
                       c.backend == "mpi",
                   "--backend '", c.backend, "' is not a backend; use auto, shm, gloo or mpi");
+}
+
+// The mesh degrees against the world size, and which strategies combine.
+void resolve_layout(TrainConfig& c, int world) {
   if (c.dp == 0) {
     MESHTRAIN_CHECK(world % (c.pp * c.tp) == 0, "the world size ", world, " is not divisible by pp x tp = ", c.pp,
                     " x ", c.tp, "; choose pp and tp whose product divides ", world);
@@ -205,6 +260,11 @@ TrainConfig resolve(TrainConfig c, int world) {
                   " or --tp ", c.tp, ". Use --strategy ddp (optionally with --zero) for the data axis of a mesh");
   MESHTRAIN_CHECK(c.global_batch >= 1 && c.global_batch % c.dp == 0, "--global-batch ", c.global_batch,
                   " must be a positive multiple of the data-parallel degree ", c.dp);
+}
+
+// Micro-batches: gradient accumulation, or the pipeline's micro-batches.
+void resolve_batches(TrainConfig& c) {
+  const auto& m = c.model;
   const int64_t local = c.global_batch / c.dp;
   if (c.pp > 1 || c.virtual_stages > 1) {
     // Pipeline micro-batches: --microbatches M, or derived from --micro-batch, or pp.
@@ -230,11 +290,25 @@ TrainConfig resolve(TrainConfig c, int world) {
                   " is not divisible by dp x micro-batch = ", c.dp, " x ", c.micro_batch,
                   "; each data-parallel rank gets ", local, " samples per step, to be split into micro-batches of ",
                   c.micro_batch);
+}
+
+// The model against the layout, and the data file.
+void resolve_model(TrainConfig& c) {
+  auto& m = c.model;
   if (!c.data.empty() && m.kind == "gpt") m.vocab = std::max<int64_t>(m.vocab, 256);  // byte tokens
   m.seed = c.seed;
   models::validate(m, c.tp, c.sequence_parallel);
   MESHTRAIN_CHECK(c.data.empty() || files::exists(c.data), "--data ", c.data,
                   ": no such file; give a text file to train on, or leave --data out for the built-in task");
+}
+
+}  // namespace
+
+TrainConfig resolve(TrainConfig c, int world) {
+  check_values(c);
+  resolve_layout(c, world);
+  resolve_batches(c);
+  resolve_model(c);
   return c;
 }
 

@@ -9,6 +9,7 @@
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/json.h"
+#include "util/svg.h"
 
 namespace meshtrain {
 namespace train {
@@ -88,29 +89,25 @@ std::string ascii_plot(const std::vector<double>& values, int width, int height)
 }
 
 void write_svg_plot(const std::string& path, const std::vector<double>& values, const std::string& title) {
-  std::ofstream out(path);
-  MESHTRAIN_CHECK(out.good(), "cannot write the plot to ", path);
   const int W = 640, H = 360, L = 60, R = 20, T = 40, B = 40;
   const double lo = values.empty() ? 0 : *std::min_element(values.begin(), values.end());
   const double hi = values.empty() ? 1 : *std::max_element(values.begin(), values.end());
   const double span = hi > lo ? hi - lo : 1.0;
   auto px = [&](size_t i) { return L + (values.size() > 1 ? (W - L - R) * static_cast<double>(i) / (values.size() - 1) : 0); };
   auto py = [&](double v) { return T + (H - T - B) * (hi - v) / span; };
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      << "<text x=\"" << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << title << "</text>\n"
-      << "<line x1=\"" << L << "\" y1=\"" << H - B << "\" x2=\"" << W - R << "\" y2=\"" << H - B << "\" stroke=\"black\"/>\n"
-      << "<line x1=\"" << L << "\" y1=\"" << T << "\" x2=\"" << L << "\" y2=\"" << H - B << "\" stroke=\"black\"/>\n";
+  svg::Document doc(W, H, 12);
+  doc.text(W / 2, 22, title, "middle", 14).line(L, H - B, W - R, H - B, "black").line(L, T, L, H - B, "black");
   for (int k = 0; k <= 4; ++k) {
     const double v = lo + span * k / 4;
     char label[32];
     std::snprintf(label, sizeof label, "%.3f", v);
-    out << "<text x=\"" << L - 6 << "\" y=\"" << py(v) + 4 << "\" text-anchor=\"end\">" << label << "</text>\n";
+    doc.text(L - 6, py(v) + 4, label, "end");
   }
-  out << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\">step (1 to " << values.size()
-      << ")</text>\n<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"";
-  for (size_t i = 0; i < values.size(); ++i) out << px(i) << "," << py(values[i]) << " ";
-  out << "\"/>\n</svg>\n";
+  doc.text((L + W - R) / 2, H - 10, "step (1 to " + std::to_string(values.size()) + ")", "middle");
+  std::vector<std::pair<double, double>> points;
+  for (size_t i = 0; i < values.size(); ++i) points.emplace_back(px(i), py(values[i]));
+  doc.polyline(points, {"none", "#1f77b4", 2});
+  doc.write(path, "the loss plot");
 }
 
 }  // namespace train
