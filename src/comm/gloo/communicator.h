@@ -11,8 +11,10 @@
 // the running operation's sequence number, identical on every rank, names its
 // message slots.
 
+#include <gloo/common/error.h>
 #include <gloo/context.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -41,6 +43,11 @@ struct Transfer {
   OpKind kind = OpKind::kSend;
   const char* op = "";  // the operation it belongs to, for error messages
 };
+
+// Whether `e`, thrown by a wait that ran for `waited` with `timeout`, reports
+// a timeout rather than a broken connection. See Note [Classifying gloo errors].
+bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration waited,
+                std::chrono::milliseconds timeout);
 
 class GlooCommunicator final : public QueuedCommunicator {
  public:
@@ -72,7 +79,12 @@ class GlooCommunicator final : public QueuedCommunicator {
   uint64_t collective_slot(int sub) const;
   Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
   Transfer post_recv(void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
+  // Waits for `t` up to the communicator's timeout; a TimeoutError, or a
+  // PeerFailure naming the dead rank, otherwise. See Note [Classifying gloo errors].
   void wait(Transfer& t);
+  [[noreturn]] void throw_timeout(const Transfer& t) const;
+  [[noreturn]] void throw_broken_connection(const Transfer& t, const std::string& what) const;
+  [[noreturn]] void throw_aborted(const Transfer& t) const;
   // Counts payload bytes exchanged with `peer` under `kind` (and apart when
   // the peer is on another host).
   void count(OpKind kind, int peer, int64_t sent, int64_t received);
