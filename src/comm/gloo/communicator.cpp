@@ -179,6 +179,15 @@ void GlooCommunicator::throw_aborted(const Transfer& t) const {
   throw PeerFailure(str_cat(where(t.op), ": global rank ", dead, " died (", f ? f->reason : "unknown", ")"), dead);
 }
 
+void GlooCommunicator::wait_all(std::vector<Transfer>& transfers) {
+  for (auto& t : transfers) wait(t);
+}
+
+void GlooCommunicator::send_and_wait(const at::Tensor& t, int peer, OpKind kind) {
+  Transfer transfer = post_send(t.data_ptr(), t.nbytes(), peer, collective_slot(0), kind);
+  wait(transfer);
+}
+
 void GlooCommunicator::count(OpKind kind, int peer, int64_t sent, int64_t received) {
   if (sent != 0) counter_.add_sent(kind, sent, remote_[peer]);
   if (received != 0) counter_.add_received(kind, received, remote_[peer]);
