@@ -1,6 +1,7 @@
 // Pure logic of the communication layer, without processes: which backend a
 // communicator gets, where the hierarchical backend places its members, the
-// shared-memory segment's layout, and the reduction kernels against ATen.
+// shared-memory segment's layout, the reduction kernels against ATen, and how
+// the gloo backend tells a timeout from a broken connection.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -8,6 +9,7 @@
 #include <set>
 
 #include "comm/backend.h"
+#include "comm/gloo/communicator.h"
 #include "comm/hier/communicator.h"
 #include "comm/reduce.h"
 #include "comm/shm/layout.h"
@@ -157,4 +159,24 @@ TEST(ReduceKernels, InPlaceNaNAndWrapAround) {
   auto sum = torch::empty({2}, torch::kInt);
   reduce_into(sum.data_ptr(), wrap, 2, 2, torch::kInt, ReduceOp::kSum);
   EXPECT_EQ(sum[0].item<int32_t>(), std::numeric_limits<int32_t>::min());
+}
+
+// gloo throws gloo::IoException for both; the time waited decides, never the
+// message (see Note [Classifying gloo errors]).
+TEST(GlooErrors, OnlyAnIoExceptionAfterTheWholeTimeoutIsATimeout) {
+  using gloo_backend::is_timeout;
+  using std::chrono::milliseconds;
+  const milliseconds timeout(1000);
+  const gloo::IoException timed_out("[unbound_buffer.cc:81] Timed out waiting 1000ms for recv operation to complete");
+  EXPECT_TRUE(is_timeout(timed_out, milliseconds(1000), timeout));
+  EXPECT_TRUE(is_timeout(timed_out, milliseconds(1700), timeout));
+  // A peer's socket closed: gloo reports it as soon as it sees it.
+  EXPECT_FALSE(is_timeout(gloo::IoException("[pair.cc:598] Connection closed by peer [10.0.0.2]:4321"),
+                          milliseconds(3), timeout));
+  // A pair closed by an earlier timeout fails at once; the wait that sees it did not time out.
+  EXPECT_FALSE(is_timeout(gloo::IoException("Application timeout caused pair closure"), milliseconds(0), timeout));
+  // The words "Timed out" alone no longer make a timeout.
+  EXPECT_FALSE(is_timeout(timed_out, milliseconds(999), timeout));
+  // Not an I/O failure at all, however long the wait.
+  EXPECT_FALSE(is_timeout(gloo::InvalidOperationException("unbound buffer misuse"), milliseconds(5000), timeout));
 }

@@ -9,6 +9,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "../backend.h"
@@ -114,44 +115,77 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   return t;
 }
 
+// Note [Classifying gloo errors]
+// Debian's gloo (0.0~git20220518) throws gloo::IoException both when a wait
+// times out ("Timed out waiting ... ms", tcp/unbound_buffer.cc) and when the
+// connection breaks (a peer's socket closed, a read or write error,
+// tcp/pair.cc); after a timeout it also closes every pair of the context, and
+// later waits on them fail at once with yet another IoException. No exception
+// type tells a timeout apart, and matching the message text would break
+// silently when gloo rewords it. So the clock decides: gloo raises a timeout
+// only once the full timeout we passed has elapsed, while a broken connection
+// surfaces as soon as gloo's event loop sees it. An IoException after at least
+// the timeout is therefore a timeout; anything else gloo throws (a broken
+// connection, or an earlier timeout that closed the pair) is a failure of the
+// connection. A break that lands just as the timeout expires counts as a
+// timeout, which is what the caller saw: no progress for the whole timeout.
+bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration waited,
+                std::chrono::milliseconds timeout) {
+  return dynamic_cast<const gloo::IoException*>(&e) != nullptr && waited >= timeout;
+}
+
 void GlooCommunicator::wait(Transfer& t) {
   if (!t.buf) return;
-  const char* op = t.op;
   process_->register_wait(t.buf.get());
+  const auto start = std::chrono::steady_clock::now();
   bool completed = false;
   try {
     completed = t.is_recv ? t.buf->waitRecv(nullptr, options_.timeout)
                           : t.buf->waitSend(nullptr, options_.timeout);
   } catch (const gloo::Exception& e) {
     process_->unregister_wait(t.buf.get());
-    const std::string msg = e.what();
-    if (msg.find("Timed out") != std::string::npos) {
-      throw TimeoutError(str_cat(where(op), ": no progress for ", options_.timeout.count(),
-                                 " ms while ", t.is_recv ? "receiving from " : "sending to ",
-                                 peer_name(t.peer), "; that rank is stuck, or did not call ", op,
-                                 " (every rank must call collectives in the same order)"));
-    }
-    // The connection broke: a peer died. The failure watcher usually names it
-    // within milliseconds; wait briefly for it rather than guess.
-    if (auto f = process_->await_failure(std::chrono::seconds(2))) {
-      const int dead = Process::rank_of_label(f->label);
-      throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (", f->reason, ")"), dead);
-    }
-    throw PeerFailure(str_cat(where(op), ": the connection to ", peer_name(t.peer),
-                              " broke: ", msg),
-                      global_ranks_[t.peer]);
+    if (is_timeout(e, std::chrono::steady_clock::now() - start, options_.timeout)) throw_timeout(t);
+    throw_broken_connection(t, e.what());
   }
   process_->unregister_wait(t.buf.get());
-  if (!completed) {  // aborted by the failure watcher
-    auto f = process_->failure();
-    const int dead = f ? Process::rank_of_label(f->label) : -1;
-    throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (",
-                              f ? f->reason : "unknown", ")"),
-                      dead);
-  }
+  if (!completed) throw_aborted(t);
   const int64_t bytes = static_cast<int64_t>(t.bytes);
   count(t.kind, t.peer, t.is_recv ? 0 : bytes, t.is_recv ? bytes : 0);
   t.buf.reset();
+}
+
+void GlooCommunicator::throw_timeout(const Transfer& t) const {
+  throw TimeoutError(str_cat(where(t.op), ": no progress for ", options_.timeout.count(), " ms while ",
+                             t.is_recv ? "receiving from " : "sending to ", peer_name(t.peer),
+                             "; that rank is stuck, or did not call ", t.op,
+                             " (every rank must call collectives in the same order)"));
+}
+
+void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::string& what) const {
+  // A peer died. The failure watcher usually names it within milliseconds;
+  // wait briefly for it rather than guess.
+  if (auto f = process_->await_failure(std::chrono::seconds(2))) {
+    const int dead = Process::rank_of_label(f->label);
+    throw PeerFailure(str_cat(where(t.op), ": global rank ", dead, " died (", f->reason, ")"), dead);
+  }
+  throw PeerFailure(str_cat(where(t.op), ": the connection to ", peer_name(t.peer), " broke: ", what),
+                    global_ranks_[t.peer]);
+}
+
+// The failure watcher aborted the wait: it knows which rank died.
+void GlooCommunicator::throw_aborted(const Transfer& t) const {
+  auto f = process_->failure();
+  const int dead = f ? Process::rank_of_label(f->label) : -1;
+  throw PeerFailure(str_cat(where(t.op), ": global rank ", dead, " died (", f ? f->reason : "unknown", ")"), dead);
+}
+
+void GlooCommunicator::wait_all(std::vector<Transfer>& transfers) {
+  for (auto& t : transfers) wait(t);
+}
+
+void GlooCommunicator::send_and_wait(const at::Tensor& t, int peer, OpKind kind) {
+  Transfer transfer = post_send(t.data_ptr(), t.nbytes(), peer, collective_slot(0), kind);
+  wait(transfer);
 }
 
 void GlooCommunicator::count(OpKind kind, int peer, int64_t sent, int64_t received) {

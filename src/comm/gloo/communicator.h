@@ -11,8 +11,10 @@
 // the running operation's sequence number, identical on every rank, names its
 // message slots.
 
+#include <gloo/common/error.h>
 #include <gloo/context.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -30,6 +32,50 @@ namespace gloo_backend {
 struct Round {
   std::vector<Header> headers;          // every rank's, this rank's included
   std::vector<const uint8_t*> payload;  // inline payload received from each peer, or nullptr
+
+  // `peer`'s inline payload as a tensor shaped like `like` (valid until the next operation).
+  at::Tensor inline_from(int peer, const at::Tensor& like) const;
+};
+
+// How a collective opens (see Note [Collective skeleton]): the header this rank
+// sends in the header round, what rides inline with it, and how every rank's
+// header is compared.
+struct Opening {
+  explicit Opening(const Header& h) : header(h) {}
+
+  Header header;
+  // This rank's payload for peer p, sent in the same message; nullptr: none.
+  std::function<const at::Tensor*(int)> inline_for;
+  // The round runs even with CommOptions::verify off: it carries payloads, or
+  // sizes that differ by rank.
+  bool needed = false;
+  bool same_shape = true;  // every rank must pass the same shape (not for uneven gathers)
+  // Clears the fields that may differ by rank before the comparison.
+  void (*ignore)(Header&) = nullptr;
+};
+
+// A running collective, as the skeleton hands it to an algorithm.
+struct Collective {
+  at::Tensor work;     // this rank's data, contiguous (the caller's tensor when it already is)
+  bool small = false;  // this rank's payload rides in the header round
+  Round round;         // empty when the round did not run
+};
+
+// Where an in-place collective's data flows: who sends its payload in the
+// header round when it fits, and whose tensor receives a result.
+enum class Flow {
+  kEveryRank,  // all_reduce: every rank's data reaches every rank
+  kFromRoot,   // broadcast
+  kToRoot,     // reduce: only the root's tensor changes
+};
+
+// An in-place collective (all_reduce, broadcast, reduce): its result replaces its input.
+struct InPlace {
+  OpKind kind;
+  const char* name;
+  ReduceOp op;
+  int root;
+  Flow flow;
 };
 
 // One posted send or receive.
@@ -41,6 +87,11 @@ struct Transfer {
   OpKind kind = OpKind::kSend;
   const char* op = "";  // the operation it belongs to, for error messages
 };
+
+// Whether `e`, thrown by a wait that ran for `waited` with `timeout`, reports
+// a timeout rather than a broken connection. See Note [Classifying gloo errors].
+bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration waited,
+                std::chrono::milliseconds timeout);
 
 class GlooCommunicator final : public QueuedCommunicator {
  public:
@@ -72,24 +123,73 @@ class GlooCommunicator final : public QueuedCommunicator {
   uint64_t collective_slot(int sub) const;
   Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
   Transfer post_recv(void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
+  // Waits for `t` up to the communicator's timeout; a TimeoutError, or a
+  // PeerFailure naming the dead rank, otherwise. See Note [Classifying gloo errors].
   void wait(Transfer& t);
+  [[noreturn]] void throw_timeout(const Transfer& t) const;
+  [[noreturn]] void throw_broken_connection(const Transfer& t, const std::string& what) const;
+  [[noreturn]] void throw_aborted(const Transfer& t) const;
+  void wait_all(std::vector<Transfer>& transfers);
+  // Sends `t` to `peer` in slot 0 of the running collective and waits for it.
+  void send_and_wait(const at::Tensor& t, int peer, OpKind kind);
   // Counts payload bytes exchanged with `peer` under `kind` (and apart when
   // the peer is on another host).
   void count(OpKind kind, int peer, int64_t sent, int64_t received);
 
-  // ---- the header round (collectives.cpp)
+  // ---- the skeleton (collectives.cpp; see Note [Collective skeleton])
   // Sends `mine` to every peer, with payload inline_for(peer) (or none) in the
   // same message; receives every peer's. One round of small messages.
   Round header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for);
-  std::vector<Header> exchange_headers(const Header& mine);
+  // What the round posts to receive from each peer: a header and the most inline payload.
+  int64_t round_capacity() const { return static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes; }
+  void prepare_round_buffers();
+  // Writes `mine` and `payload` (or none) into the message to `peer`; returns the payload's bytes.
+  int64_t write_round_message(int peer, const Header& mine, const at::Tensor* payload);
+  // Checks and counts `peer`'s message, and records its header and payload in `round`.
+  void read_round_message(Round& round, int peer, int64_t inline_sent, OpKind kind);
   bool fits_inline(int64_t bytes) const { return bytes <= options_.inline_bytes; }
   void verify_same(const std::vector<Header>& all, const char* op, bool same_shape) const;
+  // The header round when `opening` needs it or verification is on, then the
+  // comparison; an empty Round when the round did not run.
+  Round open(const char* op, const Opening& opening);
+  // Enqueues an in-place collective: contiguous work tensor, open(), the
+  // algorithm, the result copied back into a non-contiguous tensor.
+  WorkPtr in_place(at::Tensor tensor, const InPlace& spec, std::function<void(Collective&)> algorithm);
+  const at::Tensor* inline_payload(const InPlace& spec, const Collective& c, int peer) const;
+  // The openings of the collectives whose outputs differ from their inputs.
+  Collective open_reduce_scatter(const at::Tensor& input, ReduceOp op, const std::vector<int64_t>& counts);
+  Collective open_all_gather(const at::Tensor& input, const at::Tensor& output);
+  std::vector<int64_t> all_gather_counts(const std::vector<Header>& all) const;
+  Collective open_gather(const at::Tensor& input, int root);
+  Round open_scatter(const at::Tensor& output, const std::vector<at::Tensor>& sources, int root);
+  std::vector<Header> exchange_pair_headers(const std::vector<at::Tensor>& inputs);
+  void check_pair_headers(const std::vector<Header>& theirs, at::ScalarType dtype) const;
 
-  // ---- algorithms (collectives.cpp)
+  // ---- each collective's algorithm (algorithms.cpp; see Note [Gloo algorithms])
+  void all_reduce_algorithm(Collective& c, ReduceOp op);
+  void broadcast_algorithm(Collective& c, int root);
+  void reduce_algorithm(Collective& c, int root, ReduceOp op);
+  void reduce_scatter_algorithm(const Collective& c, at::Tensor out, const std::vector<int64_t>& counts,
+                                ReduceOp op);
+  void all_gather_algorithm(const Collective& c, at::Tensor flat_out, const std::vector<int64_t>& counts);
+  std::vector<at::Tensor> gather_on_root(const Collective& c, int root);
+  void scatter_algorithm(const Round& round, const std::vector<at::Tensor>& sources, at::Tensor out, int root);
+  std::vector<at::Tensor> all_to_all_direct(const std::vector<at::Tensor>& inputs,
+                                            const std::vector<Header>& theirs);
+  // Whether the root sends a scatter piece inline (else in a message of its own).
+  bool scatter_inlines(const at::Tensor& piece) const { return piece.numel() > 0 && fits_inline(piece.nbytes()); }
+
+  // ---- the algorithms' building blocks (algorithms.cpp)
+  at::Tensor reduce_received(const at::Tensor& mine, int root, ReduceOp op);
+  void broadcast_direct(at::Tensor work, int root);
+  void direct_all_reduce(at::Tensor flat, ReduceOp op);
   void ring_all_reduce(at::Tensor flat, ReduceOp op);
   void ring_reduce_scatter(const at::Tensor& flat_in, at::Tensor out,
                            const std::vector<int64_t>& counts, ReduceOp op);
   void ring_all_gather(at::Tensor flat_out, const std::vector<int64_t>& counts);
+  // One ring step in slot `sub`: receives `recv` from the left neighbour while
+  // sending `send` to the right one (either may be empty: no message).
+  void ring_step(const at::Tensor& recv, const at::Tensor& send, int sub, OpKind kind);
   // Direct algorithms: every pair exchanges at once, in one round of n - 1
   // concurrent messages each way (the ring's bytes, in one round instead of n - 1).
   void direct_reduce_scatter(const at::Tensor& flat_in, at::Tensor out, const std::vector<int64_t>& counts,

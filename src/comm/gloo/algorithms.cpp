@@ -1,0 +1,358 @@
+// GlooCommunicator algorithms: what each collective does after its opening
+// (Note [Collective skeleton] in collectives.cpp), and the ring and direct
+// exchanges they are built from.
+//
+// Note [Gloo algorithms]
+// Per-rank send volume for a buffer of S bytes on n ranks, by size:
+//   per-peer payload <= CommOptions::inline_bytes (32 KiB): the data rides in
+//     the header round, one round of messages (all_reduce: the whole buffer to
+//     every peer, (n-1) S, reduced locally in rank order);
+//   larger: direct (pairwise) algorithms, every pair exchanging at once:
+//     reduce_scatter  each rank sends shard q to rank q      (n-1)/n * S
+//     all_gather      each rank sends its input to every peer (n-1)/n * S (total)
+//     all_reduce      direct reduce-scatter + direct all-gather  2(n-1)/n * S
+//   the ring (MESHTRAIN_GLOO_RING_KB: collectives of at least that size) moves
+//     the same bytes in n-1 rounds per phase instead of one.
+//   broadcast       root sends to each rank                 root: (n-1) * S
+//   reduce          each rank sends to root                 S (root receives (n-1) S)
+//   gather/scatter  direct to/from root
+//   all_to_all      direct pairwise
+// Measured on 4 ranks (bench/collectives, docs/comm.md): the direct algorithms
+// beat the ring at every size from 64 KiB to 64 MiB (all_reduce 64 KiB: 8.8 vs
+// 18 ms on two shared cores, where every round waits for the scheduler; 64 MiB
+// 104 vs 108 ms); on 2 ranks the two are the same messages. So the ring is off
+// by default; it stays for links where n - 1 concurrent streams into one
+// receiver would congest.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "communicator.h"
+#include "../reduce.h"
+#include "meshtrain/comm/ring.h"
+#include "meshtrain/util/shard.h"
+
+namespace meshtrain {
+namespace comm {
+namespace gloo_backend {
+
+namespace {
+
+// kAvg sums first; finish_avg() divides once every contribution is in.
+ReduceOp summing(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
+
+// acc := acc op in, elementwise (both contiguous, same dtype and size).
+void reduce_inplace(at::Tensor acc, const at::Tensor& in, ReduceOp op) {
+  reduce_into(acc.data_ptr(), acc.data_ptr(), in.data_ptr(), acc.numel(), acc.scalar_type(), summing(op));
+}
+
+void finish_avg(at::Tensor t, ReduceOp op, int n) {
+  if (op == ReduceOp::kAvg) t.div_(n);
+}
+
+// piece(0) op piece(1) op ... op piece(n - 1): in rank order, so that every
+// rank, whatever order the pieces arrived in, computes the same bits.
+at::Tensor reduce_in_rank_order(int n, const std::function<at::Tensor(int)>& piece, ReduceOp op) {
+  at::Tensor acc = piece(0).clone();
+  for (int p = 1; p < n; ++p) reduce_inplace(acc, piece(p), op);
+  return acc;
+}
+
+// Every rank's piece shaped like `mine`: this rank's own, the others' from
+// their inline payloads in the header round.
+std::function<at::Tensor(int)> inline_pieces(const Round& round, int me, const at::Tensor& mine) {
+  return [&round, me, &mine](int p) { return p == me ? mine : round.inline_from(p, mine); };
+}
+
+bool every_rank_inlined(const std::vector<Header>& all) {
+  return std::all_of(all.begin(), all.end(), [](const Header& h) { return h.inlined != 0; });
+}
+
+}  // namespace
+
+// ---- temporary space
+
+// The view is valid until the next call (which may move the buffer).
+at::Tensor GlooCommunicator::scratch(int64_t offset, int64_t numel, const at::Tensor& like) {
+  const int64_t elem = like.element_size(), need = (offset + numel) * elem;
+  if (!scratch_.defined() || scratch_.numel() < need) {
+    scratch_ = at::empty({std::max<int64_t>(need, scratch_.defined() ? 2 * scratch_.numel() : 0)}, at::kByte);
+  }
+  return at::from_blob(static_cast<char*>(scratch_.data_ptr()) + offset * elem, {numel}, like.options());
+}
+
+// ---- each collective's algorithm
+
+void GlooCommunicator::all_reduce_algorithm(Collective& c, ReduceOp op) {
+  if (c.small) {  // everyone has everything: combine in rank order, identically everywhere
+    c.work.copy_(reduce_in_rank_order(size(), inline_pieces(c.round, rank_, c.work), op));
+  } else if (use_ring(c.work.nbytes())) {
+    ring_all_reduce(c.work.view(-1), op);
+  } else if (size() > 1) {
+    direct_all_reduce(c.work.view(-1), op);
+  }
+  finish_avg(c.work, op, size());
+}
+
+void GlooCommunicator::broadcast_algorithm(Collective& c, int root) {
+  if (c.small) {
+    if (rank_ != root && c.work.numel() > 0) c.work.copy_(c.round.inline_from(root, c.work));
+  } else if (c.work.numel() > 0 && size() > 1) {
+    broadcast_direct(c.work, root);
+  }
+}
+
+void GlooCommunicator::reduce_algorithm(Collective& c, int root, ReduceOp op) {
+  if (rank_ != root) {
+    if (!c.small && c.work.numel() > 0) send_and_wait(c.work, root, OpKind::kReduce);
+    return;
+  }
+  if (c.work.numel() == 0) return;
+  at::Tensor acc = c.small ? reduce_in_rank_order(size(), inline_pieces(c.round, rank_, c.work), op)
+                           : reduce_received(c.work, root, op);
+  finish_avg(acc, op, size());
+  c.work.copy_(acc);
+}
+
+void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor out,
+                                                const std::vector<int64_t>& counts, ReduceOp op) {
+  if (c.small) {
+    const at::Tensor mine = c.work.narrow(0, offsets_of(counts)[rank_], counts[rank_]);
+    if (mine.numel() > 0) out.copy_(reduce_in_rank_order(size(), inline_pieces(c.round, rank_, mine), op));
+  } else if (use_ring(c.work.nbytes())) {
+    ring_reduce_scatter(c.work, out, counts, op);
+  } else {
+    direct_reduce_scatter(c.work, out, counts, op, OpKind::kReduceScatter, 0);
+  }
+  finish_avg(out, op, size());
+}
+
+// Into `flat`, every rank's input at its offset: from the header round when
+// every rank inlined its input, else by ring or direct messages.
+void GlooCommunicator::all_gather_algorithm(const Collective& c, at::Tensor flat,
+                                            const std::vector<int64_t>& counts) {
+  const auto offsets = offsets_of(counts);
+  flat.narrow(0, offsets[rank_], counts[rank_]).copy_(c.work.view(-1));
+  if (every_rank_inlined(c.round.headers)) {
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_ || counts[r] == 0) continue;
+      flat.narrow(0, offsets[r], counts[r]).copy_(c.round.inline_from(r, flat.narrow(0, 0, counts[r])));
+    }
+  } else if (size() > 1) {
+    if (use_ring(flat.nbytes())) {
+      ring_all_gather(flat, counts);
+    } else {
+      direct_all_gather(flat, counts, OpKind::kAllGather, 0);
+    }
+  }
+}
+
+// Every rank's input in its own shape, each from the header round when its
+// sender inlined it, else from a message of its own.
+std::vector<at::Tensor> GlooCommunicator::gather_on_root(const Collective& c, int root) {
+  std::vector<at::Tensor> pieces(size());
+  std::vector<Transfer> ts;
+  for (int p = 0; p < size(); ++p) {
+    if (p == root) {
+      pieces[p] = c.work.clone();
+      continue;
+    }
+    const Header& h = c.round.headers[p];
+    pieces[p] = at::empty(shape_of(h), c.work.options());
+    if (pieces[p].numel() == 0) continue;
+    if (h.inlined) {
+      pieces[p].copy_(c.round.inline_from(p, pieces[p]));
+    } else {
+      ts.push_back(post_recv(pieces[p].data_ptr(), pieces[p].nbytes(), p, collective_slot(0), OpKind::kGather));
+    }
+  }
+  wait_all(ts);
+  return pieces;
+}
+
+void GlooCommunicator::scatter_algorithm(const Round& round, const std::vector<at::Tensor>& sources, at::Tensor out,
+                                         int root) {
+  std::vector<Transfer> ts;
+  if (rank_ == root) {
+    for (int p = 0; p < size(); ++p) {
+      if (p == root) {
+        out.view(-1).copy_(sources[p].view(-1));
+      } else if (sources[p].numel() > 0 && !scatter_inlines(sources[p])) {
+        ts.push_back(post_send(sources[p].data_ptr(), sources[p].nbytes(), p, collective_slot(0), OpKind::kScatter));
+      }
+    }
+  } else if (out.numel() > 0) {
+    if (round.payload[root]) {
+      out.copy_(round.inline_from(root, out));
+    } else {
+      ts.push_back(post_recv(out.data_ptr(), out.nbytes(), root, collective_slot(0), OpKind::kScatter));
+    }
+  }
+  wait_all(ts);
+}
+
+// Every pair exchanges its tensors at once; `theirs` says what each peer sends.
+std::vector<at::Tensor> GlooCommunicator::all_to_all_direct(const std::vector<at::Tensor>& inputs,
+                                                            const std::vector<Header>& theirs) {
+  std::vector<at::Tensor> received(size());
+  std::vector<at::Tensor> sending;  // contiguous inputs, alive until their sends complete
+  std::vector<Transfer> ts;
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_) {
+      received[p] = inputs[p].clone();
+      continue;
+    }
+    received[p] = at::empty(shape_of(theirs[p]), inputs[0].options());
+    if (received[p].numel() > 0)
+      ts.push_back(post_recv(received[p].data_ptr(), received[p].nbytes(), p, collective_slot(0), OpKind::kAllToAll));
+    const at::Tensor src = inputs[p].contiguous();
+    sending.push_back(src);
+    if (src.numel() > 0) ts.push_back(post_send(src.data_ptr(), src.nbytes(), p, collective_slot(0), OpKind::kAllToAll));
+  }
+  wait_all(ts);
+  return received;
+}
+
+// ---- building blocks
+
+// The root's reduce of large buffers: each peer's arrives in a temporary of its own.
+at::Tensor GlooCommunicator::reduce_received(const at::Tensor& mine, int root, ReduceOp op) {
+  std::vector<at::Tensor> parts(size());
+  std::vector<Transfer> ts;
+  for (int p = 0; p < size(); ++p) {
+    if (p == root) continue;
+    parts[p] = at::empty_like(mine);
+    ts.push_back(post_recv(parts[p].data_ptr(), mine.nbytes(), p, collective_slot(0), OpKind::kReduce));
+  }
+  wait_all(ts);
+  parts[root] = mine;
+  return reduce_in_rank_order(size(), [&](int p) { return parts[p]; }, op);
+}
+
+void GlooCommunicator::broadcast_direct(at::Tensor work, int root) {
+  std::vector<Transfer> ts;
+  if (rank_ == root) {
+    for (int p = 0; p < size(); ++p) {
+      if (p != root) ts.push_back(post_send(work.data_ptr(), work.nbytes(), p, collective_slot(0), OpKind::kBroadcast));
+    }
+  } else {
+    ts.push_back(post_recv(work.data_ptr(), work.nbytes(), root, collective_slot(0), OpKind::kBroadcast));
+  }
+  wait_all(ts);
+}
+
+// Direct reduce-scatter into this rank's shard of `flat`, then direct all-gather of the shards.
+void GlooCommunicator::direct_all_reduce(at::Tensor flat, ReduceOp op) {
+  const auto counts = shard_sizes(flat.numel(), size());
+  at::Tensor mine = flat.narrow(0, offsets_of(counts)[rank_], counts[rank_]);
+  direct_reduce_scatter(flat, mine, counts, op, OpKind::kAllReduce, 0);
+  direct_all_gather(flat, counts, OpKind::kAllReduce, 1);
+}
+
+void GlooCommunicator::ring_step(const at::Tensor& recv, const at::Tensor& send, int sub, OpKind kind) {
+  const int right = (rank_ + 1) % size(), left = (rank_ + size() - 1) % size();
+  Transfer r, s;
+  if (recv.numel() > 0) r = post_recv(recv.data_ptr(), recv.nbytes(), left, collective_slot(sub), kind);
+  if (send.numel() > 0) s = post_send(send.data_ptr(), send.nbytes(), right, collective_slot(sub), kind);
+  wait(r);
+  wait(s);
+}
+
+void GlooCommunicator::ring_all_reduce(at::Tensor flat, ReduceOp op) {
+  const int n = size();
+  if (n == 1 || flat.numel() == 0) return;
+  const auto counts = shard_sizes(flat.numel(), n);
+  const auto offsets = offsets_of(counts);
+  at::Tensor tmp = scratch(0, counts[0], flat);  // counts[0] is the largest
+  auto chunk = [&](int c) { return flat.narrow(0, offsets[c], counts[c]); };
+  for (int s = 0; s < n - 1; ++s) {  // reduce-scatter phase
+    const RingStep st = reduce_scatter_step(rank_, n, s);
+    const at::Tensor incoming = tmp.narrow(0, 0, counts[st.recv_chunk]);
+    ring_step(incoming, chunk(st.send_chunk), s, OpKind::kAllReduce);
+    if (incoming.numel() > 0) reduce_inplace(chunk(st.recv_chunk), incoming, op);
+  }
+  for (int s = 0; s < n - 1; ++s) {  // all-gather phase
+    const RingStep st = all_gather_step(rank_, n, s);
+    ring_step(chunk(st.recv_chunk), chunk(st.send_chunk), n + s, OpKind::kAllReduce);
+  }
+}
+
+void GlooCommunicator::ring_reduce_scatter(const at::Tensor& in, at::Tensor out,
+                                           const std::vector<int64_t>& counts, ReduceOp op) {
+  const int n = size();
+  const auto offsets = offsets_of(counts);
+  auto in_chunk = [&](int c) { return in.narrow(0, offsets[c], counts[c]); };
+  if (n == 1) {
+    out.copy_(in_chunk(0));
+    return;
+  }
+  const int64_t max_count = *std::max_element(counts.begin(), counts.end());
+  at::Tensor both = scratch(0, 2 * max_count, in);  // one call: a second could move the buffer
+  at::Tensor tmp[2] = {both.narrow(0, 0, max_count), both.narrow(0, max_count, max_count)};
+  at::Tensor partial;  // the chunk reduced at the previous step, sent at this one
+  for (int s = 0; s < n - 1; ++s) {
+    const RingStep st = reduce_scatter_step(rank_, n, s);
+    at::Tensor src = s == 0 ? in_chunk(st.send_chunk) : partial;
+    // The last step lands in a temporary too: `out` may alias this rank's own
+    // input chunk (ZeRO reduces a gradient buffer in place).
+    at::Tensor dst = tmp[s % 2].narrow(0, 0, counts[st.recv_chunk]);
+    ring_step(dst, src, s, OpKind::kReduceScatter);
+    if (dst.numel() > 0) reduce_inplace(dst, in_chunk(st.recv_chunk), op);
+    partial = dst;
+  }
+  out.copy_(partial);
+}
+
+void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {
+  const int n = size();
+  const auto offsets = offsets_of(counts);
+  auto chunk = [&](int c) { return flat.narrow(0, offsets[c], counts[c]); };
+  for (int s = 0; s < n - 1; ++s) {
+    const RingStep st = all_gather_step(rank_, n, s);
+    ring_step(chunk(st.recv_chunk), chunk(st.send_chunk), s, OpKind::kAllGather);
+  }
+}
+
+void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, at::Tensor out, const std::vector<int64_t>& counts,
+                                             ReduceOp op, OpKind kind, int sub) {
+  const int n = size(), me = rank_;
+  const auto offsets = offsets_of(counts);
+  const size_t elem = in.element_size();
+  const char* src = static_cast<const char*>(in.data_ptr());
+  std::vector<at::Tensor> parts(n);  // each peer's contribution to this rank's shard
+  const at::Tensor space = scratch(0, n * counts[me], in);
+  std::vector<Transfer> ts;
+  for (int q = 0; q < n; ++q) {
+    if (q == me || counts[me] == 0) continue;
+    parts[q] = space.narrow(0, q * counts[me], counts[me]);
+    ts.push_back(post_recv(parts[q].data_ptr(), counts[me] * elem, q, collective_slot(sub), kind));
+  }
+  for (int q = 0; q < n; ++q) {
+    if (q != me && counts[q] > 0) ts.push_back(post_send(src + offsets[q] * elem, counts[q] * elem, q, collective_slot(sub), kind));
+  }
+  wait_all(ts);
+  if (counts[me] == 0) return;
+  // In rank order; `out` may alias this rank's shard of the input (read before written).
+  std::vector<const void*> inputs(n);
+  for (int q = 0; q < n; ++q) inputs[q] = q == me ? src + offsets[me] * elem : parts[q].data_ptr();
+  reduce_into(out.data_ptr(), inputs.data(), n, counts[me], in.scalar_type(), summing(op));
+}
+
+void GlooCommunicator::direct_all_gather(at::Tensor flat, const std::vector<int64_t>& counts, OpKind kind, int sub) {
+  const int n = size(), me = rank_;
+  const auto offsets = offsets_of(counts);
+  const size_t elem = flat.element_size();
+  char* base = static_cast<char*>(flat.data_ptr());
+  std::vector<Transfer> ts;
+  for (int q = 0; q < n; ++q) {
+    if (q == me) continue;
+    if (counts[q] > 0) ts.push_back(post_recv(base + offsets[q] * elem, counts[q] * elem, q, collective_slot(sub), kind));
+    if (counts[me] > 0) ts.push_back(post_send(base + offsets[me] * elem, counts[me] * elem, q, collective_slot(sub), kind));
+  }
+  wait_all(ts);
+}
+
+}  // namespace gloo_backend
+}  // namespace comm
+}  // namespace meshtrain
