@@ -300,100 +300,127 @@ int64_t wall_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
+// Failures that other nodes report through the store (the FailureWatcher's thread).
+class RemoteFailures {
+ public:
+  void record(const comm::FailureReport& r) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (seen_) return;
+    reason_ = r.label + ": " + r.reason;
+    seen_ = true;
+  }
+  bool seen() const { return seen_; }
+  std::string describe() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return "a failure was reported for " + reason_;
+  }
+
+ private:
+  std::atomic<bool> seen_{false};
+  mutable std::mutex mutex_;
+  std::string reason_;
+};
+
+// The first local rank that exited unsuccessfully, described; "" if none.
+std::string local_failure(const LaunchOptions& o, const std::vector<std::unique_ptr<RankProcess>>& ranks) {
+  for (const auto& r : ranks) {
+    if (r->exited && !(WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0)) {
+      return str_cat("rank ", r->rank, " (node ", o.node_rank, ", local rank ", r->rank - o.node_rank * o.nproc_per_node,
+                     ") failed with ", describe_status(r->status));
+    }
+  }
+  return "";
+}
+
+// Watches the local ranks until they all exit (ok), one fails, another node
+// reports a failure, or a signal arrives; stops the ranks in the last three cases.
+Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, comm::TcpStore& store,
+                              std::vector<std::unique_ptr<RankProcess>>& ranks, const RemoteFailures& remote) {
+  Outcome outcome;
+  Clock::time_point remote_seen{};
+  while (!all_exited(ranks)) {
+    pump(ranks, std::chrono::milliseconds(50));
+    if (g_signal) {
+      say(str_cat("received signal ", strsignal(g_signal), "; stopping the ranks"));
+      stop_all(ranks, g_signal == SIGINT ? SIGINT : SIGTERM, o.grace);
+      outcome.interrupted = true;
+      return outcome;
+    }
+    outcome.failure = local_failure(o, ranks);
+    if (outcome.failure.empty() && remote.seen()) {
+      // A rank of this node that dies is reported by its store connection as
+      // well, often before its exit is reaped: wait a moment for its exit
+      // status, which names the rank and the signal.
+      if (remote_seen == Clock::time_point()) remote_seen = Clock::now();
+      if (Clock::now() - remote_seen > std::chrono::milliseconds(500)) outcome.failure = remote.describe();
+    }
+    if (outcome.failure.empty()) continue;
+    outcome.detected_ns = wall_ns();
+    say(outcome.failure + "; stopping the other ranks");
+    // Other nodes learn of it through the store (a rank's own store connection
+    // tells them too, but a rank may die before it connects).
+    try {
+      store.report_failure(gen + "/node" + std::to_string(o.node_rank), outcome.failure);
+    } catch (const std::exception&) {
+    }
+    stop_all(ranks, SIGTERM, o.grace);
+    return outcome;
+  }
+  drain(ranks);
+  outcome.ok = true;
+  return outcome;
+}
+
+// Every local rank succeeded; the job is done when every node's ranks are.
+Outcome wait_for_every_node(const LaunchOptions& o, const std::string& gen, comm::TcpStore& store,
+                            const RemoteFailures& remote) {
+  Outcome outcome;
+  store.add(gen + "/nodes_done", 1);
+  const auto deadline = Clock::now() + std::chrono::hours(24 * 365);
+  while (store.add(gen + "/nodes_done", 0) < o.nnodes) {
+    if (remote.seen()) {
+      outcome.failure = remote.describe();
+      return outcome;
+    }
+    if (g_signal || Clock::now() > deadline) {
+      outcome.interrupted = true;
+      return outcome;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  outcome.ok = true;
+  return outcome;
+}
+
+// Node 0 hosts the store: leaving at once could cut off a node that has not
+// yet seen the last "done", and it would report the lost store as a failure.
+// So every node says it has seen them all, and node 0 waits for that (bounded).
+void leave_together(const LaunchOptions& o, const std::string& gen, comm::TcpStore& store) {
+  store.add(gen + "/nodes_seen_done", 1);
+  if (o.node_rank != 0) return;
+  const auto until = Clock::now() + o.rendezvous_timeout;
+  while (store.add(gen + "/nodes_seen_done", 0) < o.nnodes && Clock::now() < until && !g_signal) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 // Runs one generation of the group on this node.
 Outcome run_generation(const LaunchOptions& o, int generation, int store_port, comm::TcpStore& store,
                        const std::map<std::string, std::string>& base_env) {
   const std::string gen = "g" + std::to_string(generation);
-  std::atomic<bool> remote_failure{false};
-  std::string remote_reason;
-  std::mutex remote_mutex;
+  RemoteFailures remote;
   comm::FailureWatcher watcher(o.master_addr, store_port, gen + "/", o.rendezvous_timeout,
-                               [&](const comm::FailureReport& r) {
-                                 std::lock_guard<std::mutex> lock(remote_mutex);
-                                 if (remote_failure) return;
-                                 remote_reason = r.label + ": " + r.reason;
-                                 remote_failure = true;
-                               });
+                               [&](const comm::FailureReport& r) { remote.record(r); });
   std::vector<std::unique_ptr<RankProcess>> ranks;
   const int cores = node_cores();
   for (int local = 0; local < o.nproc_per_node; ++local) {
     auto env = rank_environment(o, local, generation, store_port, cores, base_env);
     ranks.push_back(spawn(o.node_rank * o.nproc_per_node + local, o.command, env, o.prefix_output));
   }
-  Outcome outcome;
-  Clock::time_point remote_seen{};
-  while (true) {
-    pump(ranks, std::chrono::milliseconds(50));
-    if (g_signal) {
-      say(str_cat("received signal ", strsignal(g_signal), "; stopping the ranks"));
-      stop_all(ranks, g_signal == SIGINT ? SIGINT : SIGTERM, o.grace);
-      outcome.interrupted = true;
-      watcher.stop();
-      return outcome;
-    }
-    for (auto& r : ranks) {
-      if (r->exited && !(WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0)) {
-        outcome.failure = str_cat("rank ", r->rank, " (node ", o.node_rank, ", local rank ",
-                                  r->rank - o.node_rank * o.nproc_per_node, ") failed with ",
-                                  describe_status(r->status));
-        break;
-      }
-    }
-    if (outcome.failure.empty() && remote_failure) {
-      // A rank of this node that dies is reported by its store connection as
-      // well, often before its exit is reaped: wait a moment for its exit
-      // status, which names the rank and the signal.
-      if (remote_seen == Clock::time_point()) remote_seen = Clock::now();
-      if (Clock::now() - remote_seen > std::chrono::milliseconds(500)) {
-        std::lock_guard<std::mutex> lock(remote_mutex);
-        outcome.failure = "a failure was reported for " + remote_reason;
-      }
-    }
-    if (!outcome.failure.empty()) {
-      outcome.detected_ns = wall_ns();
-      say(outcome.failure + "; stopping the other ranks");
-      // Other nodes learn of it through the store (a rank's own store connection
-      // tells them too, but a rank may die before it connects).
-      try {
-        store.report_failure(gen + "/node" + std::to_string(o.node_rank), outcome.failure);
-      } catch (const std::exception&) {
-      }
-      watcher.stop();
-      stop_all(ranks, SIGTERM, o.grace);
-      return outcome;
-    }
-    if (all_exited(ranks)) break;
-  }
-  drain(ranks);
-  // Every local rank succeeded; the job is done when every node's ranks are.
-  store.add(gen + "/nodes_done", 1);
-  const auto deadline = Clock::now() + std::chrono::hours(24 * 365);
-  while (store.add(gen + "/nodes_done", 0) < o.nnodes) {
-    if (remote_failure) {
-      std::lock_guard<std::mutex> lock(remote_mutex);
-      outcome.failure = "a failure was reported for " + remote_reason;
-      watcher.stop();
-      return outcome;
-    }
-    if (g_signal || Clock::now() > deadline) {
-      outcome.interrupted = true;
-      watcher.stop();
-      return outcome;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  // Node 0 hosts the store: leaving at once could cut off a node that has not
-  // yet seen the last "done", and it would report the lost store as a failure.
-  // So every node says it has seen them all, and node 0 waits for that (bounded).
+  Outcome outcome = supervise_local_ranks(o, gen, store, ranks, remote);
+  if (outcome.ok) outcome = wait_for_every_node(o, gen, store, remote);
   watcher.stop();
-  store.add(gen + "/nodes_seen_done", 1);
-  if (o.node_rank == 0) {
-    const auto until = Clock::now() + o.rendezvous_timeout;
-    while (store.add(gen + "/nodes_seen_done", 0) < o.nnodes && Clock::now() < until && !g_signal) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  }
-  outcome.ok = true;
+  if (outcome.ok) leave_together(o, gen, store);
   return outcome;
 }
 

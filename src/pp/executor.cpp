@@ -29,105 +29,144 @@ PipelineExecutor::PipelineExecutor(comm::CommPtr pp, ScheduleSpec spec, std::vec
   }
 }
 
-StepResult PipelineExecutor::run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                                 const LossFn& loss, const PipelineHooks& hooks) {
+namespace {
+
+using Key = std::pair<int, int>;  // (stage, micro-batch)
+
+// One step of a PipelineExecutor on this rank: the tensors in flight and the
+// action handlers. Lives for one run().
+class StepRun {
+ public:
+  StepRun(comm::Communicator& pp, const std::map<int, StageFn>& stages, const std::vector<Action>& actions,
+          int last_stage, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+          const LossFn& loss, const PipelineHooks& hooks)
+      : pp_(pp), stages_(stages), actions_(actions), last_(last_stage), me_(pp.rank()), inputs_(inputs),
+        targets_(targets), loss_(loss), hooks_(hooks), t0_(Clock::now()) {}
+
+  StepResult run() {
+    post_receives();
+    for (index_ = 0; index_ < actions_.size(); ++index_) run_action(actions_[index_]);
+    for (auto& w : sends_) w->wait();
+    return std::move(result_);
+  }
+
+ private:
   using Clock = std::chrono::steady_clock;
-  const auto t0 = Clock::now();
-  auto now = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
-  const int last = spec_.stages() - 1, me = pp_->rank();
-  StepResult result;
-  // Per (stage, micro-batch): the stage's input (leaf), its output or loss, the output's gradient.
-  std::map<std::pair<int, int>, at::Tensor> in, out, grad_out;
-  std::map<std::pair<int, int>, at::Tensor> local;  // activations/gradients handed to a stage on this rank
-  std::vector<comm::WorkPtr> sends;
+  double now() const { return std::chrono::duration<double>(Clock::now() - t0_).count(); }
+
   // Every receive of the step is posted now, so that small activations and
   // gradients land while this rank computes (see Note [Point-to-point messages]).
-  std::map<size_t, comm::WorkPtr> posted;
-  for (size_t i = 0; i < actions_.size(); ++i) {
-    const Action& a = actions_[i];
-    if (a.peer == me) continue;
-    if (a.kind == ActionKind::kRecvActivation) posted[i] = pp_->irecv_any(a.peer, activation_tag(a.stage, a.microbatch));
-    if (a.kind == ActionKind::kRecvGrad) posted[i] = pp_->irecv_any(a.peer, gradient_tag(a.stage, a.microbatch));
+  void post_receives() {
+    for (size_t i = 0; i < actions_.size(); ++i) {
+      const Action& a = actions_[i];
+      if (a.peer == me_) continue;
+      if (a.kind == ActionKind::kRecvActivation) posted_[i] = pp_.irecv_any(a.peer, activation_tag(a.stage, a.microbatch));
+      if (a.kind == ActionKind::kRecvGrad) posted_[i] = pp_.irecv_any(a.peer, gradient_tag(a.stage, a.microbatch));
+    }
   }
-  size_t index = 0;  // of the action being run
-  auto receive = [&](const Action& a, int) {
-    if (a.peer == me) {
-      auto it = local.find({a.stage, a.microbatch});
-      MESHTRAIN_CHECK(it != local.end(), "pipeline: local hand-off ", to_string(a), " missing");
+
+  void run_action(const Action& a) {
+    const Key key{a.stage, a.microbatch};
+    switch (a.kind) {
+      case ActionKind::kRecvActivation: {  // the output of stage a.stage becomes the input of a.stage + 1
+        at::Tensor x = receive(a);
+        if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
+        in_[{a.stage + 1, a.microbatch}] = x;
+        break;
+      }
+      case ActionKind::kForward: forward(a, key); break;
+      case ActionKind::kSendActivation: send(a, out_.at(key).detach(), activation_tag(a.stage, a.microbatch)); break;
+      case ActionKind::kRecvGrad:  // the gradient of stage a.stage's input is the one of a.stage - 1's output
+        grad_out_[{a.stage - 1, a.microbatch}] = receive(a);
+        break;
+      case ActionKind::kBackward: backward(a, key); break;
+      case ActionKind::kSendGrad: send_input_grad(a, key); break;
+    }
+  }
+
+  at::Tensor receive(const Action& a) {
+    if (a.peer == me_) {
+      auto it = local_.find({a.stage, a.microbatch});
+      MESHTRAIN_CHECK(it != local_.end(), "pipeline: local hand-off ", to_string(a), " missing");
       at::Tensor t = it->second;
-      local.erase(it);
+      local_.erase(it);
       return t;
     }
-    comm::WorkPtr& w = posted.at(index);
+    comm::WorkPtr& w = posted_.at(index_);
     w->wait();
     at::Tensor t = w->result().at(0);
     w.reset();
     return t;
-  };
-  auto send = [&](const Action& a, const at::Tensor& t, int tag) {
-    if (a.peer == me) {
-      local[{a.stage, a.microbatch}] = t;
+  }
+
+  void send(const Action& a, const at::Tensor& t, int tag) {
+    if (a.peer == me_) {
+      local_[{a.stage, a.microbatch}] = t;
     } else {
-      sends.push_back(pp_->isend(t, a.peer, tag));
-    }
-  };
-  for (; index < actions_.size(); ++index) {
-    const Action& a = actions_[index];
-    const std::pair<int, int> key{a.stage, a.microbatch};
-    switch (a.kind) {
-      case ActionKind::kRecvActivation: {  // the output of stage a.stage becomes the input of a.stage + 1
-        at::Tensor x = receive(a, activation_tag(a.stage, a.microbatch));
-        if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
-        in[{a.stage + 1, a.microbatch}] = x;
-        break;
-      }
-      case ActionKind::kForward: {
-        if (a.stage == 0) in[key] = inputs.at(a.microbatch);
-        if (hooks.before_forward) hooks.before_forward(a.stage, a.microbatch);
-        const double start = now();
-        at::Tensor y = stages_.at(a.stage).forward(in.at(key), a.microbatch);
-        if (a.stage == last) {
-          y = loss(y, targets.at(a.microbatch), a.microbatch);
-          result.loss_sum += y.item<double>();
-        }
-        out[key] = y;
-        result.events.push_back({me, a.stage, a.microbatch, true, start, now()});
-        result.max_in_flight = std::max(result.max_in_flight, static_cast<int>(out.size()));
-        if (hooks.after_forward) hooks.after_forward(a.stage, a.microbatch);
-        break;
-      }
-      case ActionKind::kSendActivation:
-        send(a, out.at(key).detach(), activation_tag(a.stage, a.microbatch));
-        break;
-      case ActionKind::kRecvGrad:  // the gradient of stage a.stage's input is the one of a.stage - 1's output
-        grad_out[{a.stage - 1, a.microbatch}] = receive(a, gradient_tag(a.stage, a.microbatch));
-        break;
-      case ActionKind::kBackward: {
-        if (hooks.before_backward) hooks.before_backward(a.stage, a.microbatch);
-        const double start = now();
-        if (a.stage == last) {
-          out.at(key).backward();
-        } else {
-          out.at(key).backward(grad_out.at(key));
-          grad_out.erase(key);
-        }
-        out.erase(key);
-        result.events.push_back({me, a.stage, a.microbatch, false, start, now()});
-        if (hooks.after_backward) hooks.after_backward(a.stage, a.microbatch);
-        if (a.stage == 0) in.erase(key);
-        break;
-      }
-      case ActionKind::kSendGrad: {
-        at::Tensor x = in.at(key);
-        MESHTRAIN_CHECK(x.grad().defined(), "pipeline: stage ", a.stage, " produced no gradient for its input");
-        send(a, x.grad(), gradient_tag(a.stage, a.microbatch));
-        in.erase(key);
-        break;
-      }
+      sends_.push_back(pp_.isend(t, a.peer, tag));
     }
   }
-  for (auto& w : sends) w->wait();
-  return result;
+
+  void forward(const Action& a, const Key& key) {
+    if (a.stage == 0) in_[key] = inputs_.at(a.microbatch);
+    if (hooks_.before_forward) hooks_.before_forward(a.stage, a.microbatch);
+    const double start = now();
+    at::Tensor y = stages_.at(a.stage).forward(in_.at(key), a.microbatch);
+    if (a.stage == last_) {
+      y = loss_(y, targets_.at(a.microbatch), a.microbatch);
+      result_.loss_sum += y.item<double>();
+    }
+    out_[key] = y;
+    result_.events.push_back({me_, a.stage, a.microbatch, true, start, now()});
+    result_.max_in_flight = std::max(result_.max_in_flight, static_cast<int>(out_.size()));
+    if (hooks_.after_forward) hooks_.after_forward(a.stage, a.microbatch);
+  }
+
+  void backward(const Action& a, const Key& key) {
+    if (hooks_.before_backward) hooks_.before_backward(a.stage, a.microbatch);
+    const double start = now();
+    if (a.stage == last_) {
+      out_.at(key).backward();
+    } else {
+      out_.at(key).backward(grad_out_.at(key));
+      grad_out_.erase(key);
+    }
+    out_.erase(key);
+    result_.events.push_back({me_, a.stage, a.microbatch, false, start, now()});
+    if (hooks_.after_backward) hooks_.after_backward(a.stage, a.microbatch);
+    if (a.stage == 0) in_.erase(key);
+  }
+
+  void send_input_grad(const Action& a, const Key& key) {
+    at::Tensor x = in_.at(key);
+    MESHTRAIN_CHECK(x.grad().defined(), "pipeline: stage ", a.stage, " produced no gradient for its input");
+    send(a, x.grad(), gradient_tag(a.stage, a.microbatch));
+    in_.erase(key);
+  }
+
+  comm::Communicator& pp_;
+  const std::map<int, StageFn>& stages_;
+  const std::vector<Action>& actions_;
+  const int last_, me_;
+  const std::vector<at::Tensor>& inputs_;
+  const std::vector<at::Tensor>& targets_;
+  const LossFn& loss_;
+  const PipelineHooks& hooks_;
+  const Clock::time_point t0_;
+  StepResult result_;
+  // Per (stage, micro-batch): the stage's input (leaf), its output or loss, the output's gradient.
+  std::map<Key, at::Tensor> in_, out_, grad_out_;
+  std::map<Key, at::Tensor> local_;  // activations/gradients handed to a stage on this rank
+  std::vector<comm::WorkPtr> sends_;
+  std::map<size_t, comm::WorkPtr> posted_;  // by action index
+  size_t index_ = 0;                        // of the action being run
+};
+
+}  // namespace
+
+StepResult PipelineExecutor::run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                                 const LossFn& loss, const PipelineHooks& hooks) {
+  return StepRun(*pp_, stages_, actions_, spec_.stages() - 1, inputs, targets, loss, hooks).run();
 }
 
 }  // namespace pp

@@ -69,6 +69,11 @@ class FsdpCore : public std::enable_shared_from_this<FsdpCore> {
     at::Tensor staging, reduced_shard;
     comm::WorkPtr reducing;
   };
+  // Construction, in order.
+  void assign_units(const std::vector<std::shared_ptr<torch::nn::Module>>& units);
+  void lay_out_units();
+  at::Tensor shard_from_rank0();  // the float32 shard of rank 0's values
+  void attach_optimizer(const at::Tensor& shard32);
   void launch_gather(size_t u);
   void gather(size_t u);
   void release(size_t u);
@@ -136,7 +141,15 @@ FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::s
     MESHTRAIN_CHECK(p.tensor.scalar_type() == at::kFloat, "FullyShardedDataParallel: parameter '", p.name, "' is ",
                     p.tensor.scalar_type(), "; ZeRO shards float32 parameters");
   }
-  // Each parameter belongs to the first unit that holds it; the rest form a last unit.
+  assign_units(units);
+  lay_out_units();
+  attach_optimizer(shard_from_rank0());
+  ready_.assign(params_.size(), false);
+  reset_backward();
+}
+
+// Each parameter belongs to the first unit that holds it; the rest form a last unit.
+void FsdpCore::assign_units(const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
   unit_of_param_.assign(params_.size(), SIZE_MAX);
   auto index_of = [&](const at::Tensor& t) {
     for (size_t i = 0; i < params_.size(); ++i)
@@ -168,7 +181,10 @@ FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::s
     MESHTRAIN_CHECK(u < units_.size(), "FsdpOptions::keep_gathered: unit ", u, " does not exist");
     units_[u].keep = true;
   }
-  // Layout: unit after unit, one bucket each.
+}
+
+// Unit after unit, one bucket each; a full buffer per unit (storage freed until gathered).
+void FsdpCore::lay_out_units() {
   std::vector<size_t> order, boundaries;
   std::vector<int64_t> numels;
   for (const auto& p : params_) numels.push_back(p.tensor.numel());
@@ -187,8 +203,11 @@ FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::s
     unit.alias = at::empty({0}, dtype_);
     unit.alias.set_(unit.full.storage(), 0, {b.numel()}, {1});
   }
-  // Rank 0's values, then each rank keeps its shard; parameters become views of the full buffers.
-  // The shard in float32 (rank 0's values): the masters under mixed precision.
+}
+
+// Rank 0's values, then each rank keeps its shard; parameters become views of
+// the full buffers. The shard in float32: the masters under mixed precision.
+at::Tensor FsdpCore::shard_from_rank0() {
   at::Tensor shard32 = at::empty({layout_.shard_numel(comm_->rank())}, at::kFloat);
   at::NoGradGuard no_grad;
   for (auto& unit : units_) {
@@ -208,6 +227,10 @@ FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::s
         .copy_(full32.narrow(0, own.offset - b.begin, own.size));
     free_storage(unit.full);
   }
+  return shard32;
+}
+
+void FsdpCore::attach_optimizer(const at::Tensor& shard32) {
   shard_params_ = mixed_ ? shard32.to(dtype_) : shard32;
   shard_grads_ = at::zeros_like(shard_params_);
   pieces_.pieces = layout_.pieces(comm_->rank());
@@ -219,8 +242,6 @@ FsdpCore::FsdpCore(std::shared_ptr<torch::nn::Module> module, std::vector<std::s
   pieces_.attach(*optimizer_, params_, [this](const ShardPiece& piece) {
     return mixed_ ? at::Tensor() : shard_grads_.narrow(0, piece.shard_offset, piece.numel);
   });
-  ready_.assign(params_.size(), false);
-  reset_backward();
 }
 
 void FsdpCore::install_hooks() {
