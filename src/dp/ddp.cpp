@@ -1,5 +1,6 @@
 #include "meshtrain/dp/ddp.h"
 
+#include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/dp/params.h"
 #include "meshtrain/util/error.h"
 #include "reducer.h"
@@ -23,9 +24,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     reducer_->set_after_sync([this] { broadcast_buffers(); });
   }
   reducer_->install_hooks();
+  Reducer* reducer = reducer_.get();
+  register_gradient_sync(module_.get(), reducer_, [reducer](bool on) { reducer->set_sync(on); });
 }
 
-DistributedDataParallel::~DistributedDataParallel() = default;
+DistributedDataParallel::~DistributedDataParallel() { unregister_gradient_sync(module_.get()); }
 
 void DistributedDataParallel::broadcast_buffers() {
   at::NoGradGuard no_grad;

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/zero.h"
 #include "meshtrain/zero/optimizer_state.h"
@@ -272,10 +273,13 @@ HeldBytes ShardedCore::held_bytes() const {
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<torch::nn::Module> module,
                                                  std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm,
                                                  ZeroOptions options)
-    : core_(std::make_shared<ShardedCore>(std::move(module), std::move(optimizer), std::move(comm), options)) {
+    : module_(module.get()),
+      core_(std::make_shared<ShardedCore>(std::move(module), std::move(optimizer), std::move(comm), options)) {
   core_->install_hooks();
+  ShardedCore* core = core_.get();
+  dp::register_gradient_sync(module_, core_, [core](bool on) { core->set_sync(on); });
 }
-ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() { dp::unregister_gradient_sync(module_); }
 void ZeroRedundancyOptimizer::zero_grad() { core_->zero_grad(); }
 void ZeroRedundancyOptimizer::step() { core_->step(); }
 FullState ZeroRedundancyOptimizer::consolidated_state(int root) { return core_->consolidated_state(root); }

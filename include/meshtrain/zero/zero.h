@@ -76,6 +76,8 @@ class ZeroRedundancyOptimizer {
                           std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm,
                           ZeroOptions options = {});
   ~ZeroRedundancyOptimizer();
+  ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
+  ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
 
   void zero_grad();
   // Completes the gradient reduction, steps the shard, all-gathers the parameters.
@@ -103,6 +105,7 @@ class ZeroRedundancyOptimizer {
   torch::optim::Optimizer& optimizer();
 
  private:
+  const torch::nn::Module* module_;  // for dp::set_gradient_sync (dp/gradient_sync.h)
   std::shared_ptr<ShardedCore> core_;
 };
 

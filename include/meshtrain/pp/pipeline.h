@@ -1,0 +1,84 @@
+#pragma once
+// pp::pipeline: a user's torch::nn::Sequential cut into pipeline stages, one
+// per rank of the pipeline communicator, trained with a schedule (GPipe,
+// 1F1B, naive), the loss given once:
+//
+//   auto stage = pp::pipeline(my_sequential, mesh.pp(), loss_fn,
+//                             pp::PipelineOptions().schedule("1f1b").microbatches(8));
+//   torch::optim::Adam optimizer(stage->parameters(), 1e-3);   // this rank's layers only
+//   double loss = stage.step(inputs, targets);                  // forward + backward, every micro-batch
+//   optimizer.step();
+//
+// Every rank builds the whole model (same seed: same weights), and keeps its
+// contiguous run of children, registered under their names in the whole
+// model ("3.weight" whichever stage holds child 3), so checkpoints and
+// comparisons line up. The split is `split_points` (the first child of
+// stages 1..S-1) or balanced by parameter count.
+//
+// Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2)
+// along the data axis, and step() pauses their gradient reduction for all but
+// the last micro-batch (dp/gradient_sync.h); tensor-parallel layers inside
+// the children run their collectives as usual.
+
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/pp/executor.h"
+
+namespace meshtrain {
+namespace pp {
+
+struct PipelineOptions {
+  TORCH_ARG(std::string, schedule) = "1f1b";  // naive | gpipe | 1f1b
+  TORCH_ARG(int, microbatches) = 0;           // 0: one per stage
+  // The first child of each stage after the first (S - 1 increasing indices);
+  // empty: balanced by parameter count.
+  TORCH_ARG(std::vector<int64_t>, split_points) = {};
+};
+
+// The loss of one micro-batch's output. step() divides it by the number of
+// micro-batches, so a mean loss gives the mean over the batch.
+using PipelineLoss = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+
+class Pipeline {
+ public:
+  Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options = {});
+
+  // This rank's stage (its children of the model), for the optimizer and for
+  // data-parallel wrappers: stage->parameters(), dp::replicate(stage.module(), ...).
+  torch::nn::SequentialImpl* operator->() const { return stage_.get(); }
+  const std::shared_ptr<torch::nn::SequentialImpl>& module() const { return stage_; }
+  // Children [first, last) of the model.
+  int64_t first_child() const { return bounds_[pp_->rank()]; }
+  int64_t last_child() const { return bounds_[pp_->rank() + 1]; }
+  bool is_first() const { return pp_->rank() == 0; }
+  bool is_last() const { return pp_->rank() == pp_->size() - 1; }
+
+  // Forward and backward of the whole batch, split along dim 0 into the
+  // micro-batches; gradients accumulate in the stage's parameters. `inputs`
+  // are read on the first stage and `targets` on the last (other ranks may pass
+  // undefined tensors). Returns the batch loss on every rank of the pipeline.
+  double step(const at::Tensor& inputs, const at::Tensor& targets);
+
+ private:
+  comm::CommPtr pp_;
+  PipelineLoss loss_;
+  PipelineOptions options_;
+  std::vector<int64_t> bounds_;
+  std::shared_ptr<torch::nn::SequentialImpl> stage_;
+  std::unique_ptr<PipelineExecutor> executor_;
+};
+
+// The same as constructing a Pipeline, as PyTorch's and torchtitan's helpers read.
+inline Pipeline pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options = {}) {
+  return Pipeline(std::move(model), std::move(pp), std::move(loss), std::move(options));
+}
+
+}  // namespace pp
+}  // namespace meshtrain
