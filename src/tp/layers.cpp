@@ -32,10 +32,72 @@ int64_t split_size(int64_t total, const comm::CommPtr& tp, const std::string& wh
   return total / n;
 }
 
+// Values derive from seed + name: an unnamed layer would start like every other
+// unnamed layer of its shape.
+void require_name(const std::string& name, const char* layer) {
+  MESHTRAIN_CHECK(!name.empty(), layer, ": give it a name (.name(\"blocks.0.mlp.fc1\")), from which its initial "
+                  "values derive, or build it from a dense layer (tp::column_parallel / row_parallel / vocab_parallel)");
+}
+
+// The dense layer's values replace the seeded ones (the name only had to be unique).
+constexpr const char* kFromDense = "(values of a dense layer)";
+
+void copy_slice(at::Tensor& shard, const at::Tensor& full, int64_t dim, int64_t start) {
+  at::NoGradGuard no_grad;
+  shard.copy_(full.narrow(dim, start, shard.size(dim)));
+}
+
+void check_same_sizes(int64_t in, int64_t out, const torch::nn::Linear& dense, const char* layer) {
+  MESHTRAIN_CHECK(dense->options.in_features() == in && dense->options.out_features() == out, layer,
+                  ": the options say ", in, " -> ", out, " features, the dense layer ",
+                  dense->options.in_features(), " -> ", dense->options.out_features());
+}
+
 }  // namespace
+
+ColumnParallelLinear column_parallel(const torch::nn::Linear& dense, ColumnParallelLinearOptions options) {
+  check_same_sizes(options.in_features(), options.out_features(), dense, "tp::column_parallel");
+  if (options.name().empty()) options.name(kFromDense);
+  options.bias(dense->bias.defined());
+  ColumnParallelLinear layer(options);
+  const int64_t start = layer->weight.size(0) * tp_rank(options.tp());
+  copy_slice(layer->weight, dense->weight, 0, start);
+  if (layer->bias.defined()) copy_slice(layer->bias, dense->bias, 0, start);
+  return layer;
+}
+
+ColumnParallelLinear column_parallel(const torch::nn::Linear& dense, comm::CommPtr tp) {
+  return column_parallel(dense, ColumnParallelLinearOptions(dense->options.in_features(), dense->options.out_features())
+                                    .tp(std::move(tp)));
+}
+
+RowParallelLinear row_parallel(const torch::nn::Linear& dense, RowParallelLinearOptions options) {
+  check_same_sizes(options.in_features(), options.out_features(), dense, "tp::row_parallel");
+  if (options.name().empty()) options.name(kFromDense);
+  options.bias(dense->bias.defined());
+  RowParallelLinear layer(options);
+  copy_slice(layer->weight, dense->weight, 1, layer->weight.size(1) * tp_rank(options.tp()));
+  if (layer->bias.defined()) copy_slice(layer->bias, dense->bias, 0, 0);  // replicated
+  return layer;
+}
+
+RowParallelLinear row_parallel(const torch::nn::Linear& dense, comm::CommPtr tp) {
+  return row_parallel(dense, RowParallelLinearOptions(dense->options.in_features(), dense->options.out_features())
+                                 .tp(std::move(tp)));
+}
+
+VocabParallelEmbedding vocab_parallel(const torch::nn::Embedding& dense, comm::CommPtr tp) {
+  VocabParallelEmbedding layer(VocabParallelEmbeddingOptions(dense->options.num_embeddings(),
+                                                             dense->options.embedding_dim())
+                                   .tp(std::move(tp))
+                                   .name(kFromDense));
+  copy_slice(layer->weight, dense->weight, 0, layer->vocab_start);
+  return layer;
+}
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions opts) : options(std::move(opts)) {
   const auto& o = options;
+  require_name(o.name(), "ColumnParallelLinear");
   const int64_t local = split_size(o.out_features(), o.tp(), "out_features", "ColumnParallelLinear '" + o.name() + "'");
   const int64_t start = local * tp_rank(o.tp());
   weight = register_parameter("weight", make_shard({o.seed(), o.name() + ".weight", o.weight_init()},
@@ -56,6 +118,7 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
 
 RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions opts) : options(std::move(opts)) {
   const auto& o = options;
+  require_name(o.name(), "RowParallelLinear");
   const int64_t local = split_size(o.in_features(), o.tp(), "in_features", "RowParallelLinear '" + o.name() + "'");
   weight = register_parameter("weight", make_shard({o.seed(), o.name() + ".weight", o.weight_init()},
                                                    {o.out_features(), o.in_features()}, 1,
@@ -80,6 +143,7 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions opts) : options(std::move(opts)) {
   const auto& o = options;
+  require_name(o.name(), "VocabParallelEmbedding");
   const int64_t local = split_size(o.num_embeddings(), o.tp(), "the vocabulary size",
                                    "VocabParallelEmbedding '" + o.name() + "'");
   vocab_start = local * tp_rank(o.tp());

@@ -245,6 +245,7 @@ TEST(Examples, EachRunsUnderMeshrun) {
                                                {"master_dp", 3, "step 50 loss"},
                                                {"zero", 2, "of Adam state"},
                                                {"pipeline", 2, "step 100 loss"},
+                                               {"tensor_parallel", 2, "step 60 loss"},
                                                {"mesh3d", 8, "step 100 loss"}}) {
     Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(e.ranks) + " -- " + kBin + "/" + e.name);
     EXPECT_EQ(r.exit_code, 0) << e.name << "\n" << r.output;

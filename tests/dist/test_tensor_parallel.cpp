@@ -241,6 +241,72 @@ TEST(TensorParallel, DenseAndShardedGptConvertBothWays) {
   });
 }
 
+// A user's dense module and its tensor-parallel twin built from it
+// (tp::column_parallel / row_parallel / vocab_parallel): equal by construction,
+// and they train alike (three SGD steps), at tp 3.
+struct DenseNet : torch::nn::Module {
+  DenseNet() {
+    torch::manual_seed(11);
+    embed = register_module("embed", torch::nn::Embedding(12, 6));
+    fc1 = register_module("fc1", torch::nn::Linear(6, 9));
+    fc2 = register_module("fc2", torch::nn::Linear(9, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return fc2(torch::tanh(fc1(embed(ids)))); }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+struct ParallelNet : torch::nn::Module {
+  ParallelNet(const DenseNet& dense, const meshtrain::comm::CommPtr& t) {
+    embed = register_module("embed", tp::vocab_parallel(dense.embed, t));
+    fc1 = register_module("fc1", tp::column_parallel(dense.fc1, t));
+    fc2 = register_module("fc2", tp::row_parallel(dense.fc2, t));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return fc2(torch::tanh(fc1(embed(ids)))); }
+  tp::VocabParallelEmbedding embed{nullptr};
+  tp::ColumnParallelLinear fc1{nullptr};
+  tp::RowParallelLinear fc2{nullptr};
+};
+
+TEST(TensorParallelLayers, BuiltFromAUsersDenseLayersTheyTrainLikeThem) {
+  run_ranks(3, [](Communicator& comm) {
+    auto t = self(comm);
+    DenseNet dense;
+    auto parallel_ptr = std::make_shared<ParallelNet>(dense, t);
+    ParallelNet& parallel = *parallel_ptr;
+    const auto dims = tp::shard_dims(parallel);
+    torch::optim::SGD dense_opt(dense.parameters(), 0.2), parallel_opt(parallel.parameters(), 0.2);
+    auto ids = torch::tensor({{0, 11, 4, 5}, {7, 2, 8, 1}}, torch::kLong);
+    auto target = torch::linspace(-1, 1, 32).view({2, 4, 4});
+    for (int step = 0; step < 3; ++step) {
+      dense_opt.zero_grad();
+      parallel_opt.zero_grad();
+      auto yd = dense.forward(ids), y = parallel.forward(ids);
+      EXPECT_TRUE(torch::allclose(y, yd, 1e-5, 1e-6)) << "step " << step << " rank " << comm.rank();
+      torch::mse_loss(yd, target).backward();
+      torch::mse_loss(y, target).backward();
+      dense_opt.step();
+      parallel_opt.step();
+    }
+    std::map<std::string, at::Tensor> full;
+    for (const auto& kv : dense.named_parameters()) full[kv.key()] = kv.value().detach();
+    const auto expected = tp::shard(full, dims, comm.rank(), 3);
+    for (const auto& kv : parallel.named_parameters()) {
+      EXPECT_TRUE(torch::allclose(kv.value(), expected.at(kv.key()), 1e-5, 1e-6)) << kv.key() << " rank " << comm.rank();
+    }
+  });
+}
+
+TEST(TensorParallelLayers, AnUnnamedLayerIsAnErrorNamingTheTwoWays) {
+  try {
+    tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(8, 8));
+    ADD_FAILURE() << "no error";
+  } catch (const meshtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("give it a name"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("tp::column_parallel"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TensorParallel, SizesThatDoNotDivideNameTheValidChoices) {
   run_ranks(3, [](Communicator& comm) {
     auto t = self(comm);

@@ -11,9 +11,17 @@
 //                         outputs are summed across tp (b added once)
 //   VocabParallelEmbedding  E [vocab, dim] split by rows; each rank looks up
 //                         its range, zeros elsewhere, summed across tp
+//
+// Two ways to get the values: from a dense layer the user already built
+// (column_parallel / row_parallel / vocab_parallel below: the TP model and its
+// dense twin start equal by construction), or from seed + name (the built-in
+// models); then the name is required, since two layers of one shape and one
+// name would start identical.
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <map>
@@ -49,8 +57,9 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(bool, input_is_prepared) = false;
   TORCH_ARG(comm::CommPtr, tp) = nullptr;
   TORCH_ARG(uint64_t, seed) = 0;
-  // Prefix of the parameters' full names ("blocks.0.attn.q"): seeds their values.
-  TORCH_ARG(std::string, name) = "linear";
+  // Prefix of the parameters' full names ("blocks.0.attn.q"): seeds their
+  // values. Required (see above).
+  TORCH_ARG(std::string, name) = "";
   TORCH_ARG(InitSpec, weight_init) = InitSpec::normal(0, 0.02);
   TORCH_ARG(InitSpec, bias_init) = InitSpec::constant(0);
 };
@@ -78,7 +87,7 @@ struct RowParallelLinearOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(comm::CommPtr, tp) = nullptr;
   TORCH_ARG(uint64_t, seed) = 0;
-  TORCH_ARG(std::string, name) = "linear";
+  TORCH_ARG(std::string, name) = "";  // required, as ColumnParallelLinearOptions::name
   TORCH_ARG(InitSpec, weight_init) = InitSpec::normal(0, 0.02);
   TORCH_ARG(InitSpec, bias_init) = InitSpec::constant(0);
 };
@@ -102,7 +111,7 @@ struct VocabParallelEmbeddingOptions {
   // Reduce-scatter the output along the sequence instead of all-reducing it.
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(uint64_t, seed) = 0;
-  TORCH_ARG(std::string, name) = "embedding";
+  TORCH_ARG(std::string, name) = "";  // required, as ColumnParallelLinearOptions::name
   TORCH_ARG(InitSpec, weight_init) = InitSpec::normal(0, 0.02);
 };
 
@@ -115,6 +124,16 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   int64_t vocab_start = 0, vocab_end = 0;  // this rank's rows of the full vocabulary
 };
 TORCH_MODULE(VocabParallelEmbedding);
+
+// This rank's slice of a dense layer the user built (every tp rank passes the
+// same values; build it after the same seed): the parallel layer computes what
+// `dense` computes. Options other than sizes, bias and tp keep their defaults;
+// pass `options` to set them (its sizes and tp are checked against `dense`).
+ColumnParallelLinear column_parallel(const torch::nn::Linear& dense, comm::CommPtr tp);
+ColumnParallelLinear column_parallel(const torch::nn::Linear& dense, ColumnParallelLinearOptions options);
+RowParallelLinear row_parallel(const torch::nn::Linear& dense, comm::CommPtr tp);
+RowParallelLinear row_parallel(const torch::nn::Linear& dense, RowParallelLinearOptions options);
+VocabParallelEmbedding vocab_parallel(const torch::nn::Embedding& dense, comm::CommPtr tp);
 
 // A parameter shard initialized from the full tensor's deterministic values:
 // rows/cols [start, start + length) along `dim` of `full_shape`.
