@@ -1,6 +1,6 @@
 // A user-defined model trained on a 3D layout, dp 2 x pp 2 x tp 2 = 8 ranks:
 // each axis's communicator goes to the strategy that works along it.
-//   tp: the blocks' layers split their weights (ColumnParallelLinear / RowParallelLinear)
+//   tp: tp::parallelize splits the blocks' plain Linear layers (column, then row parallel)
 //   pp: pp::pipeline cuts the Sequential between children and streams micro-batches
 //   dp: dp::replicate averages the gradients of each stage's replicas; the
 //       pipeline has it reduce on the last micro-batch only (no hooks to write)
@@ -13,19 +13,16 @@
 #include "meshtrain/dp/replicate.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
-#include "meshtrain/tp/layers.h"
+#include "meshtrain/tp/parallelize.h"
 
 using namespace meshtrain;
 
-// x + W2 gelu(W1 x): W1 split by columns, W2 by rows over tp (one all-reduce each way).
+// x + W2 gelu(W1 x), written for one process; tp::parallelize splits W1 by
+// rows and W2 by columns (one all-reduce each way).
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(const comm::CommPtr& tp, const std::string& name) {
-    up = register_module("up", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(32, 128).tp(tp).name(name + ".up")));
-    down = register_module("down", tp::RowParallelLinear(tp::RowParallelLinearOptions(128, 32).tp(tp).name(name + ".down")));
-  }
+  torch::nn::Linear up{register_module("up", torch::nn::Linear(32, 128))};
+  torch::nn::Linear down{register_module("down", torch::nn::Linear(128, 32))};
   torch::Tensor forward(torch::Tensor x) { return x + down(torch::gelu(up(x))); }
-  tp::ColumnParallelLinear up{nullptr};
-  tp::RowParallelLinear down{nullptr};
 };
 TORCH_MODULE(Block);
 
@@ -33,10 +30,17 @@ int main() {
   auto world = comm::init_from_env();
   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), /*dp=*/2, /*pp=*/2, /*tp=*/2));
   const mesh::Coord me = mesh.coord();
-  torch::manual_seed(0);  // the plain layers: the same values on every rank
+  torch::manual_seed(0);  // every rank builds the same model
   torch::nn::Sequential model(torch::nn::Linear(8, 32));
-  for (int i = 0; i < 4; ++i) model->push_back(Block(mesh.tp(), "block" + std::to_string(i)));
+  for (int i = 0; i < 4; ++i) model->push_back(Block());
   model->push_back(torch::nn::Linear(32, 1));
+
+  std::map<std::string, tp::Style> plan;  // children 1-4 are the blocks
+  for (int i = 1; i <= 4; ++i) {
+    plan[std::to_string(i) + ".up"] = tp::Style::kColwise;
+    plan[std::to_string(i) + ".down"] = tp::Style::kRowwise;
+  }
+  tp::parallelize(*model, mesh.tp(), plan);  // along tp
 
   const int microbatches = 4;
   auto loss = [](const torch::Tensor& out, const torch::Tensor& target) { return torch::mse_loss(out, target); };

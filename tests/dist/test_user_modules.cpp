@@ -9,6 +9,7 @@
 #include "meshtrain/dp/replicate.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
+#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
 
 using meshtrain::comm::CommPtr;
@@ -133,6 +134,173 @@ TEST(UserModules, PipelineRejectsABatchItsMicroBatchesDoNotDivide) {
       ADD_FAILURE() << "no error for 12 samples in 5 micro-batches";
     } catch (const meshtrain::ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("12 samples, which 5 micro-batches do not divide"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// A user's model with plain Linear layers, called as members.
+struct Net : torch::nn::Module {
+  Net() {
+    torch::manual_seed(9);
+    pre = register_module("pre", torch::nn::Linear(4, 6));
+    block = register_module("block", std::make_shared<Block>());
+    head = register_module("head", torch::nn::Linear(5, 3));
+  }
+  struct Block : torch::nn::Module {
+    torch::nn::Linear fc1{register_module("fc1", torch::nn::Linear(6, 12))};
+    torch::nn::Linear fc2{register_module("fc2", torch::nn::Linear(12, 5))};
+    torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
+  };
+  torch::Tensor forward(const torch::Tensor& x) { return head(torch::tanh(block->forward(torch::tanh(pre(x))))); }
+  torch::nn::Linear pre{nullptr}, head{nullptr};
+  std::shared_ptr<Block> block;
+};
+
+const std::map<std::string, meshtrain::tp::Style> kPlan = {{"block.fc1", meshtrain::tp::Style::kColwise},
+                                                           {"block.fc2", meshtrain::tp::Style::kRowwise}};
+
+// 2-D and 3-D batches in turn (Linear's forward takes addmm, then mm + add_).
+torch::Tensor net_batch(int step) {
+  torch::manual_seed(200 + step);
+  return step % 2 ? torch::randn({4, 3, 4}) : torch::randn({8, 4});
+}
+
+Reference train_net_one_process(int steps) {
+  auto model = std::make_shared<Net>();
+  torch::optim::Adam opt(model->parameters(), 0.01);
+  Reference r;
+  for (int step = 0; step < steps; ++step) {
+    auto x = net_batch(step);
+    opt.zero_grad();
+    auto loss = model->forward(x).pow(2).mean();
+    loss.backward();
+    opt.step();
+    r.losses.push_back(loss.item<double>());
+  }
+  for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
+  return r;
+}
+
+// The slice of the one-process parameter that tp rank r holds under kPlan.
+torch::Tensor expected_slice(const std::string& name, const torch::Tensor& full, int r, int n) {
+  if (name == "block.fc1.weight" || name == "block.fc1.bias") return full.chunk(n, 0)[r];
+  if (name == "block.fc2.weight") return full.chunk(n, 1)[r];
+  return full;
+}
+
+void expect_tp_matches(const Reference& ref, const std::vector<double>& losses, const Net& model, int tp_rank, int tp,
+                       const std::string& where) {
+  for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where << " step " << s;
+  for (const auto& kv : model.named_parameters()) {
+    EXPECT_TRUE(torch::allclose(kv.value(), expected_slice(kv.key(), ref.params.at(kv.key()), tp_rank, tp), 1e-4, 1e-6))
+        << where << " parameter " << kv.key();
+  }
+}
+
+TEST(UserModules, ParallelizedPlainLinearsMatchOneProcess) {
+  const Reference ref = train_net_one_process(kSteps);
+  for (int tp : {2, 3}) {
+    run_ranks(tp, [&](Communicator& comm) {
+      auto model = std::make_shared<Net>();
+      torch::optim::Adam opt(model->parameters(), 0.01);  // built before: the parameters stay the same tensors
+      meshtrain::tp::parallelize(*model, borrowed(comm), kPlan);
+      EXPECT_EQ(model->block->fc1->weight.size(0), 12 / tp);
+      std::vector<double> losses;
+      for (int step = 0; step < kSteps; ++step) {
+        opt.zero_grad();
+        auto loss = model->forward(net_batch(step)).pow(2).mean();
+        loss.backward();
+        opt.step();
+        losses.push_back(loss.item<double>());
+      }
+      expect_tp_matches(ref, losses, *model, comm.rank(), tp, "tp " + std::to_string(tp) + " rank " + std::to_string(comm.rank()));
+    });
+  }
+}
+
+// dp 2 x tp 2: tp::parallelize along tp, dp::replicate along dp; each replica its half of the batch.
+TEST(UserModules, ParallelizeInsideReplicateMatchesOneProcess) {
+  Reference ref;
+  {
+    auto model = std::make_shared<Net>();
+    torch::optim::Adam opt(model->parameters(), 0.01);
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      auto loss = model->forward(net_batch(step)).pow(2).mean();
+      loss.backward();
+      opt.step();
+      ref.losses.push_back(loss.item<double>());
+    }
+    for (const auto& kv : model->named_parameters()) ref.params[kv.key()] = kv.value().detach().clone();
+  }
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    auto net = std::make_shared<Net>();
+    meshtrain::tp::parallelize(*net, mesh.tp(), kPlan);
+    auto model = meshtrain::dp::replicate(net, mesh.dp());
+    torch::optim::Adam opt(model->parameters(), 0.01);
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto x = net_batch(step);
+      auto mine = x.chunk(2, 0)[mesh.coord().dp];
+      opt.zero_grad();
+      auto loss = model->forward(mine).pow(2).mean();
+      loss.backward();
+      opt.step();
+      auto total = loss.detach().to(torch::kDouble).reshape({1});
+      mesh.dp()->all_reduce(total, meshtrain::comm::ReduceOp::kAvg);
+      losses.push_back(total.item<double>());
+    }
+    expect_tp_matches(ref, losses, *net, mesh.coord().tp, 2, "dp 2 x tp 2, rank " + std::to_string(comm.rank()));
+  });
+}
+
+TEST(UserModules, ParallelizeNamesTheLayerAndTheFix) {
+  run_ranks(3, [](Communicator& comm) {
+    auto expect_error = [&](const std::map<std::string, meshtrain::tp::Style>& plan, const std::string& says) {
+      auto model = std::make_shared<Net>();
+      try {
+        meshtrain::tp::parallelize(*model, borrowed(comm), plan);
+        ADD_FAILURE() << "no error; expected: " << says;
+      } catch (const meshtrain::ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      }
+    };
+    expect_error({{"block.fc3", meshtrain::tp::Style::kColwise}}, "no layer 'block.fc3'; its Linear layers are [pre, block.fc1, block.fc2, head]");
+    expect_error({{"block", meshtrain::tp::Style::kColwise}}, "the plan may name torch::nn::Linear layers only");
+    expect_error({{"block.fc2", meshtrain::tp::Style::kColwise}}, "'block.fc2' has 5 output features, which tp 3 does not divide");
+  });
+}
+
+// dp 2 x pp 2 x tp 2 on the user's Sequential: children 2 and 4 split over tp
+// (column then row), the pipeline cut between them (child 2's sliced output
+// crosses to the next stage), each pipeline replicated over dp.
+TEST(UserModules, ParallelizePipelineAndReplicateTogetherMatchOneProcess) {
+  const Reference ref = train_one_process(kSteps);
+  run_ranks(8, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(8, 2, 2, 2));
+    const auto me = mesh.coord();
+    auto model = user_model();
+    meshtrain::tp::parallelize(*model, mesh.tp(), {{"2", meshtrain::tp::Style::kColwise}, {"4", meshtrain::tp::Style::kRowwise}});
+    auto stage = meshtrain::pp::pipeline(model, mesh.pp(), mse, meshtrain::pp::PipelineOptions().split_points({3}).microbatches(2));
+    auto replicated = meshtrain::dp::replicate(stage.module(), mesh.dp());
+    torch::optim::SGD opt(replicated->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto mine = batch_inputs(step).narrow(0, me.dp * 6, 6);
+      opt.zero_grad();
+      torch::Tensor loss = torch::tensor({stage.step(mine, batch_targets(mine))}, torch::kDouble);
+      mesh.dp()->all_reduce(loss, meshtrain::comm::ReduceOp::kAvg);
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    const std::string where = "rank " + std::to_string(comm.rank());
+    for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
+    for (const auto& kv : stage->named_parameters()) {
+      torch::Tensor full = ref.params.at(kv.key());
+      if (kv.key() == "2.weight" || kv.key() == "2.bias") full = full.chunk(2, 0)[me.tp];
+      if (kv.key() == "4.weight") full = full.chunk(2, 1)[me.tp];
+      EXPECT_TRUE(torch::allclose(kv.value(), full, 1e-4, 1e-6)) << where << " parameter " << kv.key();
     }
   });
 }
