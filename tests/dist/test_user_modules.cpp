@@ -11,6 +11,7 @@
 #include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/zero/zero.h"
 
 using meshtrain::comm::CommPtr;
 using meshtrain::comm::Communicator;
@@ -123,6 +124,32 @@ TEST(UserModules, PipelineInsideReplicateMatchesOneProcess) {
       EXPECT_EQ(mesh.dp()->traffic()[meshtrain::comm::OpKind::kAllReduce].calls, 2 * kSteps) << "rank " << comm.rank();
     });
   }
+}
+
+// The same with ZeRO stage 2 on the data axis instead of DDP: the pipeline
+// pauses its reduce-scatter for the first micro-batch too.
+TEST(UserModules, PipelineInsideZeroStage2MatchesOneProcess) {
+  const Reference ref = train_one_process(kSteps);
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+    auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse, meshtrain::pp::PipelineOptions().microbatches(2));
+    auto sgd = std::make_unique<torch::optim::SGD>(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    meshtrain::zero::ZeroRedundancyOptimizer zero(stage.module(), std::move(sgd), mesh.dp(),
+                                                  meshtrain::zero::ZeroOptions().stage(2));
+    std::vector<double> losses;
+    mesh.dp()->reset_traffic();
+    for (int step = 0; step < kSteps; ++step) {
+      auto mine = batch_inputs(step).narrow(0, mesh.coord().dp * 6, 6);
+      zero.zero_grad();
+      torch::Tensor loss = torch::tensor({stage.step(mine, batch_targets(mine))}, torch::kDouble);
+      mesh.dp()->all_reduce(loss, meshtrain::comm::ReduceOp::kAvg);
+      zero.step();
+      losses.push_back(loss.item<double>());
+    }
+    expect_matches(ref, losses, *stage.module(), "dp 2 x pp 2 ZeRO-2, rank " + std::to_string(comm.rank()));
+    // One bucket: one reduce-scatter per step (the second micro-batch's), not two.
+    EXPECT_EQ(mesh.dp()->traffic()[meshtrain::comm::OpKind::kReduceScatter].calls, kSteps) << "rank " << comm.rank();
+  });
 }
 
 TEST(UserModules, PipelineRejectsABatchItsMicroBatchesDoNotDivide) {
