@@ -4,32 +4,19 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <mutex>
-
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/rng.h"
 
 namespace meshtrain {
 namespace models {
 
 namespace {
 
-at::Tensor rng_state() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_rng_state(const at::Tensor& state) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
 // Puts the forward's generator state back for the recompute, and the current one after.
 class RngReplay {
  public:
-  explicit RngReplay(const at::Tensor& forward_state) : now_(rng_state()) { set_rng_state(forward_state); }
-  ~RngReplay() { set_rng_state(now_); }
+  explicit RngReplay(const at::Tensor& forward_state) : now_(cpu_rng_state()) { set_cpu_rng_state(forward_state); }
+  ~RngReplay() { set_cpu_rng_state(now_); }
 
  private:
   at::Tensor now_;
@@ -43,7 +30,7 @@ class RecomputeBackward : public torch::autograd::Node {
         input_version_(input._version()),
         input_requires_grad_(input.requires_grad()),
         params_(std::move(params)),
-        rng_(rng_state()) {}
+        rng_(cpu_rng_state()) {}
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     MESHTRAIN_CHECK(input_.defined(), "activation checkpointing: backward ran twice through one checkpointed block");

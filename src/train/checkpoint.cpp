@@ -1,7 +1,6 @@
 #include "meshtrain/train/checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -9,7 +8,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
@@ -204,18 +202,6 @@ at::Tensor CheckpointReader::rng_state(int rank) {
   const json::Value& content = manifest_["shards"][rank]["content"];
   if (!content.has("rng") || !content["rng"].boolean) return {};
   return shard(rank).at("rng");
-}
-
-at::Tensor cpu_rng_state() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_cpu_rng_state(const at::Tensor& state) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
 }
 
 bool CheckpointReader::has(const std::string& param) const {

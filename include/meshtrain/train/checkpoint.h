@@ -23,6 +23,7 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/json.h"
+#include "meshtrain/util/rng.h"
 
 namespace meshtrain {
 namespace train {
@@ -47,8 +48,8 @@ struct RankState {
 };
 
 // The default CPU generator's state (torch.get_rng_state()) and its restore.
-at::Tensor cpu_rng_state();
-void set_cpu_rng_state(const at::Tensor& state);
+using meshtrain::cpu_rng_state;  // util/rng.h
+using meshtrain::set_cpu_rng_state;
 
 struct SaveStats {
   double seconds = 0;  // the training loop was blocked this long
