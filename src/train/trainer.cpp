@@ -42,20 +42,27 @@ void print_progress(const TrainConfig& c, int64_t step, double loss, double grad
 
 // Test hook: MESHTRAIN_TEST_KILL_AT_STEP=k on rank MESHTRAIN_TEST_KILL_RANK (default 1),
 // first attempt only (MESHTRAIN_RESTART_COUNT unset or 0): SIGKILL shortly
-// after step k starts, i.e. in the middle of the step.
-void arm_test_kill(int64_t step) {
+// after step k starts, i.e. in the middle of the step. Returns whether it is
+// armed: the step must then wait for the kill (wait_for_test_kill), or a fast
+// step could finish, and even checkpoint, before it lands.
+bool arm_test_kill(int64_t step) {
   const char* at = std::getenv("MESHTRAIN_TEST_KILL_AT_STEP");
   const char* restart = std::getenv("MESHTRAIN_RESTART_COUNT");
-  if (!at || std::atoll(at) != step || (restart && std::atoi(restart) != 0)) return;
+  if (!at || std::atoll(at) != step || (restart && std::atoi(restart) != 0)) return false;
   const char* who = std::getenv("MESHTRAIN_TEST_KILL_RANK");
   const char* rank = std::getenv("RANK");
-  if ((who ? std::atoi(who) : 1) != (rank ? std::atoi(rank) : 0)) return;
+  if ((who ? std::atoi(who) : 1) != (rank ? std::atoi(rank) : 0)) return false;
   std::thread([] {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
     std::fprintf(stderr, "test hook: killing this rank (SIGKILL) in the middle of a step\n");
     std::fflush(stderr);
     kill(getpid(), SIGKILL);
   }).detach();
+  return true;
+}
+
+[[noreturn]] void wait_for_test_kill() {
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
 
 // After a restart, meshrun passes the wall-clock time it detected the failure.
@@ -83,10 +90,11 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   TrainResult result;
   result.first_step = resumed.first_step;
   for (int64_t step = resumed.first_step; step < c.steps; ++step) {
-    arm_test_kill(step);
+    const bool killed_in_this_step = arm_test_kill(step);
     engine->set_learning_rate(learning_rate(c, step));
     const auto t0 = Clock::now();
     at::Tensor loss = at::tensor({engine->step(step)}, at::kDouble);
+    if (killed_in_this_step) wait_for_test_kill();
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     metrics->all_reduce(loss);  // the sum of the ranks' contributions is the global-batch loss
     result.losses.push_back(loss.item<double>());
