@@ -98,7 +98,7 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
   t.bytes = bytes;
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
-  t.buf->send(peer, slot);
+  post(t, [&] { t.buf->send(peer, slot); });
   return t;
 }
 
@@ -111,8 +111,18 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   t.bytes = bytes;
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
-  t.buf->recv(peer, slot);
+  post(t, [&] { t.buf->recv(peer, slot); });
   return t;
+}
+
+// Posting on a pair that a dead peer already closed throws at once (before
+// any wait); that is the same broken connection as one seen while waiting.
+void GlooCommunicator::post(const Transfer& t, const std::function<void()>& send_or_recv) const {
+  try {
+    send_or_recv();
+  } catch (const gloo::Exception& e) {
+    throw_broken_connection(t, e.what());
+  }
 }
 
 // Note [Classifying gloo errors]
