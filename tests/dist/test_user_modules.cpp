@@ -11,6 +11,7 @@
 #include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
 
 using meshtrain::comm::CommPtr;
@@ -328,6 +329,147 @@ TEST(UserModules, ParallelizePipelineAndReplicateTogetherMatchOneProcess) {
       if (kv.key() == "2.weight" || kv.key() == "2.bias") full = full.chunk(2, 0)[me.tp];
       if (kv.key() == "4.weight") full = full.chunk(2, 1)[me.tp];
       EXPECT_TRUE(torch::allclose(kv.value(), full, 1e-4, 1e-6)) << where << " parameter " << kv.key();
+    }
+  });
+}
+
+// ---- zero::fully_shard on the user's plain modules
+
+// Batches of 12 rows (2-D) or 6 x 2 (3-D): every dp size up to 3 splits them.
+torch::Tensor shard_batch(int step) {
+  torch::manual_seed(300 + step);
+  return step % 2 ? torch::randn({6, 2, 4}) : torch::randn({12, 4});
+}
+
+Reference train_net_on(const std::function<torch::Tensor(int)>& batch, int steps) {
+  auto model = std::make_shared<Net>();
+  torch::optim::Adam opt(model->parameters(), 0.01);
+  Reference r;
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    auto loss = model->forward(batch(step)).pow(2).mean();
+    loss.backward();
+    opt.step();
+    r.losses.push_back(loss.item<double>());
+  }
+  for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
+  return r;
+}
+
+// The loss of this rank's part of the batch, averaged over dp (equal parts).
+double mean_over(const CommPtr& dp, const torch::Tensor& loss) {
+  auto total = loss.detach().to(torch::kDouble).reshape({1});
+  dp->all_reduce(total, meshtrain::comm::ReduceOp::kAvg);
+  return total.item<double>();
+}
+
+int64_t bytes_of(const torch::nn::Module& m) {
+  int64_t b = 0;
+  for (const auto& p : m.parameters()) b += p.numel() * p.element_size();
+  return b;
+}
+
+// ZeRO-3 at dp 2 and 3 (the units' sizes do not divide by 3): each block
+// layer a unit, the root's pre and head one more kept gathered through the
+// step; the user's forward unchanged. Between steps a rank holds its shards
+// only; the weights match one process after 5 Adam steps.
+TEST(UserModules, FullyShardedPlainModulesMatchOneProcess) {
+  const Reference ref = train_net_on(shard_batch, kSteps);
+  for (int dp : {2, 3}) {
+    run_ranks(dp, [&](Communicator& comm) {
+      const CommPtr world = borrowed(comm);
+      auto model = std::make_shared<Net>();
+      const int64_t full_bytes = bytes_of(*model), root_bytes = bytes_of(*model->pre) + bytes_of(*model->head);
+      meshtrain::zero::fully_shard(*model->block->fc1, world);
+      meshtrain::zero::fully_shard(*model->block->fc2, world);
+      meshtrain::zero::fully_shard(*model, world, meshtrain::zero::FullyShardOptions().reshard_after_forward(false));
+      const auto shards = meshtrain::zero::sharded_parameters(*model);
+      ASSERT_EQ(shards.size(), 3u);
+      torch::optim::Adam opt(shards, 0.01);
+      std::vector<double> losses;
+      for (int step = 0; step < kSteps; ++step) {
+        opt.zero_grad();
+        auto loss = model->forward(shard_batch(step).chunk(dp, 0)[comm.rank()]).pow(2).mean();
+        // After forward only the root (pre, head) is whole: each block layer was freed when the next began.
+        EXPECT_LE(meshtrain::zero::held_parameter_bytes(*model), full_bytes / dp + 3 * 4 + root_bytes);
+        loss.backward();
+        // Every unit freed after backward: the shards are all a rank holds.
+        EXPECT_LE(meshtrain::zero::held_parameter_bytes(*model), full_bytes / dp + 3 * 4);
+        opt.step();
+        losses.push_back(mean_over(world, loss));
+      }
+      const std::string where = "dp " + std::to_string(dp) + " rank " + std::to_string(comm.rank());
+      for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
+      const auto full = meshtrain::zero::full_parameters(*model);
+      ASSERT_EQ(full.size(), ref.params.size());
+      for (const auto& kv : full) EXPECT_TRUE(torch::allclose(kv.second, ref.params.at(kv.first), 1e-4, 1e-6)) << where << " " << kv.first;
+    });
+  }
+}
+
+// dp 2 x tp 2: the block's layers split over tp by tp::parallelize, then every
+// layer's slices sharded over dp: a unit of tp slices.
+TEST(UserModules, FullyShardOfParallelizedLayersMatchesOneProcess) {
+  const Reference ref = train_net_on(shard_batch, kSteps);
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    auto model = std::make_shared<Net>();
+    meshtrain::tp::parallelize(*model, mesh.tp(), kPlan);
+    meshtrain::zero::fully_shard(*model->block, mesh.dp());
+    meshtrain::zero::fully_shard(*model, mesh.dp());
+    torch::optim::Adam opt(meshtrain::zero::sharded_parameters(*model), 0.01);
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      auto loss = model->forward(shard_batch(step).chunk(2, 0)[mesh.coord().dp]).pow(2).mean();
+      loss.backward();
+      opt.step();
+      losses.push_back(mean_over(mesh.dp(), loss));
+    }
+    const std::string where = "rank " + std::to_string(comm.rank());
+    for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
+    for (const auto& kv : meshtrain::zero::full_parameters(*model)) {
+      const auto expected = expected_slice(kv.first, ref.params.at(kv.first), mesh.coord().tp, 2);
+      EXPECT_TRUE(torch::allclose(kv.second, expected, 1e-4, 1e-6)) << where << " " << kv.first;
+    }
+  });
+}
+
+// dp 2 x pp 2: each pipeline stage one unit over dp. The pipeline pauses the
+// reduction between its micro-batches: one reduce-scatter per step.
+TEST(UserModules, PipelineOfFullyShardedStagesMatchesOneProcess) {
+  const Reference ref = train_one_process(kSteps);
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+    auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse, meshtrain::pp::PipelineOptions().microbatches(3));
+    meshtrain::zero::fully_shard(*stage.module(), mesh.dp());
+    torch::optim::SGD opt(meshtrain::zero::sharded_parameters(*stage.module()), torch::optim::SGDOptions(0.05).momentum(0.9));
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto mine = batch_inputs(step).narrow(0, mesh.coord().dp * 6, 6);
+      opt.zero_grad();
+      mesh.dp()->reset_traffic();
+      const double loss = stage.step(mine, batch_targets(mine));
+      EXPECT_EQ(mesh.dp()->traffic()[meshtrain::comm::OpKind::kReduceScatter].calls, 1) << "step " << step;
+      opt.step();
+      losses.push_back(mean_over(mesh.dp(), torch::tensor(loss, torch::kDouble)));
+    }
+    const std::string where = "rank " + std::to_string(comm.rank());
+    for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
+    for (const auto& kv : meshtrain::zero::full_parameters(*stage.module()))
+      EXPECT_TRUE(torch::allclose(kv.second, ref.params.at(kv.first), 1e-4, 1e-6)) << where << " " << kv.first;
+  });
+}
+
+TEST(UserModules, FullyShardTwiceNamesTheFix) {
+  run_ranks(2, [](Communicator& comm) {
+    auto model = std::make_shared<Net>();
+    meshtrain::zero::fully_shard(*model, borrowed(comm));
+    try {
+      meshtrain::zero::fully_shard(*model->block, borrowed(comm));
+      ADD_FAILURE() << "sharding an already sharded module gave no error";
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("shard children first"), std::string::npos) << e.what();
     }
   });
 }

@@ -1,0 +1,62 @@
+#pragma once
+// Intercepting every operation on chosen parameter tensors, after autograd,
+// without touching the module's forward (internal; shared by tp::parallelize
+// and zero::fully_shard). See docs/design/forward-interception.md.
+//
+// A marked tensor carries a dispatch key that libtorch 1.13 registers nothing
+// for (DispatchKey::Fake, ordered after autograd); views, detach() and .data()
+// keep it. One boxed fallback on that key sees each operation whose operands
+// include a marked tensor, looks their storages up in a registry, and lets
+// the roles attached there act: gather a ZeRO unit before the op, run a
+// matrix product with a sum over tp, copy an in-place write back to a shard.
+// Operations a role runs itself are not intercepted again.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <memory>
+#include <vector>
+
+namespace meshtrain {
+namespace intercept {
+
+class Role {
+ public:
+  virtual ~Role() = default;
+  // Before an operation that reads or writes a tensor of this role; `touched`
+  // holds every role the operation's operands carry (each once).
+  virtual void before(const std::vector<Role*>& touched) { (void)touched; }
+  // May run the operation itself (leaving its outputs on the stack); false
+  // leaves it to the next kernel.
+  virtual bool run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+    (void)op, (void)keys, (void)stack;
+    return false;
+  }
+  // After the operation wrote in place the tensor marked with `index`.
+  virtual void written(int index) { (void)index; }
+};
+
+// Attaches `role` to t's storage (every view of it) under `index`. A storage
+// may carry several roles (a tp slice inside a ZeRO unit). Call after any
+// Module::to() or set_data() on t, which would drop the key. The registry
+// keeps the storage and role alive for the process.
+void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index = 0);
+
+// The roles on t's storage, with their indices; empty for an unmarked tensor.
+std::vector<std::pair<Role*, int>> roles_of(const at::Tensor& t);
+
+// The dispatch key marked tensors carry.
+constexpr c10::DispatchKey kMarker = c10::DispatchKey::Fake;
+
+// While alive, operations on marked tensors go straight to their kernels (a
+// role's own copies into and out of its tensors, outside the fallback).
+class Bypass {
+  c10::impl::ExcludeDispatchKeyGuard guard_{kMarker};
+};
+
+// Hands the operation to the kernels after the marker (inside Role::run).
+void redispatch(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
+
+}  // namespace intercept
+}  // namespace meshtrain
