@@ -461,6 +461,108 @@ TEST(UserModules, PipelineOfFullyShardedStagesMatchesOneProcess) {
   });
 }
 
+// dp 2 x pp 2 x tp 2 x ZeRO-3 on the user's Sequential: tp slices children 2
+// and 4, the pipeline cuts after child 3, every stage's layers are sharded
+// over dp, child by child.
+TEST(UserModules, ParallelizePipelineAndFullyShardTogetherMatchOneProcess) {
+  const Reference ref = train_one_process(kSteps);
+  run_ranks(8, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(8, 2, 2, 2));
+    const auto me = mesh.coord();
+    auto model = user_model();
+    meshtrain::tp::parallelize(*model, mesh.tp(), {{"2", meshtrain::tp::Style::kColwise}, {"4", meshtrain::tp::Style::kRowwise}});
+    auto stage = meshtrain::pp::pipeline(model, mesh.pp(), mse, meshtrain::pp::PipelineOptions().split_points({3}).microbatches(2));
+    for (const auto& child : stage->children())
+      if (!child->parameters().empty()) meshtrain::zero::fully_shard(*child, mesh.dp());
+    torch::optim::SGD opt(meshtrain::zero::sharded_parameters(*stage.module()), torch::optim::SGDOptions(0.05).momentum(0.9));
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto mine = batch_inputs(step).narrow(0, me.dp * 6, 6);
+      opt.zero_grad();
+      losses.push_back(mean_over(mesh.dp(), torch::tensor(stage.step(mine, batch_targets(mine)), torch::kDouble)));
+      opt.step();
+    }
+    const std::string where = "rank " + std::to_string(comm.rank());
+    for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
+    for (const auto& kv : meshtrain::zero::full_parameters(*stage.module())) {
+      torch::Tensor full = ref.params.at(kv.first);
+      if (kv.first == "2.weight" || kv.first == "2.bias") full = full.chunk(2, 0)[me.tp];
+      if (kv.first == "4.weight") full = full.chunk(2, 1)[me.tp];
+      EXPECT_TRUE(torch::allclose(kv.second, full, 1e-4, 1e-6)) << where << " parameter " << kv.first;
+    }
+  });
+}
+
+// A user's attention block whose forward reads the head count from the
+// tensor (view(B, T, -1, head_dim)), so it runs unchanged on a tp rank's heads.
+struct Attention : torch::nn::Module {
+  Attention() {
+    torch::manual_seed(11);
+    for (const char* name : {"q", "k", "v", "out"}) layers.emplace(name, register_module(name, torch::nn::Linear(8, 8)));
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 8));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1);
+    auto heads = [&](const char* l) { return layers.at(l)(x).view({B, T, -1, 2}).transpose(1, 2); };
+    auto scores = torch::softmax(torch::matmul(heads("q"), heads("k").transpose(-2, -1)), -1);
+    auto h = x + layers.at("out")(torch::matmul(scores, heads("v")).transpose(1, 2).reshape({B, T, -1}));
+    return h + fc2(torch::gelu(fc1(h)));
+  }
+  std::map<std::string, torch::nn::Linear> layers;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// dp 2 x tp 2 on the attention block (4 heads of 2: each tp rank 2 heads),
+// ZeRO-3 along dp, against one process. SGD, not Adam: k's bias gets a zero
+// gradient (softmax ignores a shift shared by all keys), and Adam would turn
+// its rounding noise into full-size steps.
+TEST(UserModules, AttentionOfAUserBlockParallelizedAndShardedMatchesOneProcess) {
+  auto data = [](int step) {
+    torch::manual_seed(400 + step);
+    return torch::randn({4, 5, 8});
+  };
+  std::vector<double> ref_losses;
+  std::map<std::string, torch::Tensor> ref_params;
+  {
+    Attention model;
+    torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      auto loss = model.forward(data(step)).pow(2).mean();
+      loss.backward();
+      opt.step();
+      ref_losses.push_back(loss.item<double>());
+    }
+    for (const auto& kv : model.named_parameters()) ref_params[kv.key()] = kv.value().detach().clone();
+  }
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    Attention model;
+    using meshtrain::tp::Style;
+    meshtrain::tp::parallelize(model, mesh.tp(), {{"q", Style::kColwise}, {"k", Style::kColwise}, {"v", Style::kColwise},
+                                                  {"out", Style::kRowwise}, {"fc1", Style::kColwise}, {"fc2", Style::kRowwise}});
+    meshtrain::zero::fully_shard(model, mesh.dp());
+    torch::optim::SGD opt(meshtrain::zero::sharded_parameters(model), torch::optim::SGDOptions(0.05).momentum(0.9));
+    const std::string where = "rank " + std::to_string(comm.rank());
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      auto loss = model.forward(data(step).chunk(2, 0)[mesh.coord().dp]).pow(2).mean();
+      loss.backward();
+      opt.step();
+      EXPECT_NEAR(mean_over(mesh.dp(), loss), ref_losses[step], 1e-5 * (1 + ref_losses[step])) << where << " step " << step;
+    }
+    for (const auto& kv : meshtrain::zero::full_parameters(model)) {
+      torch::Tensor full = ref_params.at(kv.first);
+      const std::string layer = kv.first.substr(0, kv.first.find('.'));
+      const bool col = layer == "q" || layer == "k" || layer == "v" || layer == "fc1";
+      if (col) full = full.chunk(2, 0)[mesh.coord().tp];
+      if ((layer == "out" || layer == "fc2") && kv.first.find("weight") != std::string::npos) full = full.chunk(2, 1)[mesh.coord().tp];
+      EXPECT_TRUE(torch::allclose(kv.second, full, 1e-4, 1e-6)) << where << " parameter " << kv.first;
+    }
+  });
+}
+
 TEST(UserModules, FullyShardTwiceNamesTheFix) {
   run_ranks(2, [](Communicator& comm) {
     auto model = std::make_shared<Net>();
