@@ -6,7 +6,7 @@
 // Lines added to the one-process program (each strategy one call):
 //   auto world = meshtrain::comm::init_from_env();
 //   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), 2, 2, 2));
-//   tp::parallelize(*model, mesh.tp(), plan);                   // Megatron's attention and MLP split
+//   tp::parallelize(*model, mesh.tp(), plan);                   // Megatron's embedding, attention and MLP split
 //   auto stage = pp::pipeline(model, mesh.pp(), loss, options); // this rank's blocks; micro-batches streamed
 //   for (auto& layer : stage->children()) zero::fully_shard(*layer, mesh.dp());
 //   torch::optim::AdamW adam(zero::sharded_parameters(*stage.module()), ...);  (and stage.step(x, y))
@@ -87,7 +87,7 @@ int main() {
   for (int i = 0; i < kBlocks; ++i) model->push_back(Block());
   model->push_back(Head());
 
-  std::map<std::string, tp::Style> plan;  // children 1..kBlocks are the blocks
+  std::map<std::string, tp::Style> plan = {{"0.tokens", tp::Style::kVocabParallel}};  // children 1..kBlocks are the blocks
   for (int i = 1; i <= kBlocks; ++i) {
     for (const char* col : {"q", "k", "v", "fc1"}) plan[std::to_string(i) + "." + col] = tp::Style::kColwise;
     for (const char* row : {"out", "fc2"}) plan[std::to_string(i) + "." + row] = tp::Style::kRowwise;

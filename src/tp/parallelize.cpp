@@ -1,9 +1,15 @@
 #include "meshtrain/tp/parallelize.h"
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include <mutex>
+
+#include "meshtrain/tp/ops.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/shard.h"
 #include "util/intercept.h"
 
 namespace meshtrain {
@@ -63,44 +69,142 @@ class Slice : public intercept::Role {
   int64_t stride_ = 0, size_ = 0;
 };
 
-torch::nn::LinearImpl& linear_at(torch::nn::Module& model, const std::string& path) {
+// ---- vocabulary-parallel Embedding
+//
+// aten::embedding's backward sees only the indices and the number of rows, so
+// the shift of the indices into this rank's rows must happen before autograd
+// records the operation: a kernel for aten::embedding at DispatchKey::
+// DeferredInit, a key above autograd that libtorch 1.13 leaves unused (every
+// other operation falls through it). The marker key below autograd also sits
+// on the weight, so zero::fully_shard can shard it.
+constexpr c10::DispatchKey kBeforeAutograd = c10::DispatchKey::DeferredInit;
+
+// This rank's rows of a vocabulary-parallel embedding.
+class VocabRows : public intercept::Role {
+ public:
+  VocabRows(comm::CommPtr tp, Range rows, int64_t padding_idx) : tp(std::move(tp)), rows(rows), padding_idx(padding_idx) {}
+  comm::CommPtr tp;
+  Range rows;
+  int64_t padding_idx;  // global; -1: none
+};
+
+const VocabRows* vocab_rows_of(const at::Tensor& weight) {
+  for (const auto& r : intercept::roles_of(weight))
+    if (auto* v = dynamic_cast<const VocabRows*>(r.first)) return v;
+  return nullptr;
+}
+
+// Megatron's VocabParallelEmbedding: look up the indices in this rank's rows,
+// zeros for the others, summed over tp (the sum's backward is the identity).
+at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& indices, int64_t padding_idx,
+                                    bool scale_grad_by_freq, bool sparse) {
+  c10::impl::ExcludeDispatchKeyGuard below(kBeforeAutograd);
+  const VocabRows* v = vocab_rows_of(weight);
+  if (!v) return at::embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse);
+  MESHTRAIN_CHECK(!scale_grad_by_freq && !sparse, "tp::parallelize: a vocabulary-parallel Embedding supports neither "
+                  "scale_grad_by_freq nor sparse gradients; build the Embedding without them");
+  const at::Tensor outside = indices.lt(v->rows.offset).logical_or(indices.ge(v->rows.end()));
+  const at::Tensor local = (indices - v->rows.offset).masked_fill(outside, 0);
+  const int64_t pad = v->padding_idx;  // the module's own is cleared: libtorch checks it against the local rows
+  const bool pad_is_mine = pad >= v->rows.offset && pad < v->rows.end();
+  const at::Tensor partial = at::embedding(weight, local, pad_is_mine ? pad - v->rows.offset : -1, false, false)
+                                 .masked_fill(outside.unsqueeze(-1), 0);
+  return reduce_from_tp(partial, v->tp);
+}
+
+void install_embedding_kernel_once() {
+  static std::once_flag once;
+  static std::unique_ptr<torch::Library> kernels, fallthrough;
+  std::call_once(once, [] {
+    MESHTRAIN_CHECK(!c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kBeforeAutograd),
+                    "tp::parallelize: this libtorch already uses dispatch key DeferredInit (meshtrain's "
+                    "vocabulary-parallel embedding); meshtrain was written against libtorch 1.13");
+    fallthrough = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kBeforeAutograd, __FILE__, __LINE__);
+    fallthrough->fallback(torch::CppFunction::makeFallthrough());
+    kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", kBeforeAutograd, __FILE__, __LINE__);
+    kernels->impl("embedding", TORCH_FN(vocab_parallel_embedding));
+  });
+}
+
+// ---- the plan
+
+const char* style_name(Style style) {
+  return style == Style::kColwise ? "kColwise" : style == Style::kRowwise ? "kRowwise" : "kVocabParallel";
+}
+
+// The layer at `path`, checked against its style before anything is changed.
+torch::nn::Module& layer_at(torch::nn::Module& model, const std::string& path, Style style, int tp) {
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     if (item.key() != path) continue;
-    auto* linear = item.value()->as<torch::nn::LinearImpl>();
-    MESHTRAIN_CHECK(linear, "tp::parallelize: '", path, "' is a ", item.value()->name(),
-                    "; the plan may name torch::nn::Linear layers only");
-    return *linear;
+    torch::nn::Module& m = *item.value();
+    if (style == Style::kVocabParallel) {
+      auto* e = m.as<torch::nn::EmbeddingImpl>();
+      MESHTRAIN_CHECK(e, "tp::parallelize: '", path, "' is a ", m.name(), "; kVocabParallel applies to torch::nn::Embedding");
+      MESHTRAIN_CHECK(!e->options.max_norm(), "tp::parallelize: Embedding '", path, "' has max_norm, which renormalizes "
+                      "rows by global index; build it without max_norm");
+      for (const auto& p : model.named_parameters()) {
+        MESHTRAIN_CHECK(!p.value().is_same(e->weight) || p.key() == path + ".weight", "tp::parallelize: Embedding '",
+                        path, "' shares its weight with '", p.key(), "' (tied); a vocabulary-parallel LM head is not "
+                        "supported yet: untie them or leave the embedding whole");
+      }
+      MESHTRAIN_CHECK(e->weight.size(0) >= tp, "tp::parallelize: Embedding '", path, "' has ", e->weight.size(0),
+                      " rows, fewer than tp ", tp);
+      return m;
+    }
+    auto* linear = m.as<torch::nn::LinearImpl>();
+    MESHTRAIN_CHECK(linear, "tp::parallelize: '", path, "' is a ", m.name(), "; ", style_name(style),
+                    " applies to torch::nn::Linear (and kVocabParallel to torch::nn::Embedding)");
+    const int64_t dim = style == Style::kColwise ? 0 : 1, full = linear->weight.size(dim);
+    MESHTRAIN_CHECK(full % tp == 0, "tp::parallelize: '", path, "' has ", full,
+                    style == Style::kColwise ? " output" : " input", " features, which tp ", tp, " does not divide");
+    // The sliced dimension is recognised by (stride, size); only a 1 x 1 slice
+    // looks the same as its transpose.
+    MESHTRAIN_CHECK(full / tp > 1 || linear->weight.size(1 - dim) > 1, "tp::parallelize: '", path, "' would keep a "
+                    "1 x 1 slice, which cannot be told from its transpose; leave such a small layer dense");
+    return m;
   }
   std::string paths;
   for (const auto& item : model.named_modules("", false))
-    if (item.value()->as<torch::nn::LinearImpl>()) paths += (paths.empty() ? "" : ", ") + item.key();
-  throw ConfigError(str_cat("tp::parallelize: the model has no layer '", path, "'; its Linear layers are [", paths, "]"));
+    if (item.value()->as<torch::nn::LinearImpl>() || item.value()->as<torch::nn::EmbeddingImpl>())
+      paths += (paths.empty() ? "" : ", ") + item.key();
+  throw ConfigError(str_cat("tp::parallelize: the model has no layer '", path, "'; its Linear and Embedding layers are [",
+                            paths, "]"));
 }
 
-void slice_linear(torch::nn::LinearImpl& linear, const std::string& path, Style style, const comm::CommPtr& tp) {
+void slice_linear(torch::nn::LinearImpl& linear, Style style, const comm::CommPtr& tp) {
   at::Tensor& w = linear.weight;
-  const int64_t dim = style == Style::kColwise ? 0 : 1, n = tp->size(), full = w.size(dim);
-  MESHTRAIN_CHECK(full % n == 0, "tp::parallelize: '", path, "' has ", full,
-                  style == Style::kColwise ? " output" : " input", " features, which tp ", n, " does not divide");
-  const int64_t local = full / n, start = local * tp->rank();
-  // The sliced dimension is recognised by (stride, size); only a 1 x 1 slice
-  // looks the same as its transpose.
-  MESHTRAIN_CHECK(local > 1 || w.size(1 - dim) > 1, "tp::parallelize: '", path, "' would keep a 1 x 1 slice, which "
-                  "cannot be told from its transpose; leave such a small layer dense");
+  const int64_t dim = style == Style::kColwise ? 0 : 1, local = w.size(dim) / tp->size(), start = local * tp->rank();
   at::NoGradGuard no_grad;
   w.set_data(w.narrow(dim, start, local).clone());  // the same parameter tensor, resized
   if (style == Style::kColwise && linear.bias.defined()) linear.bias.set_data(linear.bias.narrow(0, start, local).clone());
   intercept::mark(w, std::make_shared<Slice>(tp, w.stride(dim), w.size(dim)));  // after set_data, which copies key sets
 }
 
+void slice_embedding(torch::nn::EmbeddingImpl& embedding, const comm::CommPtr& tp) {
+  install_embedding_kernel_once();
+  at::Tensor& w = embedding.weight;
+  const Range rows = shard_range(w.size(0), tp->size(), tp->rank());  // sizes need not divide
+  at::NoGradGuard no_grad;
+  w.set_data(w.narrow(0, rows.offset, rows.size).clone());
+  // libtorch's functional checks padding_idx against the weight's (now local)
+  // rows before dispatch: the global index moves into the kernel's record.
+  const int64_t padding_idx = embedding.options.padding_idx().value_or(-1);
+  embedding.options.padding_idx(c10::nullopt);
+  intercept::mark(w, std::make_shared<VocabRows>(tp, rows, padding_idx));
+  intercept::add_dispatch_key(w, kBeforeAutograd);
+}
+
 }  // namespace
 
 void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan) {
   MESHTRAIN_CHECK(tp, "tp::parallelize needs a communicator");
-  std::vector<std::pair<torch::nn::LinearImpl*, std::pair<std::string, Style>>> layers;
-  for (const auto& kv : plan) layers.push_back({&linear_at(model, kv.first), kv});  // every path checked first
+  std::vector<std::pair<torch::nn::Module*, Style>> layers;
+  for (const auto& kv : plan) layers.push_back({&layer_at(model, kv.first, kv.second, tp->size()), kv.second});  // all checked first
   if (tp->size() == 1) return;
-  for (auto& l : layers) slice_linear(*l.first, l.second.first, l.second.second, tp);
+  for (auto& l : layers) {
+    if (l.second == Style::kVocabParallel) slice_embedding(*l.first->as<torch::nn::EmbeddingImpl>(), tp);
+    else slice_linear(*l.first->as<torch::nn::LinearImpl>(), l.second, tp);
+  }
 }
 
 }  // namespace tp

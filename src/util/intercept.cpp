@@ -88,12 +88,14 @@ void install_once() {
 void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index) {
   MESHTRAIN_CHECK(t.defined() && t.has_storage(), "intercept::mark needs a tensor with storage");
   install_once();
-  KeySetAccess::add(t, kMarker);
+  add_dispatch_key(t, kMarker);
   std::lock_guard<std::mutex> lock(registry_mutex());
   Marks& m = registry()[t.storage().unsafeGetStorageImpl()];
   m.keep = t.storage();
   m.roles.emplace_back(std::move(role), index);
 }
+
+void add_dispatch_key(const at::Tensor& t, c10::DispatchKey key) { KeySetAccess::add(t, key); }
 
 std::vector<std::pair<Role*, int>> roles_of(const at::Tensor& t) {
   std::vector<std::pair<Role*, int>> out;

@@ -43,6 +43,9 @@ class Role {
 // keeps the storage and role alive for the process.
 void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index = 0);
 
+// Adds `key` to the key set of t's TensorImpl (after any set_data, which copies key sets).
+void add_dispatch_key(const at::Tensor& t, c10::DispatchKey key);
+
 // The roles on t's storage, with their indices; empty for an unmarked tensor.
 std::vector<std::pair<Role*, int>> roles_of(const at::Tensor& t);
 

@@ -11,6 +11,7 @@
 #include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/shard.h"
 #include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
 
@@ -294,8 +295,9 @@ TEST(UserModules, ParallelizeNamesTheLayerAndTheFix) {
         EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
       }
     };
-    expect_error({{"block.fc3", meshtrain::tp::Style::kColwise}}, "no layer 'block.fc3'; its Linear layers are [pre, block.fc1, block.fc2, head]");
-    expect_error({{"block", meshtrain::tp::Style::kColwise}}, "the plan may name torch::nn::Linear layers only");
+    expect_error({{"block.fc3", meshtrain::tp::Style::kColwise}}, "no layer 'block.fc3'; its Linear and Embedding layers are [pre, block.fc1, block.fc2, head]");
+    expect_error({{"block", meshtrain::tp::Style::kColwise}}, "kColwise applies to torch::nn::Linear");
+    expect_error({{"pre", meshtrain::tp::Style::kVocabParallel}}, "kVocabParallel applies to torch::nn::Embedding");
     expect_error({{"block.fc2", meshtrain::tp::Style::kColwise}}, "'block.fc2' has 5 output features, which tp 3 does not divide");
   });
 }
@@ -559,6 +561,124 @@ TEST(UserModules, AttentionOfAUserBlockParallelizedAndShardedMatchesOneProcess) 
       if (col) full = full.chunk(2, 0)[mesh.coord().tp];
       if ((layer == "out" || layer == "fc2") && kv.first.find("weight") != std::string::npos) full = full.chunk(2, 1)[mesh.coord().tp];
       EXPECT_TRUE(torch::allclose(kv.second, full, 1e-4, 1e-6)) << where << " parameter " << kv.first;
+    }
+  });
+}
+
+// A user's small language model: a vocabulary (7) that tp 2 and 3 do not
+// divide, a padding index, and an MLP.
+struct Lm : torch::nn::Module {
+  Lm() {
+    torch::manual_seed(13);
+    embed = register_module("embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(7, 6).padding_idx(3)));
+    fc1 = register_module("fc1", torch::nn::Linear(6, 12));
+    fc2 = register_module("fc2", torch::nn::Linear(12, 6));
+    head = register_module("head", torch::nn::Linear(6, 7));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(torch::tanh(fc2(torch::relu(fc1(embed(ids)))))); }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
+};
+
+std::pair<torch::Tensor, torch::Tensor> lm_batch(int step) {
+  torch::manual_seed(500 + step);
+  return {torch::randint(7, {4, 5}, torch::kLong), torch::randint(7, {4, 5}, torch::kLong)};
+}
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::cross_entropy_loss(logits.reshape({-1, 7}), targets.reshape({-1}));
+}
+
+const std::map<std::string, meshtrain::tp::Style> kLmPlan = {{"embed", meshtrain::tp::Style::kVocabParallel},
+                                                             {"fc1", meshtrain::tp::Style::kColwise},
+                                                             {"fc2", meshtrain::tp::Style::kRowwise}};
+
+// The slice of the one-process parameter that tp rank r holds under kLmPlan.
+torch::Tensor expected_lm_slice(const std::string& name, const torch::Tensor& full, int r, int n) {
+  if (name == "embed.weight") {
+    const auto rows = meshtrain::shard_range(full.size(0), n, r);
+    return full.narrow(0, rows.offset, rows.size);
+  }
+  if (name == "fc1.weight" || name == "fc1.bias") return full.chunk(n, 0)[r];
+  if (name == "fc2.weight") return full.chunk(n, 1)[r];
+  return full;
+}
+
+// A plain Embedding made vocabulary parallel (rows split 4/3 and 3/2/2) with
+// its MLP split too, at tp 2 and 3; then dp 2 x tp 2 with ZeRO-3 over dp.
+TEST(UserModules, VocabParallelPlainEmbeddingMatchesOneProcess) {
+  Reference ref;
+  {
+    Lm model;
+    torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [ids, targets] = lm_batch(step);
+      opt.zero_grad();
+      auto loss = lm_loss(model.forward(ids), targets);
+      loss.backward();
+      opt.step();
+      ref.losses.push_back(loss.item<double>());
+    }
+    for (const auto& kv : model.named_parameters()) ref.params[kv.key()] = kv.value().detach().clone();
+  }
+  auto check = [&](const std::map<std::string, torch::Tensor>& params, const std::vector<double>& losses, int tp_rank,
+                   int tp, const std::string& where) {
+    for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where << " step " << s;
+    for (const auto& kv : params)
+      EXPECT_TRUE(torch::allclose(kv.second, expected_lm_slice(kv.first, ref.params.at(kv.first), tp_rank, tp), 1e-4, 1e-6))
+          << where << " parameter " << kv.first;
+  };
+  for (int tp : {2, 3}) {
+    run_ranks(tp, [&](Communicator& comm) {
+      Lm model;
+      meshtrain::tp::parallelize(model, borrowed(comm), kLmPlan);
+      EXPECT_EQ(model.embed->weight.size(0), meshtrain::shard_size(7, tp, comm.rank()));
+      torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      std::vector<double> losses;
+      for (int step = 0; step < kSteps; ++step) {
+        auto [ids, targets] = lm_batch(step);
+        opt.zero_grad();
+        auto loss = lm_loss(model.forward(ids), targets);
+        loss.backward();
+        opt.step();
+        losses.push_back(loss.item<double>());
+      }
+      std::map<std::string, torch::Tensor> params;
+      for (const auto& kv : model.named_parameters()) params[kv.key()] = kv.value();
+      check(params, losses, comm.rank(), tp, "tp " + std::to_string(tp) + " rank " + std::to_string(comm.rank()));
+    });
+  }
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    Lm model;
+    meshtrain::tp::parallelize(model, mesh.tp(), kLmPlan);
+    meshtrain::zero::fully_shard(model, mesh.dp());
+    torch::optim::SGD opt(meshtrain::zero::sharded_parameters(model), torch::optim::SGDOptions(0.1).momentum(0.9));
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [ids, targets] = lm_batch(step);
+      const int64_t d = mesh.coord().dp;
+      opt.zero_grad();
+      auto loss = lm_loss(model.forward(ids.chunk(2, 0)[d]), targets.chunk(2, 0)[d]);
+      loss.backward();
+      opt.step();
+      losses.push_back(mean_over(mesh.dp(), loss));
+    }
+    check(meshtrain::zero::full_parameters(model), losses, mesh.coord().tp, 2, "dp 2 x tp 2 rank " + std::to_string(comm.rank()));
+  });
+}
+
+TEST(UserModules, VocabParallelRefusesATiedEmbedding) {
+  struct Tied : torch::nn::Module {  // an LM head sharing the embedding's weight, as GPT-2's
+    torch::nn::Embedding embed{register_module("embed", torch::nn::Embedding(8, 4))};
+    torch::Tensor head = register_parameter("head", embed->weight);
+  };
+  run_ranks(2, [](Communicator& comm) {
+    Tied model;
+    try {
+      meshtrain::tp::parallelize(model, borrowed(comm), {{"embed", meshtrain::tp::Style::kVocabParallel}});
+      ADD_FAILURE() << "a tied embedding was split with no error";
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("shares its weight with 'head'"), std::string::npos) << e.what();
     }
   });
 }

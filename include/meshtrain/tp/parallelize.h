@@ -14,6 +14,12 @@
 //   kRowwise  weight keeps columns [r in/tp, (r+1) in/tp): the input must be
 //             the matching slice (the output of a kColwise layer); forward
 //             sums the output over tp, the bias added once
+//   kVocabParallel  (torch::nn::Embedding) weight [vocab, dim] keeps rows
+//             shard_range(vocab, tp, r) (sizes need not divide): each rank
+//             looks up the indices in its rows, zeros for the others, the
+//             output summed over tp (Megatron's VocabParallelEmbedding). Not
+//             with max_norm, scale_grad_by_freq or sparse; an LM head tied to
+//             it stays whole (not parallelized) and is refused.
 //
 // The values are the dense layer's own, sliced (every rank must hold the same
 // dense model: build it after the same seed), so the parallel model starts as
@@ -26,6 +32,9 @@
 // autograd, and sums over tp the matrix products that contract over the
 // sliced dimension (Megatron's f and g, found where they happen). Any other
 // contraction of a sliced weight is an error, never a silent partial sum.
+// Embedding lookups need the shift into the rank's rows before autograd
+// records them: a kernel for aten::embedding on a second unused key
+// (DispatchKey::DeferredInit, above autograd).
 // Wrap after moving the model (Module::to() would drop the key).
 
 #include <torch/nn/module.h>
@@ -38,10 +47,11 @@
 namespace meshtrain {
 namespace tp {
 
-enum class Style { kColwise, kRowwise };
+enum class Style { kColwise, kRowwise, kVocabParallel };
 
 // Plan: layer path ("block.fc1", as in named_modules()) -> style. Every path
-// must name a torch::nn::Linear whose sliced dimension divides by tp.
+// must name a torch::nn::Linear whose sliced dimension divides by tp, or (for
+// kVocabParallel) a torch::nn::Embedding; all are checked before any changes.
 void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan);
 
 }  // namespace tp
