@@ -2,6 +2,7 @@
 
 #include <map>
 #include <mutex>
+#include <vector>
 
 namespace meshtrain {
 namespace dp {
@@ -36,19 +37,26 @@ void unregister_gradient_sync(const torch::nn::Module* module) {
   registry().erase(module);
 }
 
+bool has_gradient_sync(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().find(&module);
+  return it != registry().end() && !it->second.owner.expired();
+}
+
 bool set_gradient_sync(const torch::nn::Module& module, bool on) {
-  std::function<void(bool)> set;
-  std::shared_ptr<void> alive;
+  std::vector<const torch::nn::Module*> tree{&module};
+  for (const auto& m : module.modules(/*include_self=*/false)) tree.push_back(m.get());
+  std::vector<std::pair<std::shared_ptr<void>, std::function<void(bool)>>> live;
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
-    auto it = registry().find(&module);
-    if (it == registry().end()) return false;
-    alive = it->second.owner.lock();
-    if (!alive) return false;
-    set = it->second.set_sync;
+    for (const torch::nn::Module* m : tree) {
+      auto it = registry().find(m);
+      if (it == registry().end()) continue;
+      if (auto alive = it->second.owner.lock()) live.emplace_back(std::move(alive), it->second.set_sync);
+    }
   }
-  set(on);
-  return true;
+  for (auto& l : live) l.second(on);  // outside the lock: a wrapper may register or query
+  return !live.empty();
 }
 
 }  // namespace dp

@@ -36,21 +36,26 @@ std::vector<int64_t> stage_bounds(const torch::nn::SequentialImpl& model, int st
 Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options)
     : pp_(std::move(pp)), loss_(std::move(loss)), options_(std::move(options)) {
   MESHTRAIN_CHECK(pp_ && !model.is_empty() && loss_, "pp::pipeline needs a model, a communicator and a loss");
-  MESHTRAIN_CHECK(options_.schedule() != "interleaved", "pp::pipeline: the interleaved schedule needs several "
-                  "stages per rank, which pp::pipeline does not cut yet; use naive, gpipe or 1f1b "
-                  "(the trainer's --virtual-stages runs it)");
-  const int stages = pp_->size();
-  if (options_.microbatches() == 0) options_.microbatches(stages);
-  validate(ScheduleSpec{options_.schedule(), stages, options_.microbatches(), 1});
-  bounds_ = stage_bounds(*model, stages, options_.split_points());
-  // This rank's children, under their names in the whole model.
+  const int ranks = pp_->size(), chunks = options_.virtual_stages();
+  if (options_.microbatches() == 0) options_.microbatches(ranks);
+  const ScheduleSpec spec{options_.schedule(), ranks, options_.microbatches(), chunks};
+  validate(spec);
+  bounds_ = stage_bounds(*model, spec.stages(), options_.split_points());
+  // This rank's children, under their names in the whole model, chunk by chunk.
   stage_ = std::make_shared<torch::nn::SequentialImpl>();
   const auto named = model->named_children();
-  for (int64_t i = first_child(); i < last_child(); ++i) stage_->push_back(named[i].key(), *(model->begin() + i));
-  auto stage = stage_;
-  executor_ = std::make_unique<PipelineExecutor>(
-      pp_, ScheduleSpec{options_.schedule(), stages, options_.microbatches(), 1},
-      std::vector<StageFn>{{pp_->rank(), [stage](const at::Tensor& x, int) { return stage->forward(x); }}});
+  std::vector<StageFn> fns;
+  for (int k = 0; k < chunks; ++k) {
+    const int s = pp_->rank() + k * ranks;
+    auto chunk = std::make_shared<torch::nn::SequentialImpl>();
+    for (int64_t i = bounds_[s]; i < bounds_[s + 1]; ++i) {
+      chunk->push_back(named[i].key(), *(model->begin() + i));
+      stage_->push_back(named[i].key(), *(model->begin() + i));
+    }
+    chunks_.push_back(chunk);
+    fns.push_back({s, [chunk](const at::Tensor& x, int) { return chunk->forward(x); }});
+  }
+  executor_ = std::make_unique<PipelineExecutor>(pp_, spec, std::move(fns));
 }
 
 double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
@@ -67,10 +72,17 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   const std::vector<at::Tensor> out = is_last() ? split(targets, "targets") : std::vector<at::Tensor>{};
   MESHTRAIN_CHECK(!is_first() || !in.empty(), "pp::pipeline: the first stage needs the inputs");
   MESHTRAIN_CHECK(!is_last() || !out.empty(), "pp::pipeline: the last stage needs the targets");
+  // Data-parallel wrappers reduce on each chunk's last micro-batch only.
+  const int chunks = options_.virtual_stages();
+  MESHTRAIN_CHECK(chunks == 1 || !dp::has_gradient_sync(*stage_), "pp::pipeline: a data-parallel wrapper holds the "
+                  "whole stage, but with ", chunks, " virtual stages each chunk's backward runs apart; wrap each of "
+                  "stage.chunks() instead (or zero::fully_shard the children)");
+  auto chunk_of = [&](int stage) -> const torch::nn::Module& {
+    return chunks == 1 ? *stage_ : *chunks_[stage / pp_->size()];
+  };
   PipelineHooks hooks;
-  // Data-parallel wrappers of the stage reduce on the last micro-batch only.
-  hooks.before_backward = [&](int, int mb) { dp::set_gradient_sync(*stage_, mb == m - 1); };
-  hooks.after_backward = [&](int, int) { dp::set_gradient_sync(*stage_, true); };
+  hooks.before_backward = [&](int s, int mb) { dp::set_gradient_sync(chunk_of(s), mb == m - 1); };
+  hooks.after_backward = [&](int s, int) { dp::set_gradient_sync(chunk_of(s), true); };
   const StepResult r = executor_->run(
       in, out, [&](const at::Tensor& y, const at::Tensor& t, int) { return loss_(y, t) / m; }, hooks);
   at::Tensor loss = at::tensor({r.loss_sum}, at::kDouble);

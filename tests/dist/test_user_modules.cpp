@@ -76,6 +76,14 @@ void expect_matches(const Reference& ref, const std::vector<double>& losses, con
 
 constexpr int kSteps = 5;
 
+// The loss of this rank's part of the batch, averaged over dp (equal parts).
+double mean_over(const CommPtr& dp, const torch::Tensor& loss) {
+  auto total = loss.detach().to(torch::kDouble).reshape({1});
+  dp->all_reduce(total, meshtrain::comm::ReduceOp::kAvg);
+  return total.item<double>();
+}
+
+
 TEST(UserModules, PipelineOfASequentialMatchesOneProcess) {
   const Reference ref = train_one_process(kSteps);
   for (const char* schedule : {"gpipe", "1f1b"})
@@ -152,6 +160,79 @@ TEST(UserModules, PipelineInsideZeroStage2MatchesOneProcess) {
     // One bucket: one reduce-scatter per step (the second micro-batch's), not two.
     EXPECT_EQ(mesh.dp()->traffic()[meshtrain::comm::OpKind::kReduceScatter].calls, kSteps) << "rank " << comm.rank();
   });
+}
+
+// Interleaved: 7 children cut into pp x 2 stages, rank r holding stages r and
+// r + pp (pp 2: 4 stages; pp 3: 6 stages); micro-batches a multiple of pp.
+TEST(UserModules, InterleavedPipelineOfASequentialMatchesOneProcess) {
+  const Reference ref = train_one_process(kSteps);
+  for (int ranks : {2, 3}) {
+    run_ranks(ranks, [&](Communicator& comm) {
+      auto stage = meshtrain::pp::pipeline(user_model(), borrowed(comm), mse,
+                                           meshtrain::pp::PipelineOptions().schedule("interleaved").virtual_stages(2).microbatches(ranks == 2 ? 4 : 6));
+      ASSERT_EQ(stage.chunks().size(), 2u);
+      torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      std::vector<double> losses;
+      for (int step = 0; step < kSteps; ++step) {
+        auto x = batch_inputs(step);
+        opt.zero_grad();
+        losses.push_back(stage.step(x, batch_targets(x)));
+        opt.step();
+      }
+      expect_matches(ref, losses, *stage.module(), "interleaved on " + std::to_string(ranks) + " ranks, rank " + std::to_string(comm.rank()));
+    });
+  }
+}
+
+// dp 2 x pp 2 interleaved: each chunk replicated on its own (its backward runs
+// apart), one all-reduce per chunk per step; or the children fully sharded.
+// A replica of the whole stage is refused before any communication.
+TEST(UserModules, InterleavedPipelineWithDataParallelChunksMatchesOneProcess) {
+  const Reference ref = train_one_process(kSteps);
+  for (const std::string wrap : {"replicate", "fully_shard", "whole"}) {
+    run_ranks(4, [&](Communicator& comm) {
+      meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+      auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse,
+                                           meshtrain::pp::PipelineOptions().schedule("interleaved").virtual_stages(2).microbatches(2));
+      std::vector<meshtrain::dp::Replicated<torch::nn::SequentialImpl>> replicas;
+      std::vector<torch::Tensor> params;
+      if (wrap == "replicate") {
+        for (const auto& chunk : stage.chunks()) replicas.push_back(meshtrain::dp::replicate(chunk, mesh.dp()));
+        params = stage->parameters();
+      } else if (wrap == "fully_shard") {
+        for (const auto& child : stage->children())
+          if (!child->parameters().empty()) meshtrain::zero::fully_shard(*child, mesh.dp());
+        params = meshtrain::zero::sharded_parameters(*stage.module());
+      } else {
+        replicas.push_back(meshtrain::dp::replicate(stage.module(), mesh.dp()));
+        params = stage->parameters();
+      }
+      torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+      std::vector<double> losses;
+      for (int step = 0; step < kSteps; ++step) {
+        auto mine = batch_inputs(step).narrow(0, mesh.coord().dp * 6, 6);
+        opt.zero_grad();
+        mesh.dp()->reset_traffic();
+        if (wrap == "whole") {
+          EXPECT_THROW(stage.step(mine, batch_targets(mine)), meshtrain::ConfigError);
+          return;
+        }
+        const double loss = stage.step(mine, batch_targets(mine));
+        if (wrap == "replicate") {
+          EXPECT_EQ(mesh.dp()->traffic()[meshtrain::comm::OpKind::kAllReduce].calls, 2) << "step " << step;
+        }
+        losses.push_back(mean_over(mesh.dp(), torch::tensor(loss, torch::kDouble)));
+        opt.step();
+      }
+      const std::string where = wrap + ", rank " + std::to_string(comm.rank());
+      for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
+      const auto values = wrap == "fully_shard" ? meshtrain::zero::full_parameters(*stage.module()) : std::map<std::string, torch::Tensor>{};
+      for (const auto& kv : stage->named_parameters()) {
+        const torch::Tensor v = values.empty() ? kv.value() : values.at(kv.key());
+        EXPECT_TRUE(torch::allclose(v, ref.params.at(kv.key()), 1e-4, 1e-6)) << where << " parameter " << kv.key();
+      }
+    });
+  }
 }
 
 TEST(UserModules, PipelineRejectsABatchItsMicroBatchesDoNotDivide) {
@@ -356,13 +437,6 @@ Reference train_net_on(const std::function<torch::Tensor(int)>& batch, int steps
   }
   for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
   return r;
-}
-
-// The loss of this rank's part of the batch, averaged over dp (equal parts).
-double mean_over(const CommPtr& dp, const torch::Tensor& loss) {
-  auto total = loss.detach().to(torch::kDouble).reshape({1});
-  dp->all_reduce(total, meshtrain::comm::ReduceOp::kAvg);
-  return total.item<double>();
 }
 
 int64_t bytes_of(const torch::nn::Module& m) {

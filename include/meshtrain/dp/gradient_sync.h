@@ -24,9 +24,14 @@ void register_gradient_sync(const torch::nn::Module* module, std::weak_ptr<void>
                             std::function<void(bool)> set_sync);
 void unregister_gradient_sync(const torch::nn::Module* module);
 
-// Turns the gradient reduction of the wrapper registered for `module` on or
-// off. Returns false when no live wrapper is registered (a no-op).
+// Turns on or off the gradient reduction of the wrappers registered for
+// `module` and for each module inside it (as FSDP2's
+// set_requires_gradient_sync(recurse=True): zero::fully_shard registers each
+// sharded block). Returns false when none is registered (a no-op).
 bool set_gradient_sync(const torch::nn::Module& module, bool on);
+
+// Whether a live wrapper is registered for `module` itself.
+bool has_gradient_sync(const torch::nn::Module& module);
 
 }  // namespace dp
 }  // namespace meshtrain

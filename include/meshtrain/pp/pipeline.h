@@ -15,10 +15,19 @@
 // comparisons line up. The split is `split_points` (the first child of
 // stages 1..S-1) or balanced by parameter count.
 //
-// Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2)
-// along the data axis, and step() pauses their gradient reduction for all but
-// the last micro-batch (dp/gradient_sync.h); tensor-parallel layers inside
-// the children run their collectives as usual.
+// Interleaved (Megatron's virtual stages): with schedule "interleaved" and
+// virtual_stages V > 1 the model is cut into S = pp x V stages and rank r
+// holds V chunks, stages r, r + pp, r + 2 pp, ...: the bubble shrinks by V,
+// at V times the activation messages. stage.module() holds every chunk's
+// children; stage.chunks() each chunk apart.
+//
+// Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2, or
+// zero::fully_shard its children) along the data axis, and step() pauses
+// their gradient reduction for all but the last micro-batch
+// (dp/gradient_sync.h); tensor-parallel layers inside the children run their
+// collectives as usual. With virtual stages each chunk's backward runs apart,
+// so wrap each chunk (for (auto& c : stage.chunks()) dp::replicate(c, dp)) or
+// fully_shard the children; a wrapper of the whole stage is refused.
 
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -36,7 +45,9 @@ namespace pp {
 
 struct PipelineOptions {
   TORCH_ARG(std::string, schedule) = "1f1b";  // naive | gpipe | 1f1b
-  TORCH_ARG(int, microbatches) = 0;           // 0: one per stage
+  TORCH_ARG(int, microbatches) = 0;           // 0: one per rank
+  // Chunks per rank, with schedule "interleaved" (S = pp x virtual_stages stages).
+  TORCH_ARG(int, virtual_stages) = 1;
   // The first child of each stage after the first (S - 1 increasing indices);
   // empty: balanced by parameter count.
   TORCH_ARG(std::vector<int64_t>, split_points) = {};
@@ -54,7 +65,9 @@ class Pipeline {
   // data-parallel wrappers: stage->parameters(), dp::replicate(stage.module(), ...).
   torch::nn::SequentialImpl* operator->() const { return stage_.get(); }
   const std::shared_ptr<torch::nn::SequentialImpl>& module() const { return stage_; }
-  // Children [first, last) of the model.
+  // This rank's chunks, in stage order (one without virtual stages).
+  const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& chunks() const { return chunks_; }
+  // Children [first, last) of the model in this rank's first chunk.
   int64_t first_child() const { return bounds_[pp_->rank()]; }
   int64_t last_child() const { return bounds_[pp_->rank() + 1]; }
   bool is_first() const { return pp_->rank() == 0; }
@@ -72,6 +85,7 @@ class Pipeline {
   PipelineOptions options_;
   std::vector<int64_t> bounds_;
   std::shared_ptr<torch::nn::SequentialImpl> stage_;
+  std::vector<std::shared_ptr<torch::nn::SequentialImpl>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
 };
 
