@@ -9,7 +9,7 @@
 //   tp::parallelize(*model, mesh.tp(), plan);                   // Megatron's embedding, attention and MLP split
 //   auto stage = pp::pipeline(model, mesh.pp(), loss, options); // this rank's blocks; micro-batches streamed
 //   for (auto& layer : stage->children()) zero::fully_shard(*layer, mesh.dp());
-//   torch::optim::AdamW adam(zero::sharded_parameters(*stage.module()), ...);  (and stage.step(x, y))
+// (and the loop calls stage.step(x, y); the optimizer takes stage->parameters(): the shards).
 // The plan names the layers (the attention's forward reads its head count
 // from the tensor, view(B, T, -1, head_dim), so it runs unchanged on the
 // heads a tp rank holds).
@@ -98,7 +98,7 @@ int main() {
   };
   auto stage = pp::pipeline(model, mesh.pp(), loss, pp::PipelineOptions().microbatches(4));
   for (const auto& layer : stage->children()) zero::fully_shard(*layer, mesh.dp());
-  torch::optim::AdamW adam(zero::sharded_parameters(*stage.module()), torch::optim::AdamWOptions(3e-3).weight_decay(0));
+  torch::optim::AdamW adam(stage->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0));
 
   for (int step = 0; step < 150; ++step) {
     torch::manual_seed(1000 * step + me.dp);  // each data-parallel replica its own batch
@@ -109,8 +109,8 @@ int main() {
     if (stage.is_last() && me.tp == 0 && me.dp == 0 && step % 30 == 29)
       std::cout << "step " << step + 1 << " loss " << batch_loss << std::endl;
   }
-  int64_t full = 0;
-  for (const auto& p : stage->parameters()) full += p.numel() * p.element_size();
+  int64_t full = 0;  // this rank's tp slices of its stage, at full size over dp (gathered: every rank calls it)
+  for (const auto& kv : zero::full_parameters(*stage.module())) full += kv.second.numel() * kv.second.element_size();
   std::cout << "rank " << world->rank() << " (dp " << me.dp << ", pp " << me.pp << ", tp " << me.tp << ") holds "
             << zero::held_parameter_bytes(*stage.module()) << " of its stage's " << full << " B of parameters\n";
 }

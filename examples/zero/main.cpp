@@ -4,13 +4,11 @@
 // and Adam state.
 //   meshrun --nproc-per-node 2 -- build/bin/zero
 //
-// Lines added to a one-process program (PyTorch 2: the same, with
-// `fully_shard(layer)` per layer and `fully_shard(model)`; its optimizer takes
-// model.parameters(), which are then the shards):
+// Lines added to a one-process program (PyTorch 2: the same two, with
+// `fully_shard(layer)` per layer; the optimizer, built after, takes
+// model->parameters(), which are then the shards):
 //   auto world = meshtrain::comm::init_from_env();
 //   for (auto* layer : {&model->fc1, &model->fc2, &model->fc3}) zero::fully_shard(**layer, world);
-//   zero::fully_shard(*model, world);  (nothing left here: drop it, or keep it for a model with loose parameters)
-//   torch::optim::AdamW adam(zero::sharded_parameters(*model), ...);   (replaces model->parameters())
 #include <torch/torch.h>
 
 #include <iostream>
@@ -29,9 +27,10 @@ struct Net : torch::nn::Module {  // the user's model, as written for one proces
 
 int main() {
   auto world = comm::init_from_env();
+  torch::manual_seed(0);  // fully_shard starts every rank from rank 0's values; a seed makes runs repeat
   auto model = std::make_shared<Net>();
   for (auto* layer : {&model->fc1, &model->fc2, &model->fc3}) zero::fully_shard(**layer, world);
-  torch::optim::AdamW adam(zero::sharded_parameters(*model), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(1e-2));  // the shards
   torch::manual_seed(world->rank());  // each rank its own batches
   for (int step = 0; step < 60; ++step) {
     auto x = torch::randn({16, 8});
@@ -42,8 +41,8 @@ int main() {
     adam.step();      // each rank steps its shard
     if (world->rank() == 0 && step % 20 == 19) std::cout << "step " << step + 1 << " loss " << loss.item<float>() << "\n";
   }
-  int64_t full = 0;
-  for (const auto& p : model->parameters()) full += p.numel() * p.element_size();
+  int64_t full = 0;  // the module's parameters at full size (gathered: every rank calls it)
+  for (const auto& kv : zero::full_parameters(*model)) full += kv.second.numel() * kv.second.element_size();
   int64_t adam_state = 0;
   for (const auto& kv : adam.state()) {
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*kv.second);

@@ -37,10 +37,20 @@ std::shared_ptr<Group> group_of(const comm::CommPtr& dp) {
 
 // One fully_shard() call: the module's parameters laid end to end, this
 // rank's part of that flat buffer kept as `shard`.
+constexpr const char* kShardName = "_fully_sharded";
+
 class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
  public:
-  Unit(std::vector<at::Tensor> params, comm::CommPtr dp, FullyShardOptions options, std::shared_ptr<Group> group)
-      : params_(std::move(params)), dp_(std::move(dp)), options_(options), group_(std::move(group)) {
+  // A name the module registered parameter `index` under (relative to the
+  // module given to fully_shard; a tied weight has several).
+  struct Name {
+    std::string name;
+    size_t index;
+  };
+
+  Unit(std::vector<at::Tensor> params, std::vector<Name> names, comm::CommPtr dp, FullyShardOptions options,
+       std::shared_ptr<Group> group)
+      : params_(std::move(params)), names_(std::move(names)), dp_(std::move(dp)), options_(options), group_(std::move(group)) {
     for (const at::Tensor& p : params_) {
       offsets_.push_back(total_);
       total_ += p.numel();
@@ -170,7 +180,7 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
   }
 
   const at::Tensor& shard() const { return shard_; }
-  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<Name>& names() const { return names_; }
   // The shard plus whatever the parameters' storage holds now (measured, not inferred from gathered_).
   int64_t held_bytes() const {
     int64_t bytes = static_cast<int64_t>(shard_.nbytes());
@@ -180,6 +190,7 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
 
  private:
   std::vector<at::Tensor> params_;
+  std::vector<Name> names_;
   comm::CommPtr dp_;
   FullyShardOptions options_;
   std::shared_ptr<Group> group_;
@@ -208,59 +219,117 @@ void Group::end_of_backward() {
   for (Unit* u : units) u->settle();
 }
 
+// Units by the shard tensor each registers in its module.
+std::unordered_map<const c10::TensorImpl*, Unit*>& units_by_shard() {
+  static std::unordered_map<const c10::TensorImpl*, Unit*> units;
+  return units;
+}
+
+Unit* unit_of_shard(const at::Tensor& t) {
+  auto it = units_by_shard().find(t.unsafeGetTensorImpl());
+  return it == units_by_shard().end() ? nullptr : it->second;
+}
+
+// The unit a module parameter was taken into, if any.
 Unit* unit_of(const at::Tensor& p) {
   for (const auto& r : intercept::roles_of(p))
     if (auto* u = dynamic_cast<Unit*>(r.first)) return u;
   return nullptr;
 }
 
-// The module's parameters no unit holds yet, each storage once (tied weights).
-std::vector<at::Tensor> unsharded_parameters(const torch::nn::Module& module) {
-  std::vector<at::Tensor> out;
-  std::vector<const c10::StorageImpl*> seen;
+// Module keeps its parameter dictionary protected; a member pointer formed
+// through a derived class reaches it (fully_shard takes the parameters out).
+struct ParameterDict : torch::nn::Module {
+  static torch::OrderedDict<std::string, at::Tensor>& of(torch::nn::Module& m) {
+    torch::OrderedDict<std::string, at::Tensor> torch::nn::Module::*dict = &ParameterDict::parameters_;
+    return m.*dict;
+  }
+};
+
+// What fully_shard takes from `module`: each storage once (tied weights), and
+// every name it was registered under, relative to `module`.
+struct Taken {
+  std::vector<at::Tensor> params;
+  std::vector<Unit::Name> names;
+};
+
+Taken take_parameters(const torch::nn::Module& module) {
+  Taken out;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
-    if (unit_of(p)) continue;
-    const c10::StorageImpl* s = p.storage().unsafeGetStorageImpl();
-    if (std::find(seen.begin(), seen.end(), s) != seen.end()) continue;
+    if (unit_of_shard(p)) continue;  // a child's unit
+    MESHTRAIN_CHECK(!unit_of(p), "zero::fully_shard: parameter '", item.key(), "' is tied to a parameter that an "
+                    "earlier fully_shard call took into its unit; shard the modules that share it in one call");
+    size_t index = out.params.size();
+    for (size_t i = 0; i < out.params.size(); ++i)
+      if (out.params[i].storage().is_alias_of(p.storage())) index = i;
+    out.names.push_back({item.key(), index});
+    if (index < out.params.size()) continue;
     MESHTRAIN_CHECK(p.is_contiguous() && p.storage_offset() == 0 &&
                         p.storage().nbytes() == static_cast<size_t>(p.numel()) * p.element_size(),
                     "zero::fully_shard: parameter '", item.key(), "' is a view into a larger tensor or not "
                     "contiguous; fully_shard needs each parameter to own its memory");
-    MESHTRAIN_CHECK(out.empty() || p.scalar_type() == out.front().scalar_type(), "zero::fully_shard: parameter '",
-                    item.key(), "' is ", p.scalar_type(), " while others in the unit are ", out.front().scalar_type(),
-                    "; shard parameters of different dtypes in separate calls");
-    seen.push_back(s);
-    out.push_back(p);
+    MESHTRAIN_CHECK(out.params.empty() || p.scalar_type() == out.params.front().scalar_type(),
+                    "zero::fully_shard: parameter '", item.key(), "' is ", p.scalar_type(), " while others in the unit are ",
+                    out.params.front().scalar_type(), "; shard parameters of different dtypes in separate calls");
+    out.params.push_back(p);
   }
   return out;
 }
 
+// Takes the unit's parameters out of the modules' dictionaries (the modules
+// keep using them in forward) and registers the shard in `module` instead, so
+// module.parameters() is what the optimizer must step, as with FSDP's flat
+// parameters.
+void register_shard(torch::nn::Module& module, const std::vector<Unit::Name>& names, const at::Tensor& shard) {
+  for (const Unit::Name& n : names) {
+    const size_t dot = n.name.rfind('.');
+    torch::nn::Module* owner = &module;
+    if (dot != std::string::npos) {
+      for (const auto& item : module.named_modules("", /*include_self=*/false))
+        if (item.key() == n.name.substr(0, dot)) owner = item.value().get();
+    }
+    ParameterDict::of(*owner).erase(dot == std::string::npos ? n.name : n.name.substr(dot + 1));
+  }
+  module.register_parameter(kShardName, shard, /*requires_grad=*/shard.requires_grad());
+}
+
 std::vector<Unit*> units_under(const torch::nn::Module& module) {
   std::vector<Unit*> units;
-  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
-    Unit* u = unit_of(p);
-    if (u && std::find(units.begin(), units.end(), u) == units.end()) units.push_back(u);
-  }
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true))
+    if (Unit* u = unit_of_shard(p)) units.push_back(u);
   return units;
+}
+
+// The module's own (not its children's) parameters at full shape, under
+// their names with `prefix`: units gathered (a collective over dp).
+void add_full_parameters(const torch::nn::Module& m, const std::string& prefix, std::map<std::string, at::Tensor>& out) {
+  for (const auto& item : m.named_parameters(/*recurse=*/false)) {
+    if (Unit* u = unit_of_shard(item.value())) {
+      const std::vector<at::Tensor> values = u->full_values();
+      for (const Unit::Name& n : u->names()) out[prefix + n.name] = values[n.index];
+    } else {
+      intercept::Bypass bypass;
+      out[prefix + item.key()] = item.value().detach().clone();
+    }
+  }
 }
 
 }  // namespace
 
 void fully_shard(torch::nn::Module& module, const comm::CommPtr& dp, FullyShardOptions options) {
   MESHTRAIN_CHECK(dp, "zero::fully_shard needs a communicator");
-  std::vector<at::Tensor> params = unsharded_parameters(module);
-  MESHTRAIN_CHECK(!params.empty(), "zero::fully_shard: module '", module.name(), "' has no parameter that is not "
-                  "already sharded (shard children first, then the parent for what is left)");
+  Taken taken = take_parameters(module);
+  MESHTRAIN_CHECK(!taken.params.empty(), "zero::fully_shard: module '", module.name(), "' has no parameter that is "
+                  "not already sharded (shard children first, then the parent for what is left)");
   auto group = group_of(dp);
-  auto unit = std::make_shared<Unit>(std::move(params), dp, options, group);
+  auto unit = std::make_shared<Unit>(std::move(taken.params), std::move(taken.names), dp, options, group);
   unit->start();
   group->units.push_back(unit.get());
-  // pp::pipeline and accumulation loops pause the reduction of every unit under `module`.
-  const torch::nn::Module* root = &module;
-  dp::register_gradient_sync(root, unit, [root](bool on) {
-    for (Unit* u : units_under(*root)) u->set_sync(on);
-  });
+  units_by_shard()[unit->shard().unsafeGetTensorImpl()] = unit.get();
+  register_shard(module, unit->names(), unit->shard());
+  // pp::pipeline and accumulation loops pause the reduction (dp/gradient_sync.h recurses into children).
+  dp::register_gradient_sync(&module, unit, [u = unit.get()](bool on) { u->set_sync(on); });
 }
 
 std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module) {
@@ -270,27 +339,22 @@ std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module) {
 }
 
 std::map<std::string, at::Tensor> full_parameters(const torch::nn::Module& module) {
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> gathered;
-  for (Unit* u : units_under(module)) {
-    std::vector<at::Tensor> values = u->full_values();
-    for (size_t i = 0; i < values.size(); ++i) gathered[u->params()[i].unsafeGetTensorImpl()] = values[i];
-  }
-  intercept::Bypass bypass;
   std::map<std::string, at::Tensor> out;
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    auto it = gathered.find(item.value().unsafeGetTensorImpl());
-    out[item.key()] = it != gathered.end() ? it->second : item.value().detach().clone();
-  }
+  add_full_parameters(module, "", out);
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) add_full_parameters(*item.value(), item.key() + ".", out);
   return out;
 }
 
 int64_t held_parameter_bytes(const torch::nn::Module& module) {
   int64_t bytes = 0;
-  for (Unit* u : units_under(module)) bytes += u->held_bytes();
   std::vector<const c10::StorageImpl*> seen;
   for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
+    if (Unit* u = unit_of_shard(p)) {
+      bytes += u->held_bytes();
+      continue;
+    }
     const c10::StorageImpl* s = p.storage().unsafeGetStorageImpl();
-    if (unit_of(p) || std::find(seen.begin(), seen.end(), s) != seen.end()) continue;
+    if (std::find(seen.begin(), seen.end(), s) != seen.end()) continue;
     seen.push_back(s);
     bytes += static_cast<int64_t>(s->nbytes());
   }

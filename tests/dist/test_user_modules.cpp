@@ -226,11 +226,8 @@ TEST(UserModules, InterleavedPipelineWithDataParallelChunksMatchesOneProcess) {
       }
       const std::string where = wrap + ", rank " + std::to_string(comm.rank());
       for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
-      const auto values = wrap == "fully_shard" ? meshtrain::zero::full_parameters(*stage.module()) : std::map<std::string, torch::Tensor>{};
-      for (const auto& kv : stage->named_parameters()) {
-        const torch::Tensor v = values.empty() ? kv.value() : values.at(kv.key());
-        EXPECT_TRUE(torch::allclose(v, ref.params.at(kv.key()), 1e-4, 1e-6)) << where << " parameter " << kv.key();
-      }
+      for (const auto& kv : meshtrain::zero::full_parameters(*stage.module()))  // as named_parameters() when unsharded
+        EXPECT_TRUE(torch::allclose(kv.second, ref.params.at(kv.first), 1e-4, 1e-6)) << where << " parameter " << kv.first;
     });
   }
 }
@@ -459,9 +456,12 @@ TEST(UserModules, FullyShardedPlainModulesMatchOneProcess) {
       meshtrain::zero::fully_shard(*model->block->fc1, world);
       meshtrain::zero::fully_shard(*model->block->fc2, world);
       meshtrain::zero::fully_shard(*model, world, meshtrain::zero::FullyShardOptions().reshard_after_forward(false));
+      // The module's parameters are now its three units' shards, as with FSDP's flat parameters.
       const auto shards = meshtrain::zero::sharded_parameters(*model);
       ASSERT_EQ(shards.size(), 3u);
-      torch::optim::Adam opt(shards, 0.01);
+      ASSERT_EQ(model->parameters().size(), 3u);
+      for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(model->parameters()[i].is_same(shards[i]));
+      torch::optim::Adam opt(model->parameters(), 0.01);
       std::vector<double> losses;
       for (int step = 0; step < kSteps; ++step) {
         opt.zero_grad();
@@ -519,7 +519,7 @@ TEST(UserModules, PipelineOfFullyShardedStagesMatchesOneProcess) {
     meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
     auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse, meshtrain::pp::PipelineOptions().microbatches(3));
     meshtrain::zero::fully_shard(*stage.module(), mesh.dp());
-    torch::optim::SGD opt(meshtrain::zero::sharded_parameters(*stage.module()), torch::optim::SGDOptions(0.05).momentum(0.9));
+    torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     std::vector<double> losses;
     for (int step = 0; step < kSteps; ++step) {
       auto mine = batch_inputs(step).narrow(0, mesh.coord().dp * 6, 6);
@@ -754,6 +754,71 @@ TEST(UserModules, VocabParallelRefusesATiedEmbedding) {
     } catch (const meshtrain::ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("shares its weight with 'head'"), std::string::npos) << e.what();
     }
+  });
+}
+
+// A head tied to the embedding (GPT-2's): one unit holds the weight once,
+// full_parameters gives it under both names, training matches one process;
+// splitting the tie across two units is refused.
+struct TiedLm : torch::nn::Module {
+  TiedLm() : embed(nullptr) {
+    torch::manual_seed(17);
+    embed = register_module("embed", torch::nn::Embedding(9, 4));
+    mix = register_module("mix", torch::nn::Linear(4, 4));
+    head = register_parameter("head", embed->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return torch::matmul(torch::tanh(mix(embed(ids))), head.t()); }
+  torch::nn::Embedding embed;
+  torch::nn::Linear mix{nullptr};
+  torch::Tensor head;
+};
+
+TEST(UserModules, FullyShardKeepsATiedWeightInOneUnit) {
+  auto data = [](int step) {
+    torch::manual_seed(600 + step);
+    return std::make_pair(torch::randint(9, {4, 3}, torch::kLong), torch::randint(9, {4, 3}, torch::kLong));
+  };
+  auto loss_of = [](const torch::Tensor& logits, const torch::Tensor& t) {
+    return torch::cross_entropy_loss(logits.reshape({-1, 9}), t.reshape({-1}));
+  };
+  std::vector<double> ref_losses;
+  torch::Tensor ref_weight;
+  {
+    TiedLm model;
+    std::vector<torch::Tensor> unique;  // libtorch lists the tied tensor twice: step it once
+    for (const auto& p : model.parameters())
+      if (std::none_of(unique.begin(), unique.end(), [&](const torch::Tensor& u) { return u.is_same(p); })) unique.push_back(p);
+    torch::optim::SGD once(unique, 0.1);
+    for (int step = 0; step < kSteps; ++step) {
+      auto [ids, t] = data(step);
+      once.zero_grad();
+      auto loss = loss_of(model.forward(ids), t);
+      loss.backward();
+      once.step();
+      ref_losses.push_back(loss.item<double>());
+    }
+    ref_weight = model.embed->weight.detach().clone();
+  }
+  run_ranks(2, [&](Communicator& comm) {
+    {
+      TiedLm split;
+      meshtrain::zero::fully_shard(*split.embed, borrowed(comm));
+      EXPECT_THROW(meshtrain::zero::fully_shard(split, borrowed(comm)), meshtrain::ConfigError);
+    }
+    TiedLm model;
+    meshtrain::zero::fully_shard(model, borrowed(comm));
+    torch::optim::SGD opt(model.parameters(), 0.1);
+    for (int step = 0; step < kSteps; ++step) {
+      auto [ids, t] = data(step);
+      opt.zero_grad();
+      auto loss = loss_of(model.forward(ids.chunk(2, 0)[comm.rank()]), t.chunk(2, 0)[comm.rank()]);
+      loss.backward();
+      opt.step();
+      EXPECT_NEAR(mean_over(borrowed(comm), loss), ref_losses[step], 1e-5 * (1 + ref_losses[step])) << "step " << step;
+    }
+    const auto full = meshtrain::zero::full_parameters(model);
+    EXPECT_TRUE(torch::allclose(full.at("embed.weight"), ref_weight, 1e-4, 1e-6));
+    EXPECT_TRUE(torch::equal(full.at("head"), full.at("embed.weight")));
   });
 }
 

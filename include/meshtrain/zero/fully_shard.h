@@ -1,20 +1,24 @@
 #pragma once
-// zero::fully_shard: ZeRO stage 3 (PyTorch's FSDP2 `fully_shard`) applied to
-// a user's plain modules, the forward code left as it is:
+// zero::fully_shard: ZeRO stage 3 (PyTorch's FSDP `fully_shard`) applied to a
+// user's plain modules, the forward code left as it is:
 //
 //   for (auto& block : model->blocks) zero::fully_shard(*block, mesh.dp());
 //   zero::fully_shard(*model, mesh.dp());                 // the rest: embeddings, head
-//   torch::optim::AdamW adam(zero::sharded_parameters(*model), 1e-3);
+//   torch::optim::AdamW adam(model->parameters(), 1e-3);  // now the shards
 //   auto loss = loss_fn(model->forward(x), y);            // the module's own forward
 //   loss.backward();                                      // gradients reduce-scattered here
 //   adam.step();                                          // each rank steps its shard
 //
 // Each call makes one unit of the module's parameters that no earlier call
 // took (shard children first, then the parent, as in PyTorch). A unit keeps
-// one flat shard per rank, 1/N of its parameters (sizes need not divide), the
-// tensor the optimizer steps; the module keeps its parameter tensors at full
-// shape with their memory freed. Between steps a rank holds 1/N of the
-// parameters, gradients and optimizer state (ZeRO's 16 psi / N).
+// one flat shard per rank, 1/N of its parameters (sizes need not divide). As
+// with FSDP's flat parameters, the shard takes the parameters' place in the
+// module's parameter list (registered as "_fully_sharded" in the module given
+// to fully_shard), so module.parameters() is what an optimizer must step; the
+// layers keep their parameter tensors at full shape, with their memory freed,
+// and use them in forward as before. Names and full values: full_parameters.
+// Between steps a rank holds 1/N of the parameters, gradients and optimizer
+// state (ZeRO's 16 psi / N).
 //
 //   forward   the first operation that reads a unit's parameter all-gathers
 //             the unit; the other gathered units of the same communicator are
@@ -64,17 +68,19 @@ struct FullyShardOptions {
 };
 
 // Makes `module`'s not yet sharded parameters one unit over `dp`. Collective
-// over dp (a broadcast from rank 0). A module with no such parameters is
-// refused, as is one whose parameters are not contiguous.
+// over dp (a broadcast from rank 0). Refused: a module with no such
+// parameters, parameters that are views, and a weight tied to one an earlier
+// call took (shard the modules sharing it in one call). tp::parallelize first.
 void fully_shard(torch::nn::Module& module, const comm::CommPtr& dp, FullyShardOptions options = {});
 
-// The flat shards of the units holding `module`'s parameters, in unit order:
-// what the optimizer steps (one tensor per unit, so parameter groups per layer
-// are not available).
+// The flat shards of the units in `module`, in registration order (the
+// sharded part of module.parameters(); one tensor per unit, so parameter
+// groups per layer are not available).
 std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module);
 
-// Collective over dp: `module`'s parameters at full shape by name (sharded
-// ones gathered; others as they are): for checkpoints and checks.
+// Collective over dp: `module`'s parameters at full shape under their
+// original names (sharded ones gathered, tied ones under each name; others
+// as they are): for checkpoints and checks.
 std::map<std::string, at::Tensor> full_parameters(const torch::nn::Module& module);
 
 // Bytes of `module`'s parameters this rank holds now: the shards plus the
