@@ -6,8 +6,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# dpkg-dev and file: cpack's Debian package (dependencies by dpkg-shlibdeps);
+# pkg-config: the install test builds a program with meshtrain.pc.
 PACKAGES=(build-essential cmake ccache libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin
-          libopenblas0-pthread libgtest-dev libbenchmark-dev)
+          libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config)
 [[ " $* " == *" --with-peers "* ]] && PACKAGES+=(python3-torch)
 
 missing=()

@@ -3,9 +3,14 @@
 
 #include "meshtrain/launch/launcher.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/version.h"
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.size() == 1 && args[0] == "--version") {
+    std::cout << "meshrun " << meshtrain::version() << std::endl;
+    return 0;
+  }
   try {
     return meshtrain::launch::run_launcher(meshtrain::launch::parse_launch_args(args));
   } catch (const meshtrain::ConfigError& e) {

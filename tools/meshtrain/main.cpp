@@ -1,5 +1,7 @@
 // meshtrain: the trainer (and, as "meshtrain plan", the planner). Logic lives
 // in the library (meshtrain::train, meshtrain::plan).
+#include <torch/version.h>
+
 #include <iostream>
 
 #include "meshtrain/comm/errors.h"
@@ -8,11 +10,16 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/version.h"
 
 using namespace meshtrain;
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.size() == 1 && args[0] == "--version") {
+    std::cout << "meshtrain " << meshtrain::version() << " (libtorch " << TORCH_VERSION << ")" << std::endl;
+    return 0;
+  }
   if (!args.empty() && args[0] == "plan") {
     return plan::run_plan(std::vector<std::string>(args.begin() + 1, args.end()), std::cout);
   }
