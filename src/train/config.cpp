@@ -7,6 +7,7 @@
 
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/schedule.h"
+#include "meshtrain/train/token_shards.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
@@ -133,7 +134,7 @@ const std::vector<FlagGroup>& flag_table() {
          field(&C::activation_checkpointing)},
         {"--seed", "S", "model and data seed (default 1234)", set_seed}}},
       {"data and output",
-       {{"--data", "FILE", "train on a text file (byte tokens; default: the built-in a+b= task)", field(&C::data)},
+       {{"--data", "FILE|GLOB", "a text file (byte tokens) or llm.c token shards, e.g. 'dir/*.bin' (default: the built-in a+b= task)", field(&C::data)},
         {"--digits", "D", "operand digits of the built-in task (default 1)", field(&C::digits)},
         {"--eval-problems", "N", "held-out problems for the final accuracy (0: skip)", field(&C::eval_problems)},
         {"--log-every", "N", "progress line every N steps (default 1)", field(&C::log_every)},
@@ -292,14 +293,26 @@ void resolve_batches(TrainConfig& c) {
                   c.micro_batch);
 }
 
-// The model against the layout, and the data file.
+// The data: a text file (byte tokens), or token shards (a glob, several
+// files, a .bin file or a file with the shard magic), checked whole here,
+// before any communication.
+void resolve_data(TrainConfig& c) {
+  if (c.data.empty()) return;
+  if (data_is_token_shards(c.data)) {
+    MESHTRAIN_CHECK(c.model.kind == "gpt", "--data ", c.data, ": token shards need --model gpt");
+    return check_token_shards(expand_data_paths(c.data), c.model.vocab, c.model.seq_len);
+  }
+  MESHTRAIN_CHECK(files::exists(c.data), "--data ", c.data,
+                  ": no such file; give a text file or token shards to train on, or leave --data out for the "
+                  "built-in task");
+  if (c.model.kind == "gpt") c.model.vocab = std::max<int64_t>(c.model.vocab, 256);  // byte tokens
+}
+
+// The model against the layout, and the data.
 void resolve_model(TrainConfig& c) {
-  auto& m = c.model;
-  if (!c.data.empty() && m.kind == "gpt") m.vocab = std::max<int64_t>(m.vocab, 256);  // byte tokens
-  m.seed = c.seed;
-  models::validate(m, c.tp, c.sequence_parallel);
-  MESHTRAIN_CHECK(c.data.empty() || files::exists(c.data), "--data ", c.data,
-                  ": no such file; give a text file to train on, or leave --data out for the built-in task");
+  resolve_data(c);
+  c.model.seed = c.seed;
+  models::validate(c.model, c.tp, c.sequence_parallel);
 }
 
 }  // namespace

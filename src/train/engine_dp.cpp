@@ -13,6 +13,7 @@
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/mixed_precision.h"
 #include "meshtrain/train/optim.h"
+#include "meshtrain/train/token_shards.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/optimizer_state.h"
 
@@ -154,7 +155,10 @@ class MasterDpEngine : public Engine {
 }  // namespace
 
 std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
-  if (!c.data.empty()) return make_text_dataset(c.data, c.seed, c.model.seq_len);
+  if (!c.data.empty()) {
+    if (data_is_token_shards(c.data)) return make_token_shard_dataset(expand_data_paths(c.data), c.model.seq_len);
+    return make_text_dataset(c.data, c.seed, c.model.seq_len);
+  }
   if (c.model.kind == "gpt") return make_arithmetic_dataset(c.seed, c.model.seq_len, c.digits);
   return make_classification_dataset(c.seed, c.model.features, c.model.classes);
 }

@@ -9,6 +9,8 @@
 #include "equivalence.h"
 #include "harness.h"
 #include "meshtrain/train/checkpoint.h"
+#include "meshtrain/train/data.h"
+#include "meshtrain/train/token_shards.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
@@ -141,6 +143,35 @@ TEST(Checkpoint, ReshardingAcrossLayouts) {
     EXPECT_EQ(got.first_step, 3) << m.what;
     expect_same_training(got, reference, Tolerance{}, m.what);
   }
+}
+
+// Token shards as data (llm.c's format, written here by `meshtrain data`'s
+// writer from byte text whose tokens fit the tiny GPT's vocabulary of 64):
+// dp 2 x pp 2 trains like one process; saved there at step 3 and resumed in
+// one process, training continues at the same sample, as if never stopped.
+TEST(Checkpoint, TokenShardsTrainLikeOneProcessAndResumeAcrossLayouts) {
+  const std::string dir = checkpoint_dir("shards");
+  if (!meshtrain::testing::in_rank_process()) {
+    std::ofstream(dir + "/corpus.txt") << meshtrain::train::arithmetic_text(5, 0, 4000);  // digits, + = and newlines: bytes < 64
+    meshtrain::train::write_token_shards({dir + "/corpus.txt"}, dir + "/data/part", 1500);
+  }
+  auto with_shards = [&](TrainConfig c) {
+    c.data = dir + "/data/part_*.bin";
+    return c;
+  };
+  meshtrain::testing::expect_trains_like_one_process(with_shards(layout(2, 2, 1, 0)), 4);
+
+  TrainConfig from = with_shards(layout(2, 2, 1, 0)), to = with_shards(layout(1, 1, 1, 0));
+  from.save_dir = to.save_dir = dir + "/ckpt";
+  from.steps = 3;
+  from.save_every = 3;
+  to.resume = true;
+  train_on_ranks(from, 4);
+  if (meshtrain::testing::in_rank_process()) return;
+  const auto reference = train_in_one_process(with_shards(layout(1, 1, 1, 0)));
+  const auto resumed = train_in_one_process(to);
+  EXPECT_EQ(resumed.first_step, 3);
+  expect_same_training(resumed, reference, Tolerance{}, "token shards, dp 2 x pp 2 -> one process");
 }
 
 // A crash at every stage of committing the step-4 save never leaves a

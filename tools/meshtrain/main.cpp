@@ -8,6 +8,7 @@
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/plan/planner.h"
 #include "meshtrain/train/config.h"
+#include "meshtrain/train/token_shards.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/version.h"
@@ -22,6 +23,14 @@ int main(int argc, char** argv) {
   }
   if (!args.empty() && args[0] == "plan") {
     return plan::run_plan(std::vector<std::string>(args.begin() + 1, args.end()), std::cout);
+  }
+  if (!args.empty() && args[0] == "data") {
+    try {
+      return train::run_data_command(std::vector<std::string>(args.begin() + 1, args.end()), std::cout);
+    } catch (const std::exception& e) {
+      std::cerr << e.what() << std::endl;
+      return 2;
+    }
   }
   try {
     train::TrainConfig config = train::parse_train_args(args);

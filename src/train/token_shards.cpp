@@ -1,0 +1,231 @@
+#include "meshtrain/train/token_shards.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <ostream>
+
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+constexpr int64_t kHeaderBytes = kTokenShardHeaderInts * 4;
+
+// A read-only memory map of a whole file.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    MESHTRAIN_CHECK(fd >= 0, "--data ", path, ": cannot open it (", std::strerror(errno), ")");
+    struct stat st{};
+    ::fstat(fd, &st);
+    size_ = static_cast<int64_t>(st.st_size);
+    if (size_ > 0) data_ = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_SHARED, fd, 0);
+    ::close(fd);
+    MESHTRAIN_CHECK(data_ != MAP_FAILED, "--data ", path, ": cannot map it (", std::strerror(errno), ")");
+  }
+  ~MappedFile() {
+    if (data_ && data_ != MAP_FAILED) ::munmap(data_, static_cast<size_t>(size_));
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const uint8_t* bytes() const { return static_cast<const uint8_t*>(data_); }
+  int64_t size() const { return size_; }
+
+ private:
+  void* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+int32_t header_int(const MappedFile& f, int i) {
+  int32_t v;
+  std::memcpy(&v, f.bytes() + 4 * i, 4);  // little endian on the hosts meshtrain runs on (x86-64, aarch64)
+  return v;
+}
+
+const uint16_t* tokens_of(const MappedFile& f) { return reinterpret_cast<const uint16_t*>(f.bytes() + kHeaderBytes); }
+
+// The shard's token count, after checking its header and size.
+int64_t checked_token_count(const MappedFile& f, const std::string& path) {
+  MESHTRAIN_CHECK(f.size() >= kHeaderBytes, "--data ", path, ": ", f.size(), " bytes, shorter than a token shard's ",
+                  kHeaderBytes, "-byte header (truncated, or not a shard)");
+  MESHTRAIN_CHECK(header_int(f, 0) == kTokenShardMagic, "--data ", path, ": not a token shard (magic number ",
+                  header_int(f, 0), ", expected ", kTokenShardMagic, "); write shards with `meshtrain data`, or give "
+                  "a text file");
+  MESHTRAIN_CHECK(header_int(f, 1) == kTokenShardVersion, "--data ", path, ": token shard version ", header_int(f, 1),
+                  "; meshtrain reads version ", kTokenShardVersion, " (uint16 tokens)");
+  const int64_t n = header_int(f, 2);
+  MESHTRAIN_CHECK(n >= 0 && f.size() == kHeaderBytes + 2 * n, "--data ", path, ": the header promises ", n,
+                  " tokens (", kHeaderBytes + 2 * n, " bytes) but the file has ", f.size(), " bytes",
+                  f.size() < kHeaderBytes + 2 * n ? " (truncated)" : "");
+  return n;
+}
+
+class TokenShardDataset : public Dataset {
+ public:
+  TokenShardDataset(const std::vector<std::string>& paths, int64_t seq_len) : paths_(paths), seq_len_(seq_len) {
+    starts_.push_back(0);
+    for (const std::string& p : paths) {
+      shards_.push_back(std::make_unique<MappedFile>(p));
+      const int64_t n = checked_token_count(*shards_.back(), p);
+      counts_.push_back(n);
+      starts_.push_back(starts_.back() + std::max<int64_t>(0, (n - 1) / seq_len));  // windows of T + 1, stride T
+    }
+    MESHTRAIN_CHECK(windows() > 0, "--data: the shards hold no window of --seq-len + 1 = ", seq_len + 1, " tokens");
+  }
+
+  Batch samples(int64_t first, int64_t count) const override {
+    at::Tensor tokens = at::empty({count, seq_len_ + 1}, at::kLong);
+    auto acc = tokens.accessor<int64_t, 2>();
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t w = (first + s) % windows();
+      const size_t shard = std::upper_bound(starts_.begin(), starts_.end(), w) - starts_.begin() - 1;
+      const uint16_t* t = tokens_of(*shards_[shard]) + (w - starts_[shard]) * seq_len_;
+      for (int64_t j = 0; j <= seq_len_; ++j) acc[s][j] = t[j];
+    }
+    return {tokens.narrow(1, 0, seq_len_).contiguous(), tokens.narrow(1, 1, seq_len_).contiguous()};
+  }
+  int64_t tokens_per_sample() const override { return seq_len_; }
+  std::string describe() const override {
+    int64_t total = 0;
+    for (int64_t n : counts_) total += n;
+    return std::to_string(paths_.size()) + " token shard(s), " + std::to_string(total) + " tokens, " +
+           std::to_string(windows()) + " windows per epoch";
+  }
+
+ private:
+  int64_t windows() const { return starts_.back(); }
+
+  std::vector<std::string> paths_;
+  int64_t seq_len_;
+  std::vector<std::unique_ptr<MappedFile>> shards_;
+  std::vector<int64_t> counts_, starts_;  // starts_[s]: the first window of shard s; starts_.back(): all windows
+};
+
+bool has_glob_characters(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+}  // namespace
+
+std::vector<std::string> expand_data_paths(const std::string& pattern) {
+  if (!has_glob_characters(pattern)) return {pattern};
+  glob_t g{};
+  const int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
+  std::vector<std::string> paths;
+  if (rc == 0) paths.assign(g.gl_pathv, g.gl_pathv + g.gl_pathc);
+  ::globfree(&g);
+  MESHTRAIN_CHECK(!paths.empty(), "--data ", pattern, ": the pattern matches no file");
+  std::sort(paths.begin(), paths.end());
+  return paths;
+}
+
+bool is_token_shard(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  int32_t magic = 0;
+  return in.read(reinterpret_cast<char*>(&magic), 4) && magic == kTokenShardMagic;
+}
+
+bool data_is_token_shards(const std::string& data) {
+  const bool bin = data.size() > 4 && data.compare(data.size() - 4, 4, ".bin") == 0;
+  return has_glob_characters(data) || bin || is_token_shard(data);
+}
+
+void check_token_shards(const std::vector<std::string>& paths, int64_t vocab, int64_t seq_len) {
+  MESHTRAIN_CHECK(vocab <= 65536, "--vocab ", vocab, ": token shards hold uint16 ids, so at most 65536");
+  for (const std::string& p : paths) {
+    MESHTRAIN_CHECK(files::exists(p), "--data ", p, ": no such file");
+    MappedFile f(p);
+    const int64_t n = checked_token_count(f, p);
+    const uint16_t* t = tokens_of(f);
+    const uint16_t* worst = std::max_element(t, t + n);
+    MESHTRAIN_CHECK(n == 0 || *worst < vocab, "--data ", p, ": token ", *worst, " at position ", worst - t,
+                    " is not below the vocabulary size ", vocab, "; give --vocab ", *worst + 1, " or more");
+  }
+  TokenShardDataset counted(paths, seq_len);  // at least one window
+}
+
+std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>& paths, int64_t seq_len) {
+  return std::make_unique<TokenShardDataset>(paths, seq_len);
+}
+
+std::vector<std::string> write_token_shards(const std::vector<std::string>& text_paths, const std::string& prefix,
+                                            int64_t tokens_per_shard) {
+  MESHTRAIN_CHECK(tokens_per_shard >= 1, "--shard-tokens ", tokens_per_shard, " must be positive");
+  std::string text;
+  for (const std::string& p : text_paths) {
+    MESHTRAIN_CHECK(files::exists(p), "meshtrain data: ", p, ": no such file");
+    text += files::read_all(p);
+  }
+  MESHTRAIN_CHECK(!text.empty(), "meshtrain data: the input files are empty");
+  const std::string dir = files::directory_of(prefix);
+  if (!dir.empty()) files::make_directories(dir);
+  std::vector<std::string> written;
+  for (int64_t begin = 0; begin < static_cast<int64_t>(text.size()); begin += tokens_per_shard) {
+    const int64_t n = std::min<int64_t>(tokens_per_shard, static_cast<int64_t>(text.size()) - begin);
+    std::string bytes(static_cast<size_t>(kHeaderBytes + 2 * n), '\0');
+    const int32_t header[3] = {kTokenShardMagic, kTokenShardVersion, static_cast<int32_t>(n)};
+    std::memcpy(&bytes[0], header, sizeof header);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t token = static_cast<unsigned char>(text[begin + i]);  // byte-level: a byte is a token
+      std::memcpy(&bytes[kHeaderBytes + 2 * i], &token, 2);
+    }
+    char name[32];
+    std::snprintf(name, sizeof name, "_%06zu.bin", written.size());
+    written.push_back(prefix + name);
+    files::write_durable(written.back(), bytes);
+  }
+  return written;
+}
+
+int run_data_command(const std::vector<std::string>& args, std::ostream& out) {
+  static const char* usage =
+      "usage: meshtrain data --out PREFIX [--shard-tokens N] FILE...\n"
+      "  Writes the text FILEs (concatenated, one byte = one token, vocabulary 256) as llm.c token shards\n"
+      "  PREFIX_000000.bin, PREFIX_000001.bin, ... for `meshtrain --data 'PREFIX_*.bin'`.\n"
+      "  --out PREFIX        where the shards go (directories are made)\n"
+      "  --shard-tokens N    tokens per shard (default 100000000, llm.c's)\n";
+  std::string prefix;
+  int64_t per_shard = 100000000;
+  std::vector<std::string> inputs;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&]() -> const std::string& {
+      MESHTRAIN_CHECK(i + 1 < args.size(), "meshtrain data: ", a, " needs a value\n", usage);
+      return args[++i];
+    };
+    if (a == "--help" || a == "-h") {
+      out << usage;
+      return 0;
+    } else if (a == "--out") {
+      prefix = value();
+    } else if (a == "--shard-tokens") {
+      const std::string& v = value();
+      char* end = nullptr;
+      per_shard = std::strtoll(v.c_str(), &end, 10);
+      MESHTRAIN_CHECK(!v.empty() && *end == '\0' && per_shard > 0 && per_shard <= INT32_MAX,
+                      "meshtrain data: --shard-tokens ", v, " must be a positive integer up to ", INT32_MAX);
+    } else {
+      MESHTRAIN_CHECK(a.rfind("--", 0) != 0, "meshtrain data: unknown flag ", a, "\n", usage);
+      inputs.push_back(a);
+    }
+  }
+  MESHTRAIN_CHECK(!prefix.empty() && !inputs.empty(), "meshtrain data: give --out PREFIX and at least one text file\n", usage);
+  for (const std::string& path : write_token_shards(inputs, prefix, per_shard)) {
+    MappedFile f(path);
+    out << "wrote " << path << ": " << checked_token_count(f, path) << " tokens\n";
+  }
+  return 0;
+}
+
+}  // namespace train
+}  // namespace meshtrain
