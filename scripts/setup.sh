@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # dpkg-dev and file: cpack's Debian package (dependencies by dpkg-shlibdeps);
-# pkg-config: the install test builds a program with meshtrain.pc.
+# pkg-config: the install test builds a program with meshtrain.pc;
+# libssl-dev: OpenSSL's libcrypto, for checkpoint checksums.
 PACKAGES=(build-essential cmake ccache libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin
-          libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config)
+          libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config libssl-dev)
 [[ " $* " == *" --with-peers "* ]] && PACKAGES+=(python3-torch)
 
 missing=()
