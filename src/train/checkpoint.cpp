@@ -97,8 +97,21 @@ void crash_point(const char* stage, int rank, int64_t step) {
   kill(getpid(), SIGKILL);
 }
 
+EncodedShard encode_shard(const RankState& mine) {
+  auto encoded = encode(mine);
+  return EncodedShard{std::move(encoded.first), std::move(encoded.second)};
+}
+
 SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState& mine, comm::Communicator& comm,
                           const std::string& config_json) {
+  const auto t0 = std::chrono::steady_clock::now();
+  SaveStats stats = commit_checkpoint(dir, step, encode_shard(mine), comm, config_json);
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+SaveStats commit_checkpoint(const std::string& dir, int64_t step, const EncodedShard& shard, comm::Communicator& comm,
+                            const std::string& config_json) {
   const auto t0 = std::chrono::steady_clock::now();
   const int rank = comm.rank();
   const std::string step_dir = dir + "/" + step_name(step);
@@ -106,14 +119,13 @@ SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState&
   std::string outcome;  // "ok <bytes> <sha256> <index json>" or "error <message>"
   try {
     files::make_directories(step_dir);
-    const auto encoded = encode(mine);
     const std::string path = step_dir + "/" + shard_name(rank);
-    files::write_durable(path + ".tmp", encoded.first);
+    files::write_durable(path + ".tmp", shard.bytes);
     crash_point("shard-written", rank, step);
     files::rename_durable(path + ".tmp", path);
     crash_point("shard-renamed", rank, step);
-    stats.bytes = static_cast<int64_t>(encoded.first.size());
-    outcome = "ok " + std::to_string(stats.bytes) + " " + sha256_hex(encoded.first) + " " + encoded.second;
+    stats.bytes = static_cast<int64_t>(shard.bytes.size());
+    outcome = "ok " + std::to_string(stats.bytes) + " " + sha256_hex(shard.bytes) + " " + shard.index_json;
   } catch (const std::exception& e) {
     outcome = std::string("error ") + e.what();
   }

@@ -144,7 +144,9 @@ const std::vector<FlagGroup>& flag_table() {
       {"checkpoints",
        {{"--save-dir", "DIR", "where checkpoints go", field(&C::save_dir)},
         {"--save-every", "N", "save every N steps", field(&C::save_every)},
-        {"--resume", nullptr, "continue from the latest complete checkpoint in --save-dir", turn_on(&C::resume)}}},
+        {"--resume", nullptr, "continue from the latest complete checkpoint in --save-dir", turn_on(&C::resume)},
+        {"--async-save", nullptr, "snapshot each checkpoint at the step boundary and write it in the background",
+         turn_on(&C::async_save)}}},
       {"communication",
        {{"--backend", "auto|shm|gloo|mpi",
          "default: MESHTRAIN_BACKEND, else auto (shared memory inside a host, hierarchical across hosts, MPI "

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <utility>
 
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/util/error.h"
@@ -59,20 +60,62 @@ Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Commun
 }
 
 CheckpointSaver::CheckpointSaver(const TrainConfig& c, comm::CommPtr metrics, bool verbose)
-    : c_(c), metrics_(std::move(metrics)), verbose_(verbose) {}
+    : c_(c), metrics_(std::move(metrics)), verbose_(verbose) {
+  const bool saving = !c_.save_dir.empty() && c_.save_every > 0;
+  if (saving && c_.async_save) background_ = metrics_->split(0, metrics_->rank(), "checkpoint");  // every rank: same config
+}
+
+CheckpointSaver::~CheckpointSaver() {
+  if (writer_.joinable()) writer_.join();  // an error was raised already, or will not be: do not terminate
+}
 
 void CheckpointSaver::after_step(int64_t step, Engine& engine) {
   if (c_.save_dir.empty() || c_.save_every <= 0 || (step + 1) % c_.save_every != 0) return;
+  const auto t0 = Clock::now();
+  if (background_) wait_for_writer();  // one save at a time
   RankState state = engine.checkpoint_state();
   state.rng_state = cpu_rng_state();
-  const SaveStats s = save_checkpoint(c_.save_dir, step + 1, state, *metrics_, to_json(c_));
-  seconds_ += s.seconds;
-  bytes_ += s.bytes;
+  if (!background_) {
+    const SaveStats s = save_checkpoint(c_.save_dir, step + 1, state, *metrics_, to_json(c_));
+    seconds_ += s.seconds;
+    bytes_ += s.bytes;
+    ++saves_;
+    if (verbose_ && metrics_->rank() == 0) {
+      std::printf("checkpoint step %lld saved in %.3f s\n", static_cast<long long>(step + 1), s.seconds);
+    }
+    return;
+  }
+  auto shard = std::make_shared<EncodedShard>(encode_shard(state));  // the snapshot; training may go on
+  bytes_ += static_cast<int64_t>(shard->bytes.size());
   ++saves_;
+  writing_step_ = step + 1;
+  writer_ = std::thread([this, shard, config = to_json(c_)] {
+    try {
+      writer_seconds_ = commit_checkpoint(c_.save_dir, writing_step_, *shard, *background_, config).seconds;
+    } catch (...) {
+      writer_error_ = std::current_exception();
+    }
+  });
+  const double blocked = std::chrono::duration<double>(Clock::now() - t0).count();
+  seconds_ += blocked;
   if (verbose_ && metrics_->rank() == 0) {
-    std::printf("checkpoint step %lld saved in %.3f s\n", static_cast<long long>(step + 1), s.seconds);
+    std::printf("checkpoint step %lld: snapshot in %.3f s, writing in the background\n", static_cast<long long>(step + 1),
+                blocked);
   }
 }
+
+void CheckpointSaver::wait_for_writer() {
+  if (!writer_.joinable()) return;
+  writer_.join();
+  if (writer_error_) std::rethrow_exception(std::exchange(writer_error_, nullptr));
+  background_seconds_ += writer_seconds_;
+  if (verbose_ && metrics_->rank() == 0) {
+    std::printf("checkpoint step %lld committed (written in the background in %.3f s)\n",
+                static_cast<long long>(writing_step_), writer_seconds_);
+  }
+}
+
+void CheckpointSaver::finish() { wait_for_writer(); }
 
 std::string CheckpointSaver::json(const Resumed& resumed) const {
   at::Tensor all_bytes = at::tensor({bytes_}, at::kLong);
@@ -83,6 +126,7 @@ std::string CheckpointSaver::json(const Resumed& resumed) const {
       .num("load_seconds", resumed.load_seconds)
       .integer("saves", saves_)
       .num("save_seconds", seconds_)
+      .num("background_seconds", background_seconds_)
       .integer("save_bytes_all_ranks", total)
       .num("save_mb_per_s", seconds_ > 0 ? total / 1e6 / seconds_ : 0.0)
       .str();

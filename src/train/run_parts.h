@@ -3,8 +3,10 @@
 // resuming, periodic checkpoints, and the end-of-run report. run_training
 // (trainer.cpp) is the step loop that calls them.
 
+#include <exception>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "engine.h"
 #include "meshtrain/comm/communicator.h"
@@ -22,21 +24,36 @@ struct Resumed {
 };
 Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Communicator& world, bool verbose);
 
-// Saves a checkpoint every --save-every steps and keeps the figures for the report.
+// Saves a checkpoint every --save-every steps and keeps the figures for the
+// report. With --async-save the step boundary only encodes the shard (a
+// copy); a writer thread writes, checksums and commits it on a communicator
+// of its own, while training goes on. The next save, and finish(), wait for
+// it; a failed background save raises there, on every rank.
 class CheckpointSaver {
  public:
   CheckpointSaver(const TrainConfig& c, comm::CommPtr metrics, bool verbose);
+  ~CheckpointSaver();
   // Called after step `step` (0-based) on every rank.
   void after_step(int64_t step, Engine& engine);
+  // Waits for a save still being written (call after the last step).
+  void finish();
   // The metrics' "checkpoint" object (a collective over the metrics communicator).
   std::string json(const Resumed& resumed) const;
 
  private:
+  void wait_for_writer();
+
   const TrainConfig& c_;
   comm::CommPtr metrics_;
   bool verbose_;
-  double seconds_ = 0;
+  double seconds_ = 0;             // the training loop was blocked this long
+  double background_seconds_ = 0;  // written and committed by the writer thread
   int64_t bytes_ = 0, saves_ = 0;
+  comm::CommPtr background_;  // --async-save: the writer thread's communicator
+  std::thread writer_;
+  int64_t writing_step_ = 0;
+  double writer_seconds_ = 0;
+  std::exception_ptr writer_error_;
 };
 
 // The last step's pipeline timeline: bubble and activations in flight as the

@@ -108,6 +108,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     }
     saver.after_step(step, *engine);
   }
+  saver.finish();
   const std::string checkpoint_json = saver.json(resumed);
   const std::string pipeline_json = pipeline_report(c, *engine, *world, *metrics, options.verbose);
   finish_run(c, *engine, *world, *metrics, options, checkpoint_json, pipeline_json, result);

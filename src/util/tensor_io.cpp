@@ -30,7 +30,11 @@ int64_t get_i64(const std::string& in, size_t& pos, const std::string& what) {
 }  // namespace
 
 std::string serialize_tensors(const std::map<std::string, at::Tensor>& tensors) {
-  std::string out(kMagic, 8);
+  size_t total = 16;
+  for (const auto& kv : tensors) total += 8 * (5 + kv.second.dim()) + kv.first.size() + kv.second.nbytes();
+  std::string out;
+  out.reserve(total);  // one allocation: a checkpoint shard is copied once, not once per doubling
+  out.append(kMagic, 8);
   put_i64(out, static_cast<int64_t>(tensors.size()));
   for (const auto& kv : tensors) {
     const at::Tensor t = kv.second.detach().cpu().contiguous();

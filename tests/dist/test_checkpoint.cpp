@@ -76,6 +76,50 @@ TEST(Checkpoint, ExactResumeOnTheSameLayout) {
   }
 }
 
+// A shard's bytes up to its last tensor, "rng": the generator state each rank
+// process happens to start from (the test harness's, not the training's).
+std::string without_rng(const std::string& shard) {
+  const size_t at = shard.rfind(std::string("\x03\0\0\0\0\0\0\0rng", 11));
+  return at == std::string::npos ? shard : shard.substr(0, at);
+}
+
+// --async-save writes the same bytes as a synchronous save (the snapshot is
+// taken at the step boundary, before the next step changes the tensors), and
+// resuming from it is bitwise the uninterrupted run.
+TEST(Checkpoint, AsyncSaveWritesTheSameShardsAndResumesExactly) {
+  struct L { int dp, pp, tp, zero; };
+  for (const L& l : std::vector<L>{{2, 1, 1, 1}, {1, 2, 1, 0}, {2, 1, 1, 3}}) {
+    const std::string name = "async" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.tp) + std::to_string(l.zero);
+    const std::string sync_dir = checkpoint_dir(name + "-sync"), async_dir = checkpoint_dir(name);
+    const int world = l.dp * l.pp * l.tp;
+    TrainConfig c = layout(l.dp, l.pp, l.tp, l.zero);
+    c.save_every = 2;
+    c.save_dir = sync_dir;
+    const auto full = train_on_ranks(c, world);
+    c.save_dir = async_dir;
+    c.async_save = true;
+    train_on_ranks(c, world);  // saves at steps 2, 4 and 6, each while the next steps run
+    if (!meshtrain::testing::in_rank_process()) {
+      for (const char* step : {"/step-00000002", "/step-00000004", "/step-00000006"}) {
+        for (int r = 0; r < world; ++r) {
+          char shard[32];
+          std::snprintf(shard, sizeof shard, "/rank-%05d.bin", r);
+          const std::string a = async_dir + step + shard, b = sync_dir + step + shard;
+          ASSERT_TRUE(meshtrain::files::exists(a)) << a;
+          EXPECT_TRUE(without_rng(meshtrain::files::read_all(a)) == without_rng(meshtrain::files::read_all(b)))
+              << a << " differs from " << b;
+        }
+      }
+      set_latest(async_dir, 2);
+    }
+    c.resume = true;
+    auto resumed = train_on_ranks(c, world);
+    if (meshtrain::testing::in_rank_process()) continue;
+    EXPECT_EQ(resumed.first_step, 2) << name;
+    expect_same_training(resumed, full, Tolerance{0, 0, 0, 0}, name + " (async, exact)");
+  }
+}
+
 // bf16-mixed checkpoints hold the float32 masters (DDP: dp rank 0's; ZeRO:
 // every rank's shard), so resuming is still bitwise, and a bf16 run saved
 // under ZeRO-2 continues under DDP on other ranks from the same masters.
@@ -180,13 +224,16 @@ TEST(Checkpoint, TokenShardsTrainLikeOneProcessAndResumeAcrossLayouts) {
 // incomplete step 4 refuses to load.
 TEST(Checkpoint, CrashAtEveryStageOfASaveLeavesTheLastCompleteCheckpoint) {
   struct Stage { const char* name; int rank; bool step4_complete; };
+  for (const bool async : {false, true})  // --async-save: the kill lands in the writer thread
   for (const Stage& s : std::vector<Stage>{{"shard-written", 1, false},
                                            {"shard-renamed", 1, false},
                                            {"manifest-written", 0, false},
                                            {"manifest-renamed", 0, true},
                                            {"latest-written", 0, true}}) {
-    const std::string dir = checkpoint_dir(std::string("crash-") + s.name);
+    const std::string what = std::string(s.name) + (async ? " (async)" : "");
+    const std::string dir = checkpoint_dir(std::string("crash-") + s.name + (async ? "-async" : ""));
     TrainConfig c = layout(2, 1, 1, 1);
+    c.async_save = async;
     c.save_dir = dir;
     c.save_every = 2;
     c.steps = 4;
@@ -195,7 +242,7 @@ TEST(Checkpoint, CrashAtEveryStageOfASaveLeavesTheLastCompleteCheckpoint) {
     crash.env = {std::string("MESHTRAIN_CHECKPOINT_CRASH_AT=") + s.name,
                  "MESHTRAIN_CHECKPOINT_CRASH_RANK=" + std::to_string(s.rank), "MESHTRAIN_CRASH_ONLY_AT_STEP=4"};
     {
-      ::testing::ScopedTrace trace(__FILE__, __LINE__, s.name);
+      ::testing::ScopedTrace trace(__FILE__, __LINE__, what);
       // The ranks of this call are expected to fail: run them without the equivalence helper.
       meshtrain::testing::run_ranks(2, [&](meshtrain::comm::Communicator& comm) {
         auto self = std::shared_ptr<meshtrain::comm::Communicator>(&comm, [](meshtrain::comm::Communicator*) {});
@@ -210,8 +257,8 @@ TEST(Checkpoint, CrashAtEveryStageOfASaveLeavesTheLastCompleteCheckpoint) {
       }, crash);
     }
     if (meshtrain::testing::in_rank_process()) continue;
-    EXPECT_EQ(meshtrain::train::latest_checkpoint(dir), dir + "/step-00000002") << s.name;
-    EXPECT_EQ(meshtrain::files::exists(dir + "/step-00000004/manifest.json"), s.step4_complete) << s.name;
+    EXPECT_EQ(meshtrain::train::latest_checkpoint(dir), dir + "/step-00000002") << what;
+    EXPECT_EQ(meshtrain::files::exists(dir + "/step-00000004/manifest.json"), s.step4_complete) << what;
     if (!s.step4_complete) {
       EXPECT_THROW(meshtrain::train::CheckpointReader(dir + "/step-00000004"), meshtrain::ConfigError);
     }

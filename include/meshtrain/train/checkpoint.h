@@ -61,6 +61,18 @@ struct SaveStats {
 SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState& mine, comm::Communicator& comm,
                           const std::string& config_json);
 
+// The two halves of save_checkpoint, for saves in the background: the shard
+// encoded (a copy of the state: training may change the tensors afterwards),
+// then written and committed (collective over `comm`, on any thread, as long
+// as only that thread uses `comm`).
+struct EncodedShard {
+  std::string bytes;
+  std::string index_json;  // the chunks' coordinates, for the manifest
+};
+EncodedShard encode_shard(const RankState& mine);
+SaveStats commit_checkpoint(const std::string& dir, int64_t step, const EncodedShard& shard, comm::Communicator& comm,
+                            const std::string& config_json);
+
 // The step directory `latest` names ("" when dir has no checkpoint yet).
 std::string latest_checkpoint(const std::string& dir);
 

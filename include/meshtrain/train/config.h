@@ -57,6 +57,7 @@ struct TrainConfig {
   std::string save_dir;
   int save_every = 0;
   bool resume = false;
+  bool async_save = false;  // snapshot at the step boundary, write and commit in the background
   std::string trace;        // pipeline timeline (Chrome trace JSON + SVG)
 };
 
