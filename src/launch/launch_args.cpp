@@ -25,19 +25,29 @@ int to_int(const std::string& flag, const std::string& value) {
 }  // namespace
 
 std::string launch_usage() {
-  return "usage: meshrun --nproc-per-node N [--nnodes M --node-rank R]\n"
-         "               [--master-addr ADDR] [--master-port PORT|0] [--max-restarts K]\n"
-         "               [--grace-seconds S] [--threads-per-rank T] [--no-prefix]\n"
-         "               -- PROGRAM [ARGS...]\n"
-         "Starts N ranks of PROGRAM on this node with torchrun's environment variables\n"
+  return "usage: meshrun [flags] [--] PROGRAM [ARGS...]\n"
+         "Starts ranks of PROGRAM on this node with torchrun's environment variables\n"
          "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).\n"
-         "Node 0 hosts the rendezvous store at ADDR:PORT (default 127.0.0.1:29500;\n"
-         "port 0 picks a free one on a single node). If a rank fails, the others are\n"
-         "stopped on every node; with --max-restarts K the group restarts up to K times.\n";
+         "If a rank fails, the others are stopped on every node.\n"
+         "  --nproc-per-node N|auto   ranks on this node (auto: one per core; default 1)\n"
+         "  --nnodes M                nodes in the job (default 1)\n"
+         "  --node-rank R             this node's index, 0 hosts the store (default 0)\n"
+         "  --master-addr ADDR        node 0's address (default 127.0.0.1)\n"
+         "  --master-port PORT|0      the store's port (default 29500; 0: a free one, one node only)\n"
+         "  --rdzv-endpoint HOST[:PORT]  the same two in one flag, as torchrun\n"
+         "  --standalone              one node on 127.0.0.1 with a free port, as torchrun\n"
+         "  --rdzv-timeout S          how long nodes wait for each other (default 300 s)\n"
+         "  --max-restarts K          restart the whole group up to K times after a failure (default 0)\n"
+         "  --grace-seconds S         SIGTERM to SIGKILL when stopping ranks (default 5)\n"
+         "  --threads-per-rank T      OMP/OpenBLAS threads per rank (default: cores / ranks)\n"
+         "  --no-prefix               do not prefix output lines with [rankN]:\n"
+         "  --quiet                   no meshrun progress lines (failures are still said)\n"
+         "  --version                 print meshrun's version\n";
 }
 
 LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
   LaunchOptions o;
+  bool standalone = false;
   size_t i = 0;
   auto value = [&](const std::string& flag, std::string inline_value) {
     if (!inline_value.empty()) return inline_value;
@@ -57,7 +67,24 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
       a = a.substr(0, eq);
     }
     std::replace(a.begin(), a.end(), '_', '-');  // torchrun spells --nproc_per_node
-    if (a == "--nproc-per-node") o.nproc_per_node = to_int(a, value(a, inline_value));
+    if (a == "--nproc-per-node") {
+      const std::string v = value(a, inline_value);
+      o.nproc_per_node = v == "auto" ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) : to_int(a, v);
+    }
+    else if (a == "--standalone") standalone = true;
+    else if (a == "--rdzv-endpoint") {
+      const std::string v = value(a, inline_value);
+      const auto colon = v.rfind(':');
+      o.master_addr = v.substr(0, colon);
+      if (colon != std::string::npos) o.master_port = to_int(a, v.substr(colon + 1));
+      MESHTRAIN_CHECK(!o.master_addr.empty(), "meshrun: --rdzv-endpoint '", v, "' needs a host (HOST or HOST:PORT)");
+    }
+    else if (a == "--rdzv-timeout") {
+      const int s = to_int(a, value(a, inline_value));
+      MESHTRAIN_CHECK(s > 0, "meshrun: --rdzv-timeout ", s, " must be a positive number of seconds");
+      o.rendezvous_timeout = std::chrono::seconds(s);
+    }
+    else if (a == "--quiet") o.quiet = true;
     else if (a == "--nnodes") o.nnodes = to_int(a, value(a, inline_value));
     else if (a == "--node-rank") o.node_rank = to_int(a, value(a, inline_value));
     else if (a == "--master-addr") o.master_addr = value(a, inline_value);
@@ -74,6 +101,11 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
     } else {
       throw ConfigError(str_cat("meshrun: unknown flag '", args[i], "'\n", launch_usage()));
     }
+  }
+  if (standalone) {
+    MESHTRAIN_CHECK(o.nnodes == 1, "meshrun: --standalone is one node; it cannot go with --nnodes ", o.nnodes);
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;
   }
   MESHTRAIN_CHECK(!o.command.empty(), "meshrun: no program given; put it after '--'\n", launch_usage());
   MESHTRAIN_CHECK(o.nproc_per_node >= 1, "meshrun: --nproc-per-node ", o.nproc_per_node, " must be at least 1");

@@ -42,6 +42,12 @@ void on_signal(int sig) {
 
 void say(const std::string& msg) { std::cerr << "meshrun: " << msg << std::endl; }
 
+bool g_quiet = false;  // --quiet
+// A progress line (not a failure): --quiet leaves it out.
+void inform(const std::string& msg) {
+  if (!g_quiet) say(msg);
+}
+
 std::map<std::string, std::string> process_environment() {
   std::map<std::string, std::string> env;
   for (char** e = environ; *e; ++e) {
@@ -277,9 +283,16 @@ void stop_all(std::vector<std::unique_ptr<RankProcess>>& ranks, int sig, std::ch
 // Waits until the integer at `key` reaches `target` (agents' barriers).
 void await_count(comm::TcpStore& store, const std::string& key, int target, std::chrono::milliseconds timeout,
                  const std::string& what) {
-  const auto deadline = Clock::now() + timeout;
+  const auto start = Clock::now(), deadline = start + timeout;
+  auto next_line = start + std::chrono::seconds(5);
   while (store.add(key, 0) < target) {
     if (g_signal) throw std::runtime_error("interrupted");
+    if (Clock::now() > next_line) {  // say that it waits, and for whom
+      next_line += std::chrono::seconds(10);
+      const auto left = std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count();
+      inform(str_cat("waiting for ", what, ": ", store.add(key, 0), " of ", target, " nodes so far (", left,
+                     " s before giving up; --rdzv-timeout)"));
+    }
     if (Clock::now() > deadline) {
       throw ConfigError(str_cat("meshrun: timed out waiting for ", what, " (", store.add(key, 0), " of ", target,
                                 " nodes arrived); start meshrun on every node with the same --nnodes, "
@@ -427,6 +440,7 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
 }  // namespace
 
 int run_launcher(const LaunchOptions& o) {
+  g_quiet = o.quiet;
   if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return 1;
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -450,7 +464,7 @@ int run_launcher(const LaunchOptions& o) {
   comm::TcpStore store(o.master_addr, port, o.rendezvous_timeout);
   auto base_env = process_environment();
   if (o.node_rank == 0) {
-    say(str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ", o.nnodes,
+    inform(str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ", o.nnodes,
                 " nodes); store at ", o.master_addr, ":", port));
   }
   Clock::time_point failed_at{};
@@ -466,7 +480,7 @@ int run_launcher(const LaunchOptions& o) {
     }
     if (generation > 0) {
       const double s = std::chrono::duration<double>(Clock::now() - failed_at).count();
-      say(str_cat("group restarted (attempt ", generation + 1, "), ", s, " s after the failure was detected"));
+      inform(str_cat("group restarted (attempt ", generation + 1, "), ", s, " s after the failure was detected"));
     }
     const Outcome outcome = run_generation(o, generation, port, store, base_env);
     if (outcome.ok) return 0;

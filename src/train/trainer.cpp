@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <string>
 #include <signal.h>
 #include <thread>
 #include <unistd.h>
@@ -29,14 +30,27 @@ int64_t current_rss_bytes() {
   return resident * 4096;
 }
 
-void print_progress(const TrainConfig& c, int64_t step, double loss, double grad_norm, double seconds) {
+// "1m05s", "42s": elapsed time and ETA on progress lines.
+std::string duration_text(double seconds) {
+  const long s = std::lround(std::max(0.0, seconds));
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", s / 3600, s % 3600 / 60);
+  else if (s >= 60) std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
+  else std::snprintf(buf, sizeof buf, "%lds", s);
+  return buf;
+}
+
+// `elapsed`: since this run's first step, over `done` steps of it.
+void print_progress(const TrainConfig& c, int64_t step, double loss, double grad_norm, double seconds, double elapsed,
+                    int64_t done) {
   const double samples = c.global_batch / seconds;
   const double tokens = c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0;
+  const double eta = elapsed / std::max<int64_t>(1, done) * (c.steps - step - 1);
   std::printf("step %4lld/%d | loss %8.4f | grad norm %8.4f%s | %9.1f samples/s | %10.0f tokens/s | %7.3f s/step | "
-              "rss %5.0f MiB\n",
+              "rss %5.0f MiB | %s elapsed, ETA %s\n",
               static_cast<long long>(step + 1), c.steps, loss, grad_norm,
               c.clip_grad_norm > 0 && grad_norm > c.clip_grad_norm ? " (clipped)" : "", samples, tokens, seconds,
-              current_rss_bytes() / 1048576.0);
+              current_rss_bytes() / 1048576.0, duration_text(elapsed).c_str(), duration_text(eta).c_str());
   std::fflush(stdout);
 }
 
@@ -89,6 +103,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
 
   TrainResult result;
   result.first_step = resumed.first_step;
+  const auto started = Clock::now();
   for (int64_t step = resumed.first_step; step < c.steps; ++step) {
     const bool killed_in_this_step = arm_test_kill(step);
     engine->set_learning_rate(learning_rate(c, step));
@@ -104,7 +119,8 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                     result.grad_norms.back(), " (a gradient is not finite); lower --lr or clip with --clip-grad-norm");
     if (chief && options.verbose && step == resumed.first_step && step > 0) report_restart_time();
     if (chief && options.verbose && ((step + 1) % c.log_every == 0 || step + 1 == c.steps)) {
-      print_progress(c, step, result.losses.back(), result.grad_norms.back(), seconds);
+      print_progress(c, step, result.losses.back(), result.grad_norms.back(), seconds,
+                     std::chrono::duration<double>(Clock::now() - started).count(), step + 1 - resumed.first_step);
     }
     saver.after_step(step, *engine);
   }

@@ -184,6 +184,8 @@ TEST(Cli, BadFlagsFailOnEveryRankBeforeAnyCommunication) {
   EXPECT_TRUE(contains(r.output, "choose tp in {1, 2, 4}")) << r.output;
   EXPECT_TRUE(contains(r.output, "failed with exit code 2")) << r.output;
   EXPECT_LT(r.seconds, 10.0) << r.output;
+  // Said once (by local rank 0), not once per rank.
+  EXPECT_EQ(r.output.find("choose tp in {1, 2, 4}"), r.output.rfind("choose tp in {1, 2, 4}")) << r.output;
   r = sh(kBin + "/meshtrain" + kTiny + "--global-batch 25 --micro-batch 4");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--global-batch 25")) << r.output;

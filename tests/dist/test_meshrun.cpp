@@ -137,6 +137,31 @@ TEST(Meshrun, BadArgumentsGiveUsage) {
   EXPECT_TRUE(contains(r.output, "cannot execute '/nonexistent/program'")) << r.output;
 }
 
+// torchrun's spellings: --standalone, --rdzv-endpoint, --nproc-per-node auto,
+// --rdzv-timeout; --quiet drops meshrun's own lines; a node waiting for the
+// others says so.
+TEST(Meshrun, TorchrunFlagsAndQuiet) {
+  Shell r = sh(kBin + "/meshrun --standalone --nproc_per_node=2 -- " + kHelper + " allreduce");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank1]: rank 1 of 2 sum 3")) << r.output;
+  r = sh(kBin + "/meshrun --rdzv-endpoint 127.0.0.1:" + std::to_string(free_port()) + " --nproc-per-node 2 --quiet -- " +
+         kHelper + " allreduce");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "meshrun: starting")) << r.output;
+  r = sh(kBin + "/meshrun --standalone --nproc-per-node auto -- " + kHelper + " env");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "WORLD_SIZE=" + std::to_string(std::max(1u, std::thread::hardware_concurrency())))) << r.output;
+  // Node 0 of 2 alone: it waits, says so, and gives up after --rdzv-timeout.
+  r = sh(kBin + "/meshrun --nnodes 2 --rdzv-endpoint 127.0.0.1:" + std::to_string(free_port()) +
+         " --rdzv-timeout 7 --nproc-per-node 1 -- true");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "waiting for the other nodes: 1 of 2 nodes so far")) << r.output;
+  EXPECT_TRUE(contains(r.output, "timed out waiting for the other nodes")) << r.output;
+  EXPECT_LT(r.seconds, 15.0) << r.output;
+  r = sh(kBin + "/meshrun --standalone --nnodes 2 -- true");
+  EXPECT_TRUE(contains(r.output, "--standalone is one node")) << r.output;
+}
+
 // kill -9 of a rank in the middle of a step: meshrun stops the group and
 // restarts it, training resumes from the last checkpoint, and the losses of the
 // steps after it equal those of the uninterrupted run (same layout: exactly).

@@ -2,6 +2,7 @@
 // in the library (meshtrain::train, meshtrain::plan).
 #include <torch/version.h>
 
+#include <cstdlib>
 #include <iostream>
 
 #include "meshtrain/comm/errors.h"
@@ -47,7 +48,9 @@ int main(int argc, char** argv) {
     train::run_training(config, world);
     return 0;
   } catch (const ConfigError& e) {
-    std::cerr << e.what() << std::endl;
+    // Every rank checks the same flags: one line per node says why, not one per rank.
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    if (!local_rank || std::string(local_rank) == "0") std::cerr << e.what() << std::endl;
     return 2;
   } catch (const comm::CommError& e) {
     std::cerr << "meshtrain: communication failed: " << e.what() << std::endl;

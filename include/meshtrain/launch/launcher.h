@@ -30,6 +30,7 @@ struct LaunchOptions {
   std::chrono::milliseconds grace{std::chrono::seconds(5)};
   std::chrono::milliseconds rendezvous_timeout{std::chrono::minutes(5)};
   bool prefix_output = true;
+  bool quiet = false;        // meshrun's own progress lines off (failures are still said)
   int threads_per_rank = 0;  // 0: the node's cores / nproc_per_node, at least 1
   std::vector<std::string> command;
 };
