@@ -50,10 +50,30 @@ Precision parse_precision(const std::string& value) {
   throw ConfigError(str_cat("--precision '", value, "': expected fp32, bf16-mixed or fp16-mixed"));
 }
 
+// The trainer's names; AdamW keeps Adam's state.
 OptimizerKind parse_optimizer(const std::string& value) {
-  if (value == "adam") return OptimizerKind::kAdam;
+  if (value == "adam" || value == "adamw") return OptimizerKind::kAdam;
   if (value == "sgd") return OptimizerKind::kSgd;
-  throw ConfigError(str_cat("--optimizer '", value, "': expected adam or sgd (AdamW counts as adam)"));
+  throw ConfigError(str_cat("--optimizer '", value, "': expected adamw, adam or sgd, as the trainer takes"));
+}
+
+// The trainer's --momentum M: a buffer is kept when M > 0.
+bool parse_momentum(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  const double m = std::strtod(value.c_str(), &end);
+  MESHTRAIN_CHECK(!value.empty() && *end == '\0' && m >= 0 && m < 1, flag, " ", value,
+                  ": expected the momentum factor in [0, 1), as the trainer takes (e.g. 0.9)");
+  return m > 0;
+}
+
+// The trainer's policies: none, blocks, every-N. The planner models none and
+// blocks (every block checkpointed); every-N lies between the two.
+bool parse_checkpointing(const std::string& flag, const std::string& value) {
+  if (value == "none") return false;
+  if (value == "blocks") return true;
+  MESHTRAIN_CHECK(value.rfind("every-", 0) != 0, flag, " ", value, ": the planner estimates none and blocks; every-N ",
+                  "keeps between the two (plan with blocks for a lower bound, none for an upper)");
+  throw ConfigError(str_cat(flag, " '", value, "': expected none or blocks (the trainer also takes every-N)"));
 }
 
 // "10%" or "0.1".
@@ -95,8 +115,9 @@ const std::vector<FlagSpec>& flag_specs() {
       {"--global-batch", true, [](Draft& d, auto& f, auto& v) { d.input.global_batch = parse_positive_int(f, v); }},
       {"--precision", true, [](Draft& d, auto&, auto& v) { d.input.precision = parse_precision(v); }},
       {"--optimizer", true, [](Draft& d, auto&, auto& v) { d.input.optimizer = parse_optimizer(v); }},
-      {"--momentum", false, [](Draft& d, auto&, auto&) { d.input.momentum = true; }},
-      {"--activation-checkpointing", false, [](Draft& d, auto&, auto&) { d.input.activation_checkpointing = true; }},
+      {"--momentum", true, [](Draft& d, auto& f, auto& v) { d.input.momentum = parse_momentum(f, v); }},
+      {"--activation-checkpointing", true,
+       [](Draft& d, auto& f, auto& v) { d.input.activation_checkpointing = parse_checkpointing(f, v); }},
       {"--devices", true, [](Draft& d, auto& f, auto& v) { d.input.devices = as_int(f, v); }},
       {"--device-memory", true, [](Draft& d, auto& f, auto& v) { d.input.device_memory = parse_bytes(f, v); }},
       {"--devices-per-node", true, [](Draft& d, auto& f, auto& v) { d.input.devices_per_node = as_int(f, v); }},

@@ -46,9 +46,9 @@ std::string checkpointing_hint(const PlanInput& in) {
   PlanInput checkpointed = in;
   checkpointed.activation_checkpointing = true;
   if (recommend(checkpointed, estimate_all(checkpointed)))
-    return str_cat(" With --activation-checkpointing it fits on these ", in.devices, " devices.");
+    return str_cat(" With --activation-checkpointing blocks it fits on these ", in.devices, " devices.");
   if (const auto cluster = find_smallest_cluster(checkpointed))
-    return str_cat(" With --activation-checkpointing the smallest cluster that fits has ", cluster->devices,
+    return str_cat(" With --activation-checkpointing blocks the smallest cluster that fits has ", cluster->devices,
                    " devices: ", describe_layout(cluster->estimate.layout), " at ",
                    gigabytes(cluster->estimate.memory.total()), " GB per device.");
   return "";
@@ -87,7 +87,7 @@ std::string no_fit_message(const Plan& plan) {
             : "";
     msg += str_cat(" No cluster of up to ", with_commas(kMaxSearchDevices), " devices (in nodes of ",
                    devices_per_node_of(in), ") fits", why, "; try a smaller --micro-batch, ",
-                   "--activation-checkpointing, or devices with more memory.");
+                   "--activation-checkpointing blocks, or devices with more memory.");
   }
   if (!in.activation_checkpointing && in.gpt) msg += checkpointing_hint(in);
   return msg;

@@ -197,9 +197,9 @@ training:
   --micro-batch B            sequences per micro-batch (default 1)
   --global-batch G           sequences per step (default: micro-batch x devices)
   --precision P              fp32 (default), bf16-mixed or fp16-mixed
-  --optimizer O              adam (default) or sgd
-  --momentum                 sgd keeps a momentum buffer
-  --activation-checkpointing keep only each layer's input, recompute the rest
+  --optimizer O              adamw, adam (default; the same state) or sgd
+  --momentum M               sgd's momentum factor; > 0 keeps a buffer (default 0)
+  --activation-checkpointing none|blocks  blocks: keep only each block's input, recompute the rest (default none)
 cluster:
   --devices N                number of devices (required)
   --device-memory SIZE       memory per device, e.g. 80GB or 80GiB (required)

@@ -248,8 +248,8 @@ TEST(Plan, ParsesUnits) {
 TEST(Plan, ParsesFlagsInBothForms) {
   const PlanInput in = parse_plan_args(split_args(
       "--layers=2 --hidden 8 --heads=2 --vocab 10 --seq-len=4 --untied --micro-batch 2 --global-batch=16 "
-      "--precision bf16-mixed --optimizer=sgd --momentum --devices=8 --device-memory 80GiB --devices-per-node 4 "
-      "--intra-node-bandwidth 600GB/s --inter-node-bandwidth=50GB/s --activation-checkpointing --margin 20% --json"));
+      "--precision bf16-mixed --optimizer=sgd --momentum 0.9 --devices=8 --device-memory 80GiB --devices-per-node 4 "
+      "--intra-node-bandwidth 600GB/s --inter-node-bandwidth=50GB/s --activation-checkpointing blocks --margin 20% --json"));
   ASSERT_TRUE(in.gpt);
   EXPECT_FALSE(in.gpt->tie_embeddings);
   EXPECT_EQ(in.params, 1952);
@@ -285,7 +285,9 @@ TEST(Plan, RejectsBadInputWithClearMessages) {
       {shape + "--device-memory 80GB", "--devices is missing"},
       {shape + "--devices 8", "--device-memory is missing"},
       {shape + cluster + "--precision fp8", "--precision 'fp8': expected fp32, bf16-mixed or fp16-mixed"},
-      {shape + cluster + "--momentum", "--momentum applies to --optimizer sgd"},
+      {shape + cluster + "--momentum 0.9", "--momentum applies to --optimizer sgd"},
+      {shape + cluster + "--optimizer sgd --momentum yes", "--momentum yes: expected the momentum factor in [0, 1)"},
+      {shape + cluster + "--activation-checkpointing every-2", "the planner estimates none and blocks"},
       {shape + cluster + "--devices 4", "--devices is given twice"},
       {shape + cluster + "--pipeline 2", "unknown flag '--pipeline'"},
       {shape + cluster + "--micro-batch 3 --global-batch 8", "--global-batch 8 is not a multiple of --micro-batch 3"},
@@ -386,7 +388,7 @@ TEST(Plan, ActivationsBeyondAnyClusterSuggestCheckpointing) {
   EXPECT_FALSE(plan.recommendation);
   EXPECT_FALSE(plan.smallest_cluster);
   EXPECT_NE(plan.no_fit_message.find("the activations alone need at least"), std::string::npos) << plan.no_fit_message;
-  EXPECT_NE(plan.no_fit_message.find("With --activation-checkpointing the smallest cluster that fits has"),
+  EXPECT_NE(plan.no_fit_message.find("With --activation-checkpointing blocks the smallest cluster that fits has"),
             std::string::npos)
       << plan.no_fit_message;
 
