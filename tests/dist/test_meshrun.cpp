@@ -160,6 +160,15 @@ TEST(Meshrun, TorchrunFlagsAndQuiet) {
   EXPECT_LT(r.seconds, 15.0) << r.output;
   r = sh(kBin + "/meshrun --standalone --nnodes 2 -- true");
   EXPECT_TRUE(contains(r.output, "--standalone is one node")) << r.output;
+  // --help: to stdout, success; every flag listed (meshrun and the trainer).
+  r = sh(kBin + "/meshrun --help 2>/dev/null");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const char* flag : {"--nproc-per-node", "--rdzv-endpoint", "--standalone", "--rdzv-timeout", "--quiet", "--max-restarts"})
+    EXPECT_TRUE(contains(r.output, flag)) << flag << "\n" << r.output;
+  r = sh(kBin + "/meshtrain --help 2>/dev/null");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const char* flag : {"--data", "--async-save", "--zero", "--pp", "--clip-grad-norm"})
+    EXPECT_TRUE(contains(r.output, flag)) << flag << "\n" << r.output;
 }
 
 // kill -9 of a rank in the middle of a step: meshrun stops the group and

@@ -2,6 +2,7 @@
 // in the library (meshtrain::train, meshtrain::plan).
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 
@@ -18,6 +19,10 @@ using namespace meshtrain;
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
+  if (std::find(args.begin(), args.end(), "--help") != args.end() || std::find(args.begin(), args.end(), "-h") != args.end()) {
+    std::cout << train::train_usage();  // asked for: stdout, success
+    return 0;
+  }
   if (args.size() == 1 && args[0] == "--version") {
     std::cout << "meshtrain " << meshtrain::version() << " (libtorch " << TORCH_VERSION << ")" << std::endl;
     return 0;
