@@ -8,9 +8,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # dpkg-dev and file: cpack's Debian package (dependencies by dpkg-shlibdeps);
 # pkg-config: the install test builds a program with meshtrain.pc;
-# libssl-dev: OpenSSL's libcrypto, for checkpoint checksums.
+# libssl-dev: OpenSSL's libcrypto, for checkpoint checksums; nlohmann-json3-dev: JSON.
 PACKAGES=(build-essential cmake ccache libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin
-          libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config libssl-dev)
+          libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config libssl-dev nlohmann-json3-dev)
 [[ " $* " == *" --with-peers "* ]] && PACKAGES+=(python3-torch)
 
 missing=()

@@ -49,8 +49,9 @@ std::string shard_name(int rank) {
 }
 
 std::string shape_json(const std::vector<int64_t>& shape) {
-  std::vector<double> v(shape.begin(), shape.end());
-  return json::numbers(v);
+  std::vector<std::string> dims;
+  for (int64_t d : shape) dims.push_back(std::to_string(d));  // integers, read back exactly
+  return json::array(dims);
 }
 
 // This rank's shard file and the JSON describing its chunks.
@@ -184,12 +185,12 @@ std::string latest_checkpoint(const std::string& dir) {
 CheckpointReader::CheckpointReader(const std::string& step_dir) : dir_(step_dir) {
   const std::string path = step_dir + "/manifest.json";
   MESHTRAIN_CHECK(files::exists(path), "checkpoint ", step_dir, " has no manifest.json: it was never completed");
-  manifest_ = json::parse(files::read_all(path));
+  manifest_ = json::parse_file(path);
   MESHTRAIN_CHECK(manifest_["format"].str() == "meshtrain-checkpoint/1", path, ": unknown checkpoint format");
-  step_ = static_cast<int64_t>(manifest_["step"].num());
+  step_ = manifest_["step"].i64();
   for (size_t s = 0; s < manifest_["shards"].size(); ++s) {
     const json::Value& steps = manifest_["shards"][s]["content"]["steps"];
-    for (const auto& kv : steps.fields) steps_[kv.first] = static_cast<int64_t>(kv.second.num());
+    for (const auto& kv : steps.fields) steps_[kv.first] = kv.second.i64();
   }
 }
 
@@ -200,7 +201,7 @@ const std::map<std::string, at::Tensor>& CheckpointReader::shard(size_t index) {
   const std::string path = dir_ + "/" + s["file"].str();
   MESHTRAIN_CHECK(files::exists(path), "checkpoint shard ", path, " is missing");
   const std::string bytes = files::read_all(path);
-  const int64_t want = static_cast<int64_t>(s["bytes"].num());
+  const int64_t want = s["bytes"].i64();
   MESHTRAIN_CHECK(static_cast<int64_t>(bytes.size()) == want, "checkpoint shard ", path, " is truncated or padded: ",
                   bytes.size(), " bytes, the manifest says ", want);
   const std::string sha = sha256_hex(bytes);
@@ -238,15 +239,15 @@ at::Tensor CheckpointReader::full(const std::string& param, const std::string& k
     for (const auto& c : manifest_["shards"][s]["content"]["chunks"].items) {
       if (c["param"].str() != param || c["kind"].str() != kind) continue;
       std::vector<int64_t> shape;
-      for (const auto& d : c["shape"].items) shape.push_back(static_cast<int64_t>(d.num()));
-      tp_dim = static_cast<int64_t>(c["tp_dim"].num());
-      tp_size = static_cast<int>(c["tp_size"].num());
-      const int index = static_cast<int>(c["tp_index"].num());
+      for (const auto& d : c["shape"].items) shape.push_back(d.i64());
+      tp_dim = c["tp_dim"].i64();
+      tp_size = static_cast<int>(c["tp_size"].i64());
+      const int index = static_cast<int>(c["tp_index"].i64());
       if (!full.defined()) full = at::zeros(shape, at::kFloat);
       at::Tensor& slab = slabs[index];
       if (!slab.defined()) slab = (tp_dim < 0 ? full : full.chunk(tp_size, tp_dim)[index]).contiguous();
       const at::Tensor& data = shard(s).at(c["key"].str());
-      slab.view(-1).narrow(0, static_cast<int64_t>(c["offset"].num()), data.numel()).copy_(data);
+      slab.view(-1).narrow(0, c["offset"].i64(), data.numel()).copy_(data);
     }
   }
   for (auto& kv : slabs) {

@@ -1,40 +1,59 @@
+// JSON through nlohmann-json: strict parsing (no NaN, hex or trailing text;
+// every escape, \uXXXX included), numbers written to round-trip exactly,
+// integers read exactly. meshtrain's small API in front of it.
 #include "meshtrain/util/json.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
 
 namespace meshtrain {
 namespace json {
 
-std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
+namespace {
+
+using nl = nlohmann::json;
+
+Value from(const nl& j) {
+  Value v;
+  switch (j.type()) {
+    case nl::value_t::null: v.type = Value::Type::kNull; break;
+    case nl::value_t::boolean: v.type = Value::Type::kBool; v.boolean = j.get<bool>(); break;
+    case nl::value_t::number_integer:
+    case nl::value_t::number_unsigned:
+      v.type = Value::Type::kNumber;
+      v.is_integer = true;
+      v.integer = j.get<int64_t>();
+      v.number = static_cast<double>(v.integer);
+      break;
+    case nl::value_t::number_float: v.type = Value::Type::kNumber; v.number = j.get<double>(); break;
+    case nl::value_t::string: v.type = Value::Type::kString; v.string = j.get<std::string>(); break;
+    case nl::value_t::array:
+      v.type = Value::Type::kArray;
+      for (const nl& item : j) v.items.push_back(from(item));
+      break;
+    case nl::value_t::object:
+      v.type = Value::Type::kObject;
+      for (auto it = j.begin(); it != j.end(); ++it) v.fields[it.key()] = from(it.value());
+      break;
+    default: throw ConfigError("JSON: unsupported value (binary)");
   }
-  return out + "\"";
+  return v;
+}
+
+}  // namespace
+
+std::string quote(const std::string& s) {
+  // Invalid UTF-8 (a path's bytes, say) becomes U+FFFD rather than failing the write.
+  return nl(s).dump(-1, ' ', false, nl::error_handler_t::replace);
 }
 
 std::string number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  return buf;
+  if (!std::isfinite(v)) return "null";  // JSON has no NaN or infinity
+  return nl(v).dump();                   // the shortest text that reads back as the same double
 }
 
 Object& Object::raw(const std::string& key, const std::string& json_value) {
@@ -71,103 +90,31 @@ double Value::num() const {
   return type == Type::kNull ? std::nan("") : number;
 }
 
+int64_t Value::i64() const {
+  MESHTRAIN_CHECK(type == Type::kNumber && is_integer, "JSON: not an integer (", type == Type::kNumber ? number : 0.0, ")");
+  return integer;
+}
+
 const std::string& Value::str() const {
   MESHTRAIN_CHECK(type == Type::kString, "JSON: not a string");
   return string;
 }
 
-namespace {
-
-struct Parser {
-  const std::string& t;
-  size_t i = 0;
-  void ws() {
-    while (i < t.size() && (t[i] == ' ' || t[i] == '\n' || t[i] == '\t' || t[i] == '\r')) ++i;
-  }
-  [[noreturn]] void fail(const char* what) { throw ConfigError(str_cat("JSON: ", what, " at offset ", i)); }
-  void expect(char c) {
-    ws();
-    if (i >= t.size() || t[i] != c) fail("unexpected character");
-    ++i;
-  }
-  std::string string_literal() {
-    expect('"');
-    std::string out;
-    while (i < t.size() && t[i] != '"') {
-      char c = t[i++];
-      if (c == '\\' && i < t.size()) {
-        const char e = t[i++];
-        if (e == 'n') c = '\n';
-        else if (e == 't') c = '\t';
-        else if (e == 'u' && i + 4 <= t.size()) {
-          c = static_cast<char>(std::strtol(t.substr(i, 4).c_str(), nullptr, 16));
-          i += 4;
-        } else c = e;
-      }
-      out.push_back(c);
-    }
-    if (i >= t.size()) fail("unterminated string");
-    ++i;
-    return out;
-  }
-  Value value() {
-    ws();
-    if (i >= t.size()) fail("unexpected end");
-    Value v;
-    const char c = t[i];
-    if (c == '{') {
-      v.type = Value::Type::kObject;
-      ++i;
-      ws();
-      if (i < t.size() && t[i] == '}') { ++i; return v; }
-      while (true) {
-        std::string key = string_literal();
-        expect(':');
-        v.fields[key] = value();
-        ws();
-        if (i < t.size() && t[i] == ',') { ++i; continue; }
-        expect('}');
-        return v;
-      }
-    }
-    if (c == '[') {
-      v.type = Value::Type::kArray;
-      ++i;
-      ws();
-      if (i < t.size() && t[i] == ']') { ++i; return v; }
-      while (true) {
-        v.items.push_back(value());
-        ws();
-        if (i < t.size() && t[i] == ',') { ++i; continue; }
-        expect(']');
-        return v;
-      }
-    }
-    if (c == '"') {
-      v.type = Value::Type::kString;
-      v.string = string_literal();
-      return v;
-    }
-    if (t.compare(i, 4, "true") == 0) { i += 4; v.type = Value::Type::kBool; v.boolean = true; return v; }
-    if (t.compare(i, 5, "false") == 0) { i += 5; v.type = Value::Type::kBool; return v; }
-    if (t.compare(i, 4, "null") == 0) { i += 4; return v; }
-    char* end = nullptr;
-    v.number = std::strtod(t.c_str() + i, &end);
-    if (end == t.c_str() + i) fail("not a JSON value");
-    i = static_cast<size_t>(end - t.c_str());
-    v.type = Value::Type::kNumber;
-    return v;
-  }
-};
-
-}  // namespace
-
 Value parse(const std::string& text) {
-  Parser p{text};
-  Value v = p.value();
-  p.ws();
-  if (p.i != text.size()) p.fail("trailing characters");
-  return v;
+  try {
+    return from(nl::parse(text));
+  } catch (const nl::exception& e) {
+    throw ConfigError(str_cat("JSON: ", e.what()));
+  }
+}
+
+Value parse_file(const std::string& path) {
+  MESHTRAIN_CHECK(files::exists(path), path, ": no such file");
+  try {
+    return from(nl::parse(files::read_all(path)));
+  } catch (const nl::exception& e) {
+    throw ConfigError(str_cat(path, ": not valid JSON (", e.what(), ")"));
+  }
 }
 
 }  // namespace json

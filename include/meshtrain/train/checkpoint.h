@@ -89,7 +89,7 @@ class CheckpointReader {
   bool has(const std::string& param) const;
   // The world size of the run that saved it, and the RNG state its rank
   // `rank` saved (undefined when that shard has none).
-  int world_size() const { return static_cast<int>(manifest_["world_size"].num()); }
+  int world_size() const { return static_cast<int>(manifest_["world_size"].i64()); }
   at::Tensor rng_state(int rank);
 
  private:

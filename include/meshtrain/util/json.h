@@ -1,6 +1,8 @@
 #pragma once
-// A minimal JSON writer (no dependencies): values are built as text.
+// JSON: objects written as text in field order, and a parsed tree to read
+// (nlohmann-json underneath: strict, every escape, exact numbers).
 
+#include <cstdint>
 #include <map>
 #include <sstream>
 #include <string>
@@ -36,6 +38,8 @@ class Value {
   Type type = Type::kNull;
   bool boolean = false;
   double number = 0;
+  bool is_integer = false;  // written without a fraction or exponent: `integer` holds it exactly
+  int64_t integer = 0;
   std::string string;
   std::vector<Value> items;
   std::map<std::string, Value> fields;
@@ -45,12 +49,15 @@ class Value {
   const Value& operator[](size_t index) const;
   bool has(const std::string& key) const { return fields.count(key) > 0; }
   double num() const;
+  int64_t i64() const;  // an integer, exactly (counts, offsets, bytes); ConfigError otherwise
   const std::string& str() const;
   size_t size() const { return type == Type::kArray ? items.size() : fields.size(); }
 };
 
 // Parses JSON text; throws ConfigError with the position on malformed input.
 Value parse(const std::string& text);
+// Reads and parses a file; errors name it.
+Value parse_file(const std::string& path);
 
 }  // namespace json
 }  // namespace meshtrain
