@@ -90,7 +90,11 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
     else if (a == "--master-addr") o.master_addr = value(a, inline_value);
     else if (a == "--master-port") o.master_port = to_int(a, value(a, inline_value));
     else if (a == "--max-restarts") o.max_restarts = to_int(a, value(a, inline_value));
-    else if (a == "--grace-seconds") o.grace = std::chrono::milliseconds(1000 * to_int(a, value(a, inline_value)));
+    else if (a == "--grace-seconds") {
+      const int s = to_int(a, value(a, inline_value));
+      MESHTRAIN_CHECK(s >= 0 && s <= 86400, "meshrun: --grace-seconds ", s, " must be in [0, 86400]");
+      o.grace = std::chrono::seconds(s);
+    }
     else if (a == "--threads-per-rank") o.threads_per_rank = to_int(a, value(a, inline_value));
     else if (a == "--no-prefix") o.prefix_output = false;
     else if (a == "--help" || a == "-h") throw ConfigError(launch_usage());

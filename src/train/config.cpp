@@ -1,6 +1,11 @@
 #include "meshtrain/train/config.h"
 
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <functional>
 #include <map>
 #include <type_traits>
@@ -8,6 +13,7 @@
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/train/token_shards.h"
+#include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
@@ -32,10 +38,10 @@ double to_double(const std::string& flag, const std::string& v) {
   try {
     size_t pos = 0;
     const double x = std::stod(v, &pos);
-    if (pos == v.size()) return x;
+    if (pos == v.size() && std::isfinite(x)) return x;  // no flag means inf or nan
   } catch (const std::exception&) {
   }
-  throw ConfigError(str_cat("meshtrain: ", flag, " '", v, "' is not a number"));
+  throw ConfigError(str_cat("meshtrain: ", flag, " '", v, "' is not a finite number"));
 }
 
 // A flag: its name, how its value reads (nullptr: a switch), its help line,
@@ -59,7 +65,13 @@ T parse_as(const std::string& flag, const std::string& v) {
   } else if constexpr (std::is_floating_point<T>::value) {
     return to_double(flag, v);
   } else {
-    return static_cast<T>(to_int(flag, v));
+    const int64_t x = to_int(flag, v);  // then the field's own range: 2^32 + 1 is not 1
+    const bool wide = !std::is_signed<T>::value && sizeof(T) >= sizeof(int64_t);  // uint64: any x >= 0 fits
+    MESHTRAIN_CHECK(x >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+                        (wide || x <= static_cast<int64_t>(std::numeric_limits<T>::max())),
+                    "meshtrain: ", flag, " ", v, " is out of range (", std::numeric_limits<T>::min(), " to ",
+                    std::numeric_limits<T>::max(), ")");
+    return static_cast<T>(x);
   }
 }
 
@@ -239,6 +251,10 @@ void check_values(const TrainConfig& c) {
   MESHTRAIN_CHECK(c.save_every == 0 || !c.save_dir.empty(), "--save-every needs --save-dir");
   MESHTRAIN_CHECK(!c.resume || !c.save_dir.empty(), "--resume needs --save-dir (where the checkpoints are)");
   MESHTRAIN_CHECK(c.digits >= 1 && c.digits <= 6, "--digits ", c.digits, " must be in [1, 6]");
+  MESHTRAIN_CHECK(c.momentum >= 0 && c.momentum < 1, "--momentum ", c.momentum, " must be in [0, 1) (e.g. 0.9)");
+  MESHTRAIN_CHECK(c.weight_decay >= 0, "--weight-decay ", c.weight_decay, " must be >= 0");
+  MESHTRAIN_CHECK(c.bucket_cap_mb > 0, "--bucket-cap-mb ", c.bucket_cap_mb, " must be positive (default 25)");
+  MESHTRAIN_CHECK(c.eval_problems >= 0, "--eval-problems ", c.eval_problems, " must be >= 0 (0: no evaluation)");
   MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");
   MESHTRAIN_CHECK(c.backend.empty() || c.backend == "auto" || c.backend == "shm" || c.backend == "gloo" ||
                       c.backend == "mpi",
@@ -307,12 +323,18 @@ void resolve_data(TrainConfig& c) {
   MESHTRAIN_CHECK(files::exists(c.data), "--data ", c.data,
                   ": no such file; give a text file or token shards to train on, or leave --data out for the "
                   "built-in task");
+  struct stat st{};
+  MESHTRAIN_CHECK(::stat(c.data.c_str(), &st) == 0 && S_ISREG(st.st_mode), "--data ", c.data,
+                  " is not a regular file (a directory or a device); give a text file, or shards as 'dir/*.bin'");
   if (c.model.kind == "gpt") c.model.vocab = std::max<int64_t>(c.model.vocab, 256);  // byte tokens
 }
 
 // The model against the layout, and the data.
 void resolve_model(TrainConfig& c) {
   resolve_data(c);
+  // The built-in task's text is ASCII digits, '+', '=' and newlines: byte tokens below 64.
+  MESHTRAIN_CHECK(!c.data.empty() || c.model.kind != "gpt" || c.model.vocab >= 64, "--vocab ", c.model.vocab,
+                  " is too small for the built-in task's byte tokens (up to 63); give --vocab 64 or more");
   c.model.seed = c.seed;
   models::validate(c.model, c.tp, c.sequence_parallel);
 }
@@ -364,6 +386,56 @@ std::string to_json(const TrainConfig& c) {
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap)
       .str("backend", c.backend.empty() ? "auto" : c.backend);
   return o.str();
+}
+
+}  // namespace train
+}  // namespace meshtrain
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+// "lr" -> "--lr", "model.seq_len" -> "--seq-len": the flag a field comes from.
+std::string flag_of(const std::string& key) {
+  std::string f = "--" + key.substr(key.rfind('.') == std::string::npos ? 0 : key.rfind('.') + 1);
+  std::replace(f.begin(), f.end(), '_', '-');
+  return f;
+}
+
+// The fields (nested ones as "model.x") whose values differ between two configurations.
+void differing_fields(const nlohmann::json& a, const nlohmann::json& b, const std::string& prefix,
+                      std::vector<std::string>& out) {
+  for (auto it = a.begin(); it != a.end(); ++it) {
+    const auto other = b.find(it.key());
+    if (other == b.end()) {
+      out.push_back(prefix + it.key());
+    } else if (it->is_object() && other->is_object()) {
+      differing_fields(*it, *other, prefix + it.key() + ".", out);
+    } else if (*it != *other) {
+      out.push_back(prefix + it.key());
+    }
+  }
+}
+
+}  // namespace
+
+void check_same_config(const TrainConfig& c, comm::Communicator& world) {
+  const std::vector<std::string> all = comm::all_gather_strings(world, to_json(c));
+  for (int r = 1; r < static_cast<int>(all.size()); ++r) {
+    if (all[r] == all[0]) continue;
+    const nlohmann::json a = nlohmann::json::parse(all[0]), b = nlohmann::json::parse(all[r]);
+    std::vector<std::string> fields;
+    differing_fields(a, b, "", fields);
+    std::string what;
+    for (const std::string& f : fields) {
+      const nlohmann::json::json_pointer p("/" + [&] { std::string q = f; std::replace(q.begin(), q.end(), '.', '/'); return q; }());
+      what += str_cat(what.empty() ? "" : "; ", flag_of(f), " is ", a.contains(p) ? a[p].dump() : "unset", " on rank 0 but ",
+                      b.contains(p) ? b[p].dump() : "unset", " on rank ", r);
+    }
+    throw ConfigError(str_cat("the ranks were started with different training configurations: ", what,
+                              ". Every rank must get the same flags (and the same data)"));
+  }
 }
 
 }  // namespace train

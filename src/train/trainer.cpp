@@ -95,6 +95,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   // Logging and reporting use their own communicator, so the training
   // communicators' traffic is the training's alone.
   comm::CommPtr metrics = world->split(0, world->rank(), "metrics");
+  check_same_config(c, *metrics);  // a rank started with another --lr or --seed would train silently apart
   const bool chief = world->rank() == 0;
   std::unique_ptr<Engine> engine = make_engine(c, world);
   const Resumed resumed = resume_if_asked(c, *engine, *world, options.verbose);

@@ -193,6 +193,19 @@ TEST(Cli, BadFlagsFailOnEveryRankBeforeAnyCommunication) {
 
 // Byte-level training on a user's text file learns it (the loss clearly
 // falls), and the built-in arithmetic task does too.
+// Ranks started with different flags (here rank 2's --seed and --lr) are
+// stopped before the first step, each differing flag named with its values.
+TEST(Cli, RanksStartedWithDifferentFlagsAreNamedBeforeTraining) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 3 -- bash -c 'exec " + kBin + "/meshtrain" + kTiny +
+               "--seed $((7 + RANK / 2)) --lr 0.00$((1 + RANK / 2))'");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "started with different training configurations")) << r.output;
+  EXPECT_TRUE(contains(r.output, "--lr is 0.001 on rank 0 but 0.002 on rank 2")) << r.output;
+  EXPECT_TRUE(contains(r.output, "--seed is 7 on rank 0 but 8 on rank 2")) << r.output;
+  EXPECT_FALSE(contains(r.output, "step ")) << "a step ran:\n" << r.output;
+  EXPECT_LT(r.seconds, 15.0) << r.output;
+}
+
 TEST(Cli, TheLossFallsOnATextFileAndOnTheBuiltInTask) {
   TempDir dir;
   {

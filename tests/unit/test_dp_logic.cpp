@@ -111,6 +111,25 @@ TEST(TrainConfig, ResolveRejectsModelShapesBeforeAnyCommunication) {
             std::string::npos);
 }
 
+// Values that used to wrap around, train to nan or end in a libtorch stack
+// trace: each is refused by name before anything starts.
+TEST(TrainConfig, OutOfRangeAndNonFiniteValuesAreRefusedByName) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--steps", "4294967297"}, "--steps 4294967297 is out of range"},
+      {{"--zero", "4294967297"}, "--zero 4294967297 is out of range"},
+      {{"--lr", "inf"}, "--lr 'inf' is not a finite number"},
+      {{"--weight-decay", "nan"}, "--weight-decay 'nan' is not a finite number"},
+      {{"--weight-decay", "-1"}, "--weight-decay -1 must be >= 0"},
+      {{"--momentum", "-5"}, "--momentum -5 must be in [0, 1)"},
+      {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb 0 must be positive"},
+      {{"--eval-problems", "-1"}, "--eval-problems -1 must be >= 0"},
+      {{"--vocab", "5"}, "--vocab 5 is too small for the built-in task"},
+      {{"--data", "/dev/zero"}, "--data /dev/zero is not a regular file"},
+      {{"--data", "/tmp"}, "--data /tmp is not a regular file"},
+  };
+  for (const auto& c : cases) EXPECT_NE(error_of(c.first, 1).find(c.second), std::string::npos) << error_of(c.first, 1);
+}
+
 TEST(Init, AnySliceEqualsTheSliceOfTheFullTensor) {
   const std::vector<int64_t> shape = {6, 10};
   auto full = init_full(7, "w", InitSpec::normal(0, 1), shape);

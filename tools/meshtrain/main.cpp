@@ -1,5 +1,6 @@
 // meshtrain: the trainer (and, as "meshtrain plan", the planner). Logic lives
 // in the library (meshtrain::train, meshtrain::plan).
+#include <c10/util/Exception.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -59,6 +60,9 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const comm::CommError& e) {
     std::cerr << "meshtrain: communication failed: " << e.what() << std::endl;
+    return 1;
+  } catch (const c10::Error& e) {  // libtorch's own errors: the message, not 25 frames of stack
+    std::cerr << "meshtrain: " << e.what_without_backtrace() << std::endl;
     return 1;
   } catch (const std::exception& e) {
     std::cerr << "meshtrain: " << e.what() << std::endl;

@@ -9,6 +9,9 @@
 #include "meshtrain/models/models.h"
 
 namespace meshtrain {
+namespace comm {
+class Communicator;
+}
 namespace train {
 
 struct TrainConfig {
@@ -64,6 +67,11 @@ struct TrainConfig {
 // Parses trainer flags ("--name value" or "--name=value"). Throws ConfigError.
 TrainConfig parse_train_args(const std::vector<std::string>& args);
 std::string train_usage();
+
+// Collective over `world`: every rank must train the same resolved
+// configuration. ConfigError on every rank naming each differing flag, its
+// values and the first rank that differs from rank 0 (before any training).
+void check_same_config(const TrainConfig& config, comm::Communicator& world);
 
 // Fills derived values (dp, micro_batch, microbatches) for `world_size` ranks
 // and checks every constraint. Throws ConfigError naming the values.
