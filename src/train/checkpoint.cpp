@@ -1,9 +1,11 @@
 #include "meshtrain/train/checkpoint.h"
 
 #include <ATen/ATen.h>
+#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -169,13 +171,29 @@ SaveStats commit_checkpoint(const std::string& dir, int64_t step, const EncodedS
   return stats;
 }
 
+std::vector<std::string> complete_checkpoints(const std::string& dir) {
+  std::vector<std::string> steps;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.size() == 13 && name.rfind("step-", 0) == 0 && files::exists(dir + "/" + name + "/manifest.json"))
+        steps.push_back(dir + "/" + name);
+    }
+    closedir(d);
+  }
+  std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
+  return steps;
+}
+
 std::string latest_checkpoint(const std::string& dir) {
   const std::string latest = dir + "/latest";
   if (!files::exists(latest)) return "";
   std::string name = files::read_all(latest);
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  MESHTRAIN_CHECK(name.rfind("step-", 0) == 0, "checkpoint directory ", dir, ": 'latest' holds '", name,
-                  "', not a step directory name");
+  MESHTRAIN_CHECK(name.size() == 13 && name.rfind("step-", 0) == 0 &&
+                      name.find_first_not_of("0123456789", 5) == std::string::npos,
+                  "checkpoint directory ", dir, ": 'latest' holds '", name, "', not a step directory name "
+                  "(step-NNNNNNNN)");
   const std::string step_dir = dir + "/" + name;
   MESHTRAIN_CHECK(files::exists(step_dir + "/manifest.json"), "checkpoint ", step_dir,
                   " named by 'latest' has no manifest.json: the directory was altered after it was committed");
@@ -188,6 +206,9 @@ CheckpointReader::CheckpointReader(const std::string& step_dir) : dir_(step_dir)
   manifest_ = json::parse_file(path);
   MESHTRAIN_CHECK(manifest_["format"].str() == "meshtrain-checkpoint/1", path, ": unknown checkpoint format");
   step_ = manifest_["step"].i64();
+  const std::string base = step_dir.substr(step_dir.find_last_of('/') + 1);
+  MESHTRAIN_CHECK(base.rfind("step-", 0) != 0 || base == step_name(step_), path, " says step ", step_,
+                  " but lives in ", base, ": the manifest was altered after it was committed");
   for (size_t s = 0; s < manifest_["shards"].size(); ++s) {
     const json::Value& steps = manifest_["shards"][s]["content"]["steps"];
     for (const auto& kv : steps.fields) steps_[kv.first] = kv.second.i64();

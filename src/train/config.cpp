@@ -420,20 +420,36 @@ void differing_fields(const nlohmann::json& a, const nlohmann::json& b, const st
 
 }  // namespace
 
+std::string config_differences(const std::string& a_json, const std::string& b_json, const std::string& a_name,
+                               const std::string& b_name, const std::vector<std::string>& sections) {
+  nlohmann::json a = nlohmann::json::parse(a_json), b = nlohmann::json::parse(b_json);
+  if (!sections.empty()) {
+    nlohmann::json a_part = nlohmann::json::object(), b_part = nlohmann::json::object();
+    for (const std::string& k : sections) {
+      if (a.contains(k)) a_part[k] = a[k];
+      if (b.contains(k)) b_part[k] = b[k];
+    }
+    a = a_part, b = b_part;
+  }
+  std::vector<std::string> fields;
+  differing_fields(a, b, "", fields);
+  std::string what;
+  for (const std::string& f : fields) {
+    std::string path = "/" + f;
+    std::replace(path.begin(), path.end(), '.', '/');
+    const nlohmann::json::json_pointer p(path);
+    what += str_cat(what.empty() ? "" : "; ", flag_of(f), " is ", a.contains(p) ? a[p].dump() : "unset", " ", a_name,
+                    " but ", b.contains(p) ? b[p].dump() : "unset", " ", b_name);
+  }
+  return what;
+}
+
 void check_same_config(const TrainConfig& c, comm::Communicator& world) {
   const std::vector<std::string> all = comm::all_gather_strings(world, to_json(c));
   for (int r = 1; r < static_cast<int>(all.size()); ++r) {
     if (all[r] == all[0]) continue;
-    const nlohmann::json a = nlohmann::json::parse(all[0]), b = nlohmann::json::parse(all[r]);
-    std::vector<std::string> fields;
-    differing_fields(a, b, "", fields);
-    std::string what;
-    for (const std::string& f : fields) {
-      const nlohmann::json::json_pointer p("/" + [&] { std::string q = f; std::replace(q.begin(), q.end(), '.', '/'); return q; }());
-      what += str_cat(what.empty() ? "" : "; ", flag_of(f), " is ", a.contains(p) ? a[p].dump() : "unset", " on rank 0 but ",
-                      b.contains(p) ? b[p].dump() : "unset", " on rank ", r);
-    }
-    throw ConfigError(str_cat("the ranks were started with different training configurations: ", what,
+    throw ConfigError(str_cat("the ranks were started with different training configurations: ",
+                              config_differences(all[0], all[r], "on rank 0", "on rank " + std::to_string(r), {}),
                               ". Every rank must get the same flags (and the same data)"));
   }
 }

@@ -1,12 +1,15 @@
 // Resuming and periodic checkpoints of a training run (see run_parts.h).
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <utility>
 
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
 #include "run_parts.h"
 
@@ -35,25 +38,54 @@ void restore_rng_state(CheckpointReader& reader, const comm::Communicator& world
 
 }  // namespace
 
+// The checkpoint to resume from: the one `latest` names, or, when `latest` is
+// gone or its manifest unreadable, the newest older complete one (said);
+// refused when it was saved from another model or optimizer.
+std::unique_ptr<CheckpointReader> checkpoint_to_resume(const TrainConfig& c, bool chief) {
+  std::vector<std::string> candidates = complete_checkpoints(c.save_dir);
+  const std::string latest = latest_checkpoint(c.save_dir);
+  if (latest.empty() && !candidates.empty() && chief) {
+    std::printf("%s has no 'latest' but committed checkpoints: resuming from the newest, %s\n", c.save_dir.c_str(),
+                candidates.front().c_str());
+  }
+  if (!latest.empty()) {
+    candidates.erase(std::remove(candidates.begin(), candidates.end(), latest), candidates.end());
+    candidates.insert(candidates.begin(), latest);
+  }
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    try {
+      auto reader = std::make_unique<CheckpointReader>(candidates[i]);
+      const std::string saved = nlohmann::json::parse(files::read_all(candidates[i] + "/manifest.json"))["config"].dump();
+      const std::string differ = config_differences(saved, to_json(c), "in the checkpoint", "now", {"model", "optimizer"});
+      MESHTRAIN_CHECK(differ.empty(), "--resume: ", candidates[i], " was saved from another model or optimizer: ",
+                      differ, "; resume with the flags it was saved with, or use another --save-dir");
+      return reader;
+    } catch (const ConfigError& e) {
+      if (std::string(e.what()).rfind("--resume: ", 0) == 0 || i + 1 == candidates.size()) throw;
+      if (chief) std::printf("cannot resume from %s (%s); trying the previous checkpoint\n", candidates[i].c_str(), e.what());
+    }
+  }
+  return nullptr;
+}
+
 Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Communicator& world, bool verbose) {
   Resumed r;
   if (!c.resume) return r;
   MESHTRAIN_CHECK(!c.save_dir.empty(), "--resume needs --save-dir (where the checkpoints are)");
   const bool chief = verbose && world.rank() == 0;
-  const std::string step_dir = latest_checkpoint(c.save_dir);
-  if (step_dir.empty()) {
+  const auto t0 = Clock::now();
+  std::unique_ptr<CheckpointReader> reader = checkpoint_to_resume(c, chief);
+  if (!reader) {
     if (chief) std::printf("no checkpoint in %s yet: starting from step 0\n", c.save_dir.c_str());
     return r;
   }
-  const auto t0 = Clock::now();
-  CheckpointReader reader(step_dir);
-  engine.load_checkpoint(reader);
-  restore_rng_state(reader, world, chief);
-  r.first_step = reader.step();
+  engine.load_checkpoint(*reader);
+  restore_rng_state(*reader, world, chief);
+  r.first_step = reader->step();
   r.load_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (chief) {
     std::printf("resumed from checkpoint step %lld (%s), loaded in %.3f s\n", static_cast<long long>(r.first_step),
-                step_dir.c_str(), r.load_seconds);
+                reader->directory().c_str(), r.load_seconds);
   }
   MESHTRAIN_CHECK(r.first_step <= c.steps, "the checkpoint is at step ", r.first_step, ", past --steps ", c.steps);
   return r;

@@ -218,6 +218,56 @@ TEST(Checkpoint, TokenShardsTrainLikeOneProcessAndResumeAcrossLayouts) {
   expect_same_training(resumed, reference, Tolerance{}, "token shards, dp 2 x pp 2 -> one process");
 }
 
+// What --resume does with a checkpoint directory that was tampered with or
+// does not fit: `latest` gone -> the newest committed step (it used to start
+// over at step 0 and overwrite them); `latest`'s manifest corrupt -> the
+// previous step; `latest` pointing outside its pattern, a manifest moved to
+// another step, another model or optimizer -> a ConfigError naming it.
+TEST(Checkpoint, ResumeFindsTheNewestIntactStepAndRefusesAnotherModel) {
+  if (meshtrain::testing::in_rank_process()) return;  // one process throughout
+  const std::string dir = checkpoint_dir("resume-checks");
+  TrainConfig c = layout(1, 1, 1, 0);
+  c.save_dir = dir;
+  c.save_every = 2;
+  train_in_one_process(c);  // steps 2, 4 and 6
+  c.resume = true;
+  c.steps = 8;
+  auto error_of = [&](const TrainConfig& run) {
+    try {
+      train_in_one_process(run);
+    } catch (const meshtrain::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  std::remove((dir + "/latest").c_str());
+  EXPECT_EQ(train_in_one_process(c).first_step, 6);
+  std::ofstream(dir + "/step-00000008/manifest.json", std::ios::trunc) << "{";  // the resumed run saved step 8
+  set_latest(dir, 8);
+  EXPECT_EQ(train_in_one_process(c).first_step, 6);  // step 8's manifest is corrupt: the previous one
+  std::ofstream(dir + "/latest", std::ios::trunc) << "step-00000002/../step-00000006\n";
+  EXPECT_NE(error_of(c).find("not a step directory name"), std::string::npos) << error_of(c);
+  set_latest(dir, 4);
+  TrainConfig other = c;
+  other.model.layers = 4;
+  EXPECT_NE(error_of(other).find("--layers is 3 in the checkpoint but 4 now"), std::string::npos) << error_of(other);
+  other = c;
+  other.optimizer = "sgd";
+  EXPECT_NE(error_of(other).find("--optimizer is \"adamw\" in the checkpoint but \"sgd\" now"), std::string::npos)
+      << error_of(other);
+  std::string manifest = meshtrain::files::read_all(dir + "/step-00000004/manifest.json");
+  const size_t at = manifest.find("\"step\": 4");
+  ASSERT_NE(at, std::string::npos) << manifest.substr(0, 200);
+  manifest.replace(at, 9, "\"step\": 12");
+  std::ofstream(dir + "/step-00000004/manifest.json", std::ios::trunc) << manifest;
+  try {
+    meshtrain::train::CheckpointReader reader(dir + "/step-00000004");
+    ADD_FAILURE() << "an edited manifest was accepted";
+  } catch (const meshtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("says step 12 but lives in step-00000004"), std::string::npos) << e.what();
+  }
+}
+
 // A crash at every stage of committing the step-4 save never leaves a
 // checkpoint that loads as complete: `latest` still names step 2 (after the
 // manifest's rename, step 4 is complete too, but not yet `latest`), and an

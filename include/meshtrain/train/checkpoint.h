@@ -73,14 +73,17 @@ EncodedShard encode_shard(const RankState& mine);
 SaveStats commit_checkpoint(const std::string& dir, int64_t step, const EncodedShard& shard, comm::Communicator& comm,
                             const std::string& config_json);
 
-// The step directory `latest` names ("" when dir has no checkpoint yet).
+// The step directory `latest` names ("" when dir has no `latest`).
 std::string latest_checkpoint(const std::string& dir);
+// The step directories of `dir` that have a manifest (committed), newest first.
+std::vector<std::string> complete_checkpoints(const std::string& dir);
 
 class CheckpointReader {
  public:
   // Reads the manifest of a step directory. ConfigError when it is missing or malformed.
   explicit CheckpointReader(const std::string& step_dir);
   int64_t step() const { return step_; }
+  const std::string& directory() const { return dir_; }
   const json::Value& config() const { return manifest_["config"]; }
   // The full tensor of (param, kind), assembled from the shards that hold it
   // (each verified against its SHA-256 on first use); undefined when absent.

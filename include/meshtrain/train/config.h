@@ -73,6 +73,12 @@ std::string train_usage();
 // values and the first rank that differs from rank 0 (before any training).
 void check_same_config(const TrainConfig& config, comm::Communicator& world);
 
+// The flags whose values differ between two configurations (to_json's text),
+// as "--lr is 0.01 <a_name> but 0.02 <b_name>; ..." ("" when none), looking
+// only at the top-level `sections` when given ("model", "optimizer").
+std::string config_differences(const std::string& a_json, const std::string& b_json, const std::string& a_name,
+                               const std::string& b_name, const std::vector<std::string>& sections);
+
 // Fills derived values (dp, micro_batch, microbatches) for `world_size` ranks
 // and checks every constraint. Throws ConfigError naming the values.
 TrainConfig resolve(TrainConfig config, int world_size);
