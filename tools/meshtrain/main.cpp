@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <chrono>
 #include <iostream>
+#include <thread>
 
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/comm/rendezvous.h"
@@ -54,9 +56,13 @@ int main(int argc, char** argv) {
     train::run_training(config, world);
     return 0;
   } catch (const ConfigError& e) {
-    // Every rank checks the same flags: one line per node says why, not one per rank.
+    // Every rank checks the same flags: one line per node says why, not one per
+    // rank. The other local ranks wait a moment first: when local rank 0 fails
+    // the same way, meshrun stops them before they speak; when only they fail,
+    // they still say why.
     const char* local_rank = std::getenv("LOCAL_RANK");
-    if (!local_rank || std::string(local_rank) == "0") std::cerr << e.what() << std::endl;
+    if (local_rank && std::string(local_rank) != "0") std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    std::cerr << e.what() << std::endl;
     return 2;
   } catch (const comm::CommError& e) {
     std::cerr << "meshtrain: communication failed: " << e.what() << std::endl;
