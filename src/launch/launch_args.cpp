@@ -45,6 +45,26 @@ std::string launch_usage() {
          "  --version                 print meshrun's version\n";
 }
 
+// The parsed flags against each other; ConfigError naming the flag and the fix.
+static void check_launch_options(LaunchOptions& o, bool standalone) {
+  if (standalone) {
+    MESHTRAIN_CHECK(o.nnodes == 1, "meshrun: --standalone is one node; it cannot go with --nnodes ", o.nnodes);
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;
+  }
+  MESHTRAIN_CHECK(!o.command.empty(), "meshrun: no program given; put it after '--'\n", launch_usage());
+  MESHTRAIN_CHECK(o.nproc_per_node >= 1, "meshrun: --nproc-per-node ", o.nproc_per_node, " must be at least 1");
+  MESHTRAIN_CHECK(o.nnodes >= 1, "meshrun: --nnodes ", o.nnodes, " must be at least 1");
+  MESHTRAIN_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, "meshrun: --node-rank ", o.node_rank,
+                  " must be in [0, --nnodes ", o.nnodes, ")");
+  MESHTRAIN_CHECK(o.master_port >= 0 && o.master_port <= 65535, "meshrun: --master-port ", o.master_port,
+                  " must be in [0, 65535]");
+  MESHTRAIN_CHECK(o.master_port != 0 || o.nnodes == 1, "meshrun: --master-port 0 (pick a free port) "
+                  "works on one node only; with --nnodes ", o.nnodes, " every node must be given the same port");
+  MESHTRAIN_CHECK(o.max_restarts >= 0, "meshrun: --max-restarts ", o.max_restarts, " must be >= 0");
+  MESHTRAIN_CHECK(o.threads_per_rank >= 0, "meshrun: --threads-per-rank ", o.threads_per_rank, " must be >= 0");
+}
+
 LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
   LaunchOptions o;
   bool standalone = false;
@@ -106,22 +126,7 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
       throw ConfigError(str_cat("meshrun: unknown flag '", args[i], "'\n", launch_usage()));
     }
   }
-  if (standalone) {
-    MESHTRAIN_CHECK(o.nnodes == 1, "meshrun: --standalone is one node; it cannot go with --nnodes ", o.nnodes);
-    o.master_addr = "127.0.0.1";
-    o.master_port = 0;
-  }
-  MESHTRAIN_CHECK(!o.command.empty(), "meshrun: no program given; put it after '--'\n", launch_usage());
-  MESHTRAIN_CHECK(o.nproc_per_node >= 1, "meshrun: --nproc-per-node ", o.nproc_per_node, " must be at least 1");
-  MESHTRAIN_CHECK(o.nnodes >= 1, "meshrun: --nnodes ", o.nnodes, " must be at least 1");
-  MESHTRAIN_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, "meshrun: --node-rank ", o.node_rank,
-                  " must be in [0, --nnodes ", o.nnodes, ")");
-  MESHTRAIN_CHECK(o.master_port >= 0 && o.master_port <= 65535, "meshrun: --master-port ", o.master_port,
-                  " must be in [0, 65535]");
-  MESHTRAIN_CHECK(o.master_port != 0 || o.nnodes == 1, "meshrun: --master-port 0 (pick a free port) "
-                  "works on one node only; with --nnodes ", o.nnodes, " every node must be given the same port");
-  MESHTRAIN_CHECK(o.max_restarts >= 0, "meshrun: --max-restarts ", o.max_restarts, " must be >= 0");
-  MESHTRAIN_CHECK(o.threads_per_rank >= 0, "meshrun: --threads-per-rank ", o.threads_per_rank, " must be >= 0");
+  check_launch_options(o, standalone);
   return o;
 }
 
