@@ -131,7 +131,7 @@ TEST(TrainingOptionFlags, BadValuesNameTheFlagBeforeAnyCommunication) {
     }
   };
   expect_error({"--clip-grad-norm", "-1"}, "--clip-grad-norm -1");
-  expect_error({"--clip-grad-norm", "nan"}, "--clip-grad-norm nan");
+  expect_error({"--clip-grad-norm", "nan"}, "--clip-grad-norm 'nan' is not a finite number");
   expect_error({"--activation-checkpointing", "all"}, "'all'");
   expect_error({"--model", "mlp", "--hidden", "30", "--tp", "4"}, "--hidden 30", 4);
   const auto c = train::resolve(train::parse_train_args({"--clip-grad-norm", "0.5", "--activation-checkpointing",
