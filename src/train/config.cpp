@@ -164,6 +164,8 @@ const std::vector<FlagGroup>& flag_table() {
          "default: MESHTRAIN_BACKEND, else auto (shared memory inside a host, hierarchical across hosts, MPI "
          "under mpirun)",
          field(&C::backend)},
+        {"--comm-timeout", "S", "seconds a rank waits for a peer before naming it stuck (default: "
+         "MESHTRAIN_COMM_TIMEOUT, else 300)", field(&C::comm_timeout)},
         {"--bucket-cap-mb", "MB", "DDP bucket size (default 25)", field(&C::bucket_cap_mb)},
         {"--no-overlap", nullptr, "DDP: all-reduce after backward instead of during it",
          [](C& c, const std::string&, const std::string&) { c.overlap = false; }}}},
@@ -253,6 +255,8 @@ void check_values(const TrainConfig& c) {
   MESHTRAIN_CHECK(c.digits >= 1 && c.digits <= 6, "--digits ", c.digits, " must be in [1, 6]");
   MESHTRAIN_CHECK(c.momentum >= 0 && c.momentum < 1, "--momentum ", c.momentum, " must be in [0, 1) (e.g. 0.9)");
   MESHTRAIN_CHECK(c.weight_decay >= 0, "--weight-decay ", c.weight_decay, " must be >= 0");
+  MESHTRAIN_CHECK(c.comm_timeout >= 0 && c.comm_timeout <= 86400, "--comm-timeout ", c.comm_timeout,
+                  " must be in (0, 86400] seconds (0: MESHTRAIN_COMM_TIMEOUT, else 300)");
   MESHTRAIN_CHECK(c.bucket_cap_mb > 0, "--bucket-cap-mb ", c.bucket_cap_mb, " must be positive (default 25)");
   MESHTRAIN_CHECK(c.eval_problems >= 0, "--eval-problems ", c.eval_problems, " must be >= 0 (0: no evaluation)");
   MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");

@@ -206,6 +206,17 @@ TEST(Cli, RanksStartedWithDifferentFlagsAreNamedBeforeTraining) {
   EXPECT_LT(r.seconds, 15.0) << r.output;
 }
 
+// A rank that stops (SIGSTOP two seconds in) is named by its peer after
+// --comm-timeout, not after the default five minutes.
+TEST(Cli, CommTimeoutNamesAStuckRank) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 2 --grace-seconds 1 -- bash -c 'if [ $RANK = 1 ]; then (sleep 2; kill -STOP $$) & fi; "
+               "exec " + kBin + "/meshtrain" + kTiny + "--steps 1000000 --comm-timeout 3'");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "no progress for 3000 ms")) << r.output;
+  EXPECT_TRUE(contains(r.output, "from rank 1 (global rank 1); that rank is stuck")) << r.output;
+  EXPECT_LT(r.seconds, 30.0) << r.output;
+}
+
 TEST(Cli, TheLossFallsOnATextFileAndOnTheBuiltInTask) {
   TempDir dir;
   {

@@ -2,6 +2,8 @@
 // parsing and validation, layout-independent initialization, global data order.
 
 #include <gtest/gtest.h>
+
+#include "meshtrain/comm/communicator.h"
 #include <torch/torch.h>
 
 #include "meshtrain/dp/buckets.h"
@@ -128,6 +130,24 @@ TEST(TrainConfig, OutOfRangeAndNonFiniteValuesAreRefusedByName) {
       {{"--data", "/tmp"}, "--data /tmp is not a regular file"},
   };
   for (const auto& c : cases) EXPECT_NE(error_of(c.first, 1).find(c.second), std::string::npos) << error_of(c.first, 1);
+}
+
+// The collective timeout: MESHTRAIN_COMM_TIMEOUT (seconds) sets the default,
+// --comm-timeout the trainer's; bad values are named.
+TEST(TrainConfig, CommTimeoutFromTheFlagAndTheEnvironment) {
+  EXPECT_EQ(comm::CommOptions().timeout, std::chrono::minutes(5));
+  setenv("MESHTRAIN_COMM_TIMEOUT", "7.5", 1);
+  EXPECT_EQ(comm::CommOptions().timeout, std::chrono::milliseconds(7500));
+  setenv("MESHTRAIN_COMM_TIMEOUT", "soon", 1);
+  try {
+    comm::CommOptions o;
+    ADD_FAILURE() << "accepted " << o.timeout.count();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("MESHTRAIN_COMM_TIMEOUT='soon'"), std::string::npos) << e.what();
+  }
+  unsetenv("MESHTRAIN_COMM_TIMEOUT");
+  EXPECT_EQ(train::parse_train_args({"--comm-timeout", "3"}).comm_timeout, 3.0);
+  EXPECT_NE(error_of({"--comm-timeout", "-1"}, 1).find("--comm-timeout -1 must be in (0, 86400]"), std::string::npos);
 }
 
 TEST(Init, AnySliceEqualsTheSliceOfTheFullTensor) {

@@ -46,7 +46,9 @@ int main(int argc, char** argv) {
     // Everything that can be checked is checked before any communication.
     const comm::DistEnv env = comm::dist_env_from_process();
     config = train::resolve(config, env.world_size);
-    comm::CommPtr world = comm::init_from_env(comm::CommOptions().set_backend(config.backend));
+    comm::CommOptions options = comm::CommOptions().set_backend(config.backend);
+    if (config.comm_timeout > 0) options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.comm_timeout * 1000));
+    comm::CommPtr world = comm::init_from_env(options);
     if (world->rank() == 0) {
       std::cout << "meshtrain: " << train::to_json(config) << std::endl;
       std::cout << "meshtrain: communication backend " << world->backend() << " (world of " << world->size()

@@ -45,9 +45,14 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// MESHTRAIN_COMM_TIMEOUT (seconds) when set, else 5 minutes. ConfigError
+// naming the variable when it is not a positive number.
+std::chrono::milliseconds default_comm_timeout();
+
 struct CommOptions {
-  // Every blocking wait gives up after this long with a TimeoutError.
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Every blocking wait gives up after this long with a TimeoutError
+  // (the trainer's --comm-timeout; sub-communicators inherit it).
+  std::chrono::milliseconds timeout{default_comm_timeout()};
   // Exchange a small header before each collective so that ranks passing
   // different kinds, dtypes, shapes or roots get a MismatchError instead of a
   // crash or a hang. Costs one round of small messages per collective;

@@ -54,6 +54,7 @@ struct TrainConfig {
   double bucket_cap_mb = 25.0;
   bool overlap = true;      // DDP: all-reduce during backward
   std::string backend;      // communication: auto | shm | gloo | mpi (empty: MESHTRAIN_BACKEND, else auto)
+  double comm_timeout = 0;  // seconds a rank waits for its peers (0: MESHTRAIN_COMM_TIMEOUT, else 300)
   int eval_problems = 100;  // task accuracy at the end (0: skip)
   std::string plot;         // SVG file of the loss curve (optional)
   // Checkpoints.
