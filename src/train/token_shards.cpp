@@ -72,6 +72,13 @@ int64_t checked_token_count(const MappedFile& f, const std::string& path) {
   return n;
 }
 
+// Windows of seq_len + 1 tokens with stride seq_len in a shard of `tokens`.
+int64_t windows_in(int64_t tokens, int64_t seq_len) { return std::max<int64_t>(0, (tokens - 1) / seq_len); }
+
+void check_has_a_window(int64_t windows, int64_t seq_len) {
+  MESHTRAIN_CHECK(windows > 0, "--data: the shards hold no window of --seq-len + 1 = ", seq_len + 1, " tokens");
+}
+
 class TokenShardDataset : public Dataset {
  public:
   TokenShardDataset(const std::vector<std::string>& paths, int64_t seq_len) : paths_(paths), seq_len_(seq_len) {
@@ -80,9 +87,9 @@ class TokenShardDataset : public Dataset {
       shards_.push_back(std::make_unique<MappedFile>(p));
       const int64_t n = checked_token_count(*shards_.back(), p);
       counts_.push_back(n);
-      starts_.push_back(starts_.back() + std::max<int64_t>(0, (n - 1) / seq_len));  // windows of T + 1, stride T
+      starts_.push_back(starts_.back() + windows_in(n, seq_len));
     }
-    MESHTRAIN_CHECK(windows() > 0, "--data: the shards hold no window of --seq-len + 1 = ", seq_len + 1, " tokens");
+    check_has_a_window(windows(), seq_len);
   }
 
   Batch samples(int64_t first, int64_t count) const override {
@@ -142,6 +149,7 @@ bool data_is_token_shards(const std::string& data) {
 
 void check_token_shards(const std::vector<std::string>& paths, int64_t vocab, int64_t seq_len) {
   MESHTRAIN_CHECK(vocab <= 65536, "--vocab ", vocab, ": token shards hold uint16 ids, so at most 65536");
+  int64_t windows = 0;
   for (const std::string& p : paths) {
     MESHTRAIN_CHECK(files::exists(p), "--data ", p, ": no such file");
     MappedFile f(p);
@@ -150,8 +158,9 @@ void check_token_shards(const std::vector<std::string>& paths, int64_t vocab, in
     const uint16_t* worst = std::max_element(t, t + n);
     MESHTRAIN_CHECK(n == 0 || *worst < vocab, "--data ", p, ": token ", *worst, " at position ", worst - t,
                     " is not below the vocabulary size ", vocab, "; give --vocab ", *worst + 1, " or more");
+    windows += windows_in(n, seq_len);
   }
-  TokenShardDataset counted(paths, seq_len);  // at least one window
+  check_has_a_window(windows, seq_len);
 }
 
 std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>& paths, int64_t seq_len) {

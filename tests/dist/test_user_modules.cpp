@@ -272,14 +272,13 @@ torch::Tensor net_batch(int step) {
   return step % 2 ? torch::randn({4, 3, 4}) : torch::randn({8, 4});
 }
 
-Reference train_net_one_process(int steps) {
+Reference train_net_on(const std::function<torch::Tensor(int)>& batch, int steps) {
   auto model = std::make_shared<Net>();
   torch::optim::Adam opt(model->parameters(), 0.01);
   Reference r;
   for (int step = 0; step < steps; ++step) {
-    auto x = net_batch(step);
     opt.zero_grad();
-    auto loss = model->forward(x).pow(2).mean();
+    auto loss = model->forward(batch(step)).pow(2).mean();
     loss.backward();
     opt.step();
     r.losses.push_back(loss.item<double>());
@@ -305,7 +304,7 @@ void expect_tp_matches(const Reference& ref, const std::vector<double>& losses, 
 }
 
 TEST(UserModules, ParallelizedPlainLinearsMatchOneProcess) {
-  const Reference ref = train_net_one_process(kSteps);
+  const Reference ref = train_net_on(net_batch, kSteps);
   for (int tp : {2, 3}) {
     run_ranks(tp, [&](Communicator& comm) {
       auto model = std::make_shared<Net>();
@@ -327,19 +326,7 @@ TEST(UserModules, ParallelizedPlainLinearsMatchOneProcess) {
 
 // dp 2 x tp 2: tp::parallelize along tp, dp::replicate along dp; each replica its half of the batch.
 TEST(UserModules, ParallelizeInsideReplicateMatchesOneProcess) {
-  Reference ref;
-  {
-    auto model = std::make_shared<Net>();
-    torch::optim::Adam opt(model->parameters(), 0.01);
-    for (int step = 0; step < kSteps; ++step) {
-      opt.zero_grad();
-      auto loss = model->forward(net_batch(step)).pow(2).mean();
-      loss.backward();
-      opt.step();
-      ref.losses.push_back(loss.item<double>());
-    }
-    for (const auto& kv : model->named_parameters()) ref.params[kv.key()] = kv.value().detach().clone();
-  }
+  const Reference ref = train_net_on(net_batch, kSteps);
   run_ranks(4, [&](Communicator& comm) {
     meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
     auto net = std::make_shared<Net>();
@@ -419,21 +406,6 @@ TEST(UserModules, ParallelizePipelineAndReplicateTogetherMatchOneProcess) {
 torch::Tensor shard_batch(int step) {
   torch::manual_seed(300 + step);
   return step % 2 ? torch::randn({6, 2, 4}) : torch::randn({12, 4});
-}
-
-Reference train_net_on(const std::function<torch::Tensor(int)>& batch, int steps) {
-  auto model = std::make_shared<Net>();
-  torch::optim::Adam opt(model->parameters(), 0.01);
-  Reference r;
-  for (int step = 0; step < steps; ++step) {
-    opt.zero_grad();
-    auto loss = model->forward(batch(step)).pow(2).mean();
-    loss.backward();
-    opt.step();
-    r.losses.push_back(loss.item<double>());
-  }
-  for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
-  return r;
 }
 
 int64_t bytes_of(const torch::nn::Module& m) {

@@ -89,6 +89,17 @@ uint64_t GlooCommunicator::collective_slot(int sub) const {
   return kCollectiveBit | ((op_seq() & ((1ull << 46) - 1)) << 16) | static_cast<uint64_t>(sub & 0xffff);
 }
 
+// Posting on a pair that a dead peer already closed throws at once (before
+// any wait); that is the same broken connection as one seen while waiting.
+template <typename SendOrRecv>
+void GlooCommunicator::post(const Transfer& t, SendOrRecv&& send_or_recv) const {
+  try {
+    send_or_recv();
+  } catch (const gloo::Exception& e) {
+    throw_broken_connection(t, e.what());
+  }
+}
+
 Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind) {
   Transfer t;
@@ -113,16 +124,6 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
   post(t, [&] { t.buf->recv(peer, slot); });
   return t;
-}
-
-// Posting on a pair that a dead peer already closed throws at once (before
-// any wait); that is the same broken connection as one seen while waiting.
-void GlooCommunicator::post(const Transfer& t, const std::function<void()>& send_or_recv) const {
-  try {
-    send_or_recv();
-  } catch (const gloo::Exception& e) {
-    throw_broken_connection(t, e.what());
-  }
 }
 
 // Note [Classifying gloo errors]

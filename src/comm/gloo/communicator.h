@@ -124,7 +124,9 @@ class GlooCommunicator final : public QueuedCommunicator {
   Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
   Transfer post_recv(void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
   // Runs gloo's send or recv for `t`; a gloo error there is a broken connection.
-  void post(const Transfer& t, const std::function<void()>& send_or_recv) const;
+  // (A template, not std::function: it runs for every transfer.)
+  template <typename SendOrRecv>
+  void post(const Transfer& t, SendOrRecv&& send_or_recv) const;
   // Waits for `t` up to the communicator's timeout; a TimeoutError, or a
   // PeerFailure naming the dead rank, otherwise. See Note [Classifying gloo errors].
   void wait(Transfer& t);
