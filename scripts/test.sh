@@ -3,6 +3,6 @@
 # Multi-rank tests run one at a time (they spawn their ranks); the rest in parallel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --with-peers  # python3-torch: a test opens checkpoints with torch.load
 cd build
 ctest --output-on-failure -j2 -LE full "$@"

@@ -10,9 +10,9 @@ def main():
     a = report_args(__doc__)
     L = [a.header, "",
          "GPT 8 layers x 256 hidden (6.6 M parameters, AdamW), 2 ranks, saving every 2 steps (3 saves per run). "
-         "Bytes = all ranks' shards of one checkpoint (parameters once per replica group, optimizer state once). "
+         "Bytes = all ranks' shards of one checkpoint (torch.save archives; each replicated tensor written once, split over the data-parallel ranks). "
          "Blocked = the time the training loop waits per save: synchronous, the whole save (write, fsync, rename, "
-         "all-gather of checksums, manifest, latest); with --async-save, the snapshot (the shard encoded in memory) and "
+         "all-gather of checksums, manifest, latest); with --async-save, the snapshot (the state copied into staging buffers kept from the previous save; encoding, checksum and writing happen in the background) and "
          "any wait for the previous save. Written = the whole save, in the background with --async-save. "
          "Load = read, SHA-256 verification and assembly under the same layout. Medians over runs.", "",
          "| layout | checkpoint (MB) | blocked (s) | blocked / step time | written (s) | save MB/s | load (s) | load MB/s | step time (s) |",

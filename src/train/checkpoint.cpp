@@ -79,7 +79,7 @@ std::pair<std::string, std::string> encode(const RankState& mine) {
   json::Object steps;
   for (const auto& kv : mine.steps) steps.integer(kv.first, kv.second);
   if (mine.rng_state.defined()) tensors["rng"] = mine.rng_state.contiguous();
-  return {serialize_tensors(tensors), json::Object()
+  return {torch_save_bytes(tensors), json::Object()
                                           .raw("chunks", json::array(index))
                                           .raw("steps", steps.str())
                                           .boolean("rng", mine.rng_state.defined())
@@ -100,22 +100,25 @@ void crash_point(const char* stage, int rank, int64_t step) {
   kill(getpid(), SIGKILL);
 }
 
-EncodedShard encode_shard(const RankState& mine) {
-  auto encoded = encode(mine);
-  return EncodedShard{std::move(encoded.first), std::move(encoded.second)};
+const RankState& StateSnapshot::take(const RankState& live) {
+  if (copy_.chunks.size() != live.chunks.size()) copy_.chunks.assign(live.chunks.size(), StateChunk());
+  for (size_t i = 0; i < live.chunks.size(); ++i) {
+    const StateChunk& from = live.chunks[i];
+    at::Tensor buffer = std::move(copy_.chunks[i].data);
+    copy_.chunks[i] = from;
+    const bool reusable = buffer.defined() && buffer.numel() == from.data.numel() &&
+                          buffer.scalar_type() == from.data.scalar_type();
+    copy_.chunks[i].data = reusable ? buffer.copy_(from.data) : from.data.detach().clone();
+  }
+  copy_.steps = live.steps;
+  copy_.rng_state = live.rng_state.defined() ? live.rng_state.clone() : at::Tensor();
+  return copy_;
 }
 
 SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState& mine, comm::Communicator& comm,
                           const std::string& config_json) {
   const auto t0 = std::chrono::steady_clock::now();
-  SaveStats stats = commit_checkpoint(dir, step, encode_shard(mine), comm, config_json);
-  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return stats;
-}
-
-SaveStats commit_checkpoint(const std::string& dir, int64_t step, const EncodedShard& shard, comm::Communicator& comm,
-                            const std::string& config_json) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const std::pair<std::string, std::string> shard = encode(mine);  // bytes, index
   const int rank = comm.rank();
   const std::string step_dir = dir + "/" + step_name(step);
   SaveStats stats;
@@ -123,12 +126,12 @@ SaveStats commit_checkpoint(const std::string& dir, int64_t step, const EncodedS
   try {
     files::make_directories(step_dir);
     const std::string path = step_dir + "/" + shard_name(rank);
-    files::write_durable(path + ".tmp", shard.bytes);
+    files::write_durable(path + ".tmp", shard.first);
     crash_point("shard-written", rank, step);
     files::rename_durable(path + ".tmp", path);
     crash_point("shard-renamed", rank, step);
-    stats.bytes = static_cast<int64_t>(shard.bytes.size());
-    outcome = "ok " + std::to_string(stats.bytes) + " " + sha256_hex(shard.bytes) + " " + shard.index_json;
+    stats.bytes = static_cast<int64_t>(shard.first.size());
+    outcome = "ok " + std::to_string(stats.bytes) + " " + sha256_hex(shard.first) + " " + shard.second;
   } catch (const std::exception& e) {
     outcome = std::string("error ") + e.what();
   }
@@ -228,7 +231,7 @@ const std::map<std::string, at::Tensor>& CheckpointReader::shard(size_t index) {
   const std::string sha = sha256_hex(bytes);
   MESHTRAIN_CHECK(sha == s["sha256"].str(), "checkpoint shard ", path, " is corrupt: SHA-256 ", sha,
                   " does not match the manifest's ", s["sha256"].str());
-  return loaded_[index] = deserialize_tensors(bytes, path);
+  return loaded_[index] = torch_load_bytes(bytes, path);
 }
 
 at::Tensor CheckpointReader::rng_state(int rank) {

@@ -7,6 +7,7 @@
 #include "meshtrain/train/mixed_precision.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/shard.h"
 #include "meshtrain/zero/optimizer_state.h"
 #include "meshtrain/zero/zero.h"
 
@@ -46,15 +47,24 @@ at::Tensor local_part(CheckpointReader& reader, const std::string& param, const 
   return (dim < 0 ? full : full.chunk(place.tp_size, dim)[place.tp_index]).contiguous().view_as(local_param);
 }
 
-// Whole parameters with their optimizer state (plain and DDP chunks, dp rank 0).
+// A tensor every dp rank holds alike: each writes its 1/dp of it, so the
+// ranks share the writing (and an asynchronous save's snapshot copy).
+void add_replicated(const std::string& param, const std::string& kind, const at::Tensor& local, const at::Tensor& data,
+                    const ShardPlace& place, RankState& out) {
+  const Range mine = shard_range(data.numel(), place.dp_size, place.dp_rank);
+  if (mine.size == 0) return;
+  const at::Tensor part = data.reshape({-1}).narrow(0, mine.offset, mine.size);
+  out.chunks.push_back(make_chunk(param, kind, local, place, mine.offset, part));
+}
+
+// Whole parameters with their optimizer state (plain and DDP chunks).
 void add_whole(const std::vector<dp::NamedParam>& params, torch::optim::Optimizer& opt, RankState& out,
                const ShardPlace& place) {
-  if (place.dp_rank != 0) return;  // the other dp ranks hold the same replica
   for (const auto& p : params) {
-    out.chunks.push_back(make_chunk(p.name, "value", p.tensor, place, 0, p.tensor));
+    add_replicated(p.name, "value", p.tensor, p.tensor, place, out);
     for (const auto& kv : zero::state_of(opt, p.tensor)) {
       if (kv.first == "step") out.steps[p.name] = kv.second.item<int64_t>();
-      else out.chunks.push_back(make_chunk(p.name, kv.first, p.tensor, place, 0, kv.second));
+      else add_replicated(p.name, kv.first, p.tensor, kv.second, place, out);
     }
   }
 }
@@ -80,8 +90,8 @@ void add_pieces(const models::Stage& stage, std::vector<zero::OwnedPiece> pieces
                 const ShardPlace& place) {
   std::map<std::string, at::Tensor> params;
   for (const auto& p : dp::unique_parameters(*stage)) params[p.name] = p.tensor;
-  if (!values && place.dp_rank == 0) {
-    for (const auto& p : params) out.chunks.push_back(make_chunk(p.first, "value", p.second, place, 0, p.second));
+  if (!values) {
+    for (const auto& p : params) add_replicated(p.first, "value", p.second, p.second, place, out);
   }
   for (const auto& piece : pieces) {
     const at::Tensor& local = params.at(piece.param);

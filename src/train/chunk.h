@@ -28,6 +28,7 @@ struct ShardPlace {
   int tp_index = 0;
   int tp_size = 1;
   int dp_rank = 0;
+  int dp_size = 1;
 };
 
 class ChunkTrainer {

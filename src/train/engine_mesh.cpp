@@ -203,6 +203,7 @@ class MeshEngine : public Engine {
     p.tp_index = mesh_.coord().tp;
     p.tp_size = c_.tp;
     p.dp_rank = mesh_.coord().dp;
+    p.dp_size = mesh_.dp()->size();
     return p;
   }
 

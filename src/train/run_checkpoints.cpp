@@ -117,13 +117,12 @@ void CheckpointSaver::after_step(int64_t step, Engine& engine) {
     }
     return;
   }
-  auto shard = std::make_shared<EncodedShard>(encode_shard(state));  // the snapshot; training may go on
-  bytes_ += static_cast<int64_t>(shard->bytes.size());
+  const RankState& snapshot = snapshot_.take(state);  // training may go on
   ++saves_;
   writing_step_ = step + 1;
-  writer_ = std::thread([this, shard, config = to_json(c_)] {
+  writer_ = std::thread([this, &snapshot, config = to_json(c_)] {
     try {
-      writer_seconds_ = commit_checkpoint(c_.save_dir, writing_step_, *shard, *background_, config).seconds;
+      written_ = save_checkpoint(c_.save_dir, writing_step_, snapshot, *background_, config);
     } catch (...) {
       writer_error_ = std::current_exception();
     }
@@ -140,10 +139,11 @@ void CheckpointSaver::wait_for_writer() {
   if (!writer_.joinable()) return;
   writer_.join();
   if (writer_error_) std::rethrow_exception(std::exchange(writer_error_, nullptr));
-  background_seconds_ += writer_seconds_;
+  background_seconds_ += written_.seconds;
+  bytes_ += written_.bytes;
   if (verbose_ && metrics_->rank() == 0) {
     std::printf("checkpoint step %lld committed (written in the background in %.3f s)\n",
-                static_cast<long long>(writing_step_), writer_seconds_);
+                static_cast<long long>(writing_step_), written_.seconds);
   }
 }
 

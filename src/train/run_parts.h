@@ -50,9 +50,10 @@ class CheckpointSaver {
   double background_seconds_ = 0;  // written and committed by the writer thread
   int64_t bytes_ = 0, saves_ = 0;
   comm::CommPtr background_;  // --async-save: the writer thread's communicator
+  StateSnapshot snapshot_;    // --async-save: what the writer thread writes
   std::thread writer_;
   int64_t writing_step_ = 0;
-  double writer_seconds_ = 0;
+  SaveStats written_;
   std::exception_ptr writer_error_;
 };
 

@@ -1,6 +1,7 @@
 #include "meshtrain/util/tensor_io.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <cstring>
 #include <fstream>
@@ -72,6 +73,34 @@ std::map<std::string, at::Tensor> deserialize_tensors(const std::string& in, con
     std::memcpy(t.data_ptr(), in.data() + pos, nbytes);
     pos += nbytes;
     out[name] = t;
+  }
+  return out;
+}
+
+std::string torch_save_bytes(const std::map<std::string, at::Tensor>& tensors) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& kv : tensors) {
+    at::Tensor t = kv.second.detach().cpu().contiguous();
+    // The archive holds whole storages: a view of part of one is copied out, not saved with the rest.
+    if (t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes()) t = t.clone();
+    dict.insert(kv.first, t);
+  }
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  return std::string(bytes.begin(), bytes.end());
+}
+
+std::map<std::string, at::Tensor> torch_load_bytes(const std::string& bytes, const std::string& what) {
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  } catch (const c10::Error& e) {
+    throw ConfigError(str_cat(what, ": not a torch.save archive (", e.what_without_backtrace(), ")"));
+  }
+  MESHTRAIN_CHECK(value.isGenericDict(), what, ": a torch.save archive, but not of a dict of tensors");
+  std::map<std::string, at::Tensor> out;
+  for (const auto& kv : value.toGenericDict()) {
+    MESHTRAIN_CHECK(kv.key().isString() && kv.value().isTensor(), what, ": a torch.save archive, but not of a dict of tensors");
+    out[kv.key().toStringRef()] = kv.value().toTensor();
   }
   return out;
 }

@@ -15,6 +15,8 @@ namespace testing {
 
 // Where the build put meshrun, meshtrain and the examples (CMake defines it).
 inline const std::string kBin = MESHTRAIN_BIN_DIR;
+// The source tree (tools/, examples/).
+inline const std::string kSource = MESHTRAIN_SOURCE_DIR;
 // meshrun on a port of its own choosing, for one-node runs.
 inline const std::string kMeshrun = kBin + "/meshrun --master-port 0 ";
 

@@ -21,6 +21,7 @@ using meshtrain::testing::contains;
 using meshtrain::testing::free_port;
 using meshtrain::testing::kBin;
 using meshtrain::testing::kMeshrun;
+using meshtrain::testing::kSource;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
 
@@ -236,6 +237,43 @@ TEST(Cli, TheLossFallsOnATextFileAndOnTheBuiltInTask) {
     }
     EXPECT_LT(last, 0.6 * first) << data << ": loss from " << first << " to " << last;
   }
+}
+
+// Checkpoint shards open in PyTorch: tools/checkpoint_to_torch.py (torch.load
+// of every shard, assembled by the manifest's coordinates) gives the same
+// model and optimizer state from a one-process checkpoint and from one cut
+// over dp 2 x tp 2 under ZeRO-3 (float reassociation apart), at the step saved.
+TEST(Cli, TorchLoadReadsACheckpointOfAnyLayout) {
+  TempDir dir;
+  const std::string flags = kTiny + "--steps 2 --save-every 2 --save-dir ";
+  Shell one = sh(kBin + "/meshtrain" + flags + dir.file("one"));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  Shell four = sh(kMeshrun + "--nproc-per-node 4 -- " + kBin + "/meshtrain" + flags + dir.file("four") +
+                  " --dp 2 --tp 2 --zero 3");
+  ASSERT_EQ(four.exit_code, 0) << four.output;
+  const std::string convert = "/usr/bin/python3 " + kSource + "/tools/checkpoint_to_torch.py ";
+  for (const char* run : {"one", "four"}) {
+    Shell r = sh(convert + dir.file(run) + " " + dir.file(std::string(run) + ".pt"));
+    ASSERT_EQ(r.exit_code, 0) << r.output << "\n(the test needs python3-torch: scripts/setup.sh --with-peers)";
+  }
+  // Weights within the equivalence tolerance (equivalence.h), Adam's first moment likewise.
+  const std::string compare = R"(
+import sys, torch
+a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])
+assert a["step"] == b["step"] == 2, (a["step"], b["step"])
+assert set(a["optimizer_steps"].values()) == {2} and a["optimizer_steps"] == b["optimizer_steps"]
+assert len(a["model"]) > 10 and a["model"].keys() == b["model"].keys() and a["optimizer"].keys() == a["model"].keys()
+worst = 0.0
+for name, want in a["model"].items():
+    for got, ref in ((b["model"][name], want), (b["optimizer"][name]["exp_avg"], a["optimizer"][name]["exp_avg"])):
+        assert got.shape == ref.shape, name
+        worst = max(worst, ((got - ref).abs() / (2e-5 + 2e-4 * ref.abs())).max().item())
+print("worst diff / tolerance", worst)
+sys.exit(0 if worst <= 1 else 1)
+)";
+  std::ofstream(dir.file("compare.py")) << compare;
+  Shell r = sh("/usr/bin/python3 " + dir.file("compare.py") + " " + dir.file("one.pt") + " " + dir.file("four.pt"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
 // The article's toy as two shell commands, with the tcp:// init method.

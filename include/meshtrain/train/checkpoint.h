@@ -57,21 +57,25 @@ struct SaveStats {
 };
 
 // Collective over `comm` (every rank of the job): writes step-NNNNNNNN/ in dir
-// and commits it. Throws on every rank if any rank failed to write.
+// and commits it. Throws on every rank if any rank failed to write. Each shard
+// is a torch.save archive of a dict of 1-D tensors ("c0", "c1", ..., "rng"),
+// which PyTorch's `torch.load` opens; the manifest gives each key's coordinates
+// (docs/checkpoints.md, tools/checkpoint_to_torch.py).
 SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState& mine, comm::Communicator& comm,
                           const std::string& config_json);
 
-// The two halves of save_checkpoint, for saves in the background: the shard
-// encoded (a copy of the state: training may change the tensors afterwards),
-// then written and committed (collective over `comm`, on any thread, as long
-// as only that thread uses `comm`).
-struct EncodedShard {
-  std::string bytes;
-  std::string index_json;  // the chunks' coordinates, for the manifest
+// For saves in the background: a copy of the state at the step boundary
+// (training may change the tensors afterwards) to hand to save_checkpoint on
+// another thread, with its own communicator. The copy goes into the buffers of
+// the previous one when the shapes match: faulting in fresh pages costs more
+// than the copy itself. Valid until the next take().
+class StateSnapshot {
+ public:
+  const RankState& take(const RankState& live);
+
+ private:
+  RankState copy_;
 };
-EncodedShard encode_shard(const RankState& mine);
-SaveStats commit_checkpoint(const std::string& dir, int64_t step, const EncodedShard& shard, comm::Communicator& comm,
-                            const std::string& config_json);
 
 // The step directory `latest` names ("" when dir has no `latest`).
 std::string latest_checkpoint(const std::string& dir);
