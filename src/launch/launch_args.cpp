@@ -6,43 +6,76 @@
 
 #include "meshtrain/launch/launcher.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/flags.h"
 
 namespace meshtrain {
 namespace launch {
 
 namespace {
 
-int to_int(const std::string& flag, const std::string& value) {
-  try {
-    size_t pos = 0;
-    const int v = std::stoi(value, &pos);
-    if (pos == value.size()) return v;
-  } catch (const std::exception&) {
-  }
-  throw ConfigError(str_cat("meshrun: ", flag, " '", value, "' is not an integer"));
+using flags::Flag;
+using flags::store;
+
+// meshrun's flags, setting fields of `o` (and `standalone`).
+flags::Parser launch_parser(LaunchOptions& o, bool& standalone) {
+  auto nproc = [&o](const std::string& f, const std::string& v) {
+    o.nproc_per_node = v == "auto" ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                                   : flags::to_integer<int>(f, v);
+  };
+  auto endpoint = [&o](const std::string& f, const std::string& v) {
+    const auto colon = v.rfind(':');
+    o.master_addr = v.substr(0, colon);
+    if (colon != std::string::npos) o.master_port = flags::to_integer<int>(f, v.substr(colon + 1));
+    MESHTRAIN_CHECK(!o.master_addr.empty(), f, " '", v, "' needs a host (HOST or HOST:PORT)");
+  };
+  auto seconds = [](std::chrono::milliseconds& field, int low) {
+    return [&field, low](const std::string& f, const std::string& v) {
+      const int s = flags::to_integer<int>(f, v);
+      MESHTRAIN_CHECK(s >= low && s <= 86400, f, " ", s, " must be in [", low, ", 86400] seconds");
+      field = std::chrono::seconds(s);
+    };
+  };
+  std::vector<flags::Group> groups = {
+      {"", {Flag{"--nproc-per-node", "N|auto", "ranks on this node (auto: one per core; default 1)", nproc},
+            store("--nnodes", "M", "nodes in the job (default 1)", o.nnodes),
+            store("--node-rank", "R", "this node's index, 0 hosts the store (default 0)", o.node_rank),
+            store("--master-addr", "ADDR", "node 0's address (default 127.0.0.1)", o.master_addr),
+            store("--master-port", "PORT|0", "the store's port (default 29500; 0: a free one, one node only)",
+                  o.master_port),
+            Flag{"--rdzv-endpoint", "HOST[:PORT]", "the same two in one flag, as torchrun", endpoint},
+            flags::turn("--standalone", "one node on 127.0.0.1 with a free port, as torchrun", standalone),
+            Flag{"--rdzv-timeout", "S", "how long nodes wait for each other (default 300 s)",
+                 seconds(o.rendezvous_timeout, 1)},
+            store("--max-restarts", "K", "restart the whole group up to K times after a failure (default 0)",
+                  o.max_restarts),
+            Flag{"--grace-seconds", "S", "SIGTERM to SIGKILL when stopping ranks (default 5)", seconds(o.grace, 0)},
+            store("--threads-per-rank", "T", "OMP/OpenBLAS threads per rank (default: cores / ranks)",
+                  o.threads_per_rank),
+            flags::turn("--no-prefix", "do not prefix output lines with [rankN]:", o.prefix_output, false),
+            flags::turn("--quiet", "no meshrun progress lines (failures are still said)", o.quiet),
+            Flag{"--version", "", "print meshrun's version", [](const std::string&, const std::string&) {}}}}};
+  flags::Parser parser("meshrun",
+                       "usage: meshrun [flags] [--] PROGRAM [ARGS...]\n"
+                       "Starts ranks of PROGRAM on this node with torchrun's environment variables\n"
+                       "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).\n"
+                       "If a rank fails, the others are stopped on every node.\n",
+                       std::move(groups));
+  parser.rest_is_a_command().underscores_as_dashes();  // torchrun spells --nproc_per_node
+  return parser;
 }
 
 }  // namespace
 
 std::string launch_usage() {
-  return "usage: meshrun [flags] [--] PROGRAM [ARGS...]\n"
-         "Starts ranks of PROGRAM on this node with torchrun's environment variables\n"
-         "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).\n"
-         "If a rank fails, the others are stopped on every node.\n"
-         "  --nproc-per-node N|auto   ranks on this node (auto: one per core; default 1)\n"
-         "  --nnodes M                nodes in the job (default 1)\n"
-         "  --node-rank R             this node's index, 0 hosts the store (default 0)\n"
-         "  --master-addr ADDR        node 0's address (default 127.0.0.1)\n"
-         "  --master-port PORT|0      the store's port (default 29500; 0: a free one, one node only)\n"
-         "  --rdzv-endpoint HOST[:PORT]  the same two in one flag, as torchrun\n"
-         "  --standalone              one node on 127.0.0.1 with a free port, as torchrun\n"
-         "  --rdzv-timeout S          how long nodes wait for each other (default 300 s)\n"
-         "  --max-restarts K          restart the whole group up to K times after a failure (default 0)\n"
-         "  --grace-seconds S         SIGTERM to SIGKILL when stopping ranks (default 5)\n"
-         "  --threads-per-rank T      OMP/OpenBLAS threads per rank (default: cores / ranks)\n"
-         "  --no-prefix               do not prefix output lines with [rankN]:\n"
-         "  --quiet                   no meshrun progress lines (failures are still said)\n"
-         "  --version                 print meshrun's version\n";
+  LaunchOptions unused;
+  bool standalone = false;
+  return launch_parser(unused, standalone).usage();
+}
+
+bool launch_asks_for_help(const std::vector<std::string>& args) {
+  LaunchOptions unused;
+  bool standalone = false;
+  return launch_parser(unused, standalone).asks_for_help(args);
 }
 
 // The parsed flags against each other; ConfigError naming the flag and the fix.
@@ -68,64 +101,7 @@ static void check_launch_options(LaunchOptions& o, bool standalone) {
 LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
   LaunchOptions o;
   bool standalone = false;
-  size_t i = 0;
-  auto value = [&](const std::string& flag, std::string inline_value) {
-    if (!inline_value.empty()) return inline_value;
-    MESHTRAIN_CHECK(i + 1 < args.size(), "meshrun: ", flag, " needs a value\n", launch_usage());
-    return args[++i];
-  };
-  for (; i < args.size(); ++i) {
-    std::string a = args[i];
-    if (a == "--") {
-      o.command.assign(args.begin() + i + 1, args.end());
-      break;
-    }
-    std::string inline_value;
-    const auto eq = a.find('=');
-    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
-      inline_value = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    }
-    std::replace(a.begin(), a.end(), '_', '-');  // torchrun spells --nproc_per_node
-    if (a == "--nproc-per-node") {
-      const std::string v = value(a, inline_value);
-      o.nproc_per_node = v == "auto" ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) : to_int(a, v);
-    }
-    else if (a == "--standalone") standalone = true;
-    else if (a == "--rdzv-endpoint") {
-      const std::string v = value(a, inline_value);
-      const auto colon = v.rfind(':');
-      o.master_addr = v.substr(0, colon);
-      if (colon != std::string::npos) o.master_port = to_int(a, v.substr(colon + 1));
-      MESHTRAIN_CHECK(!o.master_addr.empty(), "meshrun: --rdzv-endpoint '", v, "' needs a host (HOST or HOST:PORT)");
-    }
-    else if (a == "--rdzv-timeout") {
-      const int s = to_int(a, value(a, inline_value));
-      MESHTRAIN_CHECK(s > 0, "meshrun: --rdzv-timeout ", s, " must be a positive number of seconds");
-      o.rendezvous_timeout = std::chrono::seconds(s);
-    }
-    else if (a == "--quiet") o.quiet = true;
-    else if (a == "--nnodes") o.nnodes = to_int(a, value(a, inline_value));
-    else if (a == "--node-rank") o.node_rank = to_int(a, value(a, inline_value));
-    else if (a == "--master-addr") o.master_addr = value(a, inline_value);
-    else if (a == "--master-port") o.master_port = to_int(a, value(a, inline_value));
-    else if (a == "--max-restarts") o.max_restarts = to_int(a, value(a, inline_value));
-    else if (a == "--grace-seconds") {
-      const int s = to_int(a, value(a, inline_value));
-      MESHTRAIN_CHECK(s >= 0 && s <= 86400, "meshrun: --grace-seconds ", s, " must be in [0, 86400]");
-      o.grace = std::chrono::seconds(s);
-    }
-    else if (a == "--threads-per-rank") o.threads_per_rank = to_int(a, value(a, inline_value));
-    else if (a == "--no-prefix") o.prefix_output = false;
-    else if (a == "--help" || a == "-h") throw ConfigError(launch_usage());
-    else if (a.rfind("-", 0) != 0) {
-      // torchrun style without "--": the first non-flag starts the command.
-      o.command.assign(args.begin() + i, args.end());
-      break;
-    } else {
-      throw ConfigError(str_cat("meshrun: unknown flag '", args[i], "'\n", launch_usage()));
-    }
-  }
+  o.command = launch_parser(o, standalone).parse(args);
   check_launch_options(o, standalone);
   return o;
 }

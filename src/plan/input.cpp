@@ -4,10 +4,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
-#include <set>
 
 #include "meshtrain/plan/units.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/flags.h"
 
 namespace meshtrain {
 namespace plan {
@@ -22,16 +22,10 @@ struct Draft {
   bool params_given = false;
 };
 
-using Setter = std::function<void(Draft&, const std::string& flag, const std::string& value)>;
+using Setter = std::function<void(const std::string& flag, const std::string& value)>;
 
-struct FlagSpec {
-  const char* name;
-  bool takes_value;
-  Setter set;
-};
-
-Setter shape_field(int64_t GptShape::*field) {
-  return [field](Draft& d, const std::string& flag, const std::string& value) {
+Setter shape_field(Draft& d, int64_t GptShape::*field) {
+  return [&d, field](const std::string& flag, const std::string& value) {
     d.shape.*field = parse_positive_int(flag, value);
     d.shape_flags.push_back(flag);
   };
@@ -98,44 +92,59 @@ double parse_tflops(const std::string& flag, const std::string& value) {
   return v * 1e12;
 }
 
-const std::vector<FlagSpec>& flag_specs() {
-  static const std::vector<FlagSpec> specs = {
-      {"--layers", true, shape_field(&GptShape::layers)},
-      {"--hidden", true, shape_field(&GptShape::hidden)},
-      {"--heads", true, shape_field(&GptShape::heads)},
-      {"--vocab", true, shape_field(&GptShape::vocab)},
-      {"--seq-len", true, shape_field(&GptShape::seq_len)},
-      {"--untied", false, [](Draft& d, auto&, auto&) { d.shape.tie_embeddings = false; }},
-      {"--params", true,
-       [](Draft& d, auto& f, auto& v) {
-         d.input.params = parse_count(f, v);
-         d.params_given = true;
-       }},
-      {"--micro-batch", true, [](Draft& d, auto& f, auto& v) { d.input.micro_batch = parse_positive_int(f, v); }},
-      {"--global-batch", true, [](Draft& d, auto& f, auto& v) { d.input.global_batch = parse_positive_int(f, v); }},
-      {"--precision", true, [](Draft& d, auto&, auto& v) { d.input.precision = parse_precision(v); }},
-      {"--optimizer", true, [](Draft& d, auto&, auto& v) { d.input.optimizer = parse_optimizer(v); }},
-      {"--momentum", true, [](Draft& d, auto& f, auto& v) { d.input.momentum = parse_momentum(f, v); }},
-      {"--activation-checkpointing", true,
-       [](Draft& d, auto& f, auto& v) { d.input.activation_checkpointing = parse_checkpointing(f, v); }},
-      {"--devices", true, [](Draft& d, auto& f, auto& v) { d.input.devices = as_int(f, v); }},
-      {"--device-memory", true, [](Draft& d, auto& f, auto& v) { d.input.device_memory = parse_bytes(f, v); }},
-      {"--devices-per-node", true, [](Draft& d, auto& f, auto& v) { d.input.devices_per_node = as_int(f, v); }},
-      {"--intra-node-bandwidth", true,
-       [](Draft& d, auto& f, auto& v) { d.input.intra_node_bandwidth = parse_bandwidth(f, v); }},
-      {"--inter-node-bandwidth", true,
-       [](Draft& d, auto& f, auto& v) { d.input.inter_node_bandwidth = parse_bandwidth(f, v); }},
-      {"--device-tflops", true, [](Draft& d, auto& f, auto& v) { d.input.device_flops = parse_tflops(f, v); }},
-      {"--margin", true, [](Draft& d, auto&, auto& v) { d.input.memory_margin = parse_margin(v); }},
-      {"--json", false, [](Draft& d, auto&, auto&) { d.input.json = true; }},
+// The planner's flags, setting fields of `d`; the usage is generated from them.
+flags::Parser plan_parser(Draft& d) {
+  PlanInput& in = d.input;
+  auto set = [](auto& field, auto parse) {
+    return [&field, parse](const std::string& f, const std::string& v) { field = parse(f, v); };
   };
-  return specs;
-}
-
-const FlagSpec& find_flag(const std::string& name) {
-  for (const auto& spec : flag_specs())
-    if (name == spec.name) return spec;
-  throw ConfigError(str_cat("unknown flag '", name, "'; see `meshtrain plan --help` for the flags"));
+  auto params = [&d](const std::string& f, const std::string& v) {
+    d.input.params = parse_count(f, v);
+    d.params_given = true;
+  };
+  std::vector<flags::Group> groups = {
+      {"model (a GPT shape, as meshtrain's GPT, or a parameter count)",
+       {{"--layers", "N", "transformer blocks", shape_field(d, &GptShape::layers)},
+        {"--hidden", "H", "hidden size", shape_field(d, &GptShape::hidden)},
+        {"--heads", "A", "attention heads", shape_field(d, &GptShape::heads)},
+        {"--vocab", "V", "vocabulary", shape_field(d, &GptShape::vocab)},
+        {"--seq-len", "T", "sequence length", shape_field(d, &GptShape::seq_len)},
+        flags::turn("--untied", "the LM head has its own weight (default: tied to the embedding)",
+                    d.shape.tie_embeddings, false),
+        {"--params", "COUNT", "instead of a shape: 7.5e9, 7.5B, 350M (data parallel only)", params}}},
+      {"training",
+       {{"--micro-batch", "B", "sequences per micro-batch (default 1)", set(in.micro_batch, parse_positive_int)},
+        {"--global-batch", "G", "sequences per step (default: micro-batch x devices)",
+         set(in.global_batch, parse_positive_int)},
+        {"--precision", "fp32|bf16-mixed|fp16-mixed", "default fp32",
+         set(in.precision, [](auto&, auto& v) { return parse_precision(v); })},
+        {"--optimizer", "adamw|adam|sgd", "as the trainer's (adamw and adam keep the same state; default adam)",
+         set(in.optimizer, [](auto&, auto& v) { return parse_optimizer(v); })},
+        {"--momentum", "M", "sgd's momentum factor, as the trainer's; > 0 keeps a buffer (default 0)",
+         set(in.momentum, parse_momentum)},
+        {"--activation-checkpointing", "none|blocks",
+         "blocks: keep only each block's input, recompute the rest (default none)",
+         set(in.activation_checkpointing, parse_checkpointing)}}},
+      {"cluster",
+       {{"--devices", "N", "number of devices (required)", set(in.devices, as_int)},
+        {"--device-memory", "SIZE", "memory per device, e.g. 80GB or 80GiB (required)",
+         set(in.device_memory, parse_bytes)},
+        {"--devices-per-node", "M", "default: all devices in one node", set(in.devices_per_node, as_int)},
+        {"--intra-node-bandwidth", "BW", "per device (default 300GB/s)", set(in.intra_node_bandwidth, parse_bandwidth)},
+        {"--inter-node-bandwidth", "BW", "per device (default 25GB/s)", set(in.inter_node_bandwidth, parse_bandwidth)},
+        {"--device-tflops", "F", "achieved TFLOP/s per device, for compute and bubble time (default 100)",
+         set(in.device_flops, parse_tflops)},
+        {"--margin", "F", "device memory kept free, 0.1 or 10% (default 10%)",
+         set(in.memory_margin, [](auto&, auto& v) { return parse_margin(v); })}}},
+      {"output", {flags::turn("--json", "one JSON object instead of the table", in.json)}}};
+  return flags::Parser("",
+                       "usage: meshtrain plan MODEL CLUSTER [TRAINING] [--json]\n\n"
+                       "Estimates per-device memory and communication for every layout dp x pp x tp\n"
+                       "(with ZeRO 0-3 on dp) of a cluster, names the article's scenario (1: data\n"
+                       "parallel, 2: pipeline/tensor parallel, 3: tensor parallel) and recommends a layout.\n",
+                       std::move(groups),
+                       "sizes: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024);\n"
+                       "bandwidths: the same followed by /s. See docs/plan.md for the formulas.\n");
 }
 
 // Turns the flags into a PlanInput: a GPT shape needs all five of its sizes.
@@ -164,26 +173,15 @@ PlanInput assemble(const Draft& d) {
 
 PlanInput parse_plan_args(const std::vector<std::string>& args) {
   Draft draft;
-  std::set<std::string> seen;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& arg = args[i];
-    MESHTRAIN_CHECK(arg.rfind("--", 0) == 0, "unexpected argument '", arg, "'; flags look like --devices 8");
-    const size_t eq = arg.find('=');
-    const std::string name = arg.substr(0, eq);
-    const FlagSpec& spec = find_flag(name);
-    MESHTRAIN_CHECK(seen.insert(name).second, name, " is given twice; give it once");
-    std::string value;
-    if (spec.takes_value) {
-      MESHTRAIN_CHECK(eq != std::string::npos || i + 1 < args.size(), name, " needs a value, e.g. ", name, " 8");
-      value = eq != std::string::npos ? arg.substr(eq + 1) : args[++i];
-    } else {
-      MESHTRAIN_CHECK(eq == std::string::npos, name, " takes no value; write just ", name);
-    }
-    spec.set(draft, name, value);
-  }
+  plan_parser(draft).parse(args);
   PlanInput input = assemble(draft);
   check_plan_input(input);
   return input;
+}
+
+std::string plan_usage() {
+  Draft unused;
+  return plan_parser(unused).usage();
 }
 
 void check_plan_input(const PlanInput& in) {

@@ -182,40 +182,6 @@ std::string format_plan_json(const Plan& plan) {
   return o.raw("notes", json::array(notes)).str() + "\n";
 }
 
-std::string plan_usage() {
-  return R"(usage: meshtrain plan MODEL CLUSTER [TRAINING] [--json]
-
-Estimates per-device memory and communication for every layout dp x pp x tp
-(with ZeRO 0-3 on dp) of a cluster, names the article's scenario (1: data
-parallel, 2: pipeline/tensor parallel, 3: tensor parallel) and recommends a layout.
-
-model (a GPT shape, as meshtrain's GPT, or a parameter count):
-  --layers N --hidden H --heads A --vocab V --seq-len T
-  --untied                   the LM head has its own weight (default: tied to the embedding)
-  --params COUNT             instead of a shape: 7.5e9, 7.5B, 350M (data parallel only)
-training:
-  --micro-batch B            sequences per micro-batch (default 1)
-  --global-batch G           sequences per step (default: micro-batch x devices)
-  --precision P              fp32 (default), bf16-mixed or fp16-mixed
-  --optimizer O              adamw, adam (default; the same state) or sgd
-  --momentum M               sgd's momentum factor; > 0 keeps a buffer (default 0)
-  --activation-checkpointing none|blocks  blocks: keep only each block's input, recompute the rest (default none)
-cluster:
-  --devices N                number of devices (required)
-  --device-memory SIZE       memory per device, e.g. 80GB or 80GiB (required)
-  --devices-per-node M       default: all devices in one node
-  --intra-node-bandwidth BW  per device, default 300GB/s
-  --inter-node-bandwidth BW  per device, default 25GB/s
-  --device-tflops F          achieved TFLOP/s per device, for the compute and bubble time (default 100)
-  --margin F                 device memory kept free, 0.1 or 10% (default 10%)
-output:
-  --json                     one JSON object instead of the table
-
-sizes: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024);
-bandwidths: the same followed by /s. See docs/plan.md for the formulas.
-)";
-}
-
 int run_plan(const std::vector<std::string>& args, std::ostream& out) {
   const bool json_output = std::find(args.begin(), args.end(), "--json") != args.end();
   if (std::find(args.begin(), args.end(), "--help") != args.end() ||

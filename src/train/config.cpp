@@ -16,6 +16,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
+#include "meshtrain/util/flags.h"
 #include "meshtrain/util/json.h"
 #include "meshtrain/util/strings.h"
 
@@ -24,199 +25,110 @@ namespace train {
 
 namespace {
 
-int64_t to_int(const std::string& flag, const std::string& v) {
-  try {
-    size_t pos = 0;
-    const long long x = std::stoll(v, &pos);
-    if (pos == v.size()) return x;
-  } catch (const std::exception&) {
-  }
-  throw ConfigError(str_cat("meshtrain: ", flag, " '", v, "' is not an integer"));
-}
+using flags::Flag;
+using flags::store;
+using flags::turn;
 
-double to_double(const std::string& flag, const std::string& v) {
-  try {
-    size_t pos = 0;
-    const double x = std::stod(v, &pos);
-    if (pos == v.size() && std::isfinite(x)) return x;  // no flag means inf or nan
-  } catch (const std::exception&) {
-  }
-  throw ConfigError(str_cat("meshtrain: ", flag, " '", v, "' is not a finite number"));
-}
-
-// A flag: its name, how its value reads (nullptr: a switch), its help line,
-// and what it sets. The usage text is generated from this table.
-using Setter = std::function<void(TrainConfig&, const std::string& flag, const std::string& value)>;
-struct Flag {
-  const char* name;
-  const char* value;
-  const char* help;
-  Setter set;
-};
-struct FlagGroup {
-  const char* title;
-  std::vector<Flag> flags;
-};
-
-template <typename T>
-T parse_as(const std::string& flag, const std::string& v) {
-  if constexpr (std::is_same<T, std::string>::value) {
-    return v;
-  } else if constexpr (std::is_floating_point<T>::value) {
-    return to_double(flag, v);
-  } else {
-    const int64_t x = to_int(flag, v);  // then the field's own range: 2^32 + 1 is not 1
-    const bool wide = !std::is_signed<T>::value && sizeof(T) >= sizeof(int64_t);  // uint64: any x >= 0 fits
-    MESHTRAIN_CHECK(x >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
-                        (wide || x <= static_cast<int64_t>(std::numeric_limits<T>::max())),
-                    "meshtrain: ", flag, " ", v, " is out of range (", std::numeric_limits<T>::min(), " to ",
-                    std::numeric_limits<T>::max(), ")");
-    return static_cast<T>(x);
-  }
-}
-
-// A flag that sets one field of the config, or of its model.
-template <typename T>
-Setter field(T TrainConfig::*member) {
-  return [member](TrainConfig& c, const std::string& f, const std::string& v) { c.*member = parse_as<T>(f, v); };
-}
-template <typename T>
-Setter model_field(T models::ModelConfig::*member) {
-  return [member](TrainConfig& c, const std::string& f, const std::string& v) { c.model.*member = parse_as<T>(f, v); };
-}
-Setter turn_on(bool TrainConfig::*member) {
-  return [member](TrainConfig& c, const std::string&, const std::string&) { c.*member = true; };
-}
-
-void set_seed(TrainConfig& c, const std::string& f, const std::string& v) {
-  c.seed = parse_as<uint64_t>(f, v);
-  c.model.seed = c.seed;
-}
-
-void set_stage_boundaries(TrainConfig& c, const std::string& f, const std::string& v) {
-  c.stage_boundaries.clear();
-  for (const std::string& b : split(v, ',')) c.stage_boundaries.push_back(to_int(f, b));
-}
-
-const std::vector<FlagGroup>& flag_table() {
-  using M = models::ModelConfig;
-  using C = TrainConfig;
-  static const std::vector<FlagGroup> groups = {
-      {"model",
-       {{"--model", "gpt|mlp", "the built-in model (default gpt)", model_field(&M::kind)},
-        {"--layers", "N", "GPT blocks / MLP hidden layers", model_field(&M::layers)},
-        {"--hidden", "H", "hidden size", model_field(&M::hidden)},
-        {"--heads", "A", "attention heads (gpt)", model_field(&M::heads)},
-        {"--vocab", "V", "vocabulary (gpt)", model_field(&M::vocab)},
-        {"--seq-len", "T", "sequence length (gpt)", model_field(&M::seq_len)},
-        {"--features", "F", "input features (mlp)", model_field(&M::features)},
-        {"--classes", "C", "classes (mlp)", model_field(&M::classes)},
-        {"--untied", nullptr, "the GPT head gets its own weight (default: tied to the embedding)",
-         [](C& c, const std::string&, const std::string&) { c.model.tie_embeddings = false; }}}},
-      {"layout",
-       {{"--dp", "D", "data-parallel degree (default: world / (pp x tp))", field(&C::dp)},
-        {"--pp", "P", "pipeline stages", field(&C::pp)},
-        {"--tp", "T", "tensor-parallel degree", field(&C::tp)},
-        {"--strategy", "ddp|dp", "data axis: DDP, or the article's master DP (default ddp)", field(&C::strategy)},
-        {"--zero", "0|1|2|3", "ZeRO stage on the data axis (default 0: plain DDP)", field(&C::zero)},
-        {"--schedule", "naive|gpipe|1f1b|interleaved", "pipeline schedule (default 1f1b)", field(&C::schedule)},
-        {"--microbatches", "M", "pipeline micro-batches (default: derived)", field(&C::microbatches)},
-        {"--virtual-stages", "V", "model chunks per pipeline rank (interleaved)", field(&C::virtual_stages)},
-        {"--stage-boundaries", "B1,B2,...", "first piece of each later stage (default: balanced)", set_stage_boundaries},
-        {"--sequence-parallel", nullptr, "shard layer norms' activations along the sequence over tp",
-         turn_on(&C::sequence_parallel)}}},
-      {"optimization",
-       {{"--global-batch", "G", "samples per step (default 24)", field(&C::global_batch)},
-        {"--micro-batch", "B", "samples per forward (default: global batch / dp, no accumulation)",
-         field(&C::micro_batch)},
-        {"--steps", "S", "optimizer steps (default 20)", field(&C::steps)},
-        {"--optimizer", "sgd|adam|adamw", "default adamw", field(&C::optimizer)},
-        {"--lr", "LR", "learning rate (default 2e-3)", field(&C::lr)},
-        {"--lr-schedule", "constant|cosine", "cosine: to lr/10 at the last step", field(&C::lr_schedule)},
-        {"--warmup-steps", "N", "linear warm-up from 0", field(&C::warmup_steps)},
-        {"--weight-decay", "W", "default 0", field(&C::weight_decay)},
-        {"--momentum", "M", "SGD momentum (default 0)", field(&C::momentum)},
-        {"--adam-eps", "E", "Adam/AdamW eps (default 1e-8)", field(&C::adam_eps)},
-        {"--precision", "fp32|bf16-mixed", "bf16-mixed: bf16 compute, fp32 master weights", field(&C::precision)},
-        {"--reduce-dtype", "bf16|fp32", "bf16-mixed: dtype gradients are reduced in (default bf16)",
-         field(&C::reduce_dtype)},
-        {"--clip-grad-norm", "X", "clip the global L2 norm over every layout (default 0: measured, not clipped)",
-         field(&C::clip_grad_norm)},
-        {"--activation-checkpointing", "none|blocks|every-N", "recompute blocks in backward (default none)",
-         field(&C::activation_checkpointing)},
-        {"--seed", "S", "model and data seed (default 1234)", set_seed}}},
-      {"data and output",
-       {{"--data", "FILE|GLOB", "a text file (byte tokens) or llm.c token shards, e.g. 'dir/*.bin' (default: the built-in a+b= task)", field(&C::data)},
-        {"--digits", "D", "operand digits of the built-in task (default 1)", field(&C::digits)},
-        {"--eval-problems", "N", "held-out problems for the final accuracy (0: skip)", field(&C::eval_problems)},
-        {"--log-every", "N", "progress line every N steps (default 1)", field(&C::log_every)},
-        {"--metrics-out", "FILE", "JSON: losses, times, memory and traffic per rank", field(&C::metrics_out)},
-        {"--plot", "FILE.svg", "the loss curve", field(&C::plot)},
-        {"--trace", "FILE", "the last step's pipeline timeline (Chrome trace JSON + SVG)", field(&C::trace)}}},
-      {"checkpoints",
-       {{"--save-dir", "DIR", "where checkpoints go", field(&C::save_dir)},
-        {"--save-every", "N", "save every N steps", field(&C::save_every)},
-        {"--resume", nullptr, "continue from the latest complete checkpoint in --save-dir", turn_on(&C::resume)},
-        {"--async-save", nullptr, "snapshot each checkpoint at the step boundary and write it in the background",
-         turn_on(&C::async_save)}}},
-      {"communication",
-       {{"--backend", "auto|shm|gloo|mpi",
-         "default: MESHTRAIN_BACKEND, else auto (shared memory inside a host, hierarchical across hosts, MPI "
-         "under mpirun)",
-         field(&C::backend)},
-        {"--comm-timeout", "S", "seconds a rank waits for a peer before naming it stuck (default: "
-         "MESHTRAIN_COMM_TIMEOUT, else 300)", field(&C::comm_timeout)},
-        {"--bucket-cap-mb", "MB", "DDP bucket size (default 25)", field(&C::bucket_cap_mb)},
-        {"--no-overlap", nullptr, "DDP: all-reduce after backward instead of during it",
-         [](C& c, const std::string&, const std::string&) { c.overlap = false; }}}},
+// The trainer's flags, setting fields of `c`. The usage text is generated from this table.
+std::vector<flags::Group> train_flags(TrainConfig& c) {
+  models::ModelConfig& m = c.model;
+  auto seed = [&c](const std::string& f, const std::string& v) { c.model.seed = c.seed = flags::to_integer<uint64_t>(f, v); };
+  auto boundaries = [&c](const std::string& f, const std::string& v) {
+    c.stage_boundaries.clear();
+    for (const std::string& b : split(v, ',')) c.stage_boundaries.push_back(flags::to_int64(f, b));
   };
-  return groups;
+  return {
+      {"model",
+       {store("--model", "gpt|mlp", "the built-in model (default gpt)", m.kind),
+        store("--layers", "N", "GPT blocks / MLP hidden layers", m.layers),
+        store("--hidden", "H", "hidden size", m.hidden),
+        store("--heads", "A", "attention heads (gpt)", m.heads),
+        store("--vocab", "V", "vocabulary (gpt)", m.vocab),
+        store("--seq-len", "T", "sequence length (gpt)", m.seq_len),
+        store("--features", "F", "input features (mlp)", m.features),
+        store("--classes", "C", "classes (mlp)", m.classes),
+        turn("--untied", "the GPT head gets its own weight (default: tied to the embedding)", m.tie_embeddings, false)}},
+      {"layout",
+       {store("--dp", "D", "data-parallel degree (default: world / (pp x tp))", c.dp),
+        store("--pp", "P", "pipeline stages (default 1)", c.pp),
+        store("--tp", "T", "tensor-parallel degree (default 1)", c.tp),
+        store("--strategy", "ddp|dp", "data axis: DDP, or the article's master DP (default ddp)", c.strategy),
+        store("--zero", "0|1|2|3", "ZeRO stage on the data axis (default 0: plain DDP)", c.zero),
+        store("--schedule", "naive|gpipe|1f1b|interleaved", "pipeline schedule (default 1f1b)", c.schedule),
+        store("--microbatches", "M", "pipeline micro-batches (default: derived)", c.microbatches),
+        store("--virtual-stages", "V", "model chunks per pipeline rank (interleaved; default 1)", c.virtual_stages),
+        Flag{"--stage-boundaries", "B1,B2,...", "first piece of each later stage (default: balanced)", boundaries},
+        turn("--sequence-parallel", "shard layer norms' activations along the sequence over tp", c.sequence_parallel)}},
+      {"optimization",
+       {store("--global-batch", "G", "samples per step (default 24)", c.global_batch),
+        store("--micro-batch", "B", "samples per forward (default: global batch / dp, no accumulation)", c.micro_batch),
+        store("--steps", "S", "optimizer steps (default 20)", c.steps),
+        store("--optimizer", "sgd|adam|adamw", "default adamw", c.optimizer),
+        store("--lr", "LR", "learning rate (default 2e-3)", c.lr),
+        store("--lr-schedule", "constant|cosine", "cosine: to lr/10 at the last step (default constant)", c.lr_schedule),
+        store("--warmup-steps", "N", "linear warm-up from 0 (default 0)", c.warmup_steps),
+        store("--weight-decay", "W", "default 0", c.weight_decay),
+        store("--momentum", "M", "SGD momentum (default 0)", c.momentum),
+        store("--adam-eps", "E", "Adam/AdamW eps (default 1e-8)", c.adam_eps),
+        store("--precision", "fp32|bf16-mixed", "bf16-mixed: bf16 compute, fp32 master weights (default fp32)",
+              c.precision),
+        store("--reduce-dtype", "bf16|fp32", "bf16-mixed: dtype gradients are reduced in (default bf16)", c.reduce_dtype),
+        store("--clip-grad-norm", "X", "clip the global L2 norm over every layout (default 0: measured, not clipped)",
+              c.clip_grad_norm),
+        store("--activation-checkpointing", "none|blocks|every-N", "recompute blocks in backward (default none)",
+              c.activation_checkpointing),
+        Flag{"--seed", "S", "model and data seed (default 1234)", seed}}},
+      {"data and output",
+       {store("--data", "FILE|GLOB",
+              "a text file (byte tokens) or llm.c token shards, e.g. 'dir/*.bin' (default: the built-in a+b= task)",
+              c.data),
+        store("--digits", "D", "operand digits of the built-in task (default 1)", c.digits),
+        store("--eval-problems", "N", "held-out problems for the final accuracy (0: skip)", c.eval_problems),
+        store("--log-every", "N", "progress line every N steps (default 1)", c.log_every),
+        store("--metrics-out", "FILE", "JSON: losses, times, memory and traffic per rank", c.metrics_out),
+        store("--plot", "FILE.svg", "the loss curve", c.plot),
+        store("--trace", "FILE", "the last step's pipeline timeline (Chrome trace JSON + SVG)", c.trace)}},
+      {"checkpoints",
+       {store("--save-dir", "DIR", "where checkpoints go (none by default)", c.save_dir),
+        store("--save-every", "N", "save every N steps (default 0: never)", c.save_every),
+        turn("--resume", "continue from the latest complete checkpoint in --save-dir", c.resume),
+        turn("--async-save", "snapshot each checkpoint at the step boundary and write it in the background",
+             c.async_save)}},
+      {"communication",
+       {store("--backend", "auto|shm|gloo|mpi",
+              "default: MESHTRAIN_BACKEND, else auto (shared memory inside a host, hierarchical across hosts, MPI "
+              "under mpirun)",
+              c.backend),
+        store("--comm-timeout", "S",
+              "seconds a rank waits for a peer before naming it stuck (default: MESHTRAIN_COMM_TIMEOUT, else 300)",
+              c.comm_timeout),
+        store("--bucket-cap-mb", "MB", "DDP bucket size (default 25)", c.bucket_cap_mb),
+        turn("--no-overlap", "DDP: all-reduce after backward instead of during it", c.overlap, false)}},
+  };
 }
 
-const Flag* find_flag(const std::string& name) {
-  for (const auto& g : flag_table())
-    for (const auto& f : g.flags)
-      if (name == f.name) return &f;
-  return nullptr;
+flags::Parser train_parser(TrainConfig& c) {
+  return flags::Parser("meshtrain", "usage: meshtrain [flags]        (meshtrain plan --help: the planner)\n",
+                       train_flags(c),
+                       "Run under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n");
 }
 
 }  // namespace
 
 std::string train_usage() {
-  std::string out = "usage: meshtrain [flags]        (meshtrain plan --help: the planner)\n";
-  for (const auto& g : flag_table()) {
-    out += std::string("\n") + g.title + ":\n";
-    for (const auto& f : g.flags) {
-      std::string left = std::string("  ") + f.name + (f.value ? std::string(" ") + f.value : "");
-      left.resize(std::max<size_t>(left.size() + 2, 44), ' ');
-      out += left + f.help + "\n";
-    }
-  }
-  out += "\nRun under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n";
-  return out;
+  TrainConfig unused;
+  return train_parser(unused).usage();
+}
+
+bool asks_for_help(const std::vector<std::string>& args) {
+  TrainConfig unused;
+  return train_parser(unused).asks_for_help(args);
 }
 
 TrainConfig parse_train_args(const std::vector<std::string>& args) {
   TrainConfig c;
   c.model.seed = c.seed;
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string flag = args[i], value;
-    bool has_inline = false;
-    const auto eq = flag.find('=');
-    if (flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      has_inline = true;
-    }
-    if (flag == "--help" || flag == "-h") throw ConfigError(train_usage());
-    const Flag* f = find_flag(flag);
-    MESHTRAIN_CHECK(f, "meshtrain: unknown flag '", args[i], "'\n", train_usage());
-    if (f->value && !has_inline) {
-      MESHTRAIN_CHECK(i + 1 < args.size(), "meshtrain: ", flag, " needs a value");
-      value = args[++i];
-    }
-    f->set(c, flag, value);
-  }
+  train_parser(c).parse(args);
   return c;
 }
 

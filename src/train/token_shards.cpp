@@ -13,6 +13,7 @@
 #include <ostream>
 
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/flags.h"
 #include "meshtrain/util/files.h"
 
 namespace meshtrain {
@@ -197,38 +198,25 @@ std::vector<std::string> write_token_shards(const std::vector<std::string>& text
 }
 
 int run_data_command(const std::vector<std::string>& args, std::ostream& out) {
-  static const char* usage =
-      "usage: meshtrain data --out PREFIX [--shard-tokens N] FILE...\n"
-      "  Writes the text FILEs (concatenated, one byte = one token, vocabulary 256) as llm.c token shards\n"
-      "  PREFIX_000000.bin, PREFIX_000001.bin, ... for `meshtrain --data 'PREFIX_*.bin'`.\n"
-      "  --out PREFIX        where the shards go (directories are made)\n"
-      "  --shard-tokens N    tokens per shard (default 100000000, llm.c's)\n";
   std::string prefix;
   int64_t per_shard = 100000000;
-  std::vector<std::string> inputs;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> const std::string& {
-      MESHTRAIN_CHECK(i + 1 < args.size(), "meshtrain data: ", a, " needs a value\n", usage);
-      return args[++i];
-    };
-    if (a == "--help" || a == "-h") {
-      out << usage;
-      return 0;
-    } else if (a == "--out") {
-      prefix = value();
-    } else if (a == "--shard-tokens") {
-      const std::string& v = value();
-      char* end = nullptr;
-      per_shard = std::strtoll(v.c_str(), &end, 10);
-      MESHTRAIN_CHECK(!v.empty() && *end == '\0' && per_shard > 0 && per_shard <= INT32_MAX,
-                      "meshtrain data: --shard-tokens ", v, " must be a positive integer up to ", INT32_MAX);
-    } else {
-      MESHTRAIN_CHECK(a.rfind("--", 0) != 0, "meshtrain data: unknown flag ", a, "\n", usage);
-      inputs.push_back(a);
-    }
+  auto shard_tokens = [&per_shard](const std::string& f, const std::string& v) {
+    per_shard = flags::to_integer<int32_t>(f, v);
+    MESHTRAIN_CHECK(per_shard > 0, f, " ", v, " must be a positive number of tokens");
+  };
+  flags::Parser parser("meshtrain data",
+                       "usage: meshtrain data --out PREFIX [--shard-tokens N] FILE...\n"
+                       "Writes the text FILEs (concatenated, one byte = one token, vocabulary 256) as llm.c token\n"
+                       "shards PREFIX_000000.bin, PREFIX_000001.bin, ... for `meshtrain --data 'PREFIX_*.bin'`.\n",
+                       {{"", {flags::store("--out", "PREFIX", "where the shards go (directories are made)", prefix),
+                              {"--shard-tokens", "N", "tokens per shard (default 100000000, llm.c's)", shard_tokens}}}});
+  parser.takes_operands();
+  if (parser.asks_for_help(args)) {
+    out << parser.usage();
+    return 0;
   }
-  MESHTRAIN_CHECK(!prefix.empty() && !inputs.empty(), "meshtrain data: give --out PREFIX and at least one text file\n", usage);
+  const std::vector<std::string> inputs = parser.parse(args);
+  MESHTRAIN_CHECK(!prefix.empty() && !inputs.empty(), "meshtrain data: give --out PREFIX and at least one text file\n", parser.usage());
   for (const std::string& path : write_token_shards(inputs, prefix, per_shard)) {
     MappedFile f(path);
     out << "wrote " << path << ": " << checked_token_count(f, path) << " tokens\n";

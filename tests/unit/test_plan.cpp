@@ -288,7 +288,6 @@ TEST(Plan, RejectsBadInputWithClearMessages) {
       {shape + cluster + "--momentum 0.9", "--momentum applies to --optimizer sgd"},
       {shape + cluster + "--optimizer sgd --momentum yes", "--momentum yes: expected the momentum factor in [0, 1)"},
       {shape + cluster + "--activation-checkpointing every-2", "the planner estimates none and blocks"},
-      {shape + cluster + "--devices 4", "--devices is given twice"},
       {shape + cluster + "--pipeline 2", "unknown flag '--pipeline'"},
       {shape + cluster + "--micro-batch 3 --global-batch 8", "--global-batch 8 is not a multiple of --micro-batch 3"},
       {shape + cluster + "--json=yes", "--json takes no value"},

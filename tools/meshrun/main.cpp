@@ -8,10 +8,8 @@
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  // meshrun's own flags end at "--" (or, without it, a --help first); the program's --help is its own.
-  const auto ours = std::find(args.begin(), args.end(), "--");
-  const auto end_of_ours = ours != args.end() ? ours : args.begin() + std::min<size_t>(1, args.size());
-  if (std::find(args.begin(), end_of_ours, "--help") != end_of_ours || std::find(args.begin(), end_of_ours, "-h") != end_of_ours) {
+  // meshrun's own flags end at "--" or the program; the program's --help is its own.
+  if (meshtrain::launch::launch_asks_for_help(args)) {
     std::cout << meshtrain::launch::launch_usage();
     return 0;
   }

@@ -22,7 +22,7 @@ using namespace meshtrain;
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (std::find(args.begin(), args.end(), "--help") != args.end() || std::find(args.begin(), args.end(), "-h") != args.end()) {
+  if (!args.empty() && args[0] != "plan" && args[0] != "data" && train::asks_for_help(args)) {
     std::cout << train::train_usage();  // asked for: stdout, success
     return 0;
   }

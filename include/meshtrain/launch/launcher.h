@@ -39,6 +39,8 @@ struct LaunchOptions {
 // ConfigError naming the flag and the fix.
 LaunchOptions parse_launch_args(const std::vector<std::string>& args);
 std::string launch_usage();
+// Whether meshrun's own flags (not the program's) ask for --help / -h.
+bool launch_asks_for_help(const std::vector<std::string>& args);
 
 // The environment of one rank, given the process's own environment `base`
 // (user settings such as OMP_NUM_THREADS are kept when present).

@@ -65,9 +65,11 @@ struct TrainConfig {
   std::string trace;        // pipeline timeline (Chrome trace JSON + SVG)
 };
 
-// Parses trainer flags ("--name value" or "--name=value"). Throws ConfigError.
+// Parses trainer flags ("--name value" or "--name=value"; util/flags.h). Throws ConfigError.
 TrainConfig parse_train_args(const std::vector<std::string>& args);
 std::string train_usage();
+// Whether the flags ask for --help / -h.
+bool asks_for_help(const std::vector<std::string>& args);
 
 // Collective over `world`: every rank must train the same resolved
 // configuration. ConfigError on every rank naming each differing flag, its
