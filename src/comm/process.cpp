@@ -28,7 +28,7 @@ Process::Process(ProcessConfig config, std::shared_ptr<TcpStore> store,
     : config_(std::move(config)), store_(std::move(store)), server_(std::move(server)) {
   const std::string prefix = config_.group + "/";
   watcher_.reset(new FailureWatcher(store_->host(), store_->port(), prefix, config_.timeout,
-                                    [this](const FailureReport& r) { on_failure(r); }));
+                                    [this](const FailureReport& r) { on_failure(r); }, store_->token()));
   store_->hello(prefix + "r" + std::to_string(config_.rank));
   store_->set(prefix + "host/" + std::to_string(config_.rank), config_.host_id);
   // A rendezvous wait (exchanging addresses or segment names) also ends when a peer dies.

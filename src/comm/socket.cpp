@@ -145,16 +145,19 @@ bool read_exact(int fd, void* data, size_t size, Clock::time_point deadline) {
   return true;
 }
 
-bool write_frame(int fd, const std::string& payload) {
+std::string frame_of(const std::string& payload) {
   const uint32_t len = static_cast<uint32_t>(payload.size());
-  std::string frame(reinterpret_cast<const char*>(&len), 4);
-  frame += payload;
+  return std::string(reinterpret_cast<const char*>(&len), 4) + payload;
+}
+
+bool write_frame(int fd, const std::string& payload) {
+  const std::string frame = frame_of(payload);
   return write_all(fd, frame.data(), frame.size());
 }
 
 bool read_frame(int fd, std::string* payload, Clock::time_point deadline) {
   uint32_t len = 0;
-  if (!read_exact(fd, &len, 4, deadline)) return false;
+  if (!read_exact(fd, &len, 4, deadline) || len > kMaxFrame) return false;
   payload->resize(len);
   return len == 0 || read_exact(fd, &(*payload)[0], len, deadline);
 }

@@ -28,8 +28,14 @@ bool write_all(int fd, const void* data, size_t size);
 // when nothing arrives before `deadline` (Clock::time_point::max() = no limit).
 bool read_exact(int fd, void* data, size_t size, Clock::time_point deadline);
 
-// A frame is a little-endian uint32 length followed by that many bytes.
+// A frame is a little-endian uint32 length followed by that many bytes, at
+// most kMaxFrame (store keys and values are addresses and small records; a
+// larger length is a stranger's or a corrupt stream, refused before any
+// allocation).
+constexpr uint32_t kMaxFrame = 64u << 20;
+std::string frame_of(const std::string& payload);
 bool write_frame(int fd, const std::string& payload);
+// False on EOF or error, or a length over kMaxFrame.
 bool read_frame(int fd, std::string* payload, Clock::time_point deadline);
 
 // Binary field codec for frames.

@@ -10,6 +10,7 @@
 #include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
 #include "socket.h"
+#include "store_auth.h"
 #include "store_protocol.h"
 
 namespace meshtrain {
@@ -27,9 +28,15 @@ void PrefixStore::wait(const std::vector<std::string>& keys) {
   base_->wait(prefixed);
 }
 
-TcpStore::TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout)
-    : host_(host), port_(port), timeout_(timeout) {
+TcpStore::TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout, const std::string& token)
+    : host_(host), port_(port), token_(token), timeout_(timeout) {
   fd_ = net::connect_to(host, port, Clock::now() + timeout, "the rendezvous store");
+  try {
+    store_auth::prove(fd_, token_, Clock::now() + timeout, str_cat("the rendezvous store at ", host, ":", port));
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
 }
 
 TcpStore::~TcpStore() {
@@ -100,9 +107,15 @@ void TcpStore::report_failure(const std::string& label, const std::string& reaso
 
 FailureWatcher::FailureWatcher(const std::string& host, int port, const std::string& prefix,
                                std::chrono::milliseconds connect_timeout,
-                               std::function<void(const FailureReport&)> on_failure)
+                               std::function<void(const FailureReport&)> on_failure, const std::string& token)
     : on_failure_(std::move(on_failure)) {
   fd_ = net::connect_to(host, port, Clock::now() + connect_timeout, "the rendezvous store");
+  try {
+    store_auth::prove(fd_, token, Clock::now() + connect_timeout, str_cat("the rendezvous store at ", host, ":", port));
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
   net::write_frame(fd_, net::Writer().u8(store_protocol::kWatch).str(prefix).bytes());
   thread_ = std::thread([this] { run(); });
 }

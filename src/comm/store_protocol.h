@@ -1,6 +1,15 @@
 #pragma once
 // Wire protocol between TcpStore/FailureWatcher and StoreServer. Every message
 // is one frame (net::write_frame); the first byte is the command or status.
+//
+// Note [Store authentication]
+// On accept the server sends kGreeting with a nonce: 32 random bytes when the
+// job has a token (MESHTRAIN_RDZV_TOKEN; meshrun makes one per job), empty
+// when it has none. With a nonce, the client's first frame must be kAuth with
+// HMAC-SHA256(token, "meshtrain-store/1" + nonce); anything else, a wrong MAC,
+// or no answer within a few seconds closes the connection, and the server says
+// so on stderr. The token itself never crosses the wire, and a recorded answer
+// is useless against the next nonce.
 
 #include <cstdint>
 
@@ -17,6 +26,7 @@ constexpr uint8_t kHello = 6;   // label                 -> kOk
 constexpr uint8_t kBye = 7;     //                       -> kOk
 constexpr uint8_t kWatch = 8;   // prefix                -> kFailure label reason, pushed
 constexpr uint8_t kReport = 9;  // label, reason         -> kOk
+constexpr uint8_t kAuth = 10;   // mac                   -> kOk | kError and close
 
 // Replies.
 constexpr uint8_t kOk = 100;
@@ -24,6 +34,7 @@ constexpr uint8_t kFound = 101;
 constexpr uint8_t kMissing = 102;
 constexpr uint8_t kFailure = 103;
 constexpr uint8_t kError = 104;
+constexpr uint8_t kGreeting = 105;  // nonce ("" : the store takes no token), sent by the server on accept
 
 }  // namespace store_protocol
 }  // namespace comm

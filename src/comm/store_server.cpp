@@ -1,17 +1,22 @@
 // StoreServer: one thread, poll(2) over the listening socket and the clients.
 // See Note [Failure detection] below.
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <map>
 
 #include "meshtrain/comm/store.h"
+#include "meshtrain/util/error.h"
 #include "socket.h"
+#include "store_auth.h"
 #include "store_protocol.h"
 
 namespace meshtrain {
@@ -29,9 +34,21 @@ namespace comm {
 
 namespace {
 
+using net::Clock;
+
+constexpr size_t kMaxUnauthenticatedFrame = 4096;  // an kAuth frame is ~50 bytes
+constexpr size_t kMaxQueuedReplies = 64u << 20;    // a client that does not read its replies
+constexpr size_t kMaxClients = 4096;
+constexpr auto kTimeToAuthenticate = std::chrono::seconds(10);
+constexpr int kRefusalsShown = 20;
+
 struct Client {
   int fd = -1;
-  std::string inbuf;
+  std::string peer;  // "127.0.0.1:40312", for messages
+  Clock::time_point accepted;
+  std::string nonce;  // the challenge; "" once authenticated (or with no token)
+  std::string inbuf, outbuf;
+  bool dropped = false;  // closed at the end of this round
   std::string label;
   bool said_bye = false;
   bool watching = false;
@@ -42,19 +59,71 @@ bool starts_with(const std::string& s, const std::string& prefix) {
   return s.compare(0, prefix.size(), prefix) == 0;
 }
 
+std::string peer_of(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    if (addr.ss_family == AF_INET) {
+      auto* a = reinterpret_cast<sockaddr_in*>(&addr);
+      inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+      port = ntohs(a->sin_port);
+    } else if (addr.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
+      inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+      port = ntohs(a->sin6_port);
+    }
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
 }  // namespace
 
 struct StoreServer::State {
   mutable std::mutex mutex;
   std::condition_variable changed;
+  std::string token;
   std::map<std::string, std::string> kv;
   std::map<int, Client> clients;  // by fd
   std::vector<FailureReport> failures;
+  int refusals = 0;
 
   int labeled_clients_present() const {
     int n = 0;
     for (const auto& kv : clients) n += (!kv.second.label.empty() && !kv.second.said_bye);
     return n;
+  }
+
+  // A connection closed by the server: said on stderr (the first few), as a
+  // stranger's attempt or a broken client is worth knowing about.
+  void refuse(Client& c, const std::string& why) {
+    c.dropped = true;
+    if (++refusals <= kRefusalsShown) {
+      std::fprintf(stderr, "meshtrain store: closed the connection from %s: %s%s\n", c.peer.c_str(), why.c_str(),
+                   refusals == kRefusalsShown ? " (further ones not shown)" : "");
+    }
+  }
+
+  // Queues a frame for `c` and sends what the socket takes now; never blocks.
+  void send(Client& c, const std::string& payload) {
+    if (c.dropped) return;
+    c.outbuf += net::frame_of(payload);
+    flush(c);
+    if (c.outbuf.size() > kMaxQueuedReplies) refuse(c, "it does not read its replies (64 MiB queued)");
+  }
+
+  void flush(Client& c) {
+    while (!c.outbuf.empty() && !c.dropped) {
+      const ssize_t n = ::send(c.fd, c.outbuf.data(), c.outbuf.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n <= 0) {
+        c.dropped = true;
+        return;
+      }
+      c.outbuf.erase(0, static_cast<size_t>(n));
+    }
   }
 
   // Records a failure and pushes it to matching watchers. Caller holds mutex.
@@ -63,8 +132,54 @@ struct StoreServer::State {
     const std::string frame =
         net::Writer().u8(store_protocol::kFailure).str(label).str(reason).bytes();
     for (auto& kv : clients) {
-      if (kv.second.watching && starts_with(label, kv.second.watch_prefix)) {
-        net::write_frame(kv.second.fd, frame);
+      if (kv.second.watching && starts_with(label, kv.second.watch_prefix)) send(kv.second, frame);
+    }
+  }
+
+  void accept(int fd) {
+    if (clients.size() >= kMaxClients) {
+      Client stranger;
+      stranger.peer = peer_of(fd);
+      refuse(stranger, "the store already has 4096 connections");
+      ::close(fd);
+      return;
+    }
+    Client& c = clients[fd];
+    c.fd = fd;
+    c.peer = peer_of(fd);
+    c.accepted = Clock::now();
+    c.nonce = token.empty() ? "" : store_auth::random_bytes(32);
+    send(c, net::Writer().u8(store_protocol::kGreeting).str(c.nonce).bytes());
+  }
+
+  // The first frame of a client that must prove it knows the token.
+  void authenticate(Client& c, const std::string& frame) {
+    net::Reader r(frame);
+    if (r.u8() != store_protocol::kAuth) return refuse(c, "it sent a request before proving it knows the job's token");
+    if (!store_auth::same_mac(r.str(), store_auth::mac(token, c.nonce))) {
+      send(c, net::Writer().u8(store_protocol::kError).bytes());
+      return refuse(c, "wrong rendezvous token (another job's, or a stranger)");
+    }
+    c.nonce.clear();
+    send(c, net::Writer().u8(store_protocol::kOk).bytes());
+  }
+
+  // Every complete frame in the client's buffer; a length over the bound closes it.
+  void handle_frames(Client& c) {
+    while (c.inbuf.size() >= 4 && !c.dropped) {
+      uint32_t len;
+      std::memcpy(&len, c.inbuf.data(), 4);
+      if (len > (c.nonce.empty() ? net::kMaxFrame : kMaxUnauthenticatedFrame)) {
+        return refuse(c, str_cat("a frame of ", len, " bytes, over the bound"));
+      }
+      if (c.inbuf.size() < 4 + static_cast<size_t>(len)) break;
+      const std::string frame = c.inbuf.substr(4, len);
+      c.inbuf.erase(0, 4 + static_cast<size_t>(len));
+      try {
+        if (!c.nonce.empty()) authenticate(c, frame);
+        else handle(c, frame);
+      } catch (const std::exception&) {
+        send(c, net::Writer().u8(store_protocol::kError).bytes());
       }
     }
   }
@@ -123,18 +238,14 @@ struct StoreServer::State {
         // A watcher that arrives late still learns of earlier failures.
         for (const auto& f : failures) {
           if (starts_with(f.label, c.watch_prefix)) {
-            net::write_frame(c.fd, net::Writer()
-                                       .u8(store_protocol::kFailure)
-                                       .str(f.label)
-                                       .str(f.reason)
-                                       .bytes());
+            send(c, net::Writer().u8(store_protocol::kFailure).str(f.label).str(f.reason).bytes());
           }
         }
         return;  // watchers get no reply, only pushed failures
       default:
         reply.u8(store_protocol::kError);
     }
-    net::write_frame(c.fd, reply.bytes());
+    send(c, reply.bytes());
   }
 
   // Called when a client's connection closed. Caller holds mutex.
@@ -147,8 +258,9 @@ struct StoreServer::State {
   }
 };
 
-StoreServer::StoreServer(const std::string& host, int port)
+StoreServer::StoreServer(const std::string& host, int port, const std::string& token)
     : host_(host), state_(new State) {
+  state_->token = token;
   listen_fd_ = net::listen_on(host, port, &port_);
   if (pipe2(wake_pipe_, O_CLOEXEC) != 0) {
     ::close(listen_fd_);
@@ -188,46 +300,54 @@ void StoreServer::run() {
     fds.push_back({listen_fd_, POLLIN, 0});
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
-      for (const auto& kv : state_->clients) fds.push_back({kv.first, POLLIN, 0});
+      for (const auto& kv : state_->clients)
+        fds.push_back({kv.first, static_cast<short>(POLLIN | (kv.second.outbuf.empty() ? 0 : POLLOUT)), 0});
     }
-    if (::poll(fds.data(), fds.size(), -1) < 0) {
+    if (::poll(fds.data(), fds.size(), 1000) < 0) {  // wakes each second to expire silent strangers
       if (errno == EINTR) continue;
       return;
     }
     if (fds[0].revents) return;
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (fds[1].revents & POLLIN) {
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) state_->clients[fd].fd = fd;
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) state_->accept(fd);
     }
     for (size_t i = 2; i < fds.size(); ++i) {
-      if (!fds[i].revents) continue;
-      Client& c = state_->clients[fds[i].fd];
+      auto it = state_->clients.find(fds[i].fd);
+      if (!fds[i].revents || it == state_->clients.end()) continue;
+      Client& c = it->second;
+      if (fds[i].revents & POLLOUT) state_->flush(c);
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       const ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
       if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
       if (n <= 0) {
-        state_->disconnected(c);
-        state_->clients.erase(fds[i].fd);
-        state_->changed.notify_all();
+        c.dropped = true;
         continue;
       }
       c.inbuf.append(buf, static_cast<size_t>(n));
-      // Handle every complete frame in the buffer.
-      while (c.inbuf.size() >= 4) {
-        uint32_t len;
-        std::memcpy(&len, c.inbuf.data(), 4);
-        if (c.inbuf.size() < 4 + static_cast<size_t>(len)) break;
-        const std::string frame = c.inbuf.substr(4, len);
-        c.inbuf.erase(0, 4 + static_cast<size_t>(len));
-        try {
-          state_->handle(c, frame);
-        } catch (const std::exception&) {
-          net::write_frame(c.fd, net::Writer().u8(store_protocol::kError).bytes());
-        }
-      }
-      state_->changed.notify_all();
+      state_->handle_frames(c);
     }
+    drop_closed_clients();
   }
+}
+
+// Closes the connections marked dropped, and those that never authenticated in time.
+void StoreServer::drop_closed_clients() {
+  const auto now = Clock::now();
+  for (auto it = state_->clients.begin(); it != state_->clients.end();) {
+    Client& c = it->second;
+    if (!c.nonce.empty() && !c.dropped && now - c.accepted > kTimeToAuthenticate) {
+      state_->refuse(c, "it did not prove it knows the job's token within 10 s");
+    }
+    if (!c.dropped) {
+      ++it;
+      continue;
+    }
+    state_->disconnected(c);
+    it = state_->clients.erase(it);
+  }
+  state_->changed.notify_all();
 }
 
 }  // namespace comm

@@ -5,8 +5,11 @@
 #include <thread>
 
 #include "meshtrain/launch/launcher.h"
+#include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
 #include "meshtrain/util/flags.h"
+#include "meshtrain/util/strings.h"
 
 namespace meshtrain {
 namespace launch {
@@ -44,6 +47,9 @@ flags::Parser launch_parser(LaunchOptions& o, bool& standalone) {
                   o.master_port),
             Flag{"--rdzv-endpoint", "HOST[:PORT]", "the same two in one flag, as torchrun", endpoint},
             flags::turn("--standalone", "one node on 127.0.0.1 with a free port, as torchrun", standalone),
+            store("--rdzv-token-file", "FILE",
+                  "the job's secret, the same file on every node (default: MESHTRAIN_RDZV_TOKEN, else one made "
+                  "per job on one node)", o.rdzv_token_file),
             Flag{"--rdzv-timeout", "S", "how long nodes wait for each other (default 300 s)",
                  seconds(o.rendezvous_timeout, 1)},
             store("--max-restarts", "K", "restart the whole group up to K times after a failure (default 0)",
@@ -106,6 +112,26 @@ LaunchOptions parse_launch_args(const std::vector<std::string>& args) {
   return o;
 }
 
+std::string resolve_rdzv_token(LaunchOptions& o) {
+  if (!o.rdzv_token_file.empty()) {
+    MESHTRAIN_CHECK(files::exists(o.rdzv_token_file), "meshrun: --rdzv-token-file ", o.rdzv_token_file,
+                    " does not exist");
+    o.rdzv_token = trim(files::read_all(o.rdzv_token_file));
+    MESHTRAIN_CHECK(o.rdzv_token.size() >= 16, "meshrun: --rdzv-token-file ", o.rdzv_token_file, " holds ",
+                    o.rdzv_token.size(), " characters; a token needs at least 16 (e.g. openssl rand -hex 32 > ",
+                    o.rdzv_token_file, ")");
+    return "";
+  }
+  o.rdzv_token = comm::rdzv_token_from_env();
+  if (!o.rdzv_token.empty()) return "";
+  if (o.nnodes == 1) {
+    o.rdzv_token = comm::generate_rdzv_token();
+    return "";
+  }
+  return "warning: no rendezvous token (--rdzv-token-file or MESHTRAIN_RDZV_TOKEN): any process that reaches " +
+         o.master_addr + ":" + std::to_string(o.master_port) + " can read and write the store";
+}
+
 std::map<std::string, std::string> rank_environment(const LaunchOptions& o, int local_rank, int restart,
                                                     int store_port, int cores,
                                                     const std::map<std::string, std::string>& base) {
@@ -120,6 +146,7 @@ std::map<std::string, std::string> rank_environment(const LaunchOptions& o, int 
   env["MASTER_ADDR"] = o.master_addr;
   env["MASTER_PORT"] = std::to_string(store_port);
   env["MESHTRAIN_AGENT_STORE"] = "1";
+  if (!o.rdzv_token.empty()) env["MESHTRAIN_RDZV_TOKEN"] = o.rdzv_token;  // the environment, never argv
   env["MESHTRAIN_RESTART_COUNT"] = std::to_string(restart);
   env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart);
   // Each rank gets its share of the cores, unless the user chose (torchrun's habit).

@@ -423,7 +423,7 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
   const std::string gen = "g" + std::to_string(generation);
   RemoteFailures remote;
   comm::FailureWatcher watcher(o.master_addr, store_port, gen + "/", o.rendezvous_timeout,
-                               [&](const comm::FailureReport& r) { remote.record(r); });
+                               [&](const comm::FailureReport& r) { remote.record(r); }, o.rdzv_token);
   std::vector<std::unique_ptr<RankProcess>> ranks;
   const int cores = node_cores();
   for (int local = 0; local < o.nproc_per_node; ++local) {
@@ -439,8 +439,11 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
 
 }  // namespace
 
-int run_launcher(const LaunchOptions& o) {
+int run_launcher(const LaunchOptions& options) {
+  LaunchOptions o = options;
   g_quiet = o.quiet;
+  const std::string token_warning = resolve_rdzv_token(o);
+  if (!token_warning.empty()) say(token_warning);
   if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return 1;
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -458,10 +461,10 @@ int run_launcher(const LaunchOptions& o) {
   std::unique_ptr<comm::StoreServer> server;
   int port = o.master_port;
   if (o.node_rank == 0) {
-    server.reset(new comm::StoreServer(o.master_addr, o.master_port));
+    server.reset(new comm::StoreServer(o.master_addr, o.master_port, o.rdzv_token));
     port = server->port();
   }
-  comm::TcpStore store(o.master_addr, port, o.rendezvous_timeout);
+  comm::TcpStore store(o.master_addr, port, o.rendezvous_timeout, o.rdzv_token);
   auto base_env = process_environment();
   if (o.node_rank == 0) {
     inform(str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ", o.nnodes,

@@ -109,12 +109,35 @@ TEST(Meshrun, NoOrphansWhenMeshrunIsKilled) {
   for (pid_t p : pids) EXPECT_FALSE(alive(p)) << "pid " << p << " outlived meshrun's SIGTERM";
 }
 
+// meshrun makes a token per job and hands it to its ranks in the environment;
+// a process without it cannot report a rank dead or join the store (the
+// store says so), and the job trains on (Note [Store authentication]).
+TEST(Meshrun, AStrangerOnTheStorePortIsRefusedAndTheJobGoesOn) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 2 -- " + kHelper + " stranger");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "token in the environment: 64 characters")) << r.output;
+  EXPECT_TRUE(contains(r.output, "it sent a request before proving it knows the job's token")) << r.output;
+  EXPECT_TRUE(contains(r.output, "stranger: refused: the rendezvous store at 127.0.0.1:")) << r.output;
+  EXPECT_TRUE(contains(r.output, "requires a rendezvous token and this process has none")) << r.output;
+  EXPECT_FALSE(contains(r.output, "forged by a stranger")) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_TRUE(contains(r.output, "[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " of 2 sum 3"))
+        << r.output;
+  }
+}
+
+// Several nodes share the token through a file (--rdzv-token-file).
 TEST(Meshrun, TwoNodesOnLoopbackFormOneGroup) {
   const std::string port = std::to_string(free_port());
-  const std::string common = kBin + "/meshrun --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port " + port;
+  const std::string token = "/tmp/meshrun-token-" + port;
+  std::ofstream(token) << "0123456789abcdef0123456789abcdef\n";
+  const std::string common = kBin + "/meshrun --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --rdzv-token-file " +
+                             token + " --master-port " + port;
   Shell r = sh("(" + common + " --node-rank 1 -- " + kHelper + " allreduce > /tmp/meshrun-node1-" + port + ".log 2>&1 & " +
              common + " --node-rank 0 -- " + kHelper + " allreduce; wait; cat /tmp/meshrun-node1-" + port + ".log)");
+  std::remove(token.c_str());
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "no rendezvous token")) << r.output;
   for (int rank = 0; rank < 4; ++rank) {
     EXPECT_TRUE(contains(r.output, "[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " of 4 sum 10"))
         << r.output;

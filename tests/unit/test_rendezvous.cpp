@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -10,6 +14,8 @@
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
+#include "comm/socket.h"
+#include "comm/store_protocol.h"
 
 using namespace meshtrain;
 using namespace meshtrain::comm;
@@ -209,4 +215,99 @@ TEST(Store, ServerBindsOnlyTheGivenAddressAndReportsTakenPorts) {
   }
   // 127.0.0.2 is loopback too, but the server did not bind it.
   EXPECT_THROW(TcpStore("127.0.0.2", server.port(), std::chrono::milliseconds(300)), TimeoutError);
+}
+
+namespace {
+
+// A raw connection to the store, as a stranger (or a broken client) makes one.
+int raw_connection(int port) {
+  const int fd = net::connect_to("127.0.0.1", port, net::Clock::now() + std::chrono::seconds(5), "the store");
+  timeval limit{5, 0};  // a store that neither answers nor closes fails the test, not hangs it
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+  return fd;
+}
+
+// Reads until the server closes the connection (true) or 5 s pass (false).
+bool closed_by_server(int fd) {
+  char buf[65536];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof buf, 0)) > 0) {
+  }
+  return n == 0 || errno == ECONNRESET;  // a reset when it closed with our bytes unread
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+// Note [Store authentication]: with a token, only clients that know it are
+// served; a stranger's request (here a forged failure report) is not handled.
+TEST(Store, OnlyClientsWithTheTokenAreServed) {
+  const std::string token = generate_rdzv_token();
+  EXPECT_EQ(token.size(), 64u);
+  EXPECT_NE(token, generate_rdzv_token());
+  StoreServer server("127.0.0.1", 0, token);
+  TcpStore member("127.0.0.1", server.port(), std::chrono::seconds(5), token);
+  member.set("k", "v");
+  EXPECT_EQ(member.get("k"), "v");
+  const auto none = [&] { TcpStore("127.0.0.1", server.port(), std::chrono::seconds(5), ""); };
+  EXPECT_NE(message_of(none).find("requires a rendezvous token and this process has none"), std::string::npos)
+      << message_of(none);
+  const auto wrong = [&] { TcpStore("127.0.0.1", server.port(), std::chrono::seconds(5), "another job's token"); };
+  EXPECT_NE(message_of(wrong).find("refused this process's rendezvous token"), std::string::npos) << message_of(wrong);
+  const auto watcher = [&] {
+    FailureWatcher("127.0.0.1", server.port(), "g0/", std::chrono::seconds(5), [](const FailureReport&) {}, "wrong");
+  };
+  EXPECT_NE(message_of(watcher).find("refused"), std::string::npos) << message_of(watcher);
+
+  const int fd = raw_connection(server.port());
+  const std::string forged = net::Writer().u8(store_protocol::kReport).str("g0/r0").str("forged").bytes();
+  ASSERT_TRUE(net::write_frame(fd, forged));
+  EXPECT_TRUE(closed_by_server(fd));
+  close(fd);
+  EXPECT_TRUE(server.failures().empty());
+  EXPECT_EQ(member.get("k"), "v");  // the members are served as before
+}
+
+// A length prefix of nearly 4 GiB is refused before any allocation, with or
+// without a token; the store goes on serving.
+TEST(Store, HugeFramesCloseTheConnection) {
+  for (const std::string token : {"", "the job's token, 32 characters!"}) {
+    StoreServer server("127.0.0.1", 0, token);
+    TcpStore member("127.0.0.1", server.port(), std::chrono::seconds(5), token);
+    const int fd = raw_connection(server.port());
+    const uint32_t huge = 0xFFFFFFF0u;
+    ASSERT_TRUE(net::write_all(fd, &huge, 4));
+    net::write_all(fd, std::string(1 << 20, 'x').data(), 1 << 20);  // fails once the store has closed: it may
+    EXPECT_TRUE(closed_by_server(fd)) << "token '" << token << "'";
+    close(fd);
+    member.set("still", "here");
+    EXPECT_EQ(member.get("still"), "here");
+  }
+}
+
+// A client that sends requests and never reads the replies used to block the
+// store's only thread; now its replies queue (up to 64 MiB, then it is
+// dropped) and everyone else is served meanwhile.
+TEST(Store, AClientThatNeverReadsDoesNotStopTheStore) {
+  StoreServer server("127.0.0.1", 0, "");
+  TcpStore member("127.0.0.1", server.port(), std::chrono::seconds(5), "");
+  member.set("big", std::string(64 << 10, 'v'));
+  const int fd = raw_connection(server.port());
+  std::string requests;
+  for (int i = 0; i < 2000; ++i) requests += net::frame_of(net::Writer().u8(store_protocol::kGet).str("big").bytes());
+  std::thread flood([&] { net::write_all(fd, requests.data(), requests.size()); });  // 128 MB of replies asked
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(member.get("big").size(), 64u << 10);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4));
+  flood.join();
+  EXPECT_TRUE(closed_by_server(fd));  // dropped past 64 MiB queued
+  close(fd);
 }

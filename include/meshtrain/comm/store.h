@@ -21,6 +21,14 @@
 namespace meshtrain {
 namespace comm {
 
+// The job's rendezvous token (Note [Store authentication] in
+// src/comm/store_protocol.h): MESHTRAIN_RDZV_TOKEN, or "" when unset (then the
+// store takes any client that can reach its port). meshrun makes one per job
+// and hands it to its ranks in the environment, never on the command line.
+std::string rdzv_token_from_env();
+// 32 random bytes as hex, from OpenSSL's generator.
+std::string generate_rdzv_token();
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -55,8 +63,11 @@ class PrefixStore : public Store {
 // A client connection to a StoreServer. Thread-safe.
 class TcpStore : public Store {
  public:
-  // Connects, retrying until `timeout` while the server is not up yet.
-  TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout);
+  // Connects, retrying until `timeout` while the server is not up yet, and
+  // proves it knows the job's token when the server asks. ConfigError when the
+  // server wants a token this process lacks or refuses the one it has.
+  TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout,
+           const std::string& token = rdzv_token_from_env());
   ~TcpStore() override;
 
   void set(const std::string& key, const std::string& value) override;
@@ -77,11 +88,13 @@ class TcpStore : public Store {
 
   const std::string& host() const { return host_; }
   int port() const { return port_; }
+  const std::string& token() const { return token_; }
 
  private:
   std::string request(const std::string& frame);
   std::string host_;
   int port_;
+  std::string token_;
   std::chrono::milliseconds timeout_;
   int fd_ = -1;
   std::mutex mutex_;
@@ -101,7 +114,8 @@ class FailureWatcher {
  public:
   FailureWatcher(const std::string& host, int port, const std::string& prefix,
                  std::chrono::milliseconds connect_timeout,
-                 std::function<void(const FailureReport&)> on_failure);
+                 std::function<void(const FailureReport&)> on_failure,
+                 const std::string& token = rdzv_token_from_env());
   ~FailureWatcher();
   // Stop reporting (before a clean shutdown, when the server may go away first).
   void stop();
@@ -115,9 +129,14 @@ class FailureWatcher {
 };
 
 // The server. Binds only `host` (never all interfaces); port 0 picks a free port.
+// With a token, only clients that prove they know it are served (a stranger's
+// connection is closed and said on stderr). Every connection is bounded: frames
+// up to 64 MiB (4 KiB before it authenticates), replies queued without blocking
+// the server (a client that does not read them is dropped past 64 MiB), 10 s to
+// authenticate, at most 4096 connections.
 class StoreServer {
  public:
-  StoreServer(const std::string& host, int port);
+  StoreServer(const std::string& host, int port, const std::string& token = rdzv_token_from_env());
   ~StoreServer();
   int port() const { return port_; }
   const std::string& host() const { return host_; }
@@ -130,6 +149,7 @@ class StoreServer {
  private:
   struct State;
   void run();
+  void drop_closed_clients();
   std::string host_;
   int port_ = 0;
   int listen_fd_ = -1;

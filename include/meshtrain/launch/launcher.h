@@ -32,6 +32,11 @@ struct LaunchOptions {
   bool prefix_output = true;
   bool quiet = false;        // meshrun's own progress lines off (failures are still said)
   int threads_per_rank = 0;  // 0: the node's cores / nproc_per_node, at least 1
+  // The job's rendezvous token (Note [Store authentication]): --rdzv-token-file,
+  // else MESHTRAIN_RDZV_TOKEN, else one made for this job on a single node
+  // (resolve_rdzv_token); handed to the ranks in their environment.
+  std::string rdzv_token_file;
+  std::string rdzv_token;
   std::vector<std::string> command;
 };
 
@@ -39,6 +44,9 @@ struct LaunchOptions {
 // ConfigError naming the flag and the fix.
 LaunchOptions parse_launch_args(const std::vector<std::string>& args);
 std::string launch_usage();
+// Fills o.rdzv_token (see LaunchOptions). Several nodes with no token given
+// run without one: returned as a warning to say ("" otherwise).
+std::string resolve_rdzv_token(LaunchOptions& o);
 // Whether meshrun's own flags (not the program's) ask for --help / -h.
 bool launch_asks_for_help(const std::vector<std::string>& args);
 

@@ -18,4 +18,12 @@ inline std::vector<std::string> split(const std::string& text, char separator) {
   }
 }
 
+// Without leading and trailing whitespace (a file's trailing newline).
+inline std::string trim(const std::string& text) {
+  const char* space = " \t\r\n";
+  const size_t begin = text.find_first_not_of(space);
+  if (begin == std::string::npos) return "";
+  return text.substr(begin, text.find_last_not_of(space) - begin + 1);
+}
+
 }  // namespace meshtrain
