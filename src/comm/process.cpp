@@ -29,6 +29,11 @@ Process::Process(ProcessConfig config, std::shared_ptr<TcpStore> store,
   const std::string prefix = config_.group + "/";
   watcher_.reset(new FailureWatcher(store_->host(), store_->port(), prefix, config_.timeout,
                                     [this](const FailureReport& r) { on_failure(r); }, store_->token()));
+  // Before hello: a rank refused here must not be reported dead under the label of the rank it collided with.
+  const int64_t claims = store_->add(prefix + "claims/r" + std::to_string(config_.rank), 1);
+  MESHTRAIN_CHECK(claims == 1, "rank ", config_.rank, " has already joined the store at ", store_->host(), ":",
+                  store_->port(), ": another job is using the same MASTER_PORT, or two processes were given RANK=",
+                  config_.rank, "; give each job its own port (meshrun --standalone or --master-port 0 picks a free one)");
   store_->hello(prefix + "r" + std::to_string(config_.rank));
   store_->set(prefix + "host/" + std::to_string(config_.rank), config_.host_id);
   // A rendezvous wait (exchanging addresses or segment names) also ends when a peer dies.

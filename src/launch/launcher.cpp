@@ -4,6 +4,7 @@
 
 #include "meshtrain/launch/launcher.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -14,6 +15,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <iostream>
 #include <memory>
 #include <thread>
@@ -100,6 +103,33 @@ struct Stream {
 // start, holds the read end of a pipe from meshrun: when meshrun dies the pipe
 // closes and the guard SIGKILLs every rank's process group. On a normal exit
 // meshrun tells the guard "done" first.
+// A descendant can leave the rank's group and session (setsid). Every rank's
+// environment carries MESHTRAIN_JOB_TAG, unique to this meshrun, which its
+// descendants inherit whatever group they move to: meshrun kills the tagged
+// processes left when a generation ends, and the guard when meshrun dies.
+
+// The processes whose environment holds MESHTRAIN_JOB_TAG=tag (from /proc).
+std::vector<pid_t> tagged_processes(const std::string& tag) {
+  const std::string needle = "MESHTRAIN_JOB_TAG=" + tag + std::string(1, '\0');
+  std::vector<pid_t> pids;
+  DIR* proc = opendir("/proc");
+  if (!proc) return pids;
+  while (dirent* e = readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atol(e->d_name));
+    if (pid <= 0 || pid == getpid()) continue;
+    std::ifstream in(std::string("/proc/") + e->d_name + "/environ", std::ios::binary);
+    const std::string environ_bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (environ_bytes.rfind(needle, 0) == 0 || environ_bytes.find(std::string(1, '\0') + needle) != std::string::npos)
+      pids.push_back(pid);
+  }
+  closedir(proc);
+  return pids;
+}
+
+void kill_tagged(const std::string& tag) {
+  if (tag.empty()) return;
+  for (pid_t pid : tagged_processes(tag)) kill(pid, SIGKILL);
+}
 class OrphanGuard {
  public:
   OrphanGuard() {
@@ -110,7 +140,7 @@ class OrphanGuard {
       close(fds[1]);
       setsid();  // not in meshrun's group: a signal to that group does not reach the guard
       std::vector<pid_t> groups;
-      std::string buf;
+      std::string buf, tag;
       char c;
       while (read(fds[0], &c, 1) == 1) {
         if (c != '\n') {
@@ -118,10 +148,12 @@ class OrphanGuard {
           continue;
         }
         if (buf == "done") _exit(0);
-        groups.push_back(static_cast<pid_t>(std::atol(buf.c_str())));
+        if (buf.rfind("tag ", 0) == 0) tag = buf.substr(4);
+        else groups.push_back(static_cast<pid_t>(std::atol(buf.c_str())));
         buf.clear();
       }
       for (pid_t g : groups) kill(-g, SIGKILL);
+      kill_tagged(tag);
       _exit(0);
     }
     close(fds[0]);
@@ -136,8 +168,12 @@ class OrphanGuard {
     close(fd_);
     waitpid(pid_, nullptr, 0);
   }
-  void watch(pid_t group) {
-    const std::string line = std::to_string(group) + "\n";
+  void watch(pid_t group) { tell(std::to_string(group)); }
+  void watch_tag(const std::string& tag) { tell("tag " + tag); }
+
+ private:
+  void tell(const std::string& what) {
+    const std::string line = what + "\n";
     if (fd_ >= 0 && write(fd_, line.data(), line.size()) < 0) {
     }
   }
@@ -246,21 +282,36 @@ bool all_exited(const std::vector<std::unique_ptr<RankProcess>>& ranks) {
   return true;
 }
 
+std::string g_job_tag;  // MESHTRAIN_JOB_TAG of this meshrun's ranks (Note [No orphans])
+
 // Forwards what is left in the ranks' pipes, up to end of file. A child the
-// rank left behind may hold a pipe open: after 2 s its group is killed.
+// rank left behind may hold a pipe open: after 2 s it is killed (its group,
+// and every process tagged as this job's), and a pipe still open a second
+// later is closed unread.
 void drain(std::vector<std::unique_ptr<RankProcess>>& ranks) {
   const auto deadline = Clock::now() + std::chrono::seconds(2);
   bool killed = false;
   while (true) {
     bool open = false;
     for (auto& r : ranks) open = open || r->out.fd >= 0 || r->err.fd >= 0;
-    if (!open) return;
+    if (!open) break;
     if (!killed && Clock::now() > deadline) {
       for (auto& r : ranks) killpg(r->pid, SIGKILL);
+      kill_tagged(g_job_tag);
       killed = true;
+    }
+    if (Clock::now() > deadline + std::chrono::seconds(1)) {
+      for (auto& r : ranks) {
+        for (Stream* s : {&r->out, &r->err}) {
+          if (s->fd >= 0) close(s->fd);
+          s->fd = -1;
+        }
+      }
+      break;
     }
     pump(ranks, std::chrono::milliseconds(20));
   }
+  kill_tagged(g_job_tag);  // what the ranks left running, in whatever group or session
 }
 
 // SIGTERM (or `sig`) to every live rank's process group, SIGKILL after the grace period.
@@ -466,6 +517,9 @@ int run_launcher(const LaunchOptions& options) {
   }
   comm::TcpStore store(o.master_addr, port, o.rendezvous_timeout, o.rdzv_token);
   auto base_env = process_environment();
+  g_job_tag = std::to_string(getpid()) + "-" + comm::generate_rdzv_token().substr(0, 16);
+  base_env["MESHTRAIN_JOB_TAG"] = g_job_tag;
+  guard.watch_tag(g_job_tag);
   if (o.node_rank == 0) {
     inform(str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ", o.nnodes,
                 " nodes); store at ", o.master_addr, ":", port));

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
@@ -88,6 +89,15 @@ std::pair<std::string, std::string> encode(const RankState& mine) {
 
 }  // namespace
 
+// What a failed save wrote (the other ranks are past writing: the outcomes were exchanged).
+static void remove_failed_save(const std::string& step_dir) {
+  try {
+    files::remove_tree(step_dir);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "checkpoint: %s\n", e.what());  // the save's own error is the one to raise
+  }
+}
+
 void crash_point(const char* stage, int rank, int64_t step) {
   const char* at = std::getenv("MESHTRAIN_CHECKPOINT_CRASH_AT");
   if (!at || std::strcmp(at, stage) != 0) return;
@@ -141,6 +151,7 @@ SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState&
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     const std::string& o = all[r];
     if (o.rfind("ok ", 0) != 0) {
+      if (rank == 0) remove_failed_save(step_dir);
       throw std::runtime_error(str_cat("checkpoint of step ", step, " failed on rank ", r, ": ", o.substr(6),
                                        "; nothing was committed"));
     }
@@ -188,6 +199,30 @@ std::vector<std::string> complete_checkpoints(const std::string& dir) {
   return steps;
 }
 
+std::vector<std::string> prune_checkpoints(const std::string& dir, int keep_last) {
+  const std::vector<std::string> committed = complete_checkpoints(dir);
+  if (committed.empty()) return {};
+  std::string latest;
+  try {
+    latest = latest_checkpoint(dir);
+  } catch (const ConfigError&) {  // an altered `latest` prunes nothing it might name
+    return {};
+  }
+  std::vector<std::string> removed;
+  for (size_t i = keep_last; keep_last > 0 && i < committed.size(); ++i)
+    if (committed[i] != latest) removed.push_back(committed[i]);
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string path = dir + "/" + e->d_name;
+      const bool step_dir = std::strlen(e->d_name) == 13 && std::strncmp(e->d_name, "step-", 5) == 0;
+      if (step_dir && !files::exists(path + "/manifest.json") && path < committed.front()) removed.push_back(path);
+    }
+    closedir(d);
+  }
+  for (const std::string& path : removed) files::remove_tree(path);
+  return removed;
+}
+
 std::string latest_checkpoint(const std::string& dir) {
   const std::string latest = dir + "/latest";
   if (!files::exists(latest)) return "";
@@ -215,6 +250,26 @@ CheckpointReader::CheckpointReader(const std::string& step_dir) : dir_(step_dir)
   for (size_t s = 0; s < manifest_["shards"].size(); ++s) {
     const json::Value& steps = manifest_["shards"][s]["content"]["steps"];
     for (const auto& kv : steps.fields) steps_[kv.first] = kv.second.i64();
+  }
+}
+
+void CheckpointReader::verify() const {
+  for (const auto& s : manifest_["shards"].items) {
+    const std::string path = dir_ + "/" + s["file"].str();
+    std::ifstream in(path, std::ios::binary);
+    MESHTRAIN_CHECK(in.good(), "checkpoint shard ", path, " is missing");
+    Sha256 sha;
+    std::vector<char> buf(1 << 20);
+    int64_t bytes = 0;
+    while (in.read(buf.data(), buf.size()) || in.gcount() > 0) {
+      sha.update(buf.data(), static_cast<size_t>(in.gcount()));
+      bytes += in.gcount();
+    }
+    MESHTRAIN_CHECK(bytes == s["bytes"].i64(), "checkpoint shard ", path, " is truncated or padded: ", bytes,
+                    " bytes, the manifest says ", s["bytes"].i64());
+    const std::string digest = sha.hex_digest();
+    MESHTRAIN_CHECK(digest == s["sha256"].str(), "checkpoint shard ", path, " is corrupt: SHA-256 ", digest,
+                    " does not match the manifest's ", s["sha256"].str());
   }
 }
 

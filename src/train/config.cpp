@@ -91,7 +91,13 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
       {"checkpoints",
        {store("--save-dir", "DIR", "where checkpoints go (none by default)", c.save_dir),
         store("--save-every", "N", "save every N steps (default 0: never)", c.save_every),
-        turn("--resume", "continue from the latest complete checkpoint in --save-dir", c.resume),
+        turn("--resume", "continue from the checkpoint 'latest' names in --save-dir", c.resume),
+        turn("--resume-fallback", "--resume: when the newest checkpoint is corrupt or incomplete (or 'latest' is "
+             "missing), the newest intact one, every shard verified", c.resume_fallback),
+        turn("--allow-config-change", "--resume: also from a checkpoint of another model or optimizer "
+             "configuration (the shapes must still match)", c.allow_config_change),
+        store("--keep-last", "N", "keep the newest N checkpoints, removing older ones after each commit "
+              "(default 0: keep all)", c.keep_last),
         turn("--async-save", "snapshot each checkpoint at the step boundary and write it in the background",
              c.async_save)}},
       {"communication",
@@ -164,6 +170,10 @@ void check_values(const TrainConfig& c) {
   MESHTRAIN_CHECK(c.save_every >= 0, "--save-every ", c.save_every, " must be >= 0");
   MESHTRAIN_CHECK(c.save_every == 0 || !c.save_dir.empty(), "--save-every needs --save-dir");
   MESHTRAIN_CHECK(!c.resume || !c.save_dir.empty(), "--resume needs --save-dir (where the checkpoints are)");
+  MESHTRAIN_CHECK(c.resume || (!c.resume_fallback && !c.allow_config_change),
+                  c.resume_fallback ? "--resume-fallback" : "--allow-config-change", " applies to --resume; add it");
+  MESHTRAIN_CHECK(c.keep_last >= 0, "--keep-last ", c.keep_last, " must be >= 0 (0: keep every checkpoint)");
+  MESHTRAIN_CHECK(c.keep_last == 0 || !c.save_dir.empty(), "--keep-last needs --save-dir");
   MESHTRAIN_CHECK(c.digits >= 1 && c.digits <= 6, "--digits ", c.digits, " must be in [1, 6]");
   MESHTRAIN_CHECK(c.momentum >= 0 && c.momentum < 1, "--momentum ", c.momentum, " must be in [0, 1) (e.g. 0.9)");
   MESHTRAIN_CHECK(c.weight_decay >= 0, "--weight-decay ", c.weight_decay, " must be >= 0");

@@ -38,34 +38,68 @@ void restore_rng_state(CheckpointReader& reader, const comm::Communicator& world
 
 }  // namespace
 
-// The checkpoint to resume from: the one `latest` names, or, when `latest` is
-// gone or its manifest unreadable, the newest older complete one (said);
-// refused when it was saved from another model or optimizer.
-std::unique_ptr<CheckpointReader> checkpoint_to_resume(const TrainConfig& c, bool chief) {
-  std::vector<std::string> candidates = complete_checkpoints(c.save_dir);
-  const std::string latest = latest_checkpoint(c.save_dir);
-  if (latest.empty() && !candidates.empty() && chief) {
-    std::printf("%s has no 'latest' but committed checkpoints: resuming from the newest, %s\n", c.save_dir.c_str(),
-                candidates.front().c_str());
-  }
-  if (!latest.empty()) {
-    candidates.erase(std::remove(candidates.begin(), candidates.end(), latest), candidates.end());
-    candidates.insert(candidates.begin(), latest);
-  }
-  for (size_t i = 0; i < candidates.size(); ++i) {
+namespace {
+
+// A checkpoint saved from another model or optimizer is refused, unless
+// --allow-config-change (then the differences are said).
+void check_saved_config(const TrainConfig& c, const std::string& step_dir, bool chief) {
+  const std::string saved = nlohmann::json::parse(files::read_all(step_dir + "/manifest.json"))["config"].dump();
+  const std::string differ = config_differences(saved, to_json(c), "in the checkpoint", "now", {"model", "optimizer"});
+  if (differ.empty()) return;
+  MESHTRAIN_CHECK(c.allow_config_change, "--resume: ", step_dir, " was saved from another model or optimizer: ",
+                  differ, "; resume with the flags it was saved with, add --allow-config-change to change them ",
+                  "deliberately, or use another --save-dir");
+  if (chief) std::printf("resuming from %s with a changed configuration: %s\n", step_dir.c_str(), differ.c_str());
+}
+
+// --resume-fallback: the newest committed checkpoint that reads whole, each
+// shard verified; what is skipped is said.
+std::unique_ptr<CheckpointReader> newest_intact(const TrainConfig& c, std::vector<std::string> candidates, bool chief) {
+  for (const std::string& step_dir : candidates) {
     try {
-      auto reader = std::make_unique<CheckpointReader>(candidates[i]);
-      const std::string saved = nlohmann::json::parse(files::read_all(candidates[i] + "/manifest.json"))["config"].dump();
-      const std::string differ = config_differences(saved, to_json(c), "in the checkpoint", "now", {"model", "optimizer"});
-      MESHTRAIN_CHECK(differ.empty(), "--resume: ", candidates[i], " was saved from another model or optimizer: ",
-                      differ, "; resume with the flags it was saved with, or use another --save-dir");
+      auto reader = std::make_unique<CheckpointReader>(step_dir);
+      reader->verify();
+      check_saved_config(c, step_dir, chief);
       return reader;
     } catch (const ConfigError& e) {
-      if (std::string(e.what()).rfind("--resume: ", 0) == 0 || i + 1 == candidates.size()) throw;
-      if (chief) std::printf("cannot resume from %s (%s); trying the previous checkpoint\n", candidates[i].c_str(), e.what());
+      if (std::string(e.what()).rfind("--resume: ", 0) == 0) throw;
+      if (chief) std::printf("--resume-fallback: skipping %s: %s\n", step_dir.c_str(), e.what());
     }
   }
-  return nullptr;
+  throw ConfigError(str_cat("--resume-fallback: no intact checkpoint in ", c.save_dir));
+}
+
+}  // namespace
+
+// The checkpoint to resume from: the one `latest` names (nullptr when the
+// directory has no checkpoint yet). A missing or unreadable `latest` or a
+// corrupt newest checkpoint is refused, naming it, unless --resume-fallback.
+static std::unique_ptr<CheckpointReader> checkpoint_to_resume(const TrainConfig& c, bool chief) {
+  std::vector<std::string> candidates = complete_checkpoints(c.save_dir);
+  std::string latest, latest_problem;
+  try {
+    latest = latest_checkpoint(c.save_dir);
+    if (latest.empty()) latest_problem = "has no 'latest'";
+  } catch (const ConfigError& e) {
+    latest_problem = e.what();
+  }
+  if (latest.empty() && candidates.empty()) return nullptr;
+  if (c.resume_fallback) {  // `latest` is one of the committed ones, or a newer one is complete too
+    if (latest.empty() && chief) std::printf("--resume-fallback: %s %s\n", c.save_dir.c_str(), latest_problem.c_str());
+    return newest_intact(c, candidates, chief);
+  }
+  MESHTRAIN_CHECK(!latest.empty(), "--resume: ", c.save_dir, " ", latest_problem, " but holds committed checkpoints ",
+                  "(the newest: ", candidates.front(), "); add --resume-fallback to resume from the newest intact ",
+                  "one, or use another --save-dir");
+  try {
+    auto reader = std::make_unique<CheckpointReader>(latest);
+    check_saved_config(c, latest, chief);
+    return reader;
+  } catch (const ConfigError& e) {
+    if (std::string(e.what()).rfind("--resume: ", 0) == 0) throw;
+    throw ConfigError(str_cat("--resume: ", e.what(), "; add --resume-fallback to resume from the newest intact "
+                              "checkpoint"));
+  }
 }
 
 Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Communicator& world, bool verbose) {
@@ -79,7 +113,12 @@ Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Commun
     if (chief) std::printf("no checkpoint in %s yet: starting from step 0\n", c.save_dir.c_str());
     return r;
   }
-  engine.load_checkpoint(*reader);
+  try {
+    engine.load_checkpoint(*reader);  // a corrupt shard is found here: each is verified when first read
+  } catch (const ConfigError& e) {
+    if (c.resume_fallback) throw;
+    throw ConfigError(str_cat(e.what(), "; add --resume-fallback to resume from the newest intact checkpoint"));
+  }
   restore_rng_state(*reader, world, chief);
   r.first_step = reader->step();
   r.load_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -109,6 +148,7 @@ void CheckpointSaver::after_step(int64_t step, Engine& engine) {
   state.rng_state = cpu_rng_state();
   if (!background_) {
     const SaveStats s = save_checkpoint(c_.save_dir, step + 1, state, *metrics_, to_json(c_));
+    if (metrics_->rank() == 0) prune_checkpoints(c_.save_dir, c_.keep_last);
     seconds_ += s.seconds;
     bytes_ += s.bytes;
     ++saves_;
@@ -123,6 +163,7 @@ void CheckpointSaver::after_step(int64_t step, Engine& engine) {
   writer_ = std::thread([this, &snapshot, config = to_json(c_)] {
     try {
       written_ = save_checkpoint(c_.save_dir, writing_step_, snapshot, *background_, config);
+      if (background_->rank() == 0) prune_checkpoints(c_.save_dir, c_.keep_last);
     } catch (...) {
       writer_error_ = std::current_exception();
     }

@@ -1,6 +1,7 @@
 #include "meshtrain/util/files.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -79,6 +80,14 @@ std::string read_all(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+void remove_tree(const std::string& path) {
+  if (!exists(path)) return;
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); };
+  if (nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    throw std::runtime_error("cannot remove " + path + ": " + std::strerror(errno));
+  }
 }
 
 }  // namespace files

@@ -247,11 +247,28 @@ TEST(Checkpoint, ResumeFindsTheNewestIntactStepAndRefusesAnotherModel) {
     }
     return std::string("(no error)");
   };
+  TrainConfig fallback = c;
+  fallback.resume_fallback = true;
+  fallback.steps = 6;  // resumes without saving: the directory stays as the test makes it
   std::remove((dir + "/latest").c_str());
-  EXPECT_EQ(train_in_one_process(c).first_step, 6);
-  std::ofstream(dir + "/step-00000008/manifest.json", std::ios::trunc) << "{";  // the resumed run saved step 8
+  EXPECT_NE(error_of(c).find("has no 'latest' but holds committed checkpoints"), std::string::npos) << error_of(c);
+  EXPECT_EQ(train_in_one_process(fallback).first_step, 6);
+  meshtrain::files::make_directories(dir + "/step-00000008");
+  std::ofstream(dir + "/step-00000008/manifest.json") << "{";  // committed, then corrupted
   set_latest(dir, 8);
-  EXPECT_EQ(train_in_one_process(c).first_step, 6);  // step 8's manifest is corrupt: the previous one
+  EXPECT_NE(error_of(c).find("step-00000008/manifest.json"), std::string::npos) << error_of(c);
+  EXPECT_NE(error_of(c).find("add --resume-fallback"), std::string::npos) << error_of(c);
+  EXPECT_EQ(train_in_one_process(fallback).first_step, 6);  // step 8's manifest is corrupt: the previous one
+  {
+    std::fstream shard(dir + "/step-00000006/rank-00000.bin", std::ios::in | std::ios::out | std::ios::binary);
+    shard.seekg(1000);
+    const char byte = static_cast<char>(shard.get());
+    shard.seekp(1000);
+    shard.put(static_cast<char>(~byte));  // one byte of step 6 flipped
+  }
+  set_latest(dir, 6);
+  EXPECT_NE(error_of(c).find("rank-00000.bin is corrupt"), std::string::npos) << error_of(c);
+  EXPECT_EQ(train_in_one_process(fallback).first_step, 4);  // step 6's shard is corrupt, step 8 unreadable
   std::ofstream(dir + "/latest", std::ios::trunc) << "step-00000002/../step-00000006\n";
   EXPECT_NE(error_of(c).find("not a step directory name"), std::string::npos) << error_of(c);
   set_latest(dir, 4);
@@ -262,6 +279,10 @@ TEST(Checkpoint, ResumeFindsTheNewestIntactStepAndRefusesAnotherModel) {
   other.optimizer = "sgd";
   EXPECT_NE(error_of(other).find("--optimizer is \"adamw\" in the checkpoint but \"sgd\" now"), std::string::npos)
       << error_of(other);
+  other.optimizer = "adam";  // Adam's state is AdamW's: a deliberate change loads
+  EXPECT_NE(error_of(other).find("--allow-config-change"), std::string::npos) << error_of(other);
+  other.allow_config_change = true;
+  EXPECT_EQ(train_in_one_process(other).first_step, 4);
   std::string manifest = meshtrain::files::read_all(dir + "/step-00000004/manifest.json");
   const size_t at = manifest.find("\"step\": 4");
   ASSERT_NE(at, std::string::npos) << manifest.substr(0, 200);
@@ -273,6 +294,41 @@ TEST(Checkpoint, ResumeFindsTheNewestIntactStepAndRefusesAnotherModel) {
   } catch (const meshtrain::ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("says step 12 but lives in step-00000004"), std::string::npos) << e.what();
   }
+}
+
+// --keep-last N keeps the newest N checkpoints, pruning after each commit, and
+// a step directory a crash left without its manifest goes too; a save that
+// fails leaves no step directory behind.
+TEST(Checkpoint, KeepLastPrunesAfterCommitAndFailedSavesLeaveNothing) {
+  if (meshtrain::testing::in_rank_process()) return;  // one process throughout
+  const std::string dir = checkpoint_dir("keep-last");
+  TrainConfig c = layout(1, 1, 1, 0);
+  c.steps = 4;
+  c.save_dir = dir;
+  c.save_every = 1;
+  c.keep_last = 2;
+  train_in_one_process(c);
+  EXPECT_EQ(meshtrain::train::complete_checkpoints(dir),
+            (std::vector<std::string>{dir + "/step-00000004", dir + "/step-00000003"}));
+  meshtrain::files::make_directories(dir + "/step-00000002");  // a crash mid-save left it
+  std::ofstream(dir + "/step-00000002/rank-00000.bin.tmp") << "partial";
+  c.steps = 6;
+  c.resume = true;
+  EXPECT_EQ(train_in_one_process(c).first_step, 4);
+  EXPECT_EQ(meshtrain::train::complete_checkpoints(dir),
+            (std::vector<std::string>{dir + "/step-00000006", dir + "/step-00000005"}));
+  EXPECT_FALSE(meshtrain::files::exists(dir + "/step-00000002"));
+  // A save that cannot write its shard (a directory where its file goes) fails and leaves nothing.
+  meshtrain::files::make_directories(dir + "/step-00000008/rank-00000.bin.tmp");
+  c.steps = 8;
+  try {
+    train_in_one_process(c);
+    ADD_FAILURE() << "the save of step 8 could not have succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint of step 8 failed on rank 0"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(meshtrain::files::exists(dir + "/step-00000008"));
+  EXPECT_EQ(meshtrain::train::latest_checkpoint(dir), dir + "/step-00000007");
 }
 
 // A crash at every stage of committing the step-4 save never leaves a

@@ -239,6 +239,18 @@ TEST(Cli, TheLossFallsOnATextFileAndOnTheBuiltInTask) {
   }
 }
 
+// A model that cannot fit this machine is refused before anything is
+// allocated, with the planner's estimate (2.5 T parameters: a 17 GB allocation
+// failure with a stack trace, before).
+TEST(Cli, AModelThatCannotFitIsRefusedBeforeAllocating) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 2 -- " + kBin + "/meshtrain --hidden 65536 --layers 48 --heads 64");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "this configuration needs about")) << r.output;
+  EXPECT_TRUE(contains(r.output, "2473952673792 parameters")) << r.output;
+  EXPECT_FALSE(contains(r.output, "frame #")) << r.output;
+  EXPECT_LT(r.seconds, 20.0) << r.output;
+}
+
 // Checkpoint shards open in PyTorch: tools/checkpoint_to_torch.py (torch.load
 // of every shard, assembled by the manifest's coordinates) gives the same
 // model and optimizer state from a one-process checkpoint and from one cut
@@ -298,6 +310,25 @@ TEST(Examples, TorchrunVariablesWithoutMeshrun) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (int rank = 0; rank < 3; ++rank) {
     EXPECT_TRUE(contains(r.output, "rank " + std::to_string(rank) + " of 3 sum 6")) << r.output;
+  }
+}
+
+// Two jobs started by hand on one MASTER_PORT: the second job's rank 0 cannot
+// host the store (the port is taken) and its rank 1, meeting the first job's
+// store, is told its rank is taken, in seconds; the first job trains on.
+TEST(Examples, ASecondJobOnTheSamePortIsToldSo) {
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+                          " WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 ";
+  const std::string helper = kBin + "/meshrun_helper ";
+  Shell r = sh("(" + env + "RANK=1 LOCAL_RANK=1 " + helper + "hold > /tmp/job-a-$$.log 2>&1 & " + env +
+               "RANK=0 LOCAL_RANK=0 " + helper + "hold >> /tmp/job-a-$$.log 2>&1 & sleep 1; " + env +
+               "RANK=1 LOCAL_RANK=1 timeout 20 " + helper + "allreduce; echo \"second job: exit $?\"; wait; "
+               "cat /tmp/job-a-$$.log; rm -f /tmp/job-a-$$.log)");
+  EXPECT_TRUE(contains(r.output, "rank 1 has already joined the store at 127.0.0.1:")) << r.output;
+  EXPECT_TRUE(contains(r.output, "another job is using the same MASTER_PORT")) << r.output;
+  EXPECT_TRUE(contains(r.output, "second job: exit 1")) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_TRUE(contains(r.output, "rank " + std::to_string(rank) + " of 2 sum 3")) << r.output;
   }
 }
 

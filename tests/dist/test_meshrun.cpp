@@ -60,6 +60,51 @@ TEST(Meshrun, FailedRankStopsTheOthersAndIsNamed) {
   EXPECT_LT(r.seconds, 15.0) << "the sleeping ranks were not stopped:\n" << r.output;
 }
 
+// A rank that leaves a child in another session (setsid: out of its process
+// group) neither keeps meshrun waiting after the job ends nor outlives it:
+// the child carries the job's tag in its environment (Note [No orphans]).
+TEST(Meshrun, ChildrenInAnotherSessionDoNotOutliveTheJob) {
+  char tmpl[] = "/tmp/meshrun-setsid-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string leave_child = "setsid sleep 1000 & echo $! > " + dir + "/child$RANK; ";
+  Shell r = sh(kMeshrun + "--nproc-per-node 2 -- bash -c '" + leave_child + "echo trained'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << "meshrun waited for the setsid child:\n" << r.output;
+  for (const char* name : {"child0", "child1"}) {
+    std::ifstream in(dir + "/" + name);
+    pid_t p = 0;
+    ASSERT_TRUE(in >> p) << name;
+    EXPECT_FALSE(alive(p)) << "setsid child " << p << " outlived a job that ended normally";
+    std::remove((dir + "/" + name).c_str());
+  }
+  // meshrun SIGKILLed while its ranks and their setsid children run: the guard sweeps them.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const std::string cmd = kBin + "/meshrun", script = leave_child + "sleep 1000";
+    execl(cmd.c_str(), cmd.c_str(), "--master-port", "0", "--nproc-per-node", "2", "--", "bash", "-c",
+          script.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::vector<pid_t> children;
+  for (int i = 0; i < 200 && children.size() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    children.clear();
+    for (const char* name : {"child0", "child1"}) {
+      std::ifstream in(dir + "/" + name);
+      pid_t p = 0;
+      if (in >> p) children.push_back(p);
+    }
+  }
+  ASSERT_EQ(children.size(), 2u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  for (int i = 0; i < 40 && (alive(children[0]) || alive(children[1])); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  for (pid_t p : children) EXPECT_FALSE(alive(p)) << "setsid child " << p << " outlived meshrun's SIGKILL";
+  std::system(("rm -rf " + dir).c_str());
+}
+
 TEST(Meshrun, RestartsTheGroupUpToMaxRestarts) {
   Shell ok = sh(kMeshrun + "--nproc-per-node 2 --max-restarts 2 -- " + kHelper + " fail-first 0");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;

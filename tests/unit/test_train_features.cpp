@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sstream>
+
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/config.h"
+#include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/zero.h"
 
@@ -158,5 +161,48 @@ TEST(FullyShardedDataParallel, BackwardAfterTheWrapperIsDestroyedIsAClearError) 
     FAIL() << "expected an error";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("destroyed"), std::string::npos) << e.what();
+  }
+}
+
+// The trainer consults the planner before allocating: a model that cannot fit
+// the machine is refused with the estimate and a layout that would fit.
+TEST(MemoryCheck, RefusesWithTheEstimateAndALayoutThatFits) {
+  using meshtrain::train::check_memory_fits;
+  using meshtrain::train::estimated_rank_bytes;
+  auto parse = [](const std::vector<std::string>& args, int world) {
+    return meshtrain::train::resolve(meshtrain::train::parse_train_args(args), world);
+  };
+  const std::vector<std::string> big = {"--hidden", "1024", "--layers", "24", "--heads", "16", "--vocab", "256"};
+  std::vector<std::string> ddp = big, zero3 = big;
+  zero3.insert(zero3.end(), {"--zero", "3"});
+  const auto c_ddp = parse(ddp, 4), c_zero3 = parse(zero3, 4);
+  const int64_t need_ddp = estimated_rank_bytes(c_ddp), need_zero3 = estimated_rank_bytes(c_zero3);
+  // Adam in fp32: 16 bytes per parameter under DDP, a quarter of that state per rank under ZeRO-3.
+  const int64_t params = meshtrain::models::parameter_count(c_ddp.model);
+  EXPECT_GE(need_ddp, 16 * params);
+  EXPECT_LT(need_zero3, need_ddp / 2);
+  EXPECT_NO_THROW(check_memory_fits(c_ddp, 4, 4, 4 * need_ddp));
+  const int64_t between = 4 * (need_zero3 + (need_ddp - need_zero3) / 2);  // ZeRO-3 fits, DDP does not
+  try {
+    check_memory_fits(c_ddp, 4, 4, between);
+    ADD_FAILURE() << "DDP needs " << 4 * need_ddp << " bytes, " << between << " available";
+  } catch (const meshtrain::ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("4 ranks on this machine"), std::string::npos) << m;
+    const size_t at = m.find("the planner suggests ");
+    ASSERT_NE(at, std::string::npos) << m;
+    // The suggested layout, checked independently: it fits where DDP did not.
+    std::vector<std::string> suggested = big;
+    std::istringstream flags(m.substr(at + 21, m.find(" (about", at) - at - 21));
+    for (std::string word; flags >> word;) suggested.push_back(word);
+    const auto c_suggested = parse(suggested, 4);
+    EXPECT_LE(4 * estimated_rank_bytes(c_suggested), between) << m;
+    EXPECT_FALSE(c_suggested.dp == 4 && c_suggested.zero == 0) << m;
+  }
+  try {
+    check_memory_fits(c_ddp, 1, 1, need_zero3 / 8);
+    ADD_FAILURE();
+  } catch (const meshtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no layout of 1 rank fits"), std::string::npos) << e.what();
   }
 }

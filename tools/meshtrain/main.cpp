@@ -13,6 +13,7 @@
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/plan/planner.h"
 #include "meshtrain/train/config.h"
+#include "meshtrain/train/memory_check.h"
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/error.h"
@@ -46,6 +47,9 @@ int main(int argc, char** argv) {
     // Everything that can be checked is checked before any communication.
     const comm::DistEnv env = comm::dist_env_from_process();
     config = train::resolve(config, env.world_size);
+    if (!std::getenv("MESHTRAIN_SKIP_MEMORY_CHECK")) {
+      train::check_memory_fits(config, env.world_size, env.local_world_size, train::available_memory_bytes());
+    }
     comm::CommOptions options = comm::CommOptions().set_backend(config.backend);
     if (config.comm_timeout > 0) options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.comm_timeout * 1000));
     comm::CommPtr world = comm::init_from_env(options);

@@ -81,6 +81,11 @@ class StateSnapshot {
 std::string latest_checkpoint(const std::string& dir);
 // The step directories of `dir` that have a manifest (committed), newest first.
 std::vector<std::string> complete_checkpoints(const std::string& dir);
+// After a commit (one rank): removes committed checkpoints older than the
+// newest `keep_last` (0: none), never the one `latest` names, and step
+// directories without a manifest older than the newest committed one (left by
+// a crash mid-save). Returns the directories removed.
+std::vector<std::string> prune_checkpoints(const std::string& dir, int keep_last);
 
 class CheckpointReader {
  public:
@@ -93,6 +98,9 @@ class CheckpointReader {
   // (each verified against its SHA-256 on first use); undefined when absent.
   at::Tensor full(const std::string& param, const std::string& kind);
   std::optional<int64_t> optimizer_step(const std::string& param) const;
+  // Reads every shard and checks its size and SHA-256 against the manifest
+  // (without keeping it); ConfigError naming the first file that differs.
+  void verify() const;
   bool has(const std::string& param) const;
   // The world size of the run that saved it, and the RNG state its rank
   // `rank` saved (undefined when that shard has none).

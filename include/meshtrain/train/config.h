@@ -62,6 +62,9 @@ struct TrainConfig {
   int save_every = 0;
   bool resume = false;
   bool async_save = false;  // snapshot at the step boundary, write and commit in the background
+  int keep_last = 0;        // keep the newest N checkpoints, pruning older ones after each commit (0: all)
+  bool resume_fallback = false;      // --resume: past a corrupt or incomplete newest checkpoint to the newest intact one
+  bool allow_config_change = false;  // --resume: from a checkpoint of another model or optimizer configuration
   std::string trace;        // pipeline timeline (Chrome trace JSON + SVG)
 };
 

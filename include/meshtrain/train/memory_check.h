@@ -1,0 +1,28 @@
+#pragma once
+// The trainer consults the planner before it allocates anything: a model that
+// cannot fit is refused with the estimate and a layout that fits, instead of
+// an allocation failure minutes later (or a machine swapping).
+
+#include <cstdint>
+#include <string>
+
+#include "meshtrain/train/config.h"
+
+namespace meshtrain {
+namespace train {
+
+// The memory this machine can give the job: MemAvailable, or the cgroup's
+// limit minus its usage when that is lower.
+int64_t available_memory_bytes();
+
+// The planner's per-rank estimate (model state, activations, buffers) for the
+// resolved configuration.
+int64_t estimated_rank_bytes(const TrainConfig& resolved);
+
+// ConfigError when `local_ranks` ranks of the estimated size exceed
+// `available_bytes`, naming the estimate, what is available, and what the
+// planner suggests for `world_size` ranks (or that more machines are needed).
+void check_memory_fits(const TrainConfig& resolved, int world_size, int local_ranks, int64_t available_bytes);
+
+}  // namespace train
+}  // namespace meshtrain

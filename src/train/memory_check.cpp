@@ -1,0 +1,114 @@
+#include "meshtrain/train/memory_check.h"
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "meshtrain/models/models.h"
+#include "meshtrain/plan/planner.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+int64_t read_number(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text) || text == "max") return std::numeric_limits<int64_t>::max();
+  try {
+    return std::stoll(text);
+  } catch (const std::exception&) {
+    return std::numeric_limits<int64_t>::max();
+  }
+}
+
+// What the planner needs to know of the configuration, on `devices` devices of `device_memory` bytes.
+plan::PlanInput plan_input(const TrainConfig& c, int devices, int64_t device_memory) {
+  plan::PlanInput in;
+  if (c.model.kind == "gpt") {
+    in.gpt = plan::GptShape{c.model.layers, c.model.hidden, c.model.heads, c.model.vocab, c.model.seq_len,
+                            c.model.tie_embeddings};
+  }
+  in.params = models::parameter_count(c.model);
+  in.micro_batch = c.micro_batch;
+  in.global_batch = c.global_batch;
+  in.precision = c.precision == "bf16-mixed" ? plan::Precision::kBf16Mixed : plan::Precision::kFp32;
+  in.optimizer = c.optimizer == "sgd" ? plan::OptimizerKind::kSgd : plan::OptimizerKind::kAdam;
+  in.momentum = c.optimizer == "sgd" && c.momentum > 0;
+  in.activation_checkpointing = c.activation_checkpointing != "none";  // every-N: between none and blocks
+  in.devices = devices;
+  in.devices_per_node = devices;
+  in.device_memory = device_memory;
+  in.memory_margin = 0;
+  return in;
+}
+
+std::string gib(int64_t bytes) {
+  std::ostringstream out;
+  out.precision(bytes >= (int64_t{10} << 30) ? 0 : 2);
+  out << std::fixed << bytes / double(int64_t{1} << 30) << " GiB";
+  return out.str();
+}
+
+// What the planner recommends for `world` ranks sharing `available` bytes, said as flags.
+std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t available) {
+  try {
+    const plan::Plan p = plan::make_plan(plan_input(c, world, available / std::max(1, local_ranks)));
+    if (p.recommendation) {
+      const plan::Layout& l = p.recommendation->estimate.layout;
+      return str_cat("the planner suggests --dp ", l.dp, " --pp ", l.pp, " --tp ", l.tp, " --zero ", l.zero,
+                     " (about ", gib(p.recommendation->estimate.memory.total()), " per rank)");
+    }
+    if (p.smallest_cluster) {
+      return str_cat("no layout of ", world, world == 1 ? " rank" : " ranks", " fits; the planner's smallest fit is ",
+                     p.smallest_cluster->devices, " ranks with ", gib(available / std::max(1, local_ranks)),
+                     " each (meshtrain plan estimates every layout)");
+    }
+  } catch (const std::exception&) {  // the planner cannot model this configuration: no suggestion
+  }
+  return "try fewer ranks per machine, ZeRO-3 (--zero 3), activation checkpointing, or more machines "
+         "(meshtrain plan estimates each layout)";
+}
+
+}  // namespace
+
+int64_t available_memory_bytes() {
+  int64_t available = std::numeric_limits<int64_t>::max();
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") available = kib * 1024;
+  }
+  const int64_t limit = read_number("/sys/fs/cgroup/memory.max");
+  if (limit != std::numeric_limits<int64_t>::max()) {
+    available = std::min(available, limit - std::min(limit, read_number("/sys/fs/cgroup/memory.current")));
+  }
+  return available;
+}
+
+int64_t estimated_rank_bytes(const TrainConfig& c) {
+  const plan::PlanInput in = plan_input(c, c.dp * c.pp * c.tp, std::numeric_limits<int64_t>::max() / 4);
+  if (in.gpt) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero}).memory.total();
+  // The MLP: no shape the planner knows; its model state, shared by the stages and tp slices.
+  const plan::Estimate e = plan::estimate_layout(in, plan::Layout{c.dp, 1, 1, c.zero});
+  return (e.memory.parameters + e.memory.gradients + e.memory.optimizer) / (c.pp * c.tp);
+}
+
+void check_memory_fits(const TrainConfig& c, int world_size, int local_ranks, int64_t available) {
+  const int64_t per_rank = estimated_rank_bytes(c);
+  const int64_t need = per_rank > std::numeric_limits<int64_t>::max() / std::max(1, local_ranks)
+                           ? std::numeric_limits<int64_t>::max()
+                           : per_rank * std::max(1, local_ranks);
+  MESHTRAIN_CHECK(need <= available, "meshtrain: this configuration needs about ", gib(per_rank), " per rank (the ",
+                  "planner's estimate of ", models::parameter_count(c.model), " parameters with gradients, optimizer ",
+                  "state and activations), ", local_ranks, local_ranks == 1 ? " rank" : " ranks", " on this machine: ",
+                  gib(need), ", but it has ", gib(available), " available; ", suggestion(c, world_size, local_ranks, available),
+                  " (MESHTRAIN_SKIP_MEMORY_CHECK=1 skips this check)");
+}
+
+}  // namespace train
+}  // namespace meshtrain
