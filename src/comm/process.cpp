@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <set>
 #include <fstream>
 #include <thread>
 
@@ -145,6 +146,66 @@ int Process::add_failure_listener(std::function<void()> wake) {
 void Process::remove_failure_listener(int id) {
   std::lock_guard<std::mutex> lock(mutex_);
   listeners_.erase(id);
+}
+
+// Note [Naming a stuck rank]
+// A stuck rank (SIGSTOP, a deadlock, a rank in another collective) keeps its
+// connections open: nothing closes, and each rank waiting for it times out on
+// its own, possibly naming another waiting rank. The first rank to time out
+// reports the peer it waited for under that peer's label, with the reason
+// prefixed "stuck: ". The store pushes it like a death: every rank's waits
+// abort at once naming the stuck rank, and meshrun's summary names it too.
+// The peer it waited for may itself be waiting (rank 3 waits for rank 0, which
+// waits for the stopped rank 2): a shared-memory wait that lasts a quarter of
+// the timeout records "waiting/r<me> = <peer>" in the store, and the reporter
+// follows that chain to the rank that waits for no one (Gloo's waits are one
+// blocking call with no such record: a Gloo rank names the peer it waited for).
+constexpr char kStuck[] = "stuck: ";
+
+std::string Process::describe(const FailureReport& f) {
+  const int rank = rank_of_label(f.label);
+  if (rank < 0) return str_cat(f.label == "<store>" ? "" : f.label + ": ", f.reason);  // the store host: no rank to name
+  if (f.reason.rfind(kStuck, 0) == 0) {
+    return str_cat("global rank ", rank, " stopped making progress (", f.reason.substr(sizeof kStuck - 1), ")");
+  }
+  return str_cat("global rank ", rank, " died (", f.reason, ")");
+}
+
+void Process::note_waiting(int peer) {
+  try {
+    store_->set(config_.group + "/waiting/r" + std::to_string(config_.rank), peer < 0 ? "" : std::to_string(peer));
+  } catch (const std::exception&) {  // only a better name for a stuck rank is lost
+  }
+}
+
+std::pair<int, std::string> Process::end_of_wait_chain(int peer) {
+  std::set<int> seen{config_.rank, peer};
+  std::string chain = std::to_string(peer);
+  while (true) {
+    const std::string key = config_.group + "/waiting/r" + std::to_string(peer);
+    if (!store_->check(key)) break;
+    const std::string next = store_->get(key);
+    if (next.empty()) break;
+    const int p = std::atoi(next.c_str());
+    chain += ", which waits for global rank " + next;
+    if (!seen.insert(p).second) break;  // a cycle: they wait for each other
+    peer = p;
+  }
+  return {peer, chain};
+}
+
+std::string Process::report_stuck(int peer, const std::string& what) {
+  if (reported_stuck_.exchange(true) || failed()) return "";  // a failure already named is the cause
+  try {
+    const auto culprit = end_of_wait_chain(peer);
+    store_->report_failure(config_.group + "/r" + std::to_string(culprit.first),
+                           str_cat(kStuck, "global rank ", config_.rank, " waited in vain for global rank ",
+                                   culprit.second, ": ", what));
+    return culprit.second.substr(culprit.second.find(',') == std::string::npos ? culprit.second.size()
+                                                                                : culprit.second.find(','));
+  } catch (const std::exception&) {  // the store is gone too: the TimeoutError still says it
+    return "";
+  }
 }
 
 void Process::on_failure(const FailureReport& report) {

@@ -62,6 +62,20 @@ class Process {
   bool failed() const { return failed_.load(std::memory_order_acquire); }
   // Global rank named by a failure's label ("<group>/r<rank>"), or -1.
   static int rank_of_label(const std::string& label);
+  // "global rank 3 died (<reason>)", or "global rank 3 stopped making progress
+  // (<what>)" for a rank reported stuck; the reason alone when the store's host
+  // is what went away (no rank to name: "lost the connection to the rendezvous store ...").
+  static std::string describe(const FailureReport& failure);
+  // This rank waited `what` for global rank `peer` in vain: the store is told,
+  // once, so that every rank (and meshrun) names the stuck rank, not the first
+  // rank to give up. Returns how the wait chain goes on from `peer` (",
+  // which waits for global rank 2"; "" when it does not), for the caller's
+  // TimeoutError.
+  std::string report_stuck(int peer, const std::string& what);
+  // A wait of this rank for global rank `peer` has been long (-1: it ended):
+  // recorded in the store, so that a rank timing out on this one follows the
+  // chain to the rank that waits for no one (Note [Naming a stuck rank]).
+  void note_waiting(int peer);
   // Blocks up to `grace` for a failure report (used when a connection broke
   // and the watcher may name the dead rank a moment later).
   std::optional<FailureReport> await_failure(std::chrono::milliseconds grace) const;
@@ -76,6 +90,8 @@ class Process {
 
  private:
   void on_failure(const FailureReport& report);
+  // The end of the waits-for chain that starts at `peer`, and the chain said ("0, which waits for 2").
+  std::pair<int, std::string> end_of_wait_chain(int peer);
   void load_hosts();
 
   ProcessConfig config_;
@@ -86,6 +102,7 @@ class Process {
   mutable std::mutex mutex_;
   std::optional<FailureReport> failure_;
   std::atomic<bool> failed_{false};
+  std::atomic<bool> reported_stuck_{false};
   std::set<gloo::transport::UnboundBuffer*> waiting_;
   std::map<int, std::function<void()>> listeners_;
   int next_listener_ = 0;

@@ -49,6 +49,7 @@ struct Client {
   std::string nonce;  // the challenge; "" once authenticated (or with no token)
   std::string inbuf, outbuf;
   bool dropped = false;  // closed at the end of this round
+  bool reset = false;    // refused: closed with a reset, dropping what its socket still holds
   std::string label;
   bool said_bye = false;
   bool watching = false;
@@ -99,6 +100,7 @@ struct StoreServer::State {
   // stranger's attempt or a broken client is worth knowing about.
   void refuse(Client& c, const std::string& why) {
     c.dropped = true;
+    c.reset = true;
     if (++refusals <= kRefusalsShown) {
       std::fprintf(stderr, "meshtrain store: closed the connection from %s: %s%s\n", c.peer.c_str(), why.c_str(),
                    refusals == kRefusalsShown ? " (further ones not shown)" : "");
@@ -253,6 +255,10 @@ struct StoreServer::State {
     if (!c.label.empty() && !c.said_bye) {
       fail(c.label, "its connection to the store closed without a goodbye: the process died or "
                     "was killed");
+    }
+    if (c.reset) {  // a refused client gets no orderly goodbye, and its unread replies are freed now
+      const linger abort_now{1, 0};
+      ::setsockopt(c.fd, SOL_SOCKET, SO_LINGER, &abort_now, sizeof abort_now);
     }
     ::close(c.fd);
   }

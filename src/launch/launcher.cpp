@@ -364,26 +364,45 @@ int64_t wall_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// Failures that other nodes report through the store (the FailureWatcher's thread).
+// Failures that other nodes report through the store (the FailureWatcher's
+// thread), and the rank reported stuck (Note [Naming a stuck rank]).
 class RemoteFailures {
  public:
   void record(const comm::FailureReport& r) {
     std::lock_guard<std::mutex> lock(mutex_);
+    const bool stuck = r.reason.rfind("stuck: ", 0) == 0;
+    const std::string rank = r.label.substr(r.label.find('/') + 1);  // "r2", "node1"
+    const std::string what = stuck ? str_cat("rank ", rank.substr(1), " stopped making progress (", r.reason.substr(7), ")")
+                                   : str_cat("a failure was reported for ", r.label, ": ", r.reason);
+    if (stuck && stuck_.empty()) stuck_ = what;
     if (seen_) return;
-    reason_ = r.label + ": " + r.reason;
+    reason_ = what;
     seen_ = true;
   }
   bool seen() const { return seen_; }
   std::string describe() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return "a failure was reported for " + reason_;
+    return reason_;
+  }
+  // "rank 2 stopped making progress (...)", or "" when no rank was reported stuck.
+  std::string stuck() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stuck_;
   }
 
  private:
   std::atomic<bool> seen_{false};
   mutable std::mutex mutex_;
-  std::string reason_;
+  std::string reason_, stuck_;
 };
+
+// The failure to name: the rank reported stuck first, when there is one (the
+// ranks that gave up waiting for it exit first).
+std::string blame(const std::string& failure, const RemoteFailures& remote) {
+  const std::string stuck = remote.stuck();
+  if (stuck.empty() || failure.rfind(stuck, 0) == 0) return failure;
+  return stuck + "; first to exit: " + failure;
+}
 
 // The first local rank that exited unsuccessfully, described; "" if none.
 std::string local_failure(const LaunchOptions& o, const std::vector<std::unique_ptr<RankProcess>>& ranks) {
@@ -420,6 +439,7 @@ Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, co
     }
     if (outcome.failure.empty()) continue;
     outcome.detected_ns = wall_ns();
+    outcome.failure = blame(outcome.failure, remote);
     say(outcome.failure + "; stopping the other ranks");
     // Other nodes learn of it through the store (a rank's own store connection
     // tells them too, but a rank may die before it connects).
@@ -428,6 +448,7 @@ Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, co
     } catch (const std::exception&) {
     }
     stop_all(ranks, SIGTERM, o.grace);
+    outcome.failure = blame(outcome.failure, remote);  // a stuck report may arrive while the ranks stop
     return outcome;
   }
   drain(ranks);

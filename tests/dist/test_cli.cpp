@@ -215,6 +215,26 @@ TEST(Cli, CommTimeoutNamesAStuckRank) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "no progress for 3000 ms")) << r.output;
   EXPECT_TRUE(contains(r.output, "from rank 1 (global rank 1); that rank is stuck")) << r.output;
+  // meshrun's summary names the stuck rank, not rank 0 that exited first (Note [Naming a stuck rank]).
+  EXPECT_TRUE(contains(r.output, "meshrun: failed: rank 1 stopped making progress (global rank 0 waited in vain"))
+      << r.output;
+  EXPECT_LT(r.seconds, 30.0) << r.output;
+}
+
+// Four ranks, one stopped: every rank that waited (directly or not) names it,
+// not each other (the first to time out tells the store, which tells all).
+TEST(Cli, EveryRankNamesTheStuckRank) {
+  Shell r = sh(kMeshrun + "--nproc-per-node 4 --grace-seconds 1 -- bash -c 'if [ $RANK = 2 ]; then (sleep 2; kill -STOP $$) & "
+               "fi; exec " + kBin + "/meshtrain" + kTiny + "--steps 1000000 --comm-timeout 3 --dp 2 --pp 2'");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "meshrun: failed: rank 2 stopped making progress")) << r.output;
+  for (const int rank : {0, 1, 3}) {
+    const std::string line = "[rank" + std::to_string(rank) + "]: meshtrain: communication failed";
+    const size_t at = r.output.find(line);
+    if (at == std::string::npos) continue;  // stopped by meshrun before it spoke
+    const std::string said = r.output.substr(at, r.output.find('\n', at) - at);
+    EXPECT_TRUE(contains(said, "global rank 2")) << said;
+  }
   EXPECT_LT(r.seconds, 30.0) << r.output;
 }
 

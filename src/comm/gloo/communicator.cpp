@@ -166,9 +166,10 @@ void GlooCommunicator::wait(Transfer& t) {
 }
 
 void GlooCommunicator::throw_timeout(const Transfer& t) const {
-  throw TimeoutError(str_cat(where(t.op), ": no progress for ", options_.timeout.count(), " ms while ",
-                             t.is_recv ? "receiving from " : "sending to ", peer_name(t.peer),
-                             "; that rank is stuck, or did not call ", t.op,
+  const std::string what = str_cat(where(t.op), ": no progress for ", options_.timeout.count(), " ms while ",
+                                   t.is_recv ? "receiving from " : "sending to ", peer_name(t.peer));
+  const std::string chain = process_->report_stuck(global_ranks_[t.peer], what);  // Note [Naming a stuck rank]
+  throw TimeoutError(str_cat(what, chain, "; that rank is stuck, or did not call ", t.op,
                              " (every rank must call collectives in the same order)"));
 }
 
@@ -177,7 +178,7 @@ void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::str
   // wait briefly for it rather than guess.
   if (auto f = process_->await_failure(std::chrono::seconds(2))) {
     const int dead = Process::rank_of_label(f->label);
-    throw PeerFailure(str_cat(where(t.op), ": global rank ", dead, " died (", f->reason, ")"), dead);
+    throw PeerFailure(str_cat(where(t.op), ": ", Process::describe(*f)), dead);
   }
   throw PeerFailure(str_cat(where(t.op), ": the connection to ", peer_name(t.peer), " broke: ", what),
                     global_ranks_[t.peer]);
@@ -187,7 +188,7 @@ void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::str
 void GlooCommunicator::throw_aborted(const Transfer& t) const {
   auto f = process_->failure();
   const int dead = f ? Process::rank_of_label(f->label) : -1;
-  throw PeerFailure(str_cat(where(t.op), ": global rank ", dead, " died (", f ? f->reason : "unknown", ")"), dead);
+  throw PeerFailure(str_cat(where(t.op), ": ", f ? Process::describe(*f) : str_cat("global rank ", dead, " died")), dead);
 }
 
 void GlooCommunicator::wait_all(std::vector<Transfer>& transfers) {

@@ -175,6 +175,14 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
     } while (Clock::now() < yield_end);
   }
   const auto deadline = Clock::now() + options_.timeout;
+  // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]).
+  const auto long_wait = Clock::now() + std::max<Clock::duration>(std::chrono::seconds(1), options_.timeout / 4);
+  struct WaitNote {
+    Process* process = nullptr;
+    ~WaitNote() {
+      if (process) process->note_waiting(-1);
+    }
+  } note;
   RankCtrl& me = ctrl(rank_);
   while (true) {
     me.sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -182,6 +190,10 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
     std::atomic_thread_fence(std::memory_order_seq_cst);
     const bool done = ready();
     const auto now = Clock::now();
+    if (!done && !note.process && now >= long_wait && !process_->failed()) {
+      note.process = process_.get();
+      process_->note_waiting(global_ranks_[blame()]);
+    }
     if (!done && !process_->failed() && now < deadline) {
       // Bounded, so that a wake-up lost to a crash costs 100 ms, not the timeout.
       futex_wait(&me.wake, seen, std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100)));
@@ -190,14 +202,16 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
     if (done || ready()) return;
     if (auto f = process_->failure()) {
       const int dead = Process::rank_of_label(f->label);
-      throw PeerFailure(str_cat(where(op), ": global rank ", dead, " died (", f->reason, ")"), dead);
+      throw PeerFailure(str_cat(where(op), ": ", Process::describe(*f)), dead);
     }
     if (Clock::now() >= deadline) {
       const std::string why = unless ? std::string(unless)
                                      : str_cat("that rank is stuck, or did not call ", op,
                                                " (every rank must call collectives in the same order)");
-      throw TimeoutError(str_cat(where(op), ": no progress for ", options_.timeout.count(), " ms while waiting for ",
-                                 waiting_for, " from ", peer_name(blame()), "; ", why));
+      const std::string what = str_cat(where(op), ": no progress for ", options_.timeout.count(),
+                                       " ms while waiting for ", waiting_for, " from ", peer_name(blame()));
+      const std::string chain = process_->report_stuck(global_ranks_[blame()], what);  // Note [Naming a stuck rank]
+      throw TimeoutError(str_cat(what, chain, "; ", why));
     }
   }
 }

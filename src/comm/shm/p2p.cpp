@@ -78,7 +78,7 @@ class SendWork : public Work {
       if (op_->done || op_->error) break;
       if (auto f = comm_->process_->failure()) {
         const int dead = Process::rank_of_label(f->label);
-        throw PeerFailure(str_cat(comm_->where("send"), ": global rank ", dead, " died (", f->reason, ")"), dead);
+        throw PeerFailure(str_cat(comm_->where("send"), ": ", Process::describe(*f)), dead);
       }
       if (std::chrono::steady_clock::now() > deadline) {
         throw TimeoutError(str_cat(comm_->where("send"), ": no progress for ", comm_->options_.timeout.count(),

@@ -1,0 +1,280 @@
+#!/usr/bin/python3
+"""Fault-injection campaign: faults injected into 4-rank training jobs, many trials each.
+
+    bench/faults/run.sh            (TRIALS=50; the table goes into docs/BENCHMARKS.md)
+
+Each trial starts `meshrun --nproc-per-node 4 -- meshtrain` (a tiny GPT, dp 2 x pp 2 or
+dp 2 x tp 2, alternating), injects one fault at a random moment, and records:
+  detection  seconds from the fault to meshrun's first line naming a failure
+  named      whether meshrun's summary and every survivor's error name the faulty rank
+  orphans    processes of the job alive once meshrun has exited (must be 0)
+  leftovers  /dev/shm segments and checkpoint temporary files left behind
+  resumed    (restart trials) whether the losses after the restart equal the uninterrupted run's
+Faults:
+  kill-rank     SIGKILL of a random rank (forward, backward, a collective: wherever it is)
+  kill-in-save  SIGKILL of a random rank while checkpoints are being written (--save-every 1)
+  stop-rank     SIGSTOP of a random rank (a stuck rank; --comm-timeout 3)
+  kill-meshrun  SIGKILL of meshrun itself (every rank must go)
+  kill-store    two meshrun nodes of 2 ranks on loopback; SIGKILL of node 0, which hosts the store
+  restart       SIGKILL of a random rank under --max-restarts 1 --resume (--save-every 2)
+A trial that hangs (no exit within 60 s) is reported as such: it is a bug.
+"""
+import json, os, random, re, signal, socket, statistics, subprocess, sys, tempfile, threading, time
+
+BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build", "bin")
+GPT = ["--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq-len", "16",
+       "--global-batch", "8", "--lr", "1e-2", "--eval-problems", "0", "--log-every", "1"]
+LAYOUTS = [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]
+HANG = 60
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """A meshrun process whose output lines are collected with their arrival times."""
+
+    def __init__(self, args, env=None):
+        self.start = time.time()
+        self.lines = []
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line.rstrip("\n")))
+
+    def wait(self, timeout=HANG):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            return False
+        self.reader.join(timeout=5)
+        return True
+
+    def first_line(self, pattern, after=0.0):
+        for t, line in self.lines:
+            if t >= after and re.search(pattern, line):
+                return t, line
+        return None, None
+
+    def text(self):
+        return "\n".join(line for _, line in self.lines)
+
+
+def environ_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+
+
+def job_processes(port):
+    """Processes whose environment says they belong to the job on `port`."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            env = environ_of(int(name))
+            if env and env.get(b"MASTER_PORT") == str(port).encode() and b"RANK" in env:
+                out.append((int(name), int(env[b"RANK"])))
+    return out
+
+
+def wait_for_ranks(port, count, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        ranks = job_processes(port)
+        if len(ranks) >= count:
+            return ranks
+        time.sleep(0.05)
+    return job_processes(port)
+
+
+def shm_segments():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("meshtrain-")}
+
+
+def temp_files(directory):
+    found = []
+    for root, _, files in os.walk(directory):
+        found += [f for f in files if f.endswith(".tmp")]
+    return found
+
+
+def meshrun(port, layout, extra):
+    args = [os.path.join(BIN, "meshrun"), "--nproc-per-node", "4", "--master-port", str(port), "--grace-seconds", "1"]
+    return args + ["--", os.path.join(BIN, "meshtrain")] + GPT + layout + extra
+
+
+def survivors_name(job, rank, dead_pids_ranks):
+    """Every rank that printed an error names the faulty rank; meshrun's summary too."""
+    ok = True
+    for _, line in job.lines:
+        m = re.match(r"\[rank(\d+)\]: meshtrain: (communication failed|.*)", line)
+        if m and "communication failed" in line and int(m.group(1)) != rank:
+            ok = ok and (f"global rank {rank}" in line or f"rank {rank} " in line)
+    summary = [line for _, line in job.lines if line.startswith("meshrun: failed:")]
+    ok = ok and bool(summary) and f"rank {rank} " in summary[-1]
+    return ok
+
+
+def trial_kill(kind, layout, shm_before, workdir):
+    port = free_port()
+    extra = ["--steps", "100000"] + (["--comm-timeout", "3"] if kind == "stop-rank" else [])
+    if kind == "kill-in-save":
+        extra += ["--save-dir", os.path.join(workdir, "ckpt"), "--save-every", "1"]
+    job = Job(meshrun(port, layout, extra))
+    ranks = wait_for_ranks(port, 4)
+    time.sleep(random.uniform(1.0, 3.0))
+    pid, rank = random.choice(ranks)
+    sig = signal.SIGSTOP if kind == "stop-rank" else signal.SIGKILL
+    t_fault = time.time()
+    os.kill(pid, sig)
+    finished = job.wait()
+    t_detect, _ = job.first_line(r"meshrun: .*(failed|stopped making progress|died)", after=t_fault)
+    orphans = len(job_processes(port))
+    for p, _ in job_processes(port):
+        os.kill(p, signal.SIGKILL)
+    leftovers = len(shm_segments() - shm_before) + len(temp_files(workdir))
+    return dict(hang=not finished, detection=(t_detect - t_fault) if t_detect else None,
+                named=survivors_name(job, rank, ranks), orphans=orphans, leftovers=leftovers)
+
+
+def trial_kill_meshrun(layout, shm_before, workdir):
+    port = free_port()
+    job = Job(meshrun(port, layout, ["--steps", "100000"]))
+    wait_for_ranks(port, 4)
+    time.sleep(random.uniform(1.0, 3.0))
+    t_fault = time.time()
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.time() + 5
+    while job_processes(port) and time.time() < deadline:
+        time.sleep(0.02)
+    gone = time.time() - t_fault
+    orphans = len(job_processes(port))
+    for p, _ in job_processes(port):
+        os.kill(p, signal.SIGKILL)
+    time.sleep(0.2)
+    return dict(hang=False, detection=gone, named=True, orphans=orphans,
+                leftovers=len(shm_segments() - shm_before))
+
+
+def trial_kill_store(layout, shm_before, workdir):
+    port = free_port()
+    token = os.path.join(workdir, "token")
+    with open(token, "w") as f:
+        f.write("0123456789abcdef0123456789abcdef\n")
+    common = [os.path.join(BIN, "meshrun"), "--nnodes", "2", "--nproc-per-node", "2", "--master-port", str(port),
+              "--grace-seconds", "1", "--rdzv-token-file", token]
+    cmd = ["--", os.path.join(BIN, "meshtrain")] + GPT + layout + ["--steps", "100000"]
+    node1 = Job(common + ["--node-rank", "1"] + cmd)
+    node0 = Job(common + ["--node-rank", "0"] + cmd)
+    wait_for_ranks(port, 4)
+    time.sleep(random.uniform(1.0, 3.0))
+    t_fault = time.time()
+    os.killpg(node0.proc.pid, signal.SIGKILL)  # the whole node: meshrun and its ranks
+    node0.wait()
+    finished = node1.wait()
+    t_detect, _ = node1.first_line(r"meshrun: .*(failed|lost)", after=t_fault)
+    named = any("rendezvous store" in line or "rank 0" in line or "rank 1 " in line
+                for _, line in node1.lines if line.startswith("meshrun: failed"))
+    orphans = len(job_processes(port))
+    for p, _ in job_processes(port):
+        os.kill(p, signal.SIGKILL)
+    return dict(hang=not finished, detection=(t_detect - t_fault) if t_detect else None, named=named,
+                orphans=orphans, leftovers=len(shm_segments() - shm_before))
+
+
+def losses(path):
+    with open(path) as f:
+        return json.load(f)["losses"]
+
+
+def trial_restart(layout, shm_before, workdir, reference):
+    port = free_port()
+    ckpt = os.path.join(workdir, "ckpt")
+    metrics = os.path.join(workdir, "m.json")
+    extra = ["--steps", "60", "--save-dir", ckpt, "--save-every", "2", "--resume", "--metrics-out", metrics]
+    args = meshrun(port, layout, extra)
+    args[1:1] = ["--max-restarts", "1"]
+    job = Job(args)
+    ranks = wait_for_ranks(port, 4)
+    time.sleep(random.uniform(1.0, 2.5))
+    pid, rank = random.choice(ranks)
+    t_fault = time.time()
+    os.kill(pid, signal.SIGKILL)
+    finished = job.wait(timeout=120)
+    t_detect, _ = job.first_line(r"meshrun: .*failed", after=t_fault)
+    restarted = "restarting the whole group" in job.text()
+    equal = False
+    if finished and job.proc.returncode == 0 and os.path.exists(metrics):
+        m = json.load(open(metrics))
+        first = m["checkpoint"]["resumed_from_step"]
+        equal = restarted and m["losses"] == reference[first:first + len(m["losses"])] and first > 0
+    orphans = len(job_processes(port))
+    return dict(hang=not finished, detection=(t_detect - t_fault) if t_detect else None,
+                named=f"rank {rank} " in job.text(), orphans=orphans,
+                leftovers=len(shm_segments() - shm_before) + len(temp_files(ckpt)), resumed=equal)
+
+
+def summary(name, results):
+    det = [r["detection"] for r in results if r["detection"] is not None]
+    row = {"fault": name, "trials": len(results), "hangs": sum(r["hang"] for r in results),
+           "detected": len(det), "named": sum(bool(r["named"]) for r in results),
+           "orphans": sum(r["orphans"] for r in results), "leftovers": sum(r["leftovers"] for r in results)}
+    if det:
+        row.update(min=min(det), median=statistics.median(det), max=max(det))
+    if "resumed" in results[0]:
+        row["resumed_equal"] = sum(r["resumed"] for r in results)
+    return row
+
+
+def main():
+    trials = int(os.environ.get("TRIALS", "50"))
+    out = sys.argv[1] if len(sys.argv) > 1 else "build/bench/faults"
+    os.makedirs(out, exist_ok=True)
+    random.seed(int(os.environ.get("SEED", "1")))
+    shm_before = shm_segments()
+    faults = os.environ.get("FAULTS", "kill-rank,kill-in-save,stop-rank,kill-meshrun,kill-store,restart").split(",")
+    rows = []
+    for fault in faults:
+        results = []
+        reference = None
+        for i in range(trials):
+            layout = LAYOUTS[i % 2]
+            with tempfile.TemporaryDirectory(prefix="meshtrain-faults-") as workdir:
+                if fault == "restart":
+                    if reference is None or reference[0] != layout:
+                        ref = os.path.join(workdir, "ref.json")
+                        subprocess.run([os.path.join(BIN, "meshrun"), "--nproc-per-node", "4", "--master-port", "0",
+                                        "--quiet", "--", os.path.join(BIN, "meshtrain")] + GPT + layout +
+                                       ["--steps", "60", "--metrics-out", ref], check=True, capture_output=True)
+                        reference = (layout, losses(ref))
+                    r = trial_restart(layout, shm_before, workdir, reference[1])
+                elif fault == "kill-meshrun":
+                    r = trial_kill_meshrun(layout, shm_before, workdir)
+                elif fault == "kill-store":
+                    r = trial_kill_store(layout, shm_before, workdir)
+                else:
+                    r = trial_kill(fault, layout, shm_before, workdir)
+            r["layout"] = " ".join(layout)
+            results.append(r)
+            print(fault, i, r, flush=True)
+        rows.append(summary(fault, results))
+        with open(os.path.join(out, f"{fault}.json"), "w") as f:
+            json.dump(results, f)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
