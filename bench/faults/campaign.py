@@ -26,6 +26,7 @@ GPT = ["--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4", "--v
        "--global-batch", "8", "--lr", "1e-2", "--eval-problems", "0", "--log-every", "1"]
 LAYOUTS = [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]
 HANG = 60
+RESTART_STEPS = 400
 
 
 def free_port():
@@ -185,8 +186,11 @@ def trial_kill_store(layout, shm_before, workdir):
     node0.wait()
     finished = node1.wait()
     t_detect, _ = node1.first_line(r"meshrun: .*(failed|lost)", after=t_fault)
-    named = any("rendezvous store" in line or "rank 0" in line or "rank 1 " in line
-                for _, line in node1.lines if line.startswith("meshrun: failed"))
+    said = [line for _, line in node1.lines if line.startswith("meshrun: ") or "communication failed" in line]
+    survivors = [line for line in said if "communication failed" in line]
+    named = (any(line.startswith("meshrun: ") and "rendezvous store" in line for line in said) and
+             all("rendezvous store" in line or "global rank 0" in line or "global rank 1" in line
+                 for line in survivors))
     orphans = len(job_processes(port))
     for p, _ in job_processes(port):
         os.kill(p, signal.SIGKILL)
@@ -203,15 +207,20 @@ def trial_restart(layout, shm_before, workdir, reference):
     port = free_port()
     ckpt = os.path.join(workdir, "ckpt")
     metrics = os.path.join(workdir, "m.json")
-    extra = ["--steps", "60", "--save-dir", ckpt, "--save-every", "2", "--resume", "--metrics-out", metrics]
+    extra = ["--steps", str(RESTART_STEPS), "--save-dir", ckpt, "--save-every", "2", "--resume",
+             "--metrics-out", metrics]
     args = meshrun(port, layout, extra)
     args[1:1] = ["--max-restarts", "1"]
     job = Job(args)
     ranks = wait_for_ranks(port, 4)
-    time.sleep(random.uniform(1.0, 2.5))
+    time.sleep(random.uniform(0.5, 1.5))
     pid, rank = random.choice(ranks)
     t_fault = time.time()
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # the run ended first: no fault injected
+        job.wait()
+        return None
     finished = job.wait(timeout=120)
     t_detect, _ = job.first_line(r"meshrun: .*failed", after=t_fault)
     restarted = "restarting the whole group" in job.text()
@@ -219,7 +228,10 @@ def trial_restart(layout, shm_before, workdir, reference):
     if finished and job.proc.returncode == 0 and os.path.exists(metrics):
         m = json.load(open(metrics))
         first = m["checkpoint"]["resumed_from_step"]
-        equal = restarted and m["losses"] == reference[first:first + len(m["losses"])] and first > 0
+        equal = restarted and m["losses"] == reference[first:first + len(m["losses"])]
+        if not equal:
+            print("restart: resumed from step", first, "restarted", restarted, "first losses",
+                  m["losses"][:3], "reference", reference[first:first + 3], flush=True)
     orphans = len(job_processes(port))
     return dict(hang=not finished, detection=(t_detect - t_fault) if t_detect else None,
                 named=f"rank {rank} " in job.text(), orphans=orphans,
@@ -248,18 +260,22 @@ def main():
     rows = []
     for fault in faults:
         results = []
-        reference = None
+        references = {}  # layout -> the uninterrupted run's losses
         for i in range(trials):
             layout = LAYOUTS[i % 2]
             with tempfile.TemporaryDirectory(prefix="meshtrain-faults-") as workdir:
                 if fault == "restart":
-                    if reference is None or reference[0] != layout:
+                    key = " ".join(layout)
+                    if key not in references:
                         ref = os.path.join(workdir, "ref.json")
                         subprocess.run([os.path.join(BIN, "meshrun"), "--nproc-per-node", "4", "--master-port", "0",
                                         "--quiet", "--", os.path.join(BIN, "meshtrain")] + GPT + layout +
-                                       ["--steps", "60", "--metrics-out", ref], check=True, capture_output=True)
-                        reference = (layout, losses(ref))
-                    r = trial_restart(layout, shm_before, workdir, reference[1])
+                                       ["--steps", str(RESTART_STEPS), "--metrics-out", ref], check=True,
+                                       capture_output=True)
+                        references[key] = losses(ref)
+                    r = trial_restart(layout, shm_before, workdir, references[key])
+                    if r is None:
+                        continue
                 elif fault == "kill-meshrun":
                     r = trial_kill_meshrun(layout, shm_before, workdir)
                 elif fault == "kill-store":
