@@ -145,8 +145,10 @@ def trial_kill(kind, layout, shm_before, workdir):
     for p, _ in job_processes(port):
         os.kill(p, signal.SIGKILL)
     leftovers = len(shm_segments() - shm_before) + len(temp_files(workdir))
-    return dict(hang=not finished, detection=(t_detect - t_fault) if t_detect else None,
-                named=survivors_name(job, rank, ranks), orphans=orphans, leftovers=leftovers)
+    named = survivors_name(job, rank, ranks)
+    return dict(hang=not finished, detection=(t_detect - t_fault) if t_detect else None, named=named,
+                orphans=orphans, leftovers=leftovers, rank=rank,
+                said=None if named else [line for _, line in job.lines if "loss" not in line][-12:])
 
 
 def trial_kill_meshrun(layout, shm_before, workdir):

@@ -404,15 +404,19 @@ std::string blame(const std::string& failure, const RemoteFailures& remote) {
   return stuck + "; first to exit: " + failure;
 }
 
-// The first local rank that exited unsuccessfully, described; "" if none.
+// The local rank that failed, described; "" if none. A rank killed by a
+// signal comes before ranks that exited with an error: they are usually the
+// survivors saying so, reaped in the same sweep (a rank's death reaches the
+// others through the store within milliseconds).
 std::string local_failure(const LaunchOptions& o, const std::vector<std::unique_ptr<RankProcess>>& ranks) {
+  const RankProcess* failed = nullptr;
   for (const auto& r : ranks) {
-    if (r->exited && !(WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0)) {
-      return str_cat("rank ", r->rank, " (node ", o.node_rank, ", local rank ", r->rank - o.node_rank * o.nproc_per_node,
-                     ") failed with ", describe_status(r->status));
-    }
+    if (!r->exited || (WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0)) continue;
+    if (!failed || (WIFSIGNALED(r->status) && !WIFSIGNALED(failed->status))) failed = r.get();
   }
-  return "";
+  if (!failed) return "";
+  return str_cat("rank ", failed->rank, " (node ", o.node_rank, ", local rank ",
+                 failed->rank - o.node_rank * o.nproc_per_node, ") failed with ", describe_status(failed->status));
 }
 
 // Watches the local ranks until they all exit (ok), one fails, another node

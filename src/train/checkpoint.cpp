@@ -199,6 +199,26 @@ std::vector<std::string> complete_checkpoints(const std::string& dir) {
   return steps;
 }
 
+// The step directories of `dir` without a manifest.
+static std::vector<std::string> uncommitted_steps(const std::string& dir) {
+  std::vector<std::string> found;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string path = dir + "/" + e->d_name;
+      const bool step_dir = std::strlen(e->d_name) == 13 && std::strncmp(e->d_name, "step-", 5) == 0;
+      if (step_dir && !files::exists(path + "/manifest.json")) found.push_back(path);
+    }
+    closedir(d);
+  }
+  return found;
+}
+
+std::vector<std::string> remove_unfinished_saves(const std::string& dir) {
+  const std::vector<std::string> found = uncommitted_steps(dir);
+  for (const std::string& path : found) files::remove_tree(path);
+  return found;
+}
+
 std::vector<std::string> prune_checkpoints(const std::string& dir, int keep_last) {
   const std::vector<std::string> committed = complete_checkpoints(dir);
   if (committed.empty()) return {};
@@ -211,14 +231,8 @@ std::vector<std::string> prune_checkpoints(const std::string& dir, int keep_last
   std::vector<std::string> removed;
   for (size_t i = keep_last; keep_last > 0 && i < committed.size(); ++i)
     if (committed[i] != latest) removed.push_back(committed[i]);
-  if (DIR* d = opendir(dir.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string path = dir + "/" + e->d_name;
-      const bool step_dir = std::strlen(e->d_name) == 13 && std::strncmp(e->d_name, "step-", 5) == 0;
-      if (step_dir && !files::exists(path + "/manifest.json") && path < committed.front()) removed.push_back(path);
-    }
-    closedir(d);
-  }
+  for (const std::string& path : uncommitted_steps(dir))
+    if (path < committed.front()) removed.push_back(path);
   for (const std::string& path : removed) files::remove_tree(path);
   return removed;
 }
@@ -238,11 +252,59 @@ std::string latest_checkpoint(const std::string& dir) {
   return step_dir;
 }
 
+namespace {
+
+// Every field the reader will use, checked once, so that a damaged or edited
+// manifest is an error naming it, never a wild read, a path outside the step
+// directory or an unbounded allocation. Throws ConfigError (without the path).
+void check_manifest(const json::Value& m) {
+  MESHTRAIN_CHECK(m["format"].str() == "meshtrain-checkpoint/1", "unknown checkpoint format");
+  m["step"].i64();
+  const int64_t world = m["world_size"].i64();
+  const json::Value& shards = m["shards"];
+  MESHTRAIN_CHECK(world >= 1 && shards.type == json::Value::Type::kArray && static_cast<int64_t>(shards.size()) == world,
+                  "'shards' does not list world_size (", world, ") shards");
+  int64_t total_bytes = 0;
+  for (size_t r = 0; r < shards.size(); ++r) {
+    const json::Value& s = shards[r];
+    MESHTRAIN_CHECK(s["file"].str() == shard_name(static_cast<int>(r)), "shard ", r, " is named '", s["file"].str(),
+                    "', not ", shard_name(static_cast<int>(r)));
+    MESHTRAIN_CHECK(s["bytes"].i64() >= 0 && s["sha256"].str().size() == 64, "shard ", r, ": bad size or checksum");
+    total_bytes += s["bytes"].i64();
+  }
+  for (size_t r = 0; r < shards.size(); ++r) {
+    const json::Value& content = shards[r]["content"];
+    for (const auto& kv : content["steps"].fields) kv.second.i64();
+    for (const json::Value& c : content["chunks"].items) {
+      c["key"].str(), c["param"].str(), c["kind"].str();
+      int64_t elements = 1;
+      for (const json::Value& d : c["shape"].items) {
+        MESHTRAIN_CHECK(d.i64() >= 0 && (d.i64() == 0 || elements <= total_bytes / d.i64()), "chunk '",
+                        c["key"].str(), "' of shard ", r, ": its shape holds more elements than the shards have bytes");
+        elements *= d.i64();
+      }
+      const int64_t dims = static_cast<int64_t>(c["shape"].size()), tp_dim = c["tp_dim"].i64();
+      const int64_t tp_size = c["tp_size"].i64(), tp_index = c["tp_index"].i64();
+      const int64_t offset = c["offset"].i64(), numel = c["numel"].i64();
+      MESHTRAIN_CHECK(tp_dim >= -1 && tp_dim < dims && tp_size >= 1 && tp_index >= 0 && tp_index < tp_size &&
+                          (tp_dim >= 0 || tp_size == 1) && offset >= 0 && numel >= 0 && offset <= elements &&
+                          numel <= elements - offset,
+                      "chunk '", c["key"].str(), "' of shard ", r, ": its coordinates lie outside its tensor");
+    }
+  }
+}
+
+}  // namespace
+
 CheckpointReader::CheckpointReader(const std::string& step_dir) : dir_(step_dir) {
   const std::string path = step_dir + "/manifest.json";
   MESHTRAIN_CHECK(files::exists(path), "checkpoint ", step_dir, " has no manifest.json: it was never completed");
   manifest_ = json::parse_file(path);
-  MESHTRAIN_CHECK(manifest_["format"].str() == "meshtrain-checkpoint/1", path, ": unknown checkpoint format");
+  try {
+    check_manifest(manifest_);
+  } catch (const ConfigError& e) {
+    throw ConfigError(str_cat(path, ": ", e.what(), " (the manifest is damaged or was edited)"));
+  }
   step_ = manifest_["step"].i64();
   const std::string base = step_dir.substr(step_dir.find_last_of('/') + 1);
   MESHTRAIN_CHECK(base.rfind("step-", 0) != 0 || base == step_name(step_), path, " says step ", step_,
@@ -293,7 +355,10 @@ at::Tensor CheckpointReader::rng_state(int rank) {
   MESHTRAIN_CHECK(rank >= 0 && rank < static_cast<int>(manifest_["shards"].size()), "checkpoint ", dir_, " has no shard of rank ", rank);
   const json::Value& content = manifest_["shards"][rank]["content"];
   if (!content.has("rng") || !content["rng"].boolean) return {};
-  return shard(rank).at("rng");
+  const auto& tensors = shard(rank);
+  MESHTRAIN_CHECK(tensors.count("rng"), "checkpoint ", dir_, ": shard ", rank, " has no 'rng' tensor though its ",
+                  "manifest says so");
+  return tensors.at("rng");
 }
 
 bool CheckpointReader::has(const std::string& param) const {
@@ -319,14 +384,25 @@ at::Tensor CheckpointReader::full(const std::string& param, const std::string& k
       if (c["param"].str() != param || c["kind"].str() != kind) continue;
       std::vector<int64_t> shape;
       for (const auto& d : c["shape"].items) shape.push_back(d.i64());
+      const bool first = !full.defined();
+      MESHTRAIN_CHECK(first || (full.sizes().vec() == shape && tp_dim == c["tp_dim"].i64() &&
+                                tp_size == c["tp_size"].i64()),
+                      "checkpoint ", dir_, ": the chunks of '", param, "' (", kind, ") disagree on its shape or cut");
       tp_dim = c["tp_dim"].i64();
       tp_size = static_cast<int>(c["tp_size"].i64());
       const int index = static_cast<int>(c["tp_index"].i64());
-      if (!full.defined()) full = at::zeros(shape, at::kFloat);
+      if (first) full = at::zeros(shape, at::kFloat);
+      MESHTRAIN_CHECK(tp_dim < 0 || index < static_cast<int>(full.chunk(tp_size, tp_dim).size()), "checkpoint ", dir_,
+                      ": '", param, "' has no tp slab ", index, " of ", tp_size, " along dimension ", tp_dim);
       at::Tensor& slab = slabs[index];
       if (!slab.defined()) slab = (tp_dim < 0 ? full : full.chunk(tp_size, tp_dim)[index]).contiguous();
-      const at::Tensor& data = shard(s).at(c["key"].str());
-      slab.view(-1).narrow(0, c["offset"].i64(), data.numel()).copy_(data);
+      const auto& tensors = shard(s);
+      const auto found = tensors.find(c["key"].str());
+      MESHTRAIN_CHECK(found != tensors.end() && found->second.numel() == c["numel"].i64() &&
+                          c["offset"].i64() + found->second.numel() <= slab.numel(),
+                      "checkpoint ", dir_, ": shard ", s, "'s tensor '", c["key"].str(),
+                      "' is missing or does not match the manifest's coordinates");
+      slab.view(-1).narrow(0, c["offset"].i64(), found->second.numel()).copy_(found->second.view(-1));
     }
   }
   for (auto& kv : slabs) {

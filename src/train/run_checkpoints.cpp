@@ -134,6 +134,10 @@ CheckpointSaver::CheckpointSaver(const TrainConfig& c, comm::CommPtr metrics, bo
     : c_(c), metrics_(std::move(metrics)), verbose_(verbose) {
   const bool saving = !c_.save_dir.empty() && c_.save_every > 0;
   if (saving && c_.async_save) background_ = metrics_->split(0, metrics_->rank(), "checkpoint");  // every rank: same config
+  if (saving) {  // what a crashed save left, before this run writes into the directory
+    if (metrics_->rank() == 0 && files::exists(c_.save_dir)) remove_unfinished_saves(c_.save_dir);
+    metrics_->barrier();
+  }
 }
 
 CheckpointSaver::~CheckpointSaver() {

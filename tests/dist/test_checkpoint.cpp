@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "equivalence.h"
+#include "meshtrain/comm/rendezvous.h"
 #include "harness.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/data.h"
@@ -320,15 +321,22 @@ TEST(Checkpoint, KeepLastPrunesAfterCommitAndFailedSavesLeaveNothing) {
   EXPECT_FALSE(meshtrain::files::exists(dir + "/step-00000002"));
   // A save that cannot write its shard (a directory where its file goes) fails and leaves nothing.
   meshtrain::files::make_directories(dir + "/step-00000008/rank-00000.bin.tmp");
-  c.steps = 8;
+  meshtrain::train::RankState state;
+  state.chunks.push_back({"w", "value", {3}, -1, 0, 1, 0, torch::ones({3})});
+  auto world = meshtrain::comm::make_single_process_world();
   try {
-    train_in_one_process(c);
+    meshtrain::train::save_checkpoint(dir, 8, state, *world, "{}");
     ADD_FAILURE() << "the save of step 8 could not have succeeded";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("checkpoint of step 8 failed on rank 0"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(meshtrain::files::exists(dir + "/step-00000008"));
-  EXPECT_EQ(meshtrain::train::latest_checkpoint(dir), dir + "/step-00000007");
+  EXPECT_EQ(meshtrain::train::latest_checkpoint(dir), dir + "/step-00000006");
+  // A kill -9 mid-save leaves a newer step directory without a manifest: the next run removes it first.
+  meshtrain::files::make_directories(dir + "/step-00000009");
+  std::ofstream(dir + "/step-00000009/rank-00000.bin.tmp") << "partial";
+  EXPECT_EQ(train_in_one_process(c).first_step, 6);  // steps 6 to 6: nothing trained, nothing saved
+  EXPECT_FALSE(meshtrain::files::exists(dir + "/step-00000009"));
 }
 
 // A crash at every stage of committing the step-4 save never leaves a

@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <chrono>
@@ -20,6 +22,14 @@
 #include "meshtrain/version.h"
 
 using namespace meshtrain;
+
+// The whole line in one write: meshrun may SIGTERM this rank a moment later
+// (another rank failed first), and a line cut after its first words names nothing.
+static void say_error(const std::string& message) {
+  const std::string line = message + "\n";
+  if (::write(2, line.data(), line.size()) < 0) {
+  }
+}
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
@@ -68,16 +78,16 @@ int main(int argc, char** argv) {
     // they still say why.
     const char* local_rank = std::getenv("LOCAL_RANK");
     if (local_rank && std::string(local_rank) != "0") std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-    std::cerr << e.what() << std::endl;
+    say_error(e.what());
     return 2;
   } catch (const comm::CommError& e) {
-    std::cerr << "meshtrain: communication failed: " << e.what() << std::endl;
+    say_error(std::string("meshtrain: communication failed: ") + e.what());
     return 1;
   } catch (const c10::Error& e) {  // libtorch's own errors: the message, not 25 frames of stack
-    std::cerr << "meshtrain: " << e.what_without_backtrace() << std::endl;
+    say_error(std::string("meshtrain: ") + e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "meshtrain: " << e.what() << std::endl;
+    say_error(std::string("meshtrain: ") + e.what());
     return 1;
   }
 }

@@ -86,6 +86,9 @@ std::vector<std::string> complete_checkpoints(const std::string& dir);
 // directories without a manifest older than the newest committed one (left by
 // a crash mid-save). Returns the directories removed.
 std::vector<std::string> prune_checkpoints(const std::string& dir, int keep_last);
+// Before a run's first save (one rank): removes every step directory without a
+// manifest, which only a crashed save can have left (a kill -9 mid-write).
+std::vector<std::string> remove_unfinished_saves(const std::string& dir);
 
 class CheckpointReader {
  public:
