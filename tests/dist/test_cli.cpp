@@ -340,7 +340,7 @@ TEST(Examples, ASecondJobOnTheSamePortIsToldSo) {
   const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
                           " WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 ";
   const std::string helper = kBin + "/meshrun_helper ";
-  Shell r = sh("(" + env + "RANK=1 LOCAL_RANK=1 " + helper + "hold > /tmp/job-a-$$.log 2>&1 & " + env +
+  Shell r = sh("(: > /tmp/job-a-$$.log; " + env + "RANK=1 LOCAL_RANK=1 " + helper + "hold >> /tmp/job-a-$$.log 2>&1 & " + env +
                "RANK=0 LOCAL_RANK=0 " + helper + "hold >> /tmp/job-a-$$.log 2>&1 & sleep 1; " + env +
                "RANK=1 LOCAL_RANK=1 timeout 20 " + helper + "allreduce; echo \"second job: exit $?\"; wait; "
                "cat /tmp/job-a-$$.log; rm -f /tmp/job-a-$$.log)");
