@@ -17,6 +17,8 @@ Faults:
   kill-meshrun  SIGKILL of meshrun itself (every rank must go)
   kill-store    two meshrun nodes of 2 ranks on loopback; SIGKILL of node 0, which hosts the store
   restart       SIGKILL of a random rank under --max-restarts 1 --resume (--save-every 2)
+  disk-full     checkpoints every step into a small tmpfs (2-6 MB) until it is full: the save fails
+                on every rank with a clear error, `latest` names an intact checkpoint, no .tmp left
 A trial that hangs (no exit within 60 s) is reported as such: it is a bug.
 """
 import json, os, random, re, signal, socket, statistics, subprocess, sys, tempfile, threading, time
@@ -200,6 +202,28 @@ def trial_kill_store(layout, shm_before, workdir):
                 orphans=orphans, leftovers=len(shm_segments() - shm_before))
 
 
+def trial_disk_full(layout, shm_before, workdir):
+    disk = os.path.join(workdir, "disk")
+    os.makedirs(disk)
+    size = random.randint(2, 6)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}m", "tmpfs", disk]).returncode != 0:
+        raise SystemExit("disk-full needs to mount a tmpfs (root)")
+    try:
+        port = free_port()
+        job = Job(meshrun(port, layout, ["--steps", "100000", "--save-dir", disk, "--save-every", "1"]))
+        finished = job.wait()  # the disk fills after a few saves: no moment of fault to time from
+        _, line = job.first_line(r"No space left|failed on rank")
+        latest_ok = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "tools",
+                                    "checkpoint_to_torch.py"), disk, "--list"], capture_output=True).returncode == 0
+        orphans = len(job_processes(port))
+        leftovers = len(temp_files(disk)) + len(shm_segments() - shm_before)
+        return dict(hang=not finished, detection=None,
+                    named=bool(line) and latest_ok and job.proc.returncode != 0, orphans=orphans,
+                    leftovers=leftovers, said=None if line else [l for _, l in job.lines][-8:])
+    finally:
+        subprocess.run(["umount", disk])
+
+
 def losses(path):
     with open(path) as f:
         return json.load(f)["losses"]
@@ -258,8 +282,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     random.seed(int(os.environ.get("SEED", "1")))
     shm_before = shm_segments()
-    faults = os.environ.get("FAULTS", "kill-rank,kill-in-save,stop-rank,kill-meshrun,kill-store,restart").split(",")
-    rows = []
+    faults = os.environ.get("FAULTS", "kill-rank,kill-in-save,stop-rank,kill-meshrun,kill-store,restart,disk-full").split(",")
     for fault in faults:
         results = []
         references = {}  # layout -> the uninterrupted run's losses
@@ -278,6 +301,8 @@ def main():
                     r = trial_restart(layout, shm_before, workdir, references[key])
                     if r is None:
                         continue
+                elif fault == "disk-full":
+                    r = trial_disk_full(layout, shm_before, workdir)
                 elif fault == "kill-meshrun":
                     r = trial_kill_meshrun(layout, shm_before, workdir)
                 elif fault == "kill-store":
@@ -287,11 +312,8 @@ def main():
             r["layout"] = " ".join(layout)
             results.append(r)
             print(fault, i, r, flush=True)
-        rows.append(summary(fault, results))
         with open(os.path.join(out, f"{fault}.json"), "w") as f:
             json.dump(results, f)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

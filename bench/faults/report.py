@@ -4,18 +4,25 @@ import json, os, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))
 from report import publish, report_args  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+from campaign import summary  # noqa: E402
+
+ORDER = ["kill-rank", "kill-in-save", "stop-rank", "kill-meshrun", "kill-store", "restart", "disk-full"]
 
 
 def main():
     a = report_args(__doc__)
-    rows = json.load(open(os.path.join(a.dir, "summary.json")))
+    rows = [summary(f, json.load(open(os.path.join(a.dir, f + ".json"))))
+            for f in ORDER if os.path.exists(os.path.join(a.dir, f + ".json"))]
     L = [a.header, "",
          "4 ranks (dp 2 x pp 2 and dp 2 x tp 2, alternating), a tiny GPT, one fault per trial at a random moment "
          "1-3 s into training. Detection = seconds from the fault to meshrun's first line naming a failure "
          "(kill-meshrun: until no process of the job is left). Named = meshrun's summary and every survivor's "
          "error name the faulty rank (kill-store: the lost store). Orphans = processes of the job alive after "
          "meshrun exited. Leftovers = /dev/shm segments and checkpoint .tmp files left. Restart: --max-restarts 1 "
-         "--resume, the losses after the restart equal the uninterrupted run's.", "",
+         "--resume, the losses after the restart equal the uninterrupted run's. Disk full: checkpoints every step into a "
+         "2-6 MB tmpfs; named = every rank's error says the save failed (No space left) and `latest` names a "
+         "checkpoint that loads whole (checked with tools/checkpoint_to_torch.py).", "",
          "| fault | trials | hangs | detection min / median / max (s) | named | orphans | leftovers | resumed equal |",
          "|---|---|---|---|---|---|---|---|"]
     for r in rows:

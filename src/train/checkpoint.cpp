@@ -98,6 +98,28 @@ static void remove_failed_save(const std::string& step_dir) {
   }
 }
 
+// Rank 0's part of Note [Atomic checkpoints]: the manifest, then `latest`. A
+// failure (a full disk) leaves neither a temporary file nor a step directory
+// without its manifest; `latest` keeps naming the previous checkpoint.
+static void commit_manifest(const std::string& dir, int64_t step, const std::string& manifest) {
+  const std::string step_dir = dir + "/" + step_name(step);
+  bool committed = false;
+  try {
+    files::write_durable(step_dir + "/manifest.json.tmp", manifest);
+    crash_point("manifest-written", 0, step);
+    files::rename_durable(step_dir + "/manifest.json.tmp", step_dir + "/manifest.json");
+    committed = true;
+    crash_point("manifest-renamed", 0, step);
+    files::write_durable(dir + "/latest.tmp", step_name(step) + "\n");
+    crash_point("latest-written", 0, step);
+    files::rename_durable(dir + "/latest.tmp", dir + "/latest");
+  } catch (...) {
+    std::remove((dir + "/latest.tmp").c_str());
+    if (!committed) remove_failed_save(step_dir);
+    throw;
+  }
+}
+
 void crash_point(const char* stage, int rank, int64_t step) {
   const char* at = std::getenv("MESHTRAIN_CHECKPOINT_CRASH_AT");
   if (!at || std::strcmp(at, stage) != 0) return;
@@ -164,23 +186,26 @@ SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState&
                          .raw("content", o.substr(c + 1))
                          .str());
   }
+  std::string commit_error;  // rank 0's, said to every rank
   if (rank == 0) {
-    const std::string manifest = json::Object()
+    try {
+      commit_manifest(dir, step, json::Object()
                                      .str("format", "meshtrain-checkpoint/1")
                                      .integer("step", step)
                                      .integer("world_size", comm.size())
                                      .raw("config", config_json)
                                      .raw("shards", json::array(shards))
-                                     .str();
-    files::write_durable(step_dir + "/manifest.json.tmp", manifest);
-    crash_point("manifest-written", rank, step);
-    files::rename_durable(step_dir + "/manifest.json.tmp", step_dir + "/manifest.json");
-    crash_point("manifest-renamed", rank, step);
-    files::write_durable(dir + "/latest.tmp", step_name(step) + "\n");
-    crash_point("latest-written", rank, step);
-    files::rename_durable(dir + "/latest.tmp", dir + "/latest");
+                                     .str());
+    } catch (const std::exception& e) {
+      commit_error = e.what();
+    }
   }
-  comm.barrier();  // committed everywhere before training goes on
+  // Committed everywhere before training goes on, or failed everywhere.
+  const std::string error = comm::all_gather_strings(comm, commit_error)[0];
+  if (!error.empty()) {
+    throw std::runtime_error(str_cat("checkpoint of step ", step, " failed on rank 0: ", error,
+                                     "; 'latest' still names the previous checkpoint"));
+  }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return stats;
 }
