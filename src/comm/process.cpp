@@ -194,8 +194,8 @@ std::pair<int, std::string> Process::end_of_wait_chain(int peer) {
   return {peer, chain};
 }
 
-std::string Process::report_stuck(int peer, const std::string& what) {
-  if (reported_stuck_.exchange(true) || failed()) return "";  // a failure already named is the cause
+std::optional<std::string> Process::report_stuck(int peer, const std::string& what) {
+  if (failed() || reported_stuck_.exchange(true)) return std::nullopt;  // a failure already named is the cause
   try {
     const auto culprit = end_of_wait_chain(peer);
     store_->report_failure(config_.group + "/r" + std::to_string(culprit.first),

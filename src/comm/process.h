@@ -70,8 +70,9 @@ class Process {
   // once, so that every rank (and meshrun) names the stuck rank, not the first
   // rank to give up. Returns how the wait chain goes on from `peer` (",
   // which waits for global rank 2"; "" when it does not), for the caller's
-  // TimeoutError.
-  std::string report_stuck(int peer, const std::string& what);
+  // TimeoutError; nullopt when this rank did not report (a failure was known
+  // already: the caller says that one instead).
+  std::optional<std::string> report_stuck(int peer, const std::string& what);
   // A wait of this rank for global rank `peer` has been long (-1: it ended):
   // recorded in the store, so that a rank timing out on this one follows the
   // chain to the rank that waits for no one (Note [Naming a stuck rank]).

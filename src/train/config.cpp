@@ -29,10 +29,9 @@ using flags::Flag;
 using flags::store;
 using flags::turn;
 
-// The trainer's flags, setting fields of `c`. The usage text is generated from this table.
-std::vector<flags::Group> train_flags(TrainConfig& c) {
+// The trainer's model and layout flags, setting fields of `c`.
+std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
   models::ModelConfig& m = c.model;
-  auto seed = [&c](const std::string& f, const std::string& v) { c.model.seed = c.seed = flags::to_integer<uint64_t>(f, v); };
   auto boundaries = [&c](const std::string& f, const std::string& v) {
     c.stage_boundaries.clear();
     for (const std::string& b : split(v, ',')) c.stage_boundaries.push_back(flags::to_int64(f, b));
@@ -59,6 +58,14 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--virtual-stages", "V", "model chunks per pipeline rank (interleaved; default 1)", c.virtual_stages),
         Flag{"--stage-boundaries", "B1,B2,...", "first piece of each later stage (default: balanced)", boundaries},
         turn("--sequence-parallel", "shard layer norms' activations along the sequence over tp", c.sequence_parallel)}},
+  };
+}
+
+// The trainer's flags, setting fields of `c`. The usage text is generated from this table.
+std::vector<flags::Group> train_flags(TrainConfig& c) {
+  auto seed = [&c](const std::string& f, const std::string& v) { c.model.seed = c.seed = flags::to_integer<uint64_t>(f, v); };
+  std::vector<flags::Group> groups = model_and_layout_flags(c);
+  std::vector<flags::Group> rest = {
       {"optimization",
        {store("--global-batch", "G", "samples per step (default 24)", c.global_batch),
         store("--micro-batch", "B", "samples per forward (default: global batch / dp, no accumulation)", c.micro_batch),
@@ -111,6 +118,8 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--bucket-cap-mb", "MB", "DDP bucket size (default 25)", c.bucket_cap_mb),
         turn("--no-overlap", "DDP: all-reduce after backward instead of during it", c.overlap, false)}},
   };
+  groups.insert(groups.end(), rest.begin(), rest.end());
+  return groups;
 }
 
 flags::Parser train_parser(TrainConfig& c) {

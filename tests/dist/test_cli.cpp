@@ -207,11 +207,17 @@ TEST(Cli, RanksStartedWithDifferentFlagsAreNamedBeforeTraining) {
   EXPECT_LT(r.seconds, 15.0) << r.output;
 }
 
-// A rank that stops (SIGSTOP two seconds in) is named by its peer after
-// --comm-timeout, not after the default five minutes.
+// `ranks` ranks training with --comm-timeout 3 and `flags`; `stopped` is SIGSTOPped two seconds in.
+Shell train_with_a_stopped_rank(int ranks, int stopped, const std::string& flags) {
+  return sh(kMeshrun + "--nproc-per-node " + std::to_string(ranks) + " --grace-seconds 1 -- bash -c 'if [ $RANK = " +
+            std::to_string(stopped) + " ]; then (sleep 2; kill -STOP $$) & fi; exec " + kBin + "/meshtrain" + kTiny +
+            "--steps 1000000 --comm-timeout 3 " + flags + "'");
+}
+
+// A rank that stops is named by its peer after --comm-timeout, not after the
+// default five minutes.
 TEST(Cli, CommTimeoutNamesAStuckRank) {
-  Shell r = sh(kMeshrun + "--nproc-per-node 2 --grace-seconds 1 -- bash -c 'if [ $RANK = 1 ]; then (sleep 2; kill -STOP $$) & fi; "
-               "exec " + kBin + "/meshtrain" + kTiny + "--steps 1000000 --comm-timeout 3'");
+  Shell r = train_with_a_stopped_rank(2, 1, "");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "no progress for 3000 ms")) << r.output;
   EXPECT_TRUE(contains(r.output, "from rank 1 (global rank 1); that rank is stuck")) << r.output;
@@ -224,8 +230,7 @@ TEST(Cli, CommTimeoutNamesAStuckRank) {
 // Four ranks, one stopped: every rank that waited (directly or not) names it,
 // not each other (the first to time out tells the store, which tells all).
 TEST(Cli, EveryRankNamesTheStuckRank) {
-  Shell r = sh(kMeshrun + "--nproc-per-node 4 --grace-seconds 1 -- bash -c 'if [ $RANK = 2 ]; then (sleep 2; kill -STOP $$) & "
-               "fi; exec " + kBin + "/meshtrain" + kTiny + "--steps 1000000 --comm-timeout 3 --dp 2 --pp 2'");
+  Shell r = train_with_a_stopped_rank(4, 2, "--dp 2 --pp 2");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "meshrun: failed: rank 2 stopped making progress")) << r.output;
   for (const int rank : {0, 1, 3}) {

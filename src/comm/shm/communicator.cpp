@@ -175,14 +175,10 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
     } while (Clock::now() < yield_end);
   }
   const auto deadline = Clock::now() + options_.timeout;
-  // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]).
+  // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]);
+  // the record is cleared when the wait succeeds, kept when it fails (others may still follow it).
   const auto long_wait = Clock::now() + std::max<Clock::duration>(std::chrono::seconds(1), options_.timeout / 4);
-  struct WaitNote {
-    Process* process = nullptr;
-    ~WaitNote() {
-      if (process) process->note_waiting(-1);
-    }
-  } note;
+  bool noted = false;
   RankCtrl& me = ctrl(rank_);
   while (true) {
     me.sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -190,8 +186,8 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
     std::atomic_thread_fence(std::memory_order_seq_cst);
     const bool done = ready();
     const auto now = Clock::now();
-    if (!done && !note.process && now >= long_wait && !process_->failed()) {
-      note.process = process_.get();
+    if (!done && !noted && now >= long_wait && !process_->failed()) {
+      noted = true;
       process_->note_waiting(global_ranks_[blame()]);
     }
     if (!done && !process_->failed() && now < deadline) {
@@ -199,7 +195,10 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
       futex_wait(&me.wake, seen, std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100)));
     }
     me.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (done || ready()) return;
+    if (done || ready()) {
+      if (noted) process_->note_waiting(-1);
+      return;
+    }
     if (auto f = process_->failure()) {
       const int dead = Process::rank_of_label(f->label);
       throw PeerFailure(str_cat(where(op), ": ", Process::describe(*f)), dead);
@@ -210,8 +209,12 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
                                                " (every rank must call collectives in the same order)");
       const std::string what = str_cat(where(op), ": no progress for ", options_.timeout.count(),
                                        " ms while waiting for ", waiting_for, " from ", peer_name(blame()));
-      const std::string chain = process_->report_stuck(global_ranks_[blame()], what);  // Note [Naming a stuck rank]
-      throw TimeoutError(str_cat(what, chain, "; ", why));
+      const auto chain = process_->report_stuck(global_ranks_[blame()], what);  // Note [Naming a stuck rank]
+      if (!chain) {  // another rank named the stuck one first: say that
+        const auto f = process_->failure();
+        if (f) throw PeerFailure(str_cat(where(op), ": ", Process::describe(*f)), Process::rank_of_label(f->label));
+      }
+      throw TimeoutError(str_cat(what, chain.value_or(""), "; ", why));
     }
   }
 }
