@@ -1,12 +1,10 @@
 #include "meshtrain/comm/communicator.h"
 
-#include <cstdlib>
-
-#include <cmath>
-
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "meshtrain/util/error.h"

@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <set>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "meshtrain/comm/errors.h"
@@ -153,20 +153,18 @@ void Process::remove_failure_listener(int id) {
 // connections open: nothing closes, and each rank waiting for it times out on
 // its own, possibly naming another waiting rank. The first rank to time out
 // reports the peer it waited for under that peer's label, with the reason
-// prefixed "stuck: ". The store pushes it like a death: every rank's waits
+// prefixed kStuckReport ("stuck: ", store.h). The store pushes it like a death: every rank's waits
 // abort at once naming the stuck rank, and meshrun's summary names it too.
 // The peer it waited for may itself be waiting (rank 3 waits for rank 0, which
 // waits for the stopped rank 2): a shared-memory wait that lasts a quarter of
 // the timeout records "waiting/r<me> = <peer>" in the store, and the reporter
 // follows that chain to the rank that waits for no one (Gloo's waits are one
 // blocking call with no such record: a Gloo rank names the peer it waited for).
-constexpr char kStuck[] = "stuck: ";
-
 std::string Process::describe(const FailureReport& f) {
   const int rank = rank_of_label(f.label);
   if (rank < 0) return str_cat(f.label == "<store>" ? "" : f.label + ": ", f.reason);  // the store host: no rank to name
-  if (f.reason.rfind(kStuck, 0) == 0) {
-    return str_cat("global rank ", rank, " stopped making progress (", f.reason.substr(sizeof kStuck - 1), ")");
+  if (f.reason.rfind(kStuckReport, 0) == 0) {
+    return str_cat("global rank ", rank, " stopped making progress (", f.reason.substr(sizeof kStuckReport - 1), ")");
   }
   return str_cat("global rank ", rank, " died (", f.reason, ")");
 }
@@ -180,7 +178,7 @@ void Process::note_waiting(int peer) {
 
 std::pair<int, std::string> Process::end_of_wait_chain(int peer) {
   std::set<int> seen{config_.rank, peer};
-  std::string chain = std::to_string(peer);
+  std::string chain;
   while (true) {
     const std::string key = config_.group + "/waiting/r" + std::to_string(peer);
     if (!store_->check(key)) break;
@@ -199,13 +197,20 @@ std::optional<std::string> Process::report_stuck(int peer, const std::string& wh
   try {
     const auto culprit = end_of_wait_chain(peer);
     store_->report_failure(config_.group + "/r" + std::to_string(culprit.first),
-                           str_cat(kStuck, "global rank ", config_.rank, " waited in vain for global rank ",
-                                   culprit.second, ": ", what));
-    return culprit.second.substr(culprit.second.find(',') == std::string::npos ? culprit.second.size()
-                                                                                : culprit.second.find(','));
+                           str_cat(kStuckReport, "global rank ", config_.rank, " waited in vain for global rank ",
+                                   peer, culprit.second, ": ", what));
+    return culprit.second;
   } catch (const std::exception&) {  // the store is gone too: the TimeoutError still says it
     return "";
   }
+}
+
+void Process::raise_stuck(int peer, const std::string& where, const std::string& what, const std::string& hint) {
+  const auto chain = report_stuck(peer, what);
+  if (!chain) {  // another rank named the stuck one first: say that
+    if (const auto f = failure()) throw PeerFailure(str_cat(where, ": ", describe(*f)), rank_of_label(f->label));
+  }
+  throw TimeoutError(str_cat(what, chain.value_or(""), "; ", hint));
 }
 
 void Process::on_failure(const FailureReport& report) {

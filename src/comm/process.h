@@ -66,13 +66,12 @@ class Process {
   // (<what>)" for a rank reported stuck; the reason alone when the store's host
   // is what went away (no rank to name: "lost the connection to the rendezvous store ...").
   static std::string describe(const FailureReport& failure);
-  // This rank waited `what` for global rank `peer` in vain: the store is told,
-  // once, so that every rank (and meshrun) names the stuck rank, not the first
-  // rank to give up. Returns how the wait chain goes on from `peer` (",
-  // which waits for global rank 2"; "" when it does not), for the caller's
-  // TimeoutError; nullopt when this rank did not report (a failure was known
-  // already: the caller says that one instead).
-  std::optional<std::string> report_stuck(int peer, const std::string& what);
+  // This rank waited in vain for global rank `peer` (`what`: the operation,
+  // starting with `where`). The store is told, once, so that every rank (and
+  // meshrun) names the stuck rank, not the first rank to give up; then raises
+  // the TimeoutError (`what`, where the wait chain leads, `hint`), or the
+  // PeerFailure another rank's report already explains.
+  [[noreturn]] void raise_stuck(int peer, const std::string& where, const std::string& what, const std::string& hint);
   // A wait of this rank for global rank `peer` has been long (-1: it ended):
   // recorded in the store, so that a rank timing out on this one follows the
   // chain to the rank that waits for no one (Note [Naming a stuck rank]).
@@ -91,8 +90,12 @@ class Process {
 
  private:
   void on_failure(const FailureReport& report);
-  // The end of the waits-for chain that starts at `peer`, and the chain said ("0, which waits for 2").
+  // The end of the waits-for chain that starts at `peer`, and how the chain
+  // goes on from `peer` (", which waits for global rank 2"; "" when it does not).
   std::pair<int, std::string> end_of_wait_chain(int peer);
+  // Reports the end of the chain from `peer` as stuck; how the chain goes on,
+  // or nullopt when this rank did not report (a failure was known already).
+  std::optional<std::string> report_stuck(int peer, const std::string& what);
   void load_hosts();
 
   ProcessConfig config_;

@@ -166,17 +166,19 @@ struct StoreServer::State {
     send(c, net::Writer().u8(store_protocol::kOk).bytes());
   }
 
-  // Every complete frame in the client's buffer; a length over the bound closes it.
+  // Every complete frame in the client's buffer (consumed once at the end);
+  // a length over the bound closes the connection.
   void handle_frames(Client& c) {
-    while (c.inbuf.size() >= 4 && !c.dropped) {
+    size_t pos = 0;
+    while (c.inbuf.size() - pos >= 4 && !c.dropped) {
       uint32_t len;
-      std::memcpy(&len, c.inbuf.data(), 4);
+      std::memcpy(&len, c.inbuf.data() + pos, 4);
       if (len > (c.nonce.empty() ? net::kMaxFrame : kMaxUnauthenticatedFrame)) {
         return refuse(c, str_cat("a frame of ", len, " bytes, over the bound"));
       }
-      if (c.inbuf.size() < 4 + static_cast<size_t>(len)) break;
-      const std::string frame = c.inbuf.substr(4, len);
-      c.inbuf.erase(0, 4 + static_cast<size_t>(len));
+      if (c.inbuf.size() - pos < 4 + static_cast<size_t>(len)) break;
+      const std::string frame = c.inbuf.substr(pos + 4, len);
+      pos += 4 + static_cast<size_t>(len);
       try {
         if (!c.nonce.empty()) authenticate(c, frame);
         else handle(c, frame);
@@ -184,6 +186,7 @@ struct StoreServer::State {
         send(c, net::Writer().u8(store_protocol::kError).bytes());
       }
     }
+    c.inbuf.erase(0, pos);
   }
 
   // Handles one request frame from `c`. Caller holds mutex.

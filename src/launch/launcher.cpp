@@ -370,9 +370,10 @@ class RemoteFailures {
  public:
   void record(const comm::FailureReport& r) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const bool stuck = r.reason.rfind("stuck: ", 0) == 0;
+    const bool stuck = r.reason.rfind(comm::kStuckReport, 0) == 0;
     const std::string rank = r.label.substr(r.label.find('/') + 1);  // "r2", "node1"
-    const std::string what = stuck ? str_cat("rank ", rank.substr(1), " stopped making progress (", r.reason.substr(7), ")")
+    const std::string what = stuck ? str_cat("rank ", rank.substr(1), " stopped making progress (",
+                                             r.reason.substr(sizeof comm::kStuckReport - 1), ")")
                                    : str_cat("a failure was reported for ", r.label, ": ", r.reason);
     if (stuck && stuck_.empty()) stuck_ = what;
     if (seen_) return;

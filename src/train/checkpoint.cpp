@@ -210,13 +210,14 @@ SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState&
   return stats;
 }
 
-std::vector<std::string> complete_checkpoints(const std::string& dir) {
+// The step directories of `dir` (step-NNNNNNNN) with a manifest (committed) or without, newest first.
+static std::vector<std::string> step_directories(const std::string& dir, bool committed) {
   std::vector<std::string> steps;
   if (DIR* d = opendir(dir.c_str())) {
     while (dirent* e = readdir(d)) {
-      const std::string name = e->d_name;
-      if (name.size() == 13 && name.rfind("step-", 0) == 0 && files::exists(dir + "/" + name + "/manifest.json"))
-        steps.push_back(dir + "/" + name);
+      const std::string name = e->d_name, path = dir + "/" + name;
+      if (name.size() == 13 && name.rfind("step-", 0) == 0 && files::exists(path + "/manifest.json") == committed)
+        steps.push_back(path);
     }
     closedir(d);
   }
@@ -224,19 +225,9 @@ std::vector<std::string> complete_checkpoints(const std::string& dir) {
   return steps;
 }
 
-// The step directories of `dir` without a manifest.
-static std::vector<std::string> uncommitted_steps(const std::string& dir) {
-  std::vector<std::string> found;
-  if (DIR* d = opendir(dir.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string path = dir + "/" + e->d_name;
-      const bool step_dir = std::strlen(e->d_name) == 13 && std::strncmp(e->d_name, "step-", 5) == 0;
-      if (step_dir && !files::exists(path + "/manifest.json")) found.push_back(path);
-    }
-    closedir(d);
-  }
-  return found;
-}
+std::vector<std::string> complete_checkpoints(const std::string& dir) { return step_directories(dir, true); }
+
+static std::vector<std::string> uncommitted_steps(const std::string& dir) { return step_directories(dir, false); }
 
 std::vector<std::string> remove_unfinished_saves(const std::string& dir) {
   const std::vector<std::string> found = uncommitted_steps(dir);

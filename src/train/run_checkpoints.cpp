@@ -36,10 +36,6 @@ void restore_rng_state(CheckpointReader& reader, const comm::Communicator& world
   if (state.defined()) set_cpu_rng_state(state);
 }
 
-}  // namespace
-
-namespace {
-
 // A checkpoint saved from another model or optimizer is refused, unless
 // --allow-config-change (then the differences are said).
 void check_saved_config(const TrainConfig& c, const std::string& step_dir, bool chief) {
@@ -69,12 +65,10 @@ std::unique_ptr<CheckpointReader> newest_intact(const TrainConfig& c, std::vecto
   throw ConfigError(str_cat("--resume-fallback: no intact checkpoint in ", c.save_dir));
 }
 
-}  // namespace
-
 // The checkpoint to resume from: the one `latest` names (nullptr when the
 // directory has no checkpoint yet). A missing or unreadable `latest` or a
 // corrupt newest checkpoint is refused, naming it, unless --resume-fallback.
-static std::unique_ptr<CheckpointReader> checkpoint_to_resume(const TrainConfig& c, bool chief) {
+std::unique_ptr<CheckpointReader> checkpoint_to_resume(const TrainConfig& c, bool chief) {
   std::vector<std::string> candidates = complete_checkpoints(c.save_dir);
   std::string latest, latest_problem;
   try {
@@ -101,6 +95,8 @@ static std::unique_ptr<CheckpointReader> checkpoint_to_resume(const TrainConfig&
                               "checkpoint"));
   }
 }
+
+}  // namespace
 
 Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Communicator& world, bool verbose) {
   Resumed r;

@@ -106,6 +106,9 @@ struct FailureReport {
   std::string label;
   std::string reason;
 };
+// The reason of a report that a rank stopped making progress (rather than
+// died) starts with this (Note [Naming a stuck rank] in src/comm/process.cpp).
+constexpr char kStuckReport[] = "stuck: ";
 
 // Watches the server for failures of labels starting with `prefix`, on its own
 // connection and thread, and calls `on_failure` for each (from that thread).

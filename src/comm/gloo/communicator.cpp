@@ -168,13 +168,9 @@ void GlooCommunicator::wait(Transfer& t) {
 void GlooCommunicator::throw_timeout(const Transfer& t) const {
   const std::string what = str_cat(where(t.op), ": no progress for ", options_.timeout.count(), " ms while ",
                                    t.is_recv ? "receiving from " : "sending to ", peer_name(t.peer));
-  const auto chain = process_->report_stuck(global_ranks_[t.peer], what);  // Note [Naming a stuck rank]
-  if (!chain) {  // another rank named the stuck one first: say that
-    const auto f = process_->failure();
-    if (f) throw PeerFailure(str_cat(where(t.op), ": ", Process::describe(*f)), Process::rank_of_label(f->label));
-  }
-  throw TimeoutError(str_cat(what, chain.value_or(""), "; that rank is stuck, or did not call ", t.op,
-                             " (every rank must call collectives in the same order)"));
+  process_->raise_stuck(global_ranks_[t.peer], where(t.op), what,  // Note [Naming a stuck rank]
+                        str_cat("that rank is stuck, or did not call ", t.op,
+                                " (every rank must call collectives in the same order)"));
 }
 
 void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::string& what) const {

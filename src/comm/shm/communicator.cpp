@@ -209,12 +209,7 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
                                                " (every rank must call collectives in the same order)");
       const std::string what = str_cat(where(op), ": no progress for ", options_.timeout.count(),
                                        " ms while waiting for ", waiting_for, " from ", peer_name(blame()));
-      const auto chain = process_->report_stuck(global_ranks_[blame()], what);  // Note [Naming a stuck rank]
-      if (!chain) {  // another rank named the stuck one first: say that
-        const auto f = process_->failure();
-        if (f) throw PeerFailure(str_cat(where(op), ": ", Process::describe(*f)), Process::rank_of_label(f->label));
-      }
-      throw TimeoutError(str_cat(what, chain.value_or(""), "; ", why));
+      process_->raise_stuck(global_ranks_[blame()], where(op), what, why);  // Note [Naming a stuck rank]
     }
   }
 }
