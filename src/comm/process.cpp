@@ -169,6 +169,12 @@ std::string Process::describe(const FailureReport& f) {
   return str_cat("global rank ", rank, " died (", f.reason, ")");
 }
 
+void Process::raise_failure(const std::string& where, const FailureReport& f) {
+  const std::string what = str_cat(where, ": ", describe(f));
+  if (f.reason.rfind(kStuckReport, 0) == 0) throw TimeoutError(what);
+  throw PeerFailure(what, rank_of_label(f.label));
+}
+
 void Process::note_waiting(int peer) {
   try {
     store_->set(config_.group + "/waiting/r" + std::to_string(config_.rank), peer < 0 ? "" : std::to_string(peer));
@@ -208,7 +214,7 @@ std::optional<std::string> Process::report_stuck(int peer, const std::string& wh
 void Process::raise_stuck(int peer, const std::string& where, const std::string& what, const std::string& hint) {
   const auto chain = report_stuck(peer, what);
   if (!chain) {  // another rank named the stuck one first: say that
-    if (const auto f = failure()) throw PeerFailure(str_cat(where, ": ", describe(*f)), rank_of_label(f->label));
+    if (const auto f = failure()) raise_failure(where, *f);
   }
   throw TimeoutError(str_cat(what, chain.value_or(""), "; ", hint));
 }

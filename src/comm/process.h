@@ -66,6 +66,9 @@ class Process {
   // (<what>)" for a rank reported stuck; the reason alone when the store's host
   // is what went away (no rank to name: "lost the connection to the rendezvous store ...").
   static std::string describe(const FailureReport& failure);
+  // The error for a failure this rank learned of while in `where`: TimeoutError
+  // for a rank reported stuck (it is alive), PeerFailure for a death.
+  [[noreturn]] static void raise_failure(const std::string& where, const FailureReport& failure);
   // This rank waited in vain for global rank `peer` (`what`: the operation,
   // starting with `where`). The store is told, once, so that every rank (and
   // meshrun) names the stuck rank, not the first rank to give up; then raises

@@ -176,19 +176,15 @@ void GlooCommunicator::throw_timeout(const Transfer& t) const {
 void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::string& what) const {
   // A peer died. The failure watcher usually names it within milliseconds;
   // wait briefly for it rather than guess.
-  if (auto f = process_->await_failure(std::chrono::seconds(2))) {
-    const int dead = Process::rank_of_label(f->label);
-    throw PeerFailure(str_cat(where(t.op), ": ", Process::describe(*f)), dead);
-  }
+  if (auto f = process_->await_failure(std::chrono::seconds(2))) Process::raise_failure(where(t.op), *f);
   throw PeerFailure(str_cat(where(t.op), ": the connection to ", peer_name(t.peer), " broke: ", what),
                     global_ranks_[t.peer]);
 }
 
 // The failure watcher aborted the wait: it knows which rank died.
 void GlooCommunicator::throw_aborted(const Transfer& t) const {
-  auto f = process_->failure();
-  const int dead = f ? Process::rank_of_label(f->label) : -1;
-  throw PeerFailure(str_cat(where(t.op), ": ", f ? Process::describe(*f) : str_cat("global rank ", dead, " died")), dead);
+  if (auto f = process_->failure()) Process::raise_failure(where(t.op), *f);
+  throw PeerFailure(str_cat(where(t.op), ": aborted, with no failure reported"), -1);
 }
 
 void GlooCommunicator::wait_all(std::vector<Transfer>& transfers) {

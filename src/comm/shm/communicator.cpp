@@ -199,10 +199,7 @@ void ShmCommunicator::wait_until(const std::function<bool()>& ready, const char*
       if (noted) process_->note_waiting(-1);
       return;
     }
-    if (auto f = process_->failure()) {
-      const int dead = Process::rank_of_label(f->label);
-      throw PeerFailure(str_cat(where(op), ": ", Process::describe(*f)), dead);
-    }
+    if (auto f = process_->failure()) Process::raise_failure(where(op), *f);
     if (Clock::now() >= deadline) {
       const std::string why = unless ? std::string(unless)
                                      : str_cat("that rank is stuck, or did not call ", op,

@@ -76,10 +76,7 @@ class SendWork : public Work {
     while (!op_->done && !op_->error) {
       comm_->sender_cv_.wait_for(lock, std::chrono::milliseconds(100));
       if (op_->done || op_->error) break;
-      if (auto f = comm_->process_->failure()) {
-        const int dead = Process::rank_of_label(f->label);
-        throw PeerFailure(str_cat(comm_->where("send"), ": ", Process::describe(*f)), dead);
-      }
+      if (auto f = comm_->process_->failure()) Process::raise_failure(comm_->where("send"), *f);
       if (std::chrono::steady_clock::now() > deadline) {
         throw TimeoutError(str_cat(comm_->where("send"), ": no progress for ", comm_->options_.timeout.count(),
                                    " ms sending to ", comm_->peer_name(op_->dst),
