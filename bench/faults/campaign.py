@@ -19,6 +19,8 @@ Faults:
   restart       SIGKILL of a random rank under --max-restarts 1 --resume (--save-every 2)
   disk-full     checkpoints every step into a small tmpfs (2-6 MB) until it is full: the save fails
                 on every rank with a clear error, `latest` names an intact checkpoint, no .tmp left
+  elastic       two meshrun nodes under --nnodes 1:2; node 1 killed, node 0 goes on alone, node 1 comes
+                back and the job grows back (trial_elastic says what is measured)
 A trial that hangs (no exit within 60 s) is reported as such: it is a bug.
 """
 import json, os, random, re, signal, socket, statistics, subprocess, sys, tempfile, threading, time
@@ -29,6 +31,8 @@ GPT = ["--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4", "--v
 LAYOUTS = [["--dp", "2", "--pp", "2"], ["--dp", "2", "--tp", "2"]]
 HANG = 60
 RESTART_STEPS = 400
+ELASTIC_STEPS = 120
+ELASTIC_GPT = GPT + ["--lr", "2e-3", "--steps", str(ELASTIC_STEPS)]  # the last --lr wins
 
 
 def free_port():
@@ -264,6 +268,66 @@ def trial_restart(layout, shm_before, workdir, reference):
                 leftovers=len(shm_segments() - shm_before) + len(temp_files(ckpt)), resumed=equal)
 
 
+def progress_losses(text):
+    """step -> loss from the progress lines ("step   5/400 | loss   3.8348 | ..."), the last line of each step."""
+    out = {}
+    for m in re.finditer(r"\bstep\s+(\d+)/\d+ \| loss\s+([-\d.]+)", text):
+        out[int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def trial_elastic(layout, shm_before, workdir, reference):
+    """Two meshrun nodes of 2 ranks under --nnodes 1:2; node 1 (meshrun and ranks) is killed at a random moment,
+    node 0 continues alone on the planner's layout from the last checkpoint, node 1 is started again and the
+    job grows back at the next checkpoint. Detection: the fault to node 0's round without node 1 (training
+    goes on). Resumed equal: every step's loss (the last round's from its metrics, relative 1e-4; earlier rounds'
+    from the progress lines, 4 decimals, within 2e-4) equals the uninterrupted one-process run's, and the job
+    ended on both nodes. The layouts differ (4 ranks, 2, 4): equal up to float reassociation, which at --lr 2e-3
+    stays below 2e-5 relative over these steps between uninterrupted layouts (at the other faults' 1e-2 the
+    tiny GPT's loss spikes amplify it to 25% after 80 steps, whatever the layouts)."""
+    port = free_port()
+    ckpt, metrics = os.path.join(workdir, "ckpt"), os.path.join(workdir, "m.json")
+    env = dict(os.environ, MESHTRAIN_RDZV_TOKEN="0123456789abcdef0123456789abcdef")
+    def node(rank):
+        return Job([os.path.join(BIN, "meshrun"), "--nnodes", "1:2", "--nproc-per-node", "2", "--master-port", str(port),
+                    "--grace-seconds", "1", "--rdzv-last-call", "5", "--rdzv-timeout", "60", "--max-restarts", "1",
+                    "--node-rank", str(rank), "--", os.path.join(BIN, "meshtrain")] + ELASTIC_GPT + layout +
+                   ["--save-dir", ckpt, "--save-every", "2", "--resume", "--metrics-out", metrics], env=env)
+    node1, node0 = node(1), node(0)
+    wait_for_ranks(port, 4)
+    time.sleep(random.uniform(0.2, 1.5))
+    if node1.proc.poll() is not None:  # the run ended first: no fault injected
+        node0.wait()
+        return None
+    t_fault = time.time()
+    os.killpg(node1.proc.pid, signal.SIGKILL)
+    node1.wait()
+    deadline = time.time() + HANG
+    while not node0.first_line(r"meshrun: round 1:")[0] and node0.proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    t_alone, alone_line = node0.first_line(r"meshrun: round 1:")
+    back = node(1)
+    finished = node0.wait(timeout=120) and back.wait(timeout=30)
+    text = node0.text()
+    grew = "(node 1 joined)" in text
+    equal = False
+    if finished and node0.proc.returncode == 0 and os.path.exists(metrics) and grew:
+        m = json.load(open(metrics))
+        first = m["first_step"]
+        last_round = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(m["losses"], reference[first:]))
+        printed = progress_losses(text)
+        earlier = all(abs(printed[s] - reference[s - 1]) <= 2e-4 for s in printed)
+        equal = last_round and earlier and len(printed) == ELASTIC_STEPS
+        if not equal:
+            print("elastic: first step", first, "last round equal", last_round, "printed equal", earlier,
+                  "printed steps", len(printed), flush=True)
+    orphans = len(job_processes(port))
+    return dict(hang=not finished, detection=(t_alone - t_fault) if t_alone else None,
+                named=bool(alone_line) and "(without node 1)" in alone_line, orphans=orphans,
+                leftovers=len(shm_segments() - shm_before) + len(temp_files(ckpt)), resumed=equal,
+                said=None if equal else [line for _, line in node0.lines if line.startswith("meshrun")][-8:])
+
+
 def summary(name, results):
     det = [r["detection"] for r in results if r["detection"] is not None]
     row = {"fault": name, "trials": len(results), "hangs": sum(r["hang"] for r in results),
@@ -282,7 +346,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     random.seed(int(os.environ.get("SEED", "1")))
     shm_before = shm_segments()
-    faults = os.environ.get("FAULTS", "kill-rank,kill-in-save,stop-rank,kill-meshrun,kill-store,restart,disk-full").split(",")
+    faults = os.environ.get("FAULTS", "kill-rank,kill-in-save,stop-rank,kill-meshrun,kill-store,restart,disk-full,elastic").split(",")
     for fault in faults:
         results = []
         references = {}  # layout -> the uninterrupted run's losses
@@ -299,6 +363,16 @@ def main():
                                        capture_output=True)
                         references[key] = losses(ref)
                     r = trial_restart(layout, shm_before, workdir, references[key])
+                    if r is None:
+                        continue
+                elif fault == "elastic":
+                    key = " ".join(layout)
+                    if key not in references:
+                        ref = os.path.join(workdir, "ref.json")
+                        subprocess.run([os.path.join(BIN, "meshtrain")] + ELASTIC_GPT + ["--metrics-out", ref],
+                                       check=True, capture_output=True)
+                        references[key] = losses(ref)
+                    r = trial_elastic(layout, shm_before, workdir, references[key])
                     if r is None:
                         continue
                 elif fault == "disk-full":

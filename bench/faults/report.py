@@ -7,7 +7,7 @@ from report import publish, report_args  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from campaign import summary  # noqa: E402
 
-ORDER = ["kill-rank", "kill-in-save", "stop-rank", "kill-meshrun", "kill-store", "restart", "disk-full"]
+ORDER = ["kill-rank", "kill-in-save", "stop-rank", "kill-meshrun", "kill-store", "restart", "disk-full", "elastic"]
 
 
 def main():
@@ -22,7 +22,11 @@ def main():
          "meshrun exited. Leftovers = /dev/shm segments and checkpoint .tmp files left. Restart: --max-restarts 1 "
          "--resume, the losses after the restart equal the uninterrupted run's. Disk full: checkpoints every step into a "
          "2-6 MB tmpfs; named = every rank's error says the save failed (No space left) and `latest` names a "
-         "checkpoint that loads whole (checked with tools/checkpoint_to_torch.py).", "",
+         "checkpoint that loads whole (checked with tools/checkpoint_to_torch.py). Elastic: two meshrun nodes of 2 ranks "
+         "under --nnodes 1:2, node 1 killed at a random moment; detection = until node 0 trains on alone (its next "
+         "round closed without node 1; named = that line says so); node 1 is then started again and the job grows "
+         "back at the next checkpoint; resumed equal = every step's loss equals the uninterrupted one-process run's "
+         "(the last round relative 1e-5, earlier rounds' progress lines to 4 decimals) and the job ended on both nodes.", "",
          "| fault | trials | hangs | detection min / median / max (s) | named | orphans | leftovers | resumed equal |",
          "|---|---|---|---|---|---|---|---|"]
     for r in rows:

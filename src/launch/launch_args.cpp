@@ -38,9 +38,16 @@ flags::Parser launch_parser(LaunchOptions& o, bool& standalone) {
       field = std::chrono::seconds(s);
     };
   };
+  auto nnodes = [&o](const std::string& f, const std::string& v) {
+    const auto colon = v.find(':');
+    o.elastic = colon != std::string::npos;
+    o.nnodes = flags::to_integer<int>(f, v.substr(o.elastic ? colon + 1 : 0));
+    o.min_nodes = o.elastic ? flags::to_integer<int>(f, v.substr(0, colon)) : o.nnodes;
+  };
   std::vector<flags::Group> groups = {
       {"", {Flag{"--nproc-per-node", "N|auto", "ranks on this node (auto: one per core; default 1)", nproc},
-            store("--nnodes", "M", "nodes in the job (default 1)", o.nnodes),
+            Flag{"--nnodes", "M|MIN:MAX", "nodes in the job (default 1); MIN:MAX: elastic, goes on with at least MIN "
+                 "and takes nodes back up to MAX", nnodes},
             store("--node-rank", "R", "this node's index, 0 hosts the store (default 0)", o.node_rank),
             store("--master-addr", "ADDR", "node 0's address (default 127.0.0.1)", o.master_addr),
             store("--master-port", "PORT|0", "the store's port (default 29500; 0: a free one, one node only)",
@@ -52,6 +59,8 @@ flags::Parser launch_parser(LaunchOptions& o, bool& standalone) {
                   "per job on one node)", o.rdzv_token_file),
             Flag{"--rdzv-timeout", "S", "how long nodes wait for each other (default 300 s)",
                  seconds(o.rendezvous_timeout, 1)},
+            Flag{"--rdzv-last-call", "S", "elastic: how long node 0 waits for more nodes once MIN are there "
+                 "(default 10 s)", seconds(o.last_call, 0)},
             store("--max-restarts", "K", "restart the whole group up to K times after a failure (default 0)",
                   o.max_restarts),
             Flag{"--grace-seconds", "S", "SIGTERM to SIGKILL when stopping ranks (default 5)", seconds(o.grace, 0)},
@@ -94,6 +103,10 @@ static void check_launch_options(LaunchOptions& o, bool standalone) {
   MESHTRAIN_CHECK(!o.command.empty(), "meshrun: no program given; put it after '--'\n", launch_usage());
   MESHTRAIN_CHECK(o.nproc_per_node >= 1, "meshrun: --nproc-per-node ", o.nproc_per_node, " must be at least 1");
   MESHTRAIN_CHECK(o.nnodes >= 1, "meshrun: --nnodes ", o.nnodes, " must be at least 1");
+  MESHTRAIN_CHECK(o.min_nodes >= 1 && o.min_nodes <= o.nnodes, "meshrun: --nnodes ", o.min_nodes, ":", o.nnodes,
+                  " needs 1 <= MIN <= MAX");
+  MESHTRAIN_CHECK(!o.elastic || o.master_port != 0, "meshrun: an elastic job (--nnodes MIN:MAX) needs a "
+                  "--master-port every node is given");
   MESHTRAIN_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, "meshrun: --node-rank ", o.node_rank,
                   " must be in [0, --nnodes ", o.nnodes, ")");
   MESHTRAIN_CHECK(o.master_port >= 0 && o.master_port <= 65535, "meshrun: --master-port ", o.master_port,

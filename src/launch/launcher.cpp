@@ -21,7 +21,9 @@
 #include <memory>
 #include <thread>
 
+#include "elastic_rendezvous.h"
 #include "meshtrain/comm/store.h"
+#include "meshtrain/launch/elastic.h"
 #include "meshtrain/util/error.h"
 
 extern char** environ;
@@ -356,6 +358,7 @@ void await_count(comm::TcpStore& store, const std::string& key, int target, std:
 struct Outcome {
   bool ok = false;
   bool interrupted = false;
+  bool regroup = false;  // the ranks stopped at a checkpoint to take a waiting node in
   std::string failure;  // who failed first and how
   int64_t detected_ns = 0;  // wall clock when the failure was seen (for the next attempt's report)
 };
@@ -374,8 +377,13 @@ class RemoteFailures {
     const std::string rank = r.label.substr(r.label.find('/') + 1);  // "r2", "node1"
     const std::string what = stuck ? str_cat("rank ", rank.substr(1), " stopped making progress (",
                                              r.reason.substr(sizeof comm::kStuckReport - 1), ")")
-                                   : str_cat("a failure was reported for ", r.label, ": ", r.reason);
+                             : rank.rfind("node", 0) == 0 ? str_cat("node ", rank.substr(4), ": ", r.reason)
+                                                          : str_cat("a failure was reported for ", r.label, ": ", r.reason);
     if (stuck && stuck_.empty()) stuck_ = what;
+    if (!stuck && rank[0] == 'r' && died_.empty()) {
+      died_rank_ = std::atoi(rank.c_str() + 1);
+      died_ = str_cat("rank ", died_rank_, " died (", r.reason, ")");
+    }
     if (seen_) return;
     reason_ = what;
     seen_ = true;
@@ -390,11 +398,17 @@ class RemoteFailures {
     std::lock_guard<std::mutex> lock(mutex_);
     return stuck_;
   }
+  // "rank 2 died (...)" when the store saw a rank other than `rank` die, else "".
+  std::string died_other_than(int rank) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return died_rank_ == rank ? "" : died_;
+  }
 
  private:
   std::atomic<bool> seen_{false};
   mutable std::mutex mutex_;
-  std::string reason_, stuck_;
+  std::string reason_, stuck_, died_;
+  int died_rank_ = -1;
 };
 
 // The failure to name: the rank reported stuck first, when there is one (the
@@ -405,19 +419,30 @@ std::string blame(const std::string& failure, const RemoteFailures& remote) {
   return stuck + "; first to exit: " + failure;
 }
 
+// A rank's exit that is not a failure: code 0, or (elastic) stopped at a
+// checkpoint for a regroup (Note [Elastic rendezvous]).
+bool succeeded(const LaunchOptions& o, int status) {
+  return WIFEXITED(status) && (WEXITSTATUS(status) == 0 || (o.elastic && WEXITSTATUS(status) == kRegroupExitCode));
+}
+
 // The local rank that failed, described; "" if none. A rank killed by a
 // signal comes before ranks that exited with an error: they are usually the
 // survivors saying so, reaped in the same sweep (a rank's death reaches the
-// others through the store within milliseconds).
-std::string local_failure(const LaunchOptions& o, const std::vector<std::unique_ptr<RankProcess>>& ranks) {
+// others through the store within milliseconds). For the same reason a rank
+// of another node that the store saw die comes before a local error exit.
+std::string local_failure(const LaunchOptions& o, const std::vector<std::unique_ptr<RankProcess>>& ranks,
+                          const RemoteFailures& remote) {
   const RankProcess* failed = nullptr;
   for (const auto& r : ranks) {
-    if (!r->exited || (WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0)) continue;
+    if (!r->exited || succeeded(o, r->status)) continue;
     if (!failed || (WIFSIGNALED(r->status) && !WIFSIGNALED(failed->status))) failed = r.get();
   }
   if (!failed) return "";
-  return str_cat("rank ", failed->rank, " (node ", o.node_rank, ", local rank ",
-                 failed->rank - o.node_rank * o.nproc_per_node, ") failed with ", describe_status(failed->status));
+  const std::string local = str_cat("rank ", failed->rank, " (node ", o.node_rank, ", local rank ",
+                                    failed->rank - o.node_rank * o.nproc_per_node, ") failed with ",
+                                    describe_status(failed->status));
+  const std::string died = WIFSIGNALED(failed->status) ? "" : remote.died_other_than(failed->rank);
+  return died.empty() ? local : died + "; first to exit here: " + local;
 }
 
 // Watches the local ranks until they all exit (ok), one fails, another node
@@ -434,7 +459,7 @@ Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, co
       outcome.interrupted = true;
       return outcome;
     }
-    outcome.failure = local_failure(o, ranks);
+    outcome.failure = local_failure(o, ranks, remote);
     if (outcome.failure.empty() && remote.seen()) {
       // A rank of this node that dies is reported by its store connection as
       // well, often before its exit is reaped: wait a moment for its exit
@@ -458,6 +483,7 @@ Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, co
   }
   drain(ranks);
   outcome.ok = true;
+  for (const auto& r : ranks) outcome.regroup = outcome.regroup || (WIFEXITED(r->status) && WEXITSTATUS(r->status) == kRegroupExitCode);
   return outcome;
 }
 
@@ -468,7 +494,9 @@ Outcome wait_for_every_node(const LaunchOptions& o, const std::string& gen, comm
   store.add(gen + "/nodes_done", 1);
   const auto deadline = Clock::now() + std::chrono::hours(24 * 365);
   while (store.add(gen + "/nodes_done", 0) < o.nnodes) {
-    if (remote.seen()) {
+    // A node that saw every node done leaves at once: its meshrun's exit is
+    // not a failure once the count is complete.
+    if (remote.seen() && store.add(gen + "/nodes_done", 0) < o.nnodes) {
       outcome.failure = remote.describe();
       return outcome;
     }
@@ -494,13 +522,33 @@ void leave_together(const LaunchOptions& o, const std::string& gen, comm::TcpSto
   }
 }
 
-// Runs one generation of the group on this node.
+// In an elastic round, the other members' meshruns: when one dies (its
+// store connection closes, Note [Elastic rendezvous]) the round has failed,
+// even if that node's ranks died before they could be missed (in start-up).
+std::unique_ptr<comm::FailureWatcher> watch_members(const LaunchOptions& o, int store_port, const std::string& gen,
+                                                    const std::vector<NodeEntry>& members, RemoteFailures& remote) {
+  return std::make_unique<comm::FailureWatcher>(
+      o.master_addr, store_port, "agent/", o.rendezvous_timeout,
+      [&remote, members, gen](const comm::FailureReport& r) {
+        const int incarnation = std::atoi(r.label.c_str() + sizeof "agent/" - 1);
+        for (const NodeEntry& m : members) {
+          if (m.incarnation == incarnation) {
+            remote.record({str_cat(gen, "/node", m.node), "its meshrun is gone (killed, or its machine went down)"});
+          }
+        }
+      },
+      o.rdzv_token);
+}
+
+// Runs one generation of the group on this node (`members`: of an elastic round, else null).
 Outcome run_generation(const LaunchOptions& o, int generation, int store_port, comm::TcpStore& store,
-                       const std::map<std::string, std::string>& base_env) {
+                       const std::map<std::string, std::string>& base_env,
+                       const std::vector<NodeEntry>* members = nullptr) {
   const std::string gen = "g" + std::to_string(generation);
   RemoteFailures remote;
   comm::FailureWatcher watcher(o.master_addr, store_port, gen + "/", o.rendezvous_timeout,
                                [&](const comm::FailureReport& r) { remote.record(r); }, o.rdzv_token);
+  const auto members_watcher = members ? watch_members(o, store_port, gen, *members, remote) : nullptr;
   std::vector<std::unique_ptr<RankProcess>> ranks;
   const int cores = node_cores();
   for (int local = 0; local < o.nproc_per_node; ++local) {
@@ -508,16 +556,133 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
     ranks.push_back(spawn(o.node_rank * o.nproc_per_node + local, o.command, env, o.prefix_output));
   }
   Outcome outcome = supervise_local_ranks(o, gen, store, ranks, remote);
+  if (outcome.regroup) {
+    outcome.ok = false;
+    return outcome;
+  }
   if (outcome.ok) outcome = wait_for_every_node(o, gen, store, remote);
   watcher.stop();
+  if (members_watcher) members_watcher->stop();
   if (outcome.ok) leave_together(o, gen, store);
   return outcome;
+}
+
+// What every generation of the job on this node shares.
+struct Agent {
+  LaunchOptions o;
+  int port = 0;  // the store's
+  comm::TcpStore* store = nullptr;
+  std::map<std::string, std::string> base_env;
+};
+
+// After a failure, the next attempt reports how long after it it was training again.
+void remember_failure_time(Agent& a, const Outcome& outcome) {
+  a.base_env["MESHTRAIN_FAILURE_TIME_NS"] = std::to_string(outcome.detected_ns ? outcome.detected_ns : wall_ns());
+}
+
+// A job of a fixed number of nodes: every attempt waits for all of them.
+int run_fixed(Agent& a) {
+  const LaunchOptions& o = a.o;
+  comm::TcpStore& store = *a.store;
+  Clock::time_point failed_at{};
+  for (int generation = 0;; ++generation) {
+    const std::string gen = "g" + std::to_string(generation);
+    store.add(gen + "/nodes_joined", 1);
+    try {
+      await_count(store, gen + "/nodes_joined", o.nnodes, o.rendezvous_timeout, "the other nodes");
+    } catch (const std::runtime_error& e) {
+      if (g_signal) return 128 + g_signal;
+      say(e.what());
+      return 1;
+    }
+    if (generation > 0) {
+      const double s = std::chrono::duration<double>(Clock::now() - failed_at).count();
+      inform(str_cat("group restarted (attempt ", generation + 1, "), ", s, " s after the failure was detected"));
+    }
+    const Outcome outcome = run_generation(o, generation, a.port, store, a.base_env);
+    if (outcome.ok) return 0;
+    if (outcome.interrupted) return 128 + (g_signal ? g_signal : SIGTERM);
+    failed_at = Clock::now();
+    remember_failure_time(a, outcome);
+    // Every node stops its ranks before anyone restarts.
+    store.add(gen + "/nodes_stopped", 1);
+    try {
+      await_count(store, gen + "/nodes_stopped", o.nnodes, o.rendezvous_timeout, "the other nodes to stop");
+    } catch (const std::exception& e) {
+      say(e.what());
+    }
+    if (generation >= o.max_restarts) {
+      say(str_cat("failed: ", outcome.failure, o.max_restarts > 0 ? str_cat(" (after ", o.max_restarts, " restarts)") : ""));
+      return 1;
+    }
+    say(str_cat("restarting the whole group (restart ", generation + 1, " of ", o.max_restarts, ")"));
+  }
+}
+
+// This node's options and ranks' environment in an elastic round: its group
+// rank among the members, and where its ranks look for a waiting node.
+std::pair<LaunchOptions, std::map<std::string, std::string>> round_setup(const Agent& a,
+                                                                         const ElasticRendezvous::Round& round) {
+  LaunchOptions ro = a.o;
+  ro.nnodes = static_cast<int>(round.members.size());
+  ro.node_rank = round.group_rank;
+  std::map<std::string, std::string> env = a.base_env;
+  env[kElasticVariable] = "1";
+  if (ro.nnodes < a.o.nnodes) env[kRegroupKeyVariable] = round_joined_key(round.round + 1);
+  return {ro, env};
+}
+
+// meshrun --nnodes MIN:MAX (Note [Elastic rendezvous]): rounds of the nodes
+// alive, until the job ends, fails more than --max-restarts times, or has
+// fewer than MIN nodes.
+int run_elastic(Agent& a) {
+  ElasticRendezvous rdzv(a.o, *a.store, inform, [] { return g_signal != 0; });
+  int next = rdzv.current_round(), failures = 0;
+  while (true) {
+    ElasticRendezvous::Round round;
+    try {
+      round = rdzv.join(next);
+    } catch (const ConfigError& e) {
+      say(e.what());
+      return 1;
+    } catch (const std::exception& e) {
+      if (g_signal) return 128 + g_signal;
+      if (std::string(e.what()) != "finished") {
+        say(str_cat("rendezvous failed: ", e.what(), a.o.node_rank == 0 ? "" : "; node 0 hosts the store: an elastic "
+                    "job goes on without any other node, not without node 0"));
+        return 1;
+      }
+      inform("the job finished before this node could join");
+      return 0;
+    }
+    const auto setup = round_setup(a, round);
+    const Outcome outcome = run_generation(setup.first, round.round, a.port, *a.store, setup.second, &round.members);
+    next = round.round + 1;
+    if (outcome.ok) {
+      if (a.o.node_rank == 0) rdzv.finish();
+      return 0;
+    }
+    if (outcome.interrupted) return 128 + (g_signal ? g_signal : SIGTERM);
+    if (outcome.regroup) {
+      inform(str_cat("the ranks stopped at a checkpoint to take a waiting node in; joining round ", next));
+      a.base_env.erase("MESHTRAIN_FAILURE_TIME_NS");  // the next round does not follow a failure
+      continue;
+    }
+    remember_failure_time(a, outcome);
+    if (++failures > a.o.max_restarts) {
+      say(str_cat("failed: ", outcome.failure, a.o.max_restarts > 0 ? str_cat(" (after ", a.o.max_restarts, " restarts)") : ""));
+      return 1;
+    }
+    say(str_cat("continuing with the nodes that are left (restart ", failures, " of ", a.o.max_restarts, ")"));
+  }
 }
 
 }  // namespace
 
 int run_launcher(const LaunchOptions& options) {
-  LaunchOptions o = options;
+  Agent a;
+  a.o = options;
+  LaunchOptions& o = a.o;
   g_quiet = o.quiet;
   const std::string token_warning = resolve_rdzv_token(o);
   if (!token_warning.empty()) say(token_warning);
@@ -536,54 +701,24 @@ int run_launcher(const LaunchOptions& options) {
     ~ForgetGuard() { g_guard = nullptr; }
   } forget_guard;
   std::unique_ptr<comm::StoreServer> server;
-  int port = o.master_port;
+  a.port = o.master_port;
   if (o.node_rank == 0) {
     server.reset(new comm::StoreServer(o.master_addr, o.master_port, o.rdzv_token));
-    port = server->port();
+    a.port = server->port();
   }
-  comm::TcpStore store(o.master_addr, port, o.rendezvous_timeout, o.rdzv_token);
-  auto base_env = process_environment();
+  comm::TcpStore store(o.master_addr, a.port, o.rendezvous_timeout, o.rdzv_token);
+  a.store = &store;
+  a.base_env = process_environment();
   g_job_tag = std::to_string(getpid()) + "-" + comm::generate_rdzv_token().substr(0, 16);
-  base_env["MESHTRAIN_JOB_TAG"] = g_job_tag;
+  a.base_env["MESHTRAIN_JOB_TAG"] = g_job_tag;
   guard.watch_tag(g_job_tag);
   if (o.node_rank == 0) {
-    inform(str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ", o.nnodes,
-                " nodes); store at ", o.master_addr, ":", port));
+    inform(o.elastic ? str_cat("elastic job: ", o.nproc_per_node, " ranks per node on ", o.min_nodes, " to ", o.nnodes,
+                               " nodes; store at ", o.master_addr, ":", a.port)
+                     : str_cat("starting ", o.nnodes * o.nproc_per_node, " ranks (", o.nproc_per_node, " per node x ",
+                               o.nnodes, " nodes); store at ", o.master_addr, ":", a.port));
   }
-  Clock::time_point failed_at{};
-  for (int generation = 0;; ++generation) {
-    const std::string gen = "g" + std::to_string(generation);
-    store.add(gen + "/nodes_joined", 1);
-    try {
-      await_count(store, gen + "/nodes_joined", o.nnodes, o.rendezvous_timeout, "the other nodes");
-    } catch (const std::runtime_error& e) {
-      if (g_signal) return 128 + g_signal;
-      say(e.what());
-      return 1;
-    }
-    if (generation > 0) {
-      const double s = std::chrono::duration<double>(Clock::now() - failed_at).count();
-      inform(str_cat("group restarted (attempt ", generation + 1, "), ", s, " s after the failure was detected"));
-    }
-    const Outcome outcome = run_generation(o, generation, port, store, base_env);
-    if (outcome.ok) return 0;
-    if (outcome.interrupted) return 128 + (g_signal ? g_signal : SIGTERM);
-    failed_at = Clock::now();
-    // The next attempt reports how long after the failure it was training again.
-    base_env["MESHTRAIN_FAILURE_TIME_NS"] = std::to_string(outcome.detected_ns ? outcome.detected_ns : wall_ns());
-    // Every node stops its ranks before anyone restarts.
-    store.add(gen + "/nodes_stopped", 1);
-    try {
-      await_count(store, gen + "/nodes_stopped", o.nnodes, o.rendezvous_timeout, "the other nodes to stop");
-    } catch (const std::exception& e) {
-      say(e.what());
-    }
-    if (generation >= o.max_restarts) {
-      say(str_cat("failed: ", outcome.failure, o.max_restarts > 0 ? str_cat(" (after ", o.max_restarts, " restarts)") : ""));
-      return 1;
-    }
-    say(str_cat("restarting the whole group (restart ", generation + 1, " of ", o.max_restarts, ")"));
-  }
+  return o.elastic ? run_elastic(a) : run_fixed(a);
 }
 
 }  // namespace launch

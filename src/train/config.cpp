@@ -57,7 +57,9 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
         store("--microbatches", "M", "pipeline micro-batches (default: derived)", c.microbatches),
         store("--virtual-stages", "V", "model chunks per pipeline rank (interleaved; default 1)", c.virtual_stages),
         Flag{"--stage-boundaries", "B1,B2,...", "first piece of each later stage (default: balanced)", boundaries},
-        turn("--sequence-parallel", "shard layer norms' activations along the sequence over tp", c.sequence_parallel)}},
+        turn("--sequence-parallel", "shard layer norms' activations along the sequence over tp", c.sequence_parallel),
+        store("--elastic-layouts", "W:dpAxppBxtpC,...", "under meshrun --nnodes MIN:MAX, the layout of each world "
+              "size W (default: these flags' layout where it fits, else the planner's)", c.elastic_layouts)}},
   };
 }
 

@@ -25,8 +25,36 @@ int64_t read_number(const std::string& path) {
   }
 }
 
-// What the planner needs to know of the configuration, on `devices` devices of `device_memory` bytes.
-plan::PlanInput plan_input(const TrainConfig& c, int devices, int64_t device_memory) {
+std::string gib(int64_t bytes) {
+  std::ostringstream out;
+  out.precision(bytes >= (int64_t{10} << 30) ? 0 : 2);
+  out << std::fixed << bytes / double(int64_t{1} << 30) << " GiB";
+  return out.str();
+}
+
+// What the planner recommends for `world` ranks sharing `available` bytes, said as flags.
+std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t available) {
+  try {
+    const plan::Plan p = plan::make_plan(planner_input(c, world, available / std::max(1, local_ranks)));
+    if (p.recommendation) {
+      const plan::Layout& l = p.recommendation->estimate.layout;
+      return str_cat("the planner suggests --dp ", l.dp, " --pp ", l.pp, " --tp ", l.tp, " --zero ", l.zero,
+                     " (about ", gib(p.recommendation->estimate.memory.total()), " per rank)");
+    }
+    if (p.smallest_cluster) {
+      return str_cat("no layout of ", world, world == 1 ? " rank" : " ranks", " fits; the planner's smallest fit is ",
+                     p.smallest_cluster->devices, " ranks with ", gib(available / std::max(1, local_ranks)),
+                     " each (meshtrain plan estimates every layout)");
+    }
+  } catch (const std::exception&) {  // the planner cannot model this configuration: no suggestion
+  }
+  return "try fewer ranks per machine, ZeRO-3 (--zero 3), activation checkpointing, or more machines "
+         "(meshtrain plan estimates each layout)";
+}
+
+}  // namespace
+
+plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_memory) {
   plan::PlanInput in;
   if (c.model.kind == "gpt") {
     in.gpt = plan::GptShape{c.model.layers, c.model.hidden, c.model.heads, c.model.vocab, c.model.seq_len,
@@ -46,34 +74,15 @@ plan::PlanInput plan_input(const TrainConfig& c, int devices, int64_t device_mem
   return in;
 }
 
-std::string gib(int64_t bytes) {
-  std::ostringstream out;
-  out.precision(bytes >= (int64_t{10} << 30) ? 0 : 2);
-  out << std::fixed << bytes / double(int64_t{1} << 30) << " GiB";
-  return out.str();
-}
-
-// What the planner recommends for `world` ranks sharing `available` bytes, said as flags.
-std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t available) {
-  try {
-    const plan::Plan p = plan::make_plan(plan_input(c, world, available / std::max(1, local_ranks)));
-    if (p.recommendation) {
-      const plan::Layout& l = p.recommendation->estimate.layout;
-      return str_cat("the planner suggests --dp ", l.dp, " --pp ", l.pp, " --tp ", l.tp, " --zero ", l.zero,
-                     " (about ", gib(p.recommendation->estimate.memory.total()), " per rank)");
-    }
-    if (p.smallest_cluster) {
-      return str_cat("no layout of ", world, world == 1 ? " rank" : " ranks", " fits; the planner's smallest fit is ",
-                     p.smallest_cluster->devices, " ranks with ", gib(available / std::max(1, local_ranks)),
-                     " each (meshtrain plan estimates every layout)");
-    }
-  } catch (const std::exception&) {  // the planner cannot model this configuration: no suggestion
+int64_t total_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemTotal:") return std::min(kib * 1024, read_number("/sys/fs/cgroup/memory.max"));
   }
-  return "try fewer ranks per machine, ZeRO-3 (--zero 3), activation checkpointing, or more machines "
-         "(meshtrain plan estimates each layout)";
+  return read_number("/sys/fs/cgroup/memory.max");
 }
-
-}  // namespace
 
 int64_t available_memory_bytes() {
   int64_t available = std::numeric_limits<int64_t>::max();
@@ -91,7 +100,7 @@ int64_t available_memory_bytes() {
 }
 
 int64_t estimated_rank_bytes(const TrainConfig& c) {
-  const plan::PlanInput in = plan_input(c, c.dp * c.pp * c.tp, std::numeric_limits<int64_t>::max() / 4);
+  const plan::PlanInput in = planner_input(c, c.dp * c.pp * c.tp, std::numeric_limits<int64_t>::max() / 4);
   if (in.gpt) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero}).memory.total();
   // The MLP: no shape the planner knows; its model state, shared by the stages and tp slices.
   const plan::Estimate e = plan::estimate_layout(in, plan::Layout{c.dp, 1, 1, c.zero});

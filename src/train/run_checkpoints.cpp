@@ -140,8 +140,8 @@ CheckpointSaver::~CheckpointSaver() {
   if (writer_.joinable()) writer_.join();  // an error was raised already, or will not be: do not terminate
 }
 
-void CheckpointSaver::after_step(int64_t step, Engine& engine) {
-  if (c_.save_dir.empty() || c_.save_every <= 0 || (step + 1) % c_.save_every != 0) return;
+bool CheckpointSaver::after_step(int64_t step, Engine& engine) {
+  if (c_.save_dir.empty() || c_.save_every <= 0 || (step + 1) % c_.save_every != 0) return false;
   const auto t0 = Clock::now();
   if (background_) wait_for_writer();  // one save at a time
   RankState state = engine.checkpoint_state();
@@ -155,7 +155,7 @@ void CheckpointSaver::after_step(int64_t step, Engine& engine) {
     if (verbose_ && metrics_->rank() == 0) {
       std::printf("checkpoint step %lld saved in %.3f s\n", static_cast<long long>(step + 1), s.seconds);
     }
-    return;
+    return true;
   }
   const RankState& snapshot = snapshot_.take(state);  // training may go on
   ++saves_;
@@ -174,6 +174,7 @@ void CheckpointSaver::after_step(int64_t step, Engine& engine) {
     std::printf("checkpoint step %lld: snapshot in %.3f s, writing in the background\n", static_cast<long long>(step + 1),
                 blocked);
   }
+  return true;
 }
 
 void CheckpointSaver::wait_for_writer() {

@@ -33,8 +33,8 @@ class CheckpointSaver {
  public:
   CheckpointSaver(const TrainConfig& c, comm::CommPtr metrics, bool verbose);
   ~CheckpointSaver();
-  // Called after step `step` (0-based) on every rank.
-  void after_step(int64_t step, Engine& engine);
+  // Called after step `step` (0-based) on every rank; whether it took a checkpoint.
+  bool after_step(int64_t step, Engine& engine);
   // Waits for a save still being written (call after the last step).
   void finish();
   // The metrics' "checkpoint" object (a collective over the metrics communicator).

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "meshtrain/train/elastic.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/util/error.h"
 #include "run_parts.h"
@@ -66,11 +67,14 @@ bool arm_test_kill(int64_t step) {
   const char* who = std::getenv("MESHTRAIN_TEST_KILL_RANK");
   const char* rank = std::getenv("RANK");
   if ((who ? std::atoi(who) : 1) != (rank ? std::atoi(rank) : 0)) return false;
-  std::thread([] {
+  // MESHTRAIN_TEST_KILL_TARGET=meshrun: the node's meshrun instead (a lost node).
+  const char* target = std::getenv("MESHTRAIN_TEST_KILL_TARGET");
+  const bool node = target && std::string(target) == "meshrun";
+  std::thread([node] {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    std::fprintf(stderr, "test hook: killing this rank (SIGKILL) in the middle of a step\n");
+    std::fprintf(stderr, "test hook: killing %s (SIGKILL) in the middle of a step\n", node ? "this node's meshrun" : "this rank");
     std::fflush(stderr);
-    kill(getpid(), SIGKILL);
+    kill(node ? getppid() : getpid(), SIGKILL);
   }).detach();
   return true;
 }
@@ -123,7 +127,16 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
       print_progress(c, step, result.losses.back(), result.grad_norms.back(), seconds,
                      std::chrono::duration<double>(Clock::now() - started).count(), step + 1 - resumed.first_step);
     }
-    saver.after_step(step, *engine);
+    const bool saved = saver.after_step(step, *engine);
+    if (saved && step + 1 < c.steps && regroup_requested(*metrics)) {
+      saver.finish();
+      if (chief && options.verbose) {
+        std::printf("a node is waiting to join: stopping after the checkpoint of step %lld for meshrun to regroup\n",
+                    static_cast<long long>(step + 1));
+      }
+      result.stopped_for_regroup = true;
+      return result;
+    }
   }
   saver.finish();
   const std::string checkpoint_json = saver.json(resumed);

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -262,6 +263,75 @@ TEST(Meshrun, RestartAfterACrashResumesFromTheLastCheckpoint) {
   ASSERT_EQ(b["losses"].size(), 4u);
   for (size_t i = 0; i < 4; ++i) {
     EXPECT_EQ(b["losses"][i].num(), a["losses"][4 + i].num()) << "step " << 4 + i;  // bitwise: the same computation
+  }
+  std::system(("rm -rf " + dir).c_str());
+}
+
+namespace {
+
+// The loss of each step on the progress lines of a log ("step   5/40 | loss   3.8348 | ..."), the last line of each step.
+std::map<int, double> progress_losses(const std::string& log) {
+  std::map<int, double> losses;
+  std::istringstream in(log);
+  std::string line;
+  while (std::getline(in, line)) {
+    int step = 0, steps = 0;
+    double loss = 0;
+    const auto at = line.find("step ");
+    if (at != std::string::npos && std::sscanf(line.c_str() + at, "step %d/%d | loss %lf", &step, &steps, &loss) == 3)
+      losses[step] = loss;
+  }
+  return losses;
+}
+
+}  // namespace
+
+// meshrun --nnodes 1:2, two nodes on loopback: node 1's meshrun is killed
+// (SIGKILL) in step 6; node 0 goes on alone on the planner's layout for 2
+// ranks from the checkpoint of step 4; node 1 comes back, node 0's ranks stop
+// at their next checkpoint and the job finishes on both nodes again. Every
+// step's loss equals the uninterrupted single-process run's (the global batch
+// never changes).
+TEST(Meshrun, ElasticJobGoesOnWithoutALostNodeAndTakesItBack) {
+  char tmpl[] = "/tmp/meshrun-elastic-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string train = kBin + "/meshtrain --model gpt --steps 40 --global-batch 8 --eval-problems 0 ";
+  Shell plain = sh(train + "--metrics-out " + dir + "/plain.json");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const std::string node = "MESHTRAIN_RDZV_TOKEN=0123456789abcdef0123456789abcdef " + kBin +
+                           "/meshrun --nnodes 1:2 --nproc-per-node 2 --master-port " + std::to_string(free_port()) +
+                           " --rdzv-last-call 5 --rdzv-timeout 60 --max-restarts 1 --grace-seconds 2 --node-rank ";
+  const std::string job = " -- " + train + "--dp 2 --pp 2 --save-dir " + dir + "/ckpt --save-every 2 --resume " +
+                          "--metrics-out " + dir + "/elastic.json";
+  const std::string kill_node1 = "MESHTRAIN_TEST_KILL_AT_STEP=5 MESHTRAIN_TEST_KILL_RANK=2 MESHTRAIN_TEST_KILL_TARGET=meshrun ";
+  Shell r = sh("cd " + dir + "; (" + kill_node1 + node + "1" + job + " > node1.log 2>&1; echo node1 rc $? >> node1.log) & " +
+               node + "0" + job + " > node0.log 2>&1 & node0=$!; wait %1; " +
+               "for i in $(seq 600); do grep -q 'round 1' node0.log && break; sleep 0.05; done; " +
+               node + "1" + job + " > node1-back.log 2>&1; echo node1-back rc $?; wait $node0; echo node0 rc $?; " +
+               "cat node0.log node1.log node1-back.log");
+  EXPECT_TRUE(contains(r.output, "node1 rc 137")) << r.output;  // its meshrun was killed
+  EXPECT_TRUE(contains(r.output, "node1-back rc 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "node0 rc 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "meshrun: round 1: nodes 0, 2 ranks (without node 1)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "(the planner)")) << r.output;  // the flags' dp 2 x pp 2 needs 4 ranks
+  EXPECT_TRUE(contains(r.output, "resumed from checkpoint step 4")) << r.output;
+  EXPECT_TRUE(contains(r.output, "a node is waiting to join: stopping after the checkpoint of step")) << r.output;
+  EXPECT_TRUE(contains(r.output, "meshrun: round 2: nodes 0, 1, 4 ranks (node 1 joined)")) << r.output;
+  const auto reference = meshtrain::json::parse(meshtrain::files::read_all(dir + "/plain.json"));
+  const auto elastic = meshtrain::json::parse(meshtrain::files::read_all(dir + "/elastic.json"));
+  // The last round, from its metrics: equal up to float reassociation (another layout than one process).
+  const int first = static_cast<int>(elastic["first_step"].num());
+  ASSERT_GT(first, 4);
+  ASSERT_EQ(elastic["losses"].size(), static_cast<size_t>(40 - first));
+  for (int s = first; s < 40; ++s) {
+    const double want = reference["losses"][s].num();
+    EXPECT_NEAR(elastic["losses"][s - first].num(), want, 1e-5 * std::abs(want)) << "step " << s + 1;
+  }
+  // Every step of every round (node 0's progress lines, four decimals): the same losses.
+  const auto printed = progress_losses(meshtrain::files::read_all(dir + "/node0.log"));
+  ASSERT_EQ(printed.size(), 40u) << r.output;
+  for (const auto& step_loss : printed) {
+    EXPECT_NEAR(step_loss.second, reference["losses"][step_loss.first - 1].num(), 1e-4) << "step " << step_loss.first;
   }
   std::system(("rm -rf " + dir).c_str());
 }

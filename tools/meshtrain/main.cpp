@@ -13,8 +13,10 @@
 
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/launch/elastic.h"
 #include "meshtrain/plan/planner.h"
 #include "meshtrain/train/config.h"
+#include "meshtrain/train/elastic.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/train/trainer.h"
@@ -56,7 +58,10 @@ int main(int argc, char** argv) {
     train::TrainConfig config = train::parse_train_args(args);
     // Everything that can be checked is checked before any communication.
     const comm::DistEnv env = comm::dist_env_from_process();
-    config = train::resolve(config, env.world_size);
+    const bool elastic = std::getenv(launch::kElasticVariable) != nullptr;
+    const train::LayoutChoice layout = train::resolve_for_world(
+        config, env.world_size, elastic, train::total_memory_bytes() / std::max(1, env.local_world_size));
+    config = layout.config;
     if (!std::getenv("MESHTRAIN_SKIP_MEMORY_CHECK")) {
       train::check_memory_fits(config, env.world_size, env.local_world_size, train::available_memory_bytes());
     }
@@ -64,13 +69,17 @@ int main(int argc, char** argv) {
     if (config.comm_timeout > 0) options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.comm_timeout * 1000));
     comm::CommPtr world = comm::init_from_env(options);
     if (world->rank() == 0) {
+      if (layout.source != "the flags") {
+        std::cout << "meshtrain: a world of " << world->size() << " ranks runs dp " << config.dp << " x pp " << config.pp
+                  << " x tp " << config.tp << ", ZeRO " << config.zero << " (" << layout.source << ")" << std::endl;
+      }
       std::cout << "meshtrain: " << train::to_json(config) << std::endl;
       std::cout << "meshtrain: communication backend " << world->backend() << " (world of " << world->size()
                 << (world->size() == 1 ? " rank" : " ranks") << "; --backend or MESHTRAIN_BACKEND to choose)"
                 << std::endl;
     }
-    train::run_training(config, world);
-    return 0;
+    const train::TrainResult result = train::run_training(config, world);
+    return result.stopped_for_regroup ? launch::kRegroupExitCode : 0;
   } catch (const ConfigError& e) {
     // Every rank checks the same flags: one line per node says why, not one per
     // rank. The other local ranks wait a moment first: when local rank 0 fails

@@ -1,7 +1,7 @@
 #pragma once
 // meshrun: starts the ranks of a job on this node, torchrun-compatible.
 //
-//   meshrun --nproc-per-node N [--nnodes M --node-rank R --master-addr A
+//   meshrun --nproc-per-node N [--nnodes M|MIN:MAX --node-rank R --master-addr A
 //           --master-port P] [--max-restarts K] -- PROGRAM ARGS...
 //
 // Node 0's meshrun hosts the rendezvous store at A:P (bound to A only); every
@@ -22,7 +22,12 @@ namespace launch {
 
 struct LaunchOptions {
   int nproc_per_node = 1;
-  int nnodes = 1;
+  int nnodes = 1;  // elastic: the most nodes (MAX of --nnodes MIN:MAX)
+  // --nnodes MIN:MAX (include/meshtrain/launch/elastic.h): the job goes on
+  // with at least min_nodes, and takes lost or new nodes back in up to nnodes.
+  bool elastic = false;
+  int min_nodes = 1;
+  std::chrono::milliseconds last_call{std::chrono::seconds(10)};  // --rdzv-last-call
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  // 0: pick a free port (one node only)

@@ -27,6 +27,10 @@ struct TrainConfig {
   // pp x virtual stages); empty: balanced by parameter count.
   std::vector<int64_t> stage_boundaries;
   bool sequence_parallel = false;
+  // Under an elastic meshrun: the layout of each world size, "4:dp2xpp2,2:dp2"
+  // (train/elastic.h); a world not listed keeps the flags' layout if it fits,
+  // else takes the planner's.
+  std::string elastic_layouts;
   // Batches: samples per step over all data-parallel ranks, and per forward.
   int64_t global_batch = 24;
   int64_t micro_batch = 0;  // 0 = global_batch / dp (no accumulation)

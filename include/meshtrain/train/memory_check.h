@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "meshtrain/plan/input.h"
 #include "meshtrain/train/config.h"
 
 namespace meshtrain {
@@ -14,6 +15,14 @@ namespace train {
 // The memory this machine can give the job: MemAvailable, or the cgroup's
 // limit minus its usage when that is lower.
 int64_t available_memory_bytes();
+
+// The machine's memory (MemTotal, or the cgroup's limit when lower): a
+// figure every rank of a node reads alike, for choosing a layout.
+int64_t total_memory_bytes();
+
+// What the planner needs to know of the configuration, on `devices` devices
+// of `device_memory` bytes each.
+plan::PlanInput planner_input(const TrainConfig& config, int devices, int64_t device_memory);
 
 // The planner's per-rank estimate (model state, activations, buffers) for the
 // resolved configuration.

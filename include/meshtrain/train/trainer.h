@@ -22,6 +22,9 @@ struct RunOptions {
 
 struct TrainResult {
   int64_t first_step = 0;          // > 0 after resuming from a checkpoint
+  // Stopped after a checkpoint because a node waits to join the elastic job
+  // (train/elastic.h): the program should exit with launch::kRegroupExitCode.
+  bool stopped_for_regroup = false;
   std::vector<double> losses;      // global-batch loss of steps first_step, first_step + 1, ... (every rank)
   std::vector<double> step_times;  // seconds
   std::vector<double> grad_norms;  // global gradient norm of each step, before clipping

@@ -18,6 +18,13 @@ inline std::vector<std::string> split(const std::string& text, char separator) {
   }
 }
 
+// {"a", "b"}, ", " -> "a, b".
+inline std::string join(const std::vector<std::string>& parts, const std::string& separator) {
+  std::string text;
+  for (size_t i = 0; i < parts.size(); ++i) text += (i ? separator : "") + parts[i];
+  return text;
+}
+
 // Without leading and trailing whitespace (a file's trailing newline).
 inline std::string trim(const std::string& text) {
   const char* space = " \t\r\n";

@@ -1,0 +1,67 @@
+#pragma once
+// The elastic rendezvous of meshrun's agents (internal; see
+// include/meshtrain/launch/elastic.h and Note [Elastic rendezvous]).
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/store.h"
+#include "meshtrain/launch/elastic.h"
+#include "meshtrain/launch/launcher.h"
+
+namespace meshtrain {
+namespace launch {
+
+// The store key that counts the nodes joining `round`.
+std::string round_joined_key(int round);
+
+class ElasticRendezvous {
+ public:
+  struct Round {
+    int round = 0;
+    std::vector<NodeEntry> members;
+    int group_rank = 0;  // this node's index in members
+  };
+  // Registers this node's meshrun with the store (its connection's liveness
+  // is the node's). `inform` says progress lines; `interrupted` is polled
+  // while waiting (a signal to meshrun).
+  ElasticRendezvous(const LaunchOptions& options, comm::TcpStore& store,
+                    std::function<void(const std::string&)> inform, std::function<bool()> interrupted);
+  ~ElasticRendezvous();
+
+  // The round a node starting now joins: the open one, or the next when the
+  // open one is closed (the job is running without this node).
+  int current_round();
+  // Joins `round` (or, when this node is left out of it, the next ones) and
+  // returns the round this node is a member of. Node 0 closes each round.
+  // Throws ConfigError when fewer than MIN nodes arrive within --rdzv-timeout,
+  // or when another live meshrun has this --node-rank; std::runtime_error
+  // "finished" when the job ends while this node waits.
+  Round join(int round);
+  // Node 0, when the job has finished: nodes still waiting to join exit.
+  void finish();
+
+ private:
+  void close_round(int round);
+  bool wait_for_members(int round, std::string& members);
+  std::vector<NodeEntry> joined_entries(int round, int first);
+  int alive_not_joined(const std::vector<NodeEntry>& joined);
+  std::set<int> dead();
+
+  const LaunchOptions& o_;
+  comm::TcpStore& store_;
+  std::function<void(const std::string&)> inform_;
+  std::function<bool()> interrupted_;
+  int incarnation_ = 0;
+  std::unique_ptr<comm::FailureWatcher> agents_watcher_;  // node 0: which agents died
+  std::vector<NodeEntry> last_members_;                   // node 0: the previous round's
+  std::mutex mutex_;
+  std::set<int> dead_;
+};
+
+}  // namespace launch
+}  // namespace meshtrain

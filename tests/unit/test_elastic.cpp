@@ -1,0 +1,129 @@
+// Elastic runs, pure parts: when node 0 closes a round, who the members are,
+// meshrun's --nnodes MIN:MAX, and the trainer's layout for each world size.
+
+#include <gtest/gtest.h>
+
+#include "meshtrain/launch/elastic.h"
+#include "meshtrain/launch/launcher.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/train/elastic.h"
+#include "meshtrain/util/error.h"
+
+using namespace meshtrain;
+using launch::NodeEntry;
+using launch::RoundState;
+
+namespace {
+
+RoundState state(int joined, int alive_not_joined, double elapsed, bool first_round) {
+  RoundState s;
+  s.joined = joined;
+  s.alive_not_joined = alive_not_joined;
+  s.elapsed_seconds = elapsed;
+  s.first_round = first_round;
+  return s;
+}
+
+std::string config_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(ElasticRound, ClosesAtMaxOrAfterTheLastCallOrWhenEveryLiveNodeIsIn) {
+  const double last_call = 10;
+  EXPECT_TRUE(launch::round_can_close(state(2, 0, 0, true), 1, 2, last_call));   // MAX
+  EXPECT_FALSE(launch::round_can_close(state(1, 0, 0, true), 1, 2, last_call));  // first round: wait for more
+  EXPECT_TRUE(launch::round_can_close(state(1, 0, 10, true), 1, 2, last_call));  // ... until the last call
+  EXPECT_FALSE(launch::round_can_close(state(0, 0, 99, true), 1, 2, last_call));  // never below MIN
+  EXPECT_FALSE(launch::round_can_close(state(1, 0, 99, false), 2, 3, last_call));
+  // After the first round the survivors meet at once, but wait for a live node still stopping its ranks.
+  EXPECT_TRUE(launch::round_can_close(state(1, 0, 0, false), 1, 2, last_call));
+  EXPECT_FALSE(launch::round_can_close(state(1, 1, 0, false), 1, 2, last_call));
+  EXPECT_TRUE(launch::round_can_close(state(1, 1, 10, false), 1, 2, last_call));
+}
+
+TEST(ElasticRound, MembersAreLiveDistinctNodesWithNodeZeroAlwaysIn) {
+  const std::vector<NodeEntry> joined = {{2, 5}, {1, 3}, {0, 1}, {1, 6}, {3, 4}};
+  // Dead incarnation 3 (node 1's first meshrun) is out, node 1's second is in; ordered by node.
+  EXPECT_EQ(launch::choose_members(joined, {3}, 4), (std::vector<NodeEntry>{{0, 1}, {1, 6}, {2, 5}, {3, 4}}));
+  // A node id that joined twice is kept once, at its first arrival.
+  EXPECT_EQ(launch::choose_members(joined, {}, 4), (std::vector<NodeEntry>{{0, 1}, {1, 3}, {2, 5}, {3, 4}}));
+  // At most MAX, node 0 first although it arrived third, then arrival order.
+  EXPECT_EQ(launch::choose_members(joined, {}, 2), (std::vector<NodeEntry>{{0, 1}, {2, 5}}));
+  EXPECT_EQ(launch::decode_members(launch::encode_members(joined)), joined);
+  EXPECT_NE(config_error([] { launch::decode_members("0#1,1"); }).find("malformed member '1'"), std::string::npos);
+  EXPECT_NE(config_error([] { launch::decode_members("0#x"); }).find("malformed incarnation 'x'"), std::string::npos);
+}
+
+TEST(ElasticLaunchArgs, NnodesMinMax) {
+  auto o = launch::parse_launch_args({"--nnodes", "1:3", "--master-port", "29500", "--", "true"});
+  EXPECT_TRUE(o.elastic);
+  EXPECT_EQ(o.min_nodes, 1);
+  EXPECT_EQ(o.nnodes, 3);
+  o = launch::parse_launch_args({"--nnodes", "2", "--master-port", "29500", "--", "true"});
+  EXPECT_FALSE(o.elastic);
+  EXPECT_EQ(o.min_nodes, 2);
+  EXPECT_NE(config_error([] { launch::parse_launch_args({"--nnodes", "3:2", "--", "true"}); })
+                .find("--nnodes 3:2 needs 1 <= MIN <= MAX"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { launch::parse_launch_args({"--nnodes", "1:2", "--master-port", "0", "--", "true"}); })
+                .find("needs a --master-port"),
+            std::string::npos);
+  o = launch::parse_launch_args({"--nnodes", "1:2", "--rdzv-last-call", "3", "--master-port", "1", "--", "true"});
+  EXPECT_EQ(o.last_call.count(), 3000);
+}
+
+TEST(ElasticLayouts, ParsedAndCheckedPerWorldSize) {
+  const auto layouts = train::parse_elastic_layouts("4:dp2xpp2,2:tp2xzero0,1:dp1");
+  ASSERT_EQ(layouts.size(), 3u);
+  EXPECT_EQ(layouts[0].world, 4);
+  EXPECT_EQ(layouts[0].dp * 10 + layouts[0].pp, 22);
+  EXPECT_EQ(layouts[0].zero, -1);  // the flags' stage
+  EXPECT_EQ(layouts[1].tp, 2);
+  EXPECT_EQ(layouts[1].dp, 1);
+  EXPECT_EQ(layouts[1].zero, 0);
+  EXPECT_NE(config_error([] { train::parse_elastic_layouts("4:dp2"); }).find("'4:dp2' is dp 2 x pp 1 x tp 1 = 2 ranks, not 4"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { train::parse_elastic_layouts("4dp4"); }).find("needs WORLD:LAYOUT"), std::string::npos);
+  EXPECT_NE(config_error([] { train::parse_elastic_layouts("2:dp2xcp1"); }).find("the axis 'cp'"), std::string::npos);
+  EXPECT_NE(config_error([] { train::parse_elastic_layouts("2:dp2,2:tp2"); }).find("2 is given twice"), std::string::npos);
+  EXPECT_NE(config_error([] { train::parse_elastic_layouts("2:dp2xzero4"); }).find("not a ZeRO stage"), std::string::npos);
+}
+
+TEST(ElasticLayouts, ChosenForTheWorldSize) {
+  const int64_t memory = int64_t{4} << 30;
+  const auto flags = train::parse_train_args({"--model", "gpt", "--dp", "2", "--pp", "2", "--microbatches", "4",
+                                              "--global-batch", "8", "--elastic-layouts", "2:tp2"});
+  // The flags' layout where it fits.
+  auto choice = train::resolve_for_world(flags, 4, true, memory);
+  EXPECT_EQ(choice.source, "the flags");
+  EXPECT_EQ(choice.config.microbatches, 4);
+  // The user's entry: the flags' micro-batches belong to the flags' layout.
+  choice = train::resolve_for_world(flags, 2, true, memory);
+  EXPECT_EQ(choice.source, "--elastic-layouts");
+  EXPECT_EQ(choice.config.tp * 10 + choice.config.dp, 21);
+  EXPECT_EQ(choice.config.microbatches, 0);
+  EXPECT_EQ(choice.config.global_batch, 8);
+  // Neither: the planner's best layout that the trainer can run, under an elastic meshrun only.
+  choice = train::resolve_for_world(flags, 1, true, memory);
+  EXPECT_EQ(choice.source, "the planner");
+  EXPECT_EQ(choice.config.dp * choice.config.pp * choice.config.tp, 1);
+  EXPECT_EQ(choice.config.global_batch, 8);
+  choice = train::resolve_for_world(flags, 8, true, memory);
+  EXPECT_EQ(choice.source, "the planner");
+  EXPECT_EQ(8 % choice.config.dp, 0);
+  EXPECT_EQ(choice.config.dp * choice.config.pp * choice.config.tp, 8);
+  EXPECT_NE(config_error([&] { train::resolve_for_world(flags, 1, false, memory); }).find("does not match the world size 1"),
+            std::string::npos);
+  // 3 ranks: dp 3 does not divide the global batch of 8, tp 3 not the 4 heads, and pp 3's derived 3
+  // micro-batches not the 8 samples: the error says how to give a layout.
+  const auto small = train::parse_train_args({"--model", "gpt", "--layers", "1", "--global-batch", "8"});
+  EXPECT_NE(config_error([&] { train::resolve_for_world(small, 3, true, memory); }).find("--elastic-layouts 3:dp3"),
+            std::string::npos);
+}
