@@ -40,27 +40,35 @@ int64_t hash_sizes(const std::vector<int64_t>& sizes) {
   return static_cast<int64_t>(h >> 1);
 }
 
-std::string header_mismatch(const std::vector<Header>& all, bool same_shape) {
+// "rank 1", or "rank 1 (global rank 3)" on a communicator that is not the world.
+std::string rank_name(size_t r, const std::vector<int>& global) {
+  if (r < global.size() && global[r] != static_cast<int>(r)) return str_cat("rank ", r, " (global rank ", global[r], ")");
+  return str_cat("rank ", r);
+}
+
+std::string header_mismatch(const std::vector<Header>& all, bool same_shape, const std::vector<int>& global) {
   const Header& ref = all[0];
+  const std::string rank0 = rank_name(0, global);
   for (size_t r = 1; r < all.size(); ++r) {
     const Header& h = all[r];
+    const std::string rank = rank_name(r, global);
     if (h.kind != ref.kind) {
-      return str_cat("rank ", r, " called ", op_name(static_cast<OpKind>(h.kind)), " while rank 0 called ",
+      return str_cat(rank, " called ", op_name(static_cast<OpKind>(h.kind)), " while ", rank0, " called ",
                      op_name(static_cast<OpKind>(ref.kind)),
                      " (every rank must call collectives in the same order)");
     }
     if (h.dtype != ref.dtype || (same_shape && (h.numel != ref.numel || h.ndim != ref.ndim ||
                                                 !std::equal(h.shape, h.shape + 8, ref.shape)))) {
-      return str_cat("rank ", r, " passed ", describe(h), " but rank 0 passed ", describe(ref),
+      return str_cat(rank, " passed ", describe(h), " but ", rank0, " passed ", describe(ref),
                      "; every rank must pass the same dtype", same_shape ? " and shape" : "");
     }
-    if (h.root != ref.root) return str_cat("rank ", r, " passed root ", h.root, " but rank 0 passed root ", ref.root);
+    if (h.root != ref.root) return str_cat(rank, " passed root ", h.root, " but ", rank0, " passed root ", ref.root);
     if (h.op != ref.op) {
-      return str_cat("rank ", r, " passed reduce op ", reduce_op_name(static_cast<ReduceOp>(h.op)),
-                     " but rank 0 passed ", reduce_op_name(static_cast<ReduceOp>(ref.op)));
+      return str_cat(rank, " passed reduce op ", reduce_op_name(static_cast<ReduceOp>(h.op)), " but ", rank0,
+                     " passed ", reduce_op_name(static_cast<ReduceOp>(ref.op)));
     }
-    if (h.aux != ref.aux) return str_cat("rank ", r, " and rank 0 passed different shard sizes");
-    if (h.inlined != ref.inlined) return str_cat("rank ", r, " and rank 0 use different CommOptions::inline_bytes");
+    if (h.aux != ref.aux) return str_cat(rank, " and ", rank0, " passed different shard sizes");
+    if (h.inlined != ref.inlined) return str_cat(rank, " and ", rank0, " use different CommOptions::inline_bytes");
   }
   return "";
 }

@@ -42,7 +42,8 @@ int64_t hash_sizes(const std::vector<int64_t>& sizes);
 // Compares every rank's header with rank 0's: the first difference as a
 // sentence ("rank 1 passed Double[4] but rank 0 passed Float[4]; ..."), or ""
 // when they agree. `same_shape`: shapes must match too (not for uneven gathers).
-std::string header_mismatch(const std::vector<Header>& all, bool same_shape);
+// `global`: the communicator's global ranks, named beside its own where they differ.
+std::string header_mismatch(const std::vector<Header>& all, bool same_shape, const std::vector<int>& global = {});
 
 // dtypes every backend moves and reduces.
 bool supported_dtype(at::ScalarType t);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 
@@ -58,6 +59,8 @@ void verify_same_parameters(comm::Communicator& comm, const std::vector<NamedPar
   // the same data and reach the same verdict: no rank waits for another.
   std::vector<std::vector<std::string>> lists;
   for (const auto& s : comm::all_gather_strings(comm, mine)) lists.push_back(split_lines(s));
+  std::vector<int> identity(lists.size());
+  std::iota(identity.begin(), identity.end(), 0);
   for (size_t i = 0;; ++i) {
     std::map<std::string, std::vector<int>> variants;  // description -> ranks
     bool any = false;
@@ -75,6 +78,11 @@ void verify_same_parameters(comm::Communicator& comm, const std::vector<NamedPar
       msg << (first ? " " : "; ") << "'" << v.first << "' on ranks [";
       for (size_t k = 0; k < v.second.size(); ++k) msg << (k ? ", " : "") << v.second[k];
       msg << "]";
+      if (comm.global_ranks() != identity) {  // a group of a larger mesh: its ranks are not the job's
+        msg << " (global ranks [";
+        for (size_t k = 0; k < v.second.size(); ++k) msg << (k ? ", " : "") << comm.global_ranks()[v.second[k]];
+        msg << "])";
+      }
       first = false;
     }
     msg << ". Every rank must build the same model.";

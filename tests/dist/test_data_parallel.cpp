@@ -245,3 +245,20 @@ TEST(DataParallel, MasterDpGivesTheWholeBatchGradientOnRankZero) {
 }
 
 }  // namespace
+
+// A data-parallel group of a larger job (global ranks 1 and 2) whose ranks
+// built different models: the error names the group's ranks and the job's.
+TEST(DataParallel, DifferentModelsOnAGroupNameTheGlobalRanks) {
+  run_ranks(3, [](Communicator& world) {
+    const int r = world.rank();
+    auto group = world.split(r >= 1 ? 0 : -1, r, "dp");
+    if (!group) return;
+    try {
+      meshtrain::dp::replicate(torch::nn::Linear(3, r == 2 ? 5 : 4), group);
+      ADD_FAILURE() << "no error for different models";
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("on ranks [1] (global ranks [2])"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("on ranks [0] (global ranks [1])"), std::string::npos) << e.what();
+    }
+  });
+}

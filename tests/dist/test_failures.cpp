@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "harness.h"
+#include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
@@ -227,6 +228,15 @@ TEST_P(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
         EXPECT_NE(std::string(e.what()).find("rank 1 passed Double[4]"), std::string::npos) << e.what();
       }
     }
+    if (auto comm = world.split(r >= 1 ? 0 : -1, r, "group")) {  // a group's rank 1 is the job's rank 2
+      auto a = r == 2 ? torch::ones({4}, torch::kFloat64) : torch::ones({4}, torch::kFloat32);
+      try {
+        comm->all_reduce(a);
+        ADD_FAILURE() << "no error for a dtype mismatch";
+      } catch (const MismatchError& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1 (global rank 2) passed Double[4]"), std::string::npos) << e.what();
+      }
+    }
     if (auto comm = pair("shape")) {
       auto b = r == 0 ? torch::ones({2, 3}) : torch::ones({3, 2});
       EXPECT_THROW(comm->all_reduce(b), MismatchError);
@@ -320,3 +330,30 @@ INSTANTIATE_TEST_SUITE_P(Backends, Split, ::testing::Values("shm", "gloo", "mpi"
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
+
+// Note [Authenticated pairs]: with a token, every gloo pair proves it knows
+// it. The world's pairs do (its all-reduce works); a communicator whose rank 1
+// holds another token, as a stranger in a pair's place would, is refused on
+// both ranks before any collective. (The harness's store takes any client, so
+// only the pair proof can tell.)
+TEST(GlooPairs, APairThatDoesNotKnowTheTokenIsRefused) {
+  RankOptions o;
+  o.env = {"MESHTRAIN_BACKEND=gloo", "MESHTRAIN_RDZV_TOKEN=0123456789abcdef0123456789abcdef"};
+  run_ranks(2, [](Communicator& world) {
+    auto t = torch::ones({2});
+    world.all_reduce(t);
+    EXPECT_EQ(t[0].item<float>(), 2.0f);
+    if (world.rank() == 1) setenv("MESHTRAIN_RDZV_TOKEN", "fedcba9876543210fedcba9876543210", 1);
+    try {
+      meshtrain::comm::init_with_store("127.0.0.1", std::atoi(std::getenv("MESHTRAIN_HARNESS_PORT")), world.rank(), 2,
+                                       std::string(std::getenv("MESHTRAIN_HARNESS_GROUP")) + "-stranger");
+      ADD_FAILURE() << "a pair with another token was accepted";
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(world.rank() == 0 ? "the connection of rank 1 (global rank 1) did not prove "
+                                                                "it knows the job's token; refused"
+                                                              : "the connection of rank 0 (global rank 0) did not prove"),
+                std::string::npos)
+          << e.what();
+    }
+  }, o);
+}

@@ -10,6 +10,7 @@
 
 #include "comm/backend.h"
 #include "comm/gloo/communicator.h"
+#include "comm/header.h"
 #include "comm/hier/communicator.h"
 #include "comm/reduce.h"
 #include "comm/shm/layout.h"
@@ -179,4 +180,20 @@ TEST(GlooErrors, OnlyAnIoExceptionAfterTheWholeTimeoutIsATimeout) {
   EXPECT_FALSE(is_timeout(timed_out, milliseconds(999), timeout));
   // Not an I/O failure at all, however long the wait.
   EXPECT_FALSE(is_timeout(gloo::InvalidOperationException("unbound buffer misuse"), milliseconds(5000), timeout));
+}
+
+// On a group of a larger mesh (a dp or pp communicator), a mismatch names the
+// group's ranks and the job's: "rank 1" alone would point at the wrong process.
+TEST(Headers, MismatchNamesGroupAndGlobalRanks) {
+  using namespace meshtrain::comm;
+  const std::vector<Header> all = {header_of(torch::ones({4}), OpKind::kAllReduce),
+                                   header_of(torch::ones({4}, torch::kFloat64), OpKind::kAllReduce)};
+  EXPECT_EQ(header_mismatch(all, true, {1, 3}),
+            "rank 1 (global rank 3) passed Double[4] but rank 0 (global rank 1) passed Float[4]; every rank must pass "
+            "the same dtype and shape");
+  EXPECT_EQ(header_mismatch(all, true, {0, 1}).rfind("rank 1 passed Double[4] but rank 0 passed Float[4]", 0), 0u);
+  EXPECT_EQ(header_mismatch({all[0], all[0]}, true, {1, 3}), "");
+  const std::vector<Header> kinds = {all[0], header_of(torch::ones({4}), OpKind::kBroadcast)};
+  EXPECT_NE(header_mismatch(kinds, true, {0, 2}).find("rank 1 (global rank 2) called broadcast while rank 0 called"),
+            std::string::npos);
 }

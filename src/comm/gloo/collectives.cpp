@@ -137,7 +137,7 @@ void GlooCommunicator::read_round_message(Round& round, int peer, int64_t inline
 }
 
 void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* op, bool same_shape) const {
-  const std::string problem = header_mismatch(all, same_shape);
+  const std::string problem = header_mismatch(all, same_shape, global_ranks());
   if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
 }
 

@@ -8,11 +8,13 @@
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/unbound_buffer.h>
 
 #include <chrono>
 #include <cstring>
 
 #include "../backend.h"
+#include "../store_auth.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
 
@@ -44,6 +46,59 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
 
 constexpr uint64_t kCollectiveBit = 1ull << 62;
 constexpr uint64_t kP2PBit = 2ull << 62;
+constexpr uint64_t kPairProofBit = 3ull << 62;
+
+// Note [Authenticated pairs]
+// The store admits only processes that know the job's token (Note [Store
+// authentication]), and the ranks' transport addresses travel only through
+// it, but a gloo pair is a plain TCP connection that gloo's handshake does not
+// authenticate: a stranger who reaches a rank's port could take a peer's
+// place. So when the job has a token, every pair proves it right after gloo
+// connects them: each rank sends each peer a fresh 32-byte nonce and answers
+// the peer's nonce with HMAC-SHA256(token, "gloo-pair" + nonce + from + to)
+// over global ranks (the direction is in the MAC, so a reflected answer does
+// not pass). A pair that fails is refused before any collective runs. It costs
+// two small messages per pair when a communicator is made.
+std::string pair_proof(const std::string& token, const std::string& nonce, int from, int to) {
+  return store_auth::mac(token, str_cat("gloo-pair", nonce, from, "->", to));
+}
+
+// Sends `mine[p]` to every peer p and receives `theirs[p]` (same sizes) on `slot`.
+void exchange_with_peers(gloo::rendezvous::Context& ctx, const std::vector<std::string>& mine,
+                         std::vector<std::string>& theirs, uint64_t slot, std::chrono::milliseconds timeout) {
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sends, recvs;
+  for (int p = 0; p < ctx.size; ++p) {
+    if (p == ctx.rank) continue;
+    sends.push_back(ctx.createUnboundBuffer(const_cast<char*>(mine[p].data()), mine[p].size()));
+    sends.back()->send(p, slot);
+    recvs.push_back(ctx.createUnboundBuffer(&theirs[p][0], theirs[p].size()));
+    recvs.back()->recv(p, slot);
+  }
+  for (auto& b : sends) b->waitSend(timeout);
+  for (auto& b : recvs) b->waitRecv(timeout);
+}
+
+// Every peer of `ctx` proves it knows `token` (Note [Authenticated pairs]).
+// ConfigError naming the first peer that does not.
+void prove_pairs(gloo::rendezvous::Context& ctx, const std::vector<int>& global, const std::string& token,
+                 std::chrono::milliseconds timeout, const std::string& label) {
+  const std::string nonce = store_auth::random_bytes(32);
+  std::vector<std::string> nonces(ctx.size, nonce), theirs(ctx.size, std::string(32, '\0'));
+  exchange_with_peers(ctx, nonces, theirs, kPairProofBit, timeout);
+  std::vector<std::string> answers(ctx.size), proofs(ctx.size);
+  for (int p = 0; p < ctx.size; ++p) {
+    answers[p] = pair_proof(token, theirs[p], global[ctx.rank], global[p]);
+    proofs[p] = std::string(answers[p].size(), '\0');
+  }
+  exchange_with_peers(ctx, answers, proofs, kPairProofBit | 1, timeout);
+  for (int p = 0; p < ctx.size; ++p) {
+    if (p == ctx.rank) continue;
+    MESHTRAIN_CHECK(store_auth::same_mac(proofs[p], pair_proof(token, nonce, global[p], global[ctx.rank])),
+                    "communicator '", label, "': the connection of rank ", p, " (global rank ", global[p],
+                    ") did not prove it knows the job's token; refused (a process that is not this job's rank "
+                    "took its place)");
+  }
+}
 
 uint64_t p2p_slot(int tag, bool data) {
   return kP2PBit | (static_cast<uint64_t>(tag) << 1) | (data ? 1 : 0);
@@ -63,6 +118,8 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
   try {
     auto device = process_->gloo_device();
     ctx->connectFullMesh(adapter, device);
+    if (!process_->store()->token().empty())
+      prove_pairs(*ctx, global_ranks_, process_->store()->token(), options_.timeout, options_.label);
   } catch (const gloo::Exception& e) {
     if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
       const int r = Process::rank_of_label(f->label);

@@ -117,7 +117,7 @@ void HierCommunicator::hierarchical_all_reduce(at::Tensor& flat, ReduceOp op) {
     verified_.calls = 0;
     std::vector<Header> headers(size());
     std::memcpy(headers.data(), all.data_ptr(), sizeof(Header) * size());
-    const std::string problem = header_mismatch(headers, true);
+    const std::string problem = header_mismatch(headers, true, global_ranks());
     if (!problem.empty()) throw MismatchError(str_cat(where("all_reduce"), ": ", problem));
   }
   const ReduceOp part_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;

@@ -66,7 +66,7 @@ std::vector<Header> MpiCommunicator::exchange_headers(const Header& mine, const 
 }
 
 void MpiCommunicator::verify(const std::vector<Header>& all, const char* op, bool same_shape) const {
-  const std::string problem = header_mismatch(all, same_shape);
+  const std::string problem = header_mismatch(all, same_shape, global_ranks());
   if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
 }
 

@@ -120,7 +120,7 @@ std::vector<Header> ShmCommunicator::open_op(const Header& mine, uint64_t extent
 }
 
 void ShmCommunicator::verify(const std::vector<Header>& all, const char* op, bool same_shape) const {
-  const std::string problem = header_mismatch(all, same_shape);
+  const std::string problem = header_mismatch(all, same_shape, global_ranks());
   if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
 }
 
