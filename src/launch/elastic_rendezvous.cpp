@@ -7,14 +7,16 @@
 //                          says hello("agent/k"), so node 0 learns within
 //                          milliseconds when a node's meshrun dies
 //   rdzv/round             the round node 0 has opened
-//   rdzv/rR/joined         nodes that joined round R (a counter); each writes
-//   rdzv/rR/slot/J         "node#incarnation" for its arrival J
+//   rdzv/rR/inc/K          the node rank of incarnation K, which joined round R
+//   rdzv/rR/joined         how many joined round R (a counter)
 //   rdzv/rR/members        written by node 0 when it closes round R
+//   rdzv/refused/K         incarnation K has a --node-rank a member has
 //   rdzv/finished          the job is done: nodes still waiting exit
-// Node 0 closes a round when MAX nodes joined, or at least MIN and either the
-// last call (--rdzv-last-call) has passed or, after the first round, every
-// live registered node has joined (the survivors of a loss meet at once,
-// without waiting out the window). Round R's ranks run as generation R: the
+// Node 0 closes a round when MAX nodes joined (and none of the previous
+// round's members is still on its way: a running node is not pushed out by
+// newcomers), or at least MIN and either the last call (--rdzv-last-call) has
+// passed or, after the first round, every live registered node has joined
+// (the survivors of a loss meet at once, without waiting out the window). Round R's ranks run as generation R: the
 // store keys of their communicators are namespaced by it.
 // A node that arrives while round R runs joins round R+1 and waits. If round R
 // has fewer than MAX members its ranks are told where to look
@@ -78,19 +80,25 @@ std::string membership_change(const std::vector<NodeEntry>& before, const std::v
 }  // namespace
 
 bool round_can_close(const RoundState& s, int min_nodes, int max_nodes, double last_call_seconds) {
-  if (s.joined >= max_nodes) return true;
+  if (s.joined >= max_nodes && s.previous_missing == 0) return true;
   if (s.joined < min_nodes) return false;
   if (s.elapsed_seconds >= last_call_seconds) return true;
   return !s.first_round && s.alive_not_joined == 0;
 }
 
-std::vector<NodeEntry> choose_members(const std::vector<NodeEntry>& joined, const std::set<int>& dead, int max_nodes) {
+std::vector<NodeEntry> choose_members(const std::vector<NodeEntry>& joined, const std::set<int>& dead, int max_nodes,
+                                      const std::vector<NodeEntry>& previous) {
   std::vector<NodeEntry> members;
   std::set<int> seen;
-  // Node 0 first: it hosts the store and closes the rounds, so it is always in.
-  for (const bool node0_pass : {true, false}) {
+  auto was_member = [&previous](const NodeEntry& e) {
+    return std::any_of(previous.begin(), previous.end(), [&e](const NodeEntry& p) { return p.node == e.node; });
+  };
+  // Node 0 first (it hosts the store and closes the rounds, so it is always
+  // in), then the nodes already training, then newcomers.
+  for (const int pass : {0, 1, 2}) {
     for (const NodeEntry& e : joined) {
-      if ((e.node == 0) != node0_pass || dead.count(e.incarnation) || seen.count(e.node)) continue;
+      const int priority = e.node == 0 ? 0 : was_member(e) ? 1 : 2;
+      if (priority != pass || dead.count(e.incarnation) || seen.count(e.node)) continue;
       if (static_cast<int>(members.size()) >= max_nodes) break;
       members.push_back(e);
       seen.insert(e.node);
@@ -136,7 +144,7 @@ ElasticRendezvous::ElasticRendezvous(const LaunchOptions& o, comm::TcpStore& sto
 }
 
 ElasticRendezvous::~ElasticRendezvous() {
-  if (agents_watcher_) agents_watcher_->stop();
+  agents_watcher_.reset();  // its thread writes dead_: joined before the members go
 }
 
 std::set<int> ElasticRendezvous::dead() {
@@ -150,17 +158,21 @@ int ElasticRendezvous::current_round() {
 
 ElasticRendezvous::Round ElasticRendezvous::join(int round) {
   for (int r = round;; ++r) {
-    const int64_t arrival = store_.add(round_joined_key(r), 1);
-    store_.set(round_key(r, str_cat("slot/", arrival)), encode_members({{o_.node_rank, incarnation_}}));
+    // The entry first, then the count: a node that dies between the two is
+    // only missing from the count (which tells running ranks a node waits).
+    store_.set(round_key(r, str_cat("inc/", incarnation_)), std::to_string(o_.node_rank));
+    store_.add(round_joined_key(r), 1);
     if (o_.node_rank == 0) close_round(r);
     std::string text;
     if (!wait_for_members(r, text)) throw std::runtime_error("finished");
     const std::vector<NodeEntry> members = decode_members(text);
     for (size_t i = 0; i < members.size(); ++i) {
       if (members[i] == NodeEntry{o_.node_rank, incarnation_}) return Round{r, members, static_cast<int>(i)};
-      MESHTRAIN_CHECK(members[i].node != o_.node_rank, "meshrun: another meshrun is running as --node-rank ",
-                      o_.node_rank, " in this job; give every node its own --node-rank");
     }
+    const std::string refused = str_cat("rdzv/refused/", incarnation_);
+    MESHTRAIN_CHECK(!store_.check(refused), store_.get(refused));
+    // Left out: the round closed before this node arrived (or this node's
+    // previous meshrun is still listed in it): the next round.
     inform_(static_cast<int>(members.size()) < o_.nnodes
                 ? str_cat("the job is running on nodes ", node_list(members), " (round ", r, "); this node ",
                           o_.node_rank, " joins at the job's next checkpoint")
@@ -174,19 +186,18 @@ void ElasticRendezvous::close_round(int round) {
   store_.set(kRoundKey, std::to_string(round));
   const auto start = Clock::now();
   auto next_line = start + std::chrono::seconds(5);
-  std::vector<NodeEntry> entries;
   while (true) {
     if (interrupted_()) throw std::runtime_error("interrupted");
-    const std::vector<NodeEntry> more = joined_entries(round, static_cast<int>(entries.size()) + 1);
-    entries.insert(entries.end(), more.begin(), more.end());
+    const std::vector<NodeEntry> entries = joined_entries(round);
     const std::set<int> gone = dead();
+    const std::vector<NodeEntry> members = choose_members(entries, gone, o_.nnodes, last_members_);
     RoundState state;
-    state.joined = static_cast<int>(choose_members(entries, gone, o_.nnodes).size());
-    state.alive_not_joined = alive_not_joined(entries);
+    state.joined = static_cast<int>(members.size());
+    state.alive_not_joined = alive_not_joined(entries, &state.previous_missing);
     state.elapsed_seconds = std::chrono::duration<double>(Clock::now() - start).count();
     state.first_round = round == 0;
     if (round_can_close(state, o_.min_nodes, o_.nnodes, std::chrono::duration<double>(o_.last_call).count())) {
-      const std::vector<NodeEntry> members = choose_members(entries, gone, o_.nnodes);
+      refuse_duplicates(entries, gone, members);
       store_.set(round_key(round, "members"), encode_members(members));
       inform_(str_cat("round ", round, ": nodes ", node_list(members), ", ",
                       members.size() * static_cast<size_t>(o_.nproc_per_node), " ranks",
@@ -206,28 +217,46 @@ void ElasticRendezvous::close_round(int round) {
   }
 }
 
-// The entries of arrivals `first`, `first` + 1, ... that have written their slot.
-std::vector<NodeEntry> ElasticRendezvous::joined_entries(int round, int first) {
+// The nodes that joined `round`, in registration order (a node's entry is
+// keyed by its incarnation: one that died half-way hides no one).
+std::vector<NodeEntry> ElasticRendezvous::joined_entries(int round) {
   std::vector<NodeEntry> entries;
-  const int arrived = static_cast<int>(store_.add(round_joined_key(round), 0));
-  for (int j = first; j <= arrived; ++j) {
-    const std::string key = round_key(round, str_cat("slot/", j));
-    if (!store_.check(key)) break;  // it writes its slot a moment after counting itself
-    const std::vector<NodeEntry> e = decode_members(store_.get(key));
-    entries.insert(entries.end(), e.begin(), e.end());
+  const int registered = static_cast<int>(store_.add("rdzv/agents", 0));
+  for (int k = 1; k <= registered; ++k) {
+    const std::string key = round_key(round, str_cat("inc/", k));
+    if (store_.check(key)) entries.push_back({parse_count(store_.get(key), "node rank"), k});
   }
   return entries;
 }
 
-int ElasticRendezvous::alive_not_joined(const std::vector<NodeEntry>& joined) {
+// Live registered nodes not in `joined`; `previous_missing`: how many of them were members of the previous round.
+int ElasticRendezvous::alive_not_joined(const std::vector<NodeEntry>& joined, int* previous_missing) {
   const int registered = static_cast<int>(store_.add("rdzv/agents", 0));
   const std::set<int> gone = dead();
   int waiting = 0;
+  *previous_missing = 0;
   for (int k = 1; k <= registered; ++k) {
     const bool in = std::any_of(joined.begin(), joined.end(), [k](const NodeEntry& e) { return e.incarnation == k; });
-    waiting += !in && !gone.count(k);
+    if (in || gone.count(k)) continue;
+    ++waiting;
+    *previous_missing += std::any_of(last_members_.begin(), last_members_.end(),
+                                     [k](const NodeEntry& m) { return m.incarnation == k; });
   }
   return waiting;
+}
+
+// A live node whose --node-rank a member already has is told so (it would wait for ever).
+void ElasticRendezvous::refuse_duplicates(const std::vector<NodeEntry>& joined, const std::set<int>& gone,
+                                          const std::vector<NodeEntry>& members) {
+  for (const NodeEntry& e : joined) {
+    for (const NodeEntry& m : members) {
+      if (m.node == e.node && m.incarnation != e.incarnation && !gone.count(e.incarnation)) {
+        store_.set(str_cat("rdzv/refused/", e.incarnation),
+                   str_cat("meshrun: another meshrun is running as --node-rank ", e.node,
+                           " in this job; give every node its own --node-rank"));
+      }
+    }
+  }
 }
 
 bool ElasticRendezvous::wait_for_members(int round, std::string& members) {
@@ -241,7 +270,18 @@ bool ElasticRendezvous::wait_for_members(int round, std::string& members) {
   return true;
 }
 
-void ElasticRendezvous::finish() { store_.set(kFinishedKey, "1"); }
+// The nodes still waiting poll for this; node 0 hosts the store, so it stays
+// until they have seen it and left (bounded): leaving at once would make their
+// next poll a lost store, and their exit a failure.
+void ElasticRendezvous::finish() {
+  store_.set(kFinishedKey, "1");
+  const auto until = Clock::now() + std::chrono::seconds(3);
+  while (Clock::now() < until) {
+    const int registered = static_cast<int>(store_.add("rdzv/agents", 0));
+    if (static_cast<int>(dead().size()) >= registered - 1) return;  // everyone but node 0 has gone
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
 
 bool node_waiting_to_join() {
   const char* key = std::getenv(kRegroupKeyVariable);

@@ -48,8 +48,10 @@ class ElasticRendezvous {
  private:
   void close_round(int round);
   bool wait_for_members(int round, std::string& members);
-  std::vector<NodeEntry> joined_entries(int round, int first);
-  int alive_not_joined(const std::vector<NodeEntry>& joined);
+  std::vector<NodeEntry> joined_entries(int round);
+  int alive_not_joined(const std::vector<NodeEntry>& joined, int* previous_missing);
+  void refuse_duplicates(const std::vector<NodeEntry>& joined, const std::set<int>& gone,
+                         const std::vector<NodeEntry>& members);
   std::set<int> dead();
 
   const LaunchOptions& o_;
@@ -57,10 +59,11 @@ class ElasticRendezvous {
   std::function<void(const std::string&)> inform_;
   std::function<bool()> interrupted_;
   int incarnation_ = 0;
-  std::unique_ptr<comm::FailureWatcher> agents_watcher_;  // node 0: which agents died
-  std::vector<NodeEntry> last_members_;                   // node 0: the previous round's
+  std::vector<NodeEntry> last_members_;  // node 0: the previous round's
   std::mutex mutex_;
   std::set<int> dead_;
+  // Last: its thread writes dead_, so it goes first.
+  std::unique_ptr<comm::FailureWatcher> agents_watcher_;  // node 0: which agents died
 };
 
 }  // namespace launch

@@ -419,6 +419,9 @@ std::string blame(const std::string& failure, const RemoteFailures& remote) {
   return stuck + "; first to exit: " + failure;
 }
 
+// The node's --node-rank (in an elastic round node_rank is its place among the members).
+int node_id(const LaunchOptions& o) { return o.node_label >= 0 ? o.node_label : o.node_rank; }
+
 // A rank's exit that is not a failure: code 0, or (elastic) stopped at a
 // checkpoint for a regroup (Note [Elastic rendezvous]).
 bool succeeded(const LaunchOptions& o, int status) {
@@ -438,7 +441,7 @@ std::string local_failure(const LaunchOptions& o, const std::vector<std::unique_
     if (!failed || (WIFSIGNALED(r->status) && !WIFSIGNALED(failed->status))) failed = r.get();
   }
   if (!failed) return "";
-  const std::string local = str_cat("rank ", failed->rank, " (node ", o.node_rank, ", local rank ",
+  const std::string local = str_cat("rank ", failed->rank, " (node ", node_id(o), ", local rank ",
                                     failed->rank - o.node_rank * o.nproc_per_node, ") failed with ",
                                     describe_status(failed->status));
   const std::string died = WIFSIGNALED(failed->status) ? "" : remote.died_other_than(failed->rank);
@@ -474,7 +477,7 @@ Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, co
     // Other nodes learn of it through the store (a rank's own store connection
     // tells them too, but a rank may die before it connects).
     try {
-      store.report_failure(gen + "/node" + std::to_string(o.node_rank), outcome.failure);
+      store.report_failure(gen + "/node" + std::to_string(node_id(o)), outcome.failure);
     } catch (const std::exception&) {
     }
     stop_all(ranks, SIGTERM, o.grace);
@@ -626,6 +629,7 @@ std::pair<LaunchOptions, std::map<std::string, std::string>> round_setup(const A
   LaunchOptions ro = a.o;
   ro.nnodes = static_cast<int>(round.members.size());
   ro.node_rank = round.group_rank;
+  ro.node_label = a.o.node_rank;
   std::map<std::string, std::string> env = a.base_env;
   env[kElasticVariable] = "1";
   if (ro.nnodes < a.o.nnodes) env[kRegroupKeyVariable] = round_joined_key(round.round + 1);
@@ -644,7 +648,7 @@ int run_elastic(Agent& a) {
       round = rdzv.join(next);
     } catch (const ConfigError& e) {
       say(e.what());
-      return 1;
+      return 2;
     } catch (const std::exception& e) {
       if (g_signal) return 128 + g_signal;
       if (std::string(e.what()) != "finished") {
@@ -656,8 +660,14 @@ int run_elastic(Agent& a) {
       return 0;
     }
     const auto setup = round_setup(a, round);
-    const Outcome outcome = run_generation(setup.first, round.round, a.port, *a.store, setup.second, &round.members);
+    Outcome outcome = run_generation(setup.first, round.round, a.port, *a.store, setup.second, &round.members);
     next = round.round + 1;
+    const auto key = setup.second.find(kRegroupKeyVariable);
+    if (outcome.regroup && (key == setup.second.end() || a.store->add(key->second, 0) == 0)) {
+      outcome.regroup = false;  // the program's own exit code 75: a failure, not a loop of regroups
+      outcome.failure = str_cat("the ranks exited with code ", kRegroupExitCode, " (stopped to take a waiting node "
+                                "in), but no node is waiting to join");
+    }
     if (outcome.ok) {
       if (a.o.node_rank == 0) rdzv.finish();
       return 0;
@@ -673,7 +683,7 @@ int run_elastic(Agent& a) {
       say(str_cat("failed: ", outcome.failure, a.o.max_restarts > 0 ? str_cat(" (after ", a.o.max_restarts, " restarts)") : ""));
       return 1;
     }
-    say(str_cat("continuing with the nodes that are left (restart ", failures, " of ", a.o.max_restarts, ")"));
+    say(str_cat("meeting the nodes that are left in round ", next, " (restart ", failures, " of ", a.o.max_restarts, ")"));
   }
 }
 

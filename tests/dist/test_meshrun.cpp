@@ -335,3 +335,24 @@ TEST(Meshrun, ElasticJobGoesOnWithoutALostNodeAndTakesItBack) {
   }
   std::system(("rm -rf " + dir).c_str());
 }
+
+// A node that arrives when the job cannot take it in (no checkpoints) waits
+// and, when the job finishes, exits 0 saying so: node 0 keeps the store up
+// until it has seen the news.
+TEST(Meshrun, ElasticNodeStillWaitingWhenTheJobEndsExitsZero) {
+  const std::string node = "MESHTRAIN_RDZV_TOKEN=0123456789abcdef0123456789abcdef " + kBin +
+                           "/meshrun --nnodes 1:2 --nproc-per-node 1 --rdzv-last-call 0 --rdzv-timeout 60 "
+                           "--master-port " + std::to_string(free_port()) + " --node-rank ";
+  const std::string job = " -- " + kBin + "/meshtrain --model gpt --steps 30 --eval-problems 0 --log-every 10";
+  const std::string log = "/tmp/meshrun-waiting-" + std::to_string(getpid()) + ".log";
+  Shell r = sh("(" + node + "0" + job + " > " + log + " 2>&1; echo node0 rc $? >> " + log + ") & " +
+               "for i in $(seq 200); do grep -q 'round 0' " + log + " && break; sleep 0.05; done; " + node + "1" +
+               job + " 2>&1; echo node1 rc $?; wait; cat " + log);
+  std::remove(log.c_str());
+  EXPECT_TRUE(contains(r.output, "meshrun: round 0: nodes 0, 1 ranks")) << r.output;
+  EXPECT_TRUE(contains(r.output, "this node 1 joins at the job's next checkpoint")) << r.output;
+  EXPECT_TRUE(contains(r.output, "warning: an elastic job without --save-dir")) << r.output;
+  EXPECT_TRUE(contains(r.output, "meshrun: the job finished before this node could join")) << r.output;
+  EXPECT_TRUE(contains(r.output, "node1 rc 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "node0 rc 0")) << r.output;
+}

@@ -46,6 +46,12 @@ TEST(ElasticRound, ClosesAtMaxOrAfterTheLastCallOrWhenEveryLiveNodeIsIn) {
   EXPECT_TRUE(launch::round_can_close(state(1, 0, 0, false), 1, 2, last_call));
   EXPECT_FALSE(launch::round_can_close(state(1, 1, 0, false), 1, 2, last_call));
   EXPECT_TRUE(launch::round_can_close(state(1, 1, 10, false), 1, 2, last_call));
+  // MAX newcomers do not close the round while a member of the previous one is still on its way.
+  RoundState full = state(2, 1, 0, false);
+  full.previous_missing = 1;
+  EXPECT_FALSE(launch::round_can_close(full, 1, 2, last_call));
+  full.elapsed_seconds = 10;
+  EXPECT_TRUE(launch::round_can_close(full, 1, 2, last_call));
 }
 
 TEST(ElasticRound, MembersAreLiveDistinctNodesWithNodeZeroAlwaysIn) {
@@ -56,6 +62,8 @@ TEST(ElasticRound, MembersAreLiveDistinctNodesWithNodeZeroAlwaysIn) {
   EXPECT_EQ(launch::choose_members(joined, {}, 4), (std::vector<NodeEntry>{{0, 1}, {1, 3}, {2, 5}, {3, 4}}));
   // At most MAX, node 0 first although it arrived third, then arrival order.
   EXPECT_EQ(launch::choose_members(joined, {}, 2), (std::vector<NodeEntry>{{0, 1}, {2, 5}}));
+  // The previous round's members come before newcomers that arrived first.
+  EXPECT_EQ(launch::choose_members(joined, {}, 2, {{0, 1}, {3, 4}}), (std::vector<NodeEntry>{{0, 1}, {3, 4}}));
   EXPECT_EQ(launch::decode_members(launch::encode_members(joined)), joined);
   EXPECT_NE(config_error([] { launch::decode_members("0#1,1"); }).find("malformed member '1'"), std::string::npos);
   EXPECT_NE(config_error([] { launch::decode_members("0#x"); }).find("malformed incarnation 'x'"), std::string::npos);

@@ -69,6 +69,11 @@ int main(int argc, char** argv) {
     if (config.comm_timeout > 0) options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.comm_timeout * 1000));
     comm::CommPtr world = comm::init_from_env(options);
     if (world->rank() == 0) {
+      if (elastic && (config.save_dir.empty() || config.save_every <= 0 || !config.resume)) {
+        std::cout << "meshtrain: warning: an elastic job without --save-dir, --save-every and --resume starts over "
+                     "after a lost node, and a returning node waits until the end (it joins at a checkpoint)"
+                  << std::endl;
+      }
       if (layout.source != "the flags") {
         std::cout << "meshtrain: a world of " << world->size() << " ranks runs dp " << config.dp << " x pp " << config.pp
                   << " x tp " << config.tp << ", ZeRO " << config.zero << " (" << layout.source << ")" << std::endl;

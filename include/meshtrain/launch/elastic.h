@@ -43,22 +43,25 @@ struct NodeEntry {
 
 // What node 0 knows while a round is open.
 struct RoundState {
-  int joined = 0;            // live nodes that joined this round
+  int joined = 0;            // live nodes that joined this round (at most MAX counted)
   int alive_not_joined = 0;  // live nodes registered with the store that have not joined it yet
+  int previous_missing = 0;  // of those, members of the previous round (still stopping their ranks)
   double elapsed_seconds = 0;
   bool first_round = true;   // no node can be expected yet: wait for MAX or the last call
 };
 
-// Whether node 0 may close the round: MAX nodes joined; or at least MIN and
-// either the last-call window has passed or (after the first round) every live
-// node has joined. Pure.
+// Whether node 0 may close the round: MAX nodes joined and no member of the
+// previous round still on its way (newcomers do not push it out); or at least
+// MIN and either the last-call window has passed or (after the first round)
+// every live node has joined. Pure.
 bool round_can_close(const RoundState& state, int min_nodes, int max_nodes, double last_call_seconds);
 
 // The members of a round from its joins in arrival order: dead incarnations
-// dropped, a node id that joined twice kept once (first arrival), at most
-// `max_nodes`, ordered by node id (the order gives each its group rank). Pure.
+// dropped, a node id kept once, at most `max_nodes`, chosen in this order:
+// node 0, the previous round's members, then the others by arrival; ordered by
+// node id (the order gives each its group rank). Pure.
 std::vector<NodeEntry> choose_members(const std::vector<NodeEntry>& joined, const std::set<int>& dead_incarnations,
-                                      int max_nodes);
+                                      int max_nodes, const std::vector<NodeEntry>& previous = {});
 
 // "0#1,1#4" and back. decode throws ConfigError on a malformed list.
 std::string encode_members(const std::vector<NodeEntry>& members);

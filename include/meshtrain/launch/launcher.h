@@ -27,6 +27,9 @@ struct LaunchOptions {
   // with at least min_nodes, and takes lost or new nodes back in up to nnodes.
   bool elastic = false;
   int min_nodes = 1;
+  // In an elastic round node_rank is the node's place among the members (its
+  // ranks' numbering); this is its --node-rank, for messages (-1: node_rank).
+  int node_label = -1;
   std::chrono::milliseconds last_call{std::chrono::seconds(10)};  // --rdzv-last-call
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
