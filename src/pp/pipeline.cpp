@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <map>
+#include <set>
+
 #include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
@@ -31,6 +35,35 @@ std::vector<int64_t> stage_bounds(const torch::nn::SequentialImpl& model, int st
   return partition_balanced(parameter_counts(model), stages);
 }
 
+// Note [Tied parameters across stages]
+// A parameter that children of stages on different ranks share (a language
+// model's embedding and its head, Megatron's tied word embeddings) gets a
+// gradient on each of those ranks, each the part of its own uses; the
+// one-process gradient is their sum. Every rank builds the whole model, so
+// each holds the same values: step() sums the gradient over the ranks that
+// hold the parameter (after the data-parallel reduction, which commutes with
+// it), and the optimizers then keep the copies equal. The groups come from the
+// whole model, alike on every rank, in the order of the children.
+// For each parameter held by more than one rank: those ranks, and the parameter.
+std::vector<std::pair<std::set<int>, at::Tensor>> tied_across_ranks(const torch::nn::SequentialImpl& model,
+                                                                     const std::vector<int64_t>& bounds, int ranks) {
+  std::vector<std::pair<std::set<int>, at::Tensor>> groups;
+  std::map<const void*, size_t> index;
+  const auto children = model.children();
+  for (size_t stage = 0; stage + 1 < bounds.size(); ++stage) {
+    for (int64_t i = bounds[stage]; i < bounds[stage + 1]; ++i) {
+      for (const at::Tensor& p : children[i]->parameters()) {
+        const auto found = index.emplace(p.unsafeGetTensorImpl(), groups.size());
+        if (found.second) groups.push_back({{}, p});
+        groups[found.first->second].first.insert(static_cast<int>(stage) % ranks);
+      }
+    }
+  }
+  groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& g) { return g.first.size() < 2; }),
+               groups.end());
+  return groups;
+}
+
 }  // namespace
 
 Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options)
@@ -56,6 +89,18 @@ Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss l
     fns.push_back({s, [chunk](const at::Tensor& x, int) { return chunk->forward(x); }});
   }
   executor_ = std::make_unique<PipelineExecutor>(pp_, spec, std::move(fns));
+  for (const auto& group : tied_across_ranks(*model, bounds_, ranks)) {  // Note [Tied parameters across stages]
+    const bool mine = group.first.count(pp_->rank()) > 0;
+    comm::CommPtr holders = pp_->split(mine ? 0 : -1, pp_->rank(), "tied");
+    if (mine) tied_.push_back({group.second, holders});
+  }
+}
+
+void Pipeline::sum_tied_gradients() {
+  for (auto& t : tied_) {
+    if (!t.parameter.grad().defined()) t.parameter.mutable_grad() = at::zeros_like(t.parameter);
+    t.holders->all_reduce(t.parameter.mutable_grad());
+  }
 }
 
 double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
@@ -85,6 +130,7 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   hooks.after_backward = [&](int s, int) { dp::set_gradient_sync(chunk_of(s), true); };
   const StepResult r = executor_->run(
       in, out, [&](const at::Tensor& y, const at::Tensor& t, int) { return loss_(y, t) / m; }, hooks);
+  sum_tied_gradients();
   at::Tensor loss = at::tensor({r.loss_sum}, at::kDouble);
   pp_->broadcast(loss, pp_->size() - 1);
   return loss.item<double>();

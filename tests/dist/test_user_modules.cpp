@@ -6,6 +6,7 @@
 
 #include "harness.h"
 #include "meshtrain/comm/traffic.h"
+#include "meshtrain/dp/params.h"
 #include "meshtrain/dp/replicate.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
@@ -812,3 +813,98 @@ TEST(UserModules, FullyShardTwiceNamesTheFix) {
 }
 
 }  // namespace
+
+namespace {
+
+// A head that reuses a weight it is given (a language model's tied embedding).
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(const torch::Tensor& shared) : weight(register_parameter("weight", shared)) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::matmul(x, weight.t()); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedHead);
+
+// A small language model whose head is tied to its embedding: 5 children,
+// cut so that the two land on different pipeline ranks.
+torch::nn::Sequential tied_model() {
+  torch::manual_seed(7);
+  torch::nn::Embedding embedding(10, 8);
+  return torch::nn::Sequential(embedding, torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8),
+                               TiedHead(embedding->weight));
+}
+
+torch::Tensor tokens(int step) {
+  torch::manual_seed(200 + step);
+  return torch::randint(0, 10, {12, 5}, torch::kLong);
+}
+torch::Tensor next_tokens(const torch::Tensor& t) { return (t + 1) % 10; }
+torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, 10}), targets.reshape({-1}));
+}
+
+// Each parameter once (libtorch's parameters() lists a tied one under both
+// names, and an optimizer given both would step it twice).
+std::vector<torch::Tensor> each_once(const torch::nn::Module& model) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : meshtrain::dp::unique_parameters(model)) out.push_back(p.tensor);
+  return out;
+}
+
+Reference train_tied_one_process() {
+  auto model = tied_model();
+  torch::optim::SGD opt(each_once(*model), torch::optim::SGDOptions(0.5).momentum(0.9));
+  Reference r;
+  for (int step = 0; step < kSteps; ++step) {
+    auto x = tokens(step);
+    opt.zero_grad();
+    auto loss = cross_entropy(model->forward(x), next_tokens(x));
+    loss.backward();
+    opt.step();
+    r.losses.push_back(loss.item<double>());
+  }
+  for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
+  return r;
+}
+
+}  // namespace
+
+// Note [Tied parameters across stages]: the embedding (stage 0) and the head
+// tied to it (the last stage) are kept equal and trained as in one process,
+// on 2 and 3 stages and with dp 2 x pp 2 under dp::replicate.
+TEST(UserModules, TiedEmbeddingAndHeadOnDifferentStagesMatchOneProcess) {
+  const Reference ref = train_tied_one_process();
+  ASSERT_TRUE(ref.params.count("4.weight") && ref.params.count("0.weight"));
+  for (int stages : {2, 3}) {
+    run_ranks(stages, [&](Communicator& comm) {
+      auto stage = meshtrain::pp::pipeline(tied_model(), borrowed(comm), cross_entropy,
+                                           meshtrain::pp::PipelineOptions().microbatches(3).split_points(
+                                               stages == 2 ? std::vector<int64_t>{2} : std::vector<int64_t>{1, 3}));
+      torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+      std::vector<double> losses;
+      for (int step = 0; step < kSteps; ++step) {
+        auto x = tokens(step);
+        opt.zero_grad();
+        losses.push_back(stage.step(x, next_tokens(x)));
+        opt.step();
+      }
+      expect_matches(ref, losses, *stage.module(), std::to_string(stages) + " stages, rank " + std::to_string(comm.rank()));
+    });
+  }
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+    auto stage = meshtrain::pp::pipeline(tied_model(), mesh.pp(), cross_entropy,
+                                         meshtrain::pp::PipelineOptions().split_points({2}).microbatches(2));
+    auto replicated = meshtrain::dp::replicate(stage.module(), mesh.dp());
+    torch::optim::SGD opt(replicated->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto mine = tokens(step).narrow(0, mesh.coord().dp * 6, 6);
+      opt.zero_grad();
+      torch::Tensor loss = torch::tensor({stage.step(mine, next_tokens(mine))}, torch::kDouble);
+      mesh.dp()->all_reduce(loss, meshtrain::comm::ReduceOp::kAvg);
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    expect_matches(ref, losses, *stage.module(), "dp 2 x pp 2, rank " + std::to_string(comm.rank()));
+  });
+}

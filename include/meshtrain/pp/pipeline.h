@@ -21,6 +21,12 @@
 // at V times the activation messages. stage.module() holds every chunk's
 // children; stage.chunks() each chunk apart.
 //
+// Tied parameters: a parameter that children of stages on different ranks
+// share (an embedding and the LM head that reuses its weight) is kept equal:
+// step() sums its gradient over those ranks, as one process accumulates it.
+// Shown with dp::replicate around the stage; ZeRO-2/3 and fully_shard, which
+// shard gradients, are not combined with it yet.
+//
 // Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2, or
 // zero::fully_shard its children) along the data axis, and step() pauses
 // their gradient reduction for all but the last micro-batch
@@ -80,6 +86,13 @@ class Pipeline {
   double step(const at::Tensor& inputs, const at::Tensor& targets);
 
  private:
+  // Note [Tied parameters across stages] (src/pp/pipeline.cpp).
+  struct Tied {
+    at::Tensor parameter;
+    comm::CommPtr holders;  // the pipeline ranks that hold it
+  };
+  void sum_tied_gradients();
+
   comm::CommPtr pp_;
   PipelineLoss loss_;
   PipelineOptions options_;
@@ -87,6 +100,7 @@ class Pipeline {
   std::shared_ptr<torch::nn::SequentialImpl> stage_;
   std::vector<std::shared_ptr<torch::nn::SequentialImpl>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
+  std::vector<Tied> tied_;
 };
 
 // The same as constructing a Pipeline, as PyTorch's and torchtitan's helpers read.
