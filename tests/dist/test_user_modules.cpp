@@ -45,20 +45,33 @@ struct Reference {
   std::vector<double> losses;
   std::map<std::string, torch::Tensor> params;
 };
-Reference train_one_process(int steps) {
-  auto model = user_model();
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+// `model` trained for `steps` on batch(step) -> (inputs, targets) with SGD
+// (momentum 0.9), each parameter given to the optimizer once (libtorch's
+// parameters() lists a tied one under both names: it would be stepped twice).
+Reference train_reference(torch::nn::Sequential model, int steps, double lr,
+                          const std::function<std::pair<torch::Tensor, torch::Tensor>(int)>& batch,
+                          const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss_fn) {
+  std::vector<torch::Tensor> once;
+  for (const auto& p : meshtrain::dp::unique_parameters(*model)) once.push_back(p.tensor);
+  torch::optim::SGD opt(once, torch::optim::SGDOptions(lr).momentum(0.9));
   Reference r;
   for (int step = 0; step < steps; ++step) {
-    auto x = batch_inputs(step);
+    const auto xy = batch(step);
     opt.zero_grad();
-    auto loss = mse(model->forward(x), batch_targets(x));
+    auto loss = loss_fn(model->forward(xy.first), xy.second);
     loss.backward();
     opt.step();
     r.losses.push_back(loss.item<double>());
   }
   for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
   return r;
+}
+
+Reference train_one_process(int steps) {
+  return train_reference(user_model(), steps, 0.05, [](int step) {
+    auto x = batch_inputs(step);
+    return std::make_pair(x, batch_targets(x));
+  }, mse);
 }
 
 void expect_matches(const Reference& ref, const std::vector<double>& losses, const torch::nn::Module& stage,
@@ -842,28 +855,11 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
   return torch::nn::functional::cross_entropy(logits.reshape({-1, 10}), targets.reshape({-1}));
 }
 
-// Each parameter once (libtorch's parameters() lists a tied one under both
-// names, and an optimizer given both would step it twice).
-std::vector<torch::Tensor> each_once(const torch::nn::Module& model) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : meshtrain::dp::unique_parameters(model)) out.push_back(p.tensor);
-  return out;
-}
-
 Reference train_tied_one_process() {
-  auto model = tied_model();
-  torch::optim::SGD opt(each_once(*model), torch::optim::SGDOptions(0.5).momentum(0.9));
-  Reference r;
-  for (int step = 0; step < kSteps; ++step) {
+  return train_reference(tied_model(), kSteps, 0.5, [](int step) {
     auto x = tokens(step);
-    opt.zero_grad();
-    auto loss = cross_entropy(model->forward(x), next_tokens(x));
-    loss.backward();
-    opt.step();
-    r.losses.push_back(loss.item<double>());
-  }
-  for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
-  return r;
+    return std::make_pair(x, next_tokens(x));
+  }, cross_entropy);
 }
 
 }  // namespace

@@ -14,23 +14,13 @@
 #include "comm/hier/communicator.h"
 #include "comm/reduce.h"
 #include "comm/shm/layout.h"
+#include "config_error.h"
 #include "meshtrain/util/error.h"
 
 using namespace meshtrain;
 using namespace meshtrain::comm;
 
-namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "";
-}
-
-}  // namespace
+constexpr auto error_of = meshtrain::testing::config_error_of;
 
 TEST(BackendChoice, AutoPicksSharedMemoryHierarchicalOrGlooFromTheHosts) {
   EXPECT_EQ(choose_impl(BackendKind::kAuto, {"a", "a", "a"}, "world"), Impl::kShm);

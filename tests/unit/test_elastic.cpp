@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include "config_error.h"
+
 #include "meshtrain/launch/elastic.h"
 #include "meshtrain/launch/launcher.h"
 #include "meshtrain/train/config.h"
@@ -12,6 +14,7 @@
 using namespace meshtrain;
 using launch::NodeEntry;
 using launch::RoundState;
+constexpr auto config_error = meshtrain::testing::config_error_of;
 
 namespace {
 
@@ -24,14 +27,6 @@ RoundState state(int joined, int alive_not_joined, double elapsed, bool first_ro
   return s;
 }
 
-std::string config_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 
