@@ -128,6 +128,14 @@ void install_embedding_kernel_once() {
 
 // ---- the plan
 
+// The other name of `weight` in `model` (a head tied to the embedding at `path`), or "".
+std::string tied_to(torch::nn::Module& model, const std::string& path, const at::Tensor& weight) {
+  for (const auto& p : model.named_parameters()) {
+    if (p.value().is_same(weight) && p.key() != path + ".weight") return p.key();
+  }
+  return "";
+}
+
 const char* style_name(Style style) {
   return style == Style::kColwise ? "kColwise" : style == Style::kRowwise ? "kRowwise" : "kVocabParallel";
 }
@@ -142,13 +150,13 @@ torch::nn::Module& layer_at(torch::nn::Module& model, const std::string& path, S
       MESHTRAIN_CHECK(e, "tp::parallelize: '", path, "' is a ", m.name(), "; kVocabParallel applies to torch::nn::Embedding");
       MESHTRAIN_CHECK(!e->options.max_norm(), "tp::parallelize: Embedding '", path, "' has max_norm, which renormalizes "
                       "rows by global index; build it without max_norm");
-      for (const auto& p : model.named_parameters()) {
-        MESHTRAIN_CHECK(!p.value().is_same(e->weight) || p.key() == path + ".weight", "tp::parallelize: Embedding '",
-                        path, "' shares its weight with '", p.key(), "' (tied); a vocabulary-parallel LM head is not "
-                        "supported yet: untie them or leave the embedding whole");
-      }
       MESHTRAIN_CHECK(e->weight.size(0) >= tp, "tp::parallelize: Embedding '", path, "' has ", e->weight.size(0),
                       " rows, fewer than tp ", tp);
+      const std::string tied = tied_to(model, path, e->weight);
+      MESHTRAIN_CHECK(tied.empty() || e->weight.size(0) % tp == 0, "tp::parallelize: Embedding '", path, "' shares its ",
+                      "weight with '", tied, "' (a tied LM head), whose logits are then cut by vocabulary for ",
+                      "tp::vocab_parallel_cross_entropy, which needs equal cuts: its ", e->weight.size(0),
+                      " rows are not a multiple of tp ", tp, "; pad the vocabulary to a multiple of ", tp);
       return m;
     }
     auto* linear = m.as<torch::nn::LinearImpl>();
@@ -180,7 +188,11 @@ void slice_linear(torch::nn::LinearImpl& linear, Style style, const comm::CommPt
   intercept::mark(w, std::make_shared<Slice>(tp, w.stride(dim), w.size(dim)));  // after set_data, which copies key sets
 }
 
-void slice_embedding(torch::nn::EmbeddingImpl& embedding, const comm::CommPtr& tp) {
+// A head tied to the embedding multiplies by the same rows: its logits are
+// this rank's vocabulary (for tp::vocab_parallel_cross_entropy), and the
+// product of its backward that contracts over the rows is summed over tp by a
+// Slice of dimension 0, as for a kColwise weight.
+void slice_embedding(torch::nn::EmbeddingImpl& embedding, const comm::CommPtr& tp, bool tied) {
   install_embedding_kernel_once();
   at::Tensor& w = embedding.weight;
   const Range rows = shard_range(w.size(0), tp->size(), tp->rank());  // sizes need not divide
@@ -191,6 +203,7 @@ void slice_embedding(torch::nn::EmbeddingImpl& embedding, const comm::CommPtr& t
   const int64_t padding_idx = embedding.options.padding_idx().value_or(-1);
   embedding.options.padding_idx(c10::nullopt);
   intercept::mark(w, std::make_shared<VocabRows>(tp, rows, padding_idx));
+  if (tied) intercept::mark(w, std::make_shared<Slice>(tp, w.stride(0), w.size(0)));
   intercept::add_dispatch_key(w, kBeforeAutograd);
 }
 
@@ -202,7 +215,12 @@ void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::m
   for (const auto& kv : plan) layers.push_back({&layer_at(model, kv.first, kv.second, tp->size()), kv.second});  // all checked first
   if (tp->size() == 1) return;
   for (auto& l : layers) {
-    if (l.second == Style::kVocabParallel) slice_embedding(*l.first->as<torch::nn::EmbeddingImpl>(), tp);
+    if (l.second == Style::kVocabParallel) {
+      auto& e = *l.first->as<torch::nn::EmbeddingImpl>();
+      int names = 0;  // a tied weight is registered under two names
+      for (const auto& p : model.named_parameters()) names += p.value().is_same(e.weight);
+      slice_embedding(e, tp, names > 1);
+    }
     else slice_linear(*l.first->as<torch::nn::LinearImpl>(), l.second, tp);
   }
 }

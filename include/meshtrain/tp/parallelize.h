@@ -18,8 +18,11 @@
 //             shard_range(vocab, tp, r) (sizes need not divide): each rank
 //             looks up the indices in its rows, zeros for the others, the
 //             output summed over tp (Megatron's VocabParallelEmbedding). Not
-//             with max_norm, scale_grad_by_freq or sparse; an LM head tied to
-//             it stays whole (not parallelized) and is refused.
+//             with max_norm, scale_grad_by_freq or sparse. An LM head tied to
+//             it (the same weight) multiplies by the same rows: its logits hold
+//             this rank's vocabulary, for tp::vocab_parallel_cross_entropy
+//             (tp/ops.h; the logits are never gathered), and its backward is
+//             summed over tp; the vocabulary must then divide by tp.
 //
 // The values are the dense layer's own, sliced (every rank must hold the same
 // dense model: build it after the same seed), so the parallel model starts as
