@@ -50,6 +50,12 @@ Process::Process(ProcessConfig config, std::shared_ptr<TcpStore> store,
 Process::~Process() {
   // Order matters: stop watching before anyone may go away legitimately, say
   // goodbye, and, when hosting the store, let the other ranks say theirs.
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  recorder_wake_.notify_all();
+  if (recorder_.joinable()) recorder_.join();  // it writes to the store
   if (watcher_) watcher_->stop();
   try {
     store_->bye();
@@ -122,18 +128,48 @@ int Process::rank_of_label(const std::string& label) {
   }
 }
 
-void Process::register_wait(gloo::transport::UnboundBuffer* buf) {
+void Process::register_wait(gloo::transport::UnboundBuffer* buf, int peer,
+                            std::chrono::steady_clock::duration long_after) {
   std::lock_guard<std::mutex> lock(mutex_);
-  waiting_.insert(buf);
+  waiting_[buf] = GlooWait{peer, std::chrono::steady_clock::now() + long_after, false};
+  if (!recorder_.joinable()) recorder_ = std::thread([this] { record_long_waits(); });
   if (failure_) {
     buf->abortWaitRecv();
     buf->abortWaitSend();
   }
 }
 
-void Process::unregister_wait(gloo::transport::UnboundBuffer* buf) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  waiting_.erase(buf);
+void Process::unregister_wait(gloo::transport::UnboundBuffer* buf, bool completed) {
+  bool noted = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = waiting_.find(buf);
+    if (it == waiting_.end()) return;
+    noted = it->second.noted;
+    waiting_.erase(it);
+  }
+  // A completed wait clears its record; a failed one keeps it (others may still follow the chain).
+  if (noted && completed) note_waiting(-1);
+}
+
+// Note [Naming a stuck rank] for Gloo: its waits are one blocking call, so a
+// thread looks at them every 100 ms and records the long ones.
+void Process::record_long_waits() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    recorder_wake_.wait_for(lock, std::chrono::milliseconds(100));
+    const auto now = std::chrono::steady_clock::now();
+    int peer = -1;
+    for (auto& kv : waiting_) {
+      if (kv.second.noted || now < kv.second.long_at || failure_) continue;
+      kv.second.noted = true;
+      peer = kv.second.peer;
+    }
+    if (peer < 0) continue;
+    lock.unlock();
+    note_waiting(peer);  // the store is thread-safe; not under the lock, which on_failure needs
+    lock.lock();
+  }
 }
 
 int Process::add_failure_listener(std::function<void()> wake) {
@@ -156,10 +192,10 @@ void Process::remove_failure_listener(int id) {
 // prefixed kStuckReport ("stuck: ", store.h). The store pushes it like a death: every rank's waits
 // abort at once naming the stuck rank, and meshrun's summary names it too.
 // The peer it waited for may itself be waiting (rank 3 waits for rank 0, which
-// waits for the stopped rank 2): a shared-memory wait that lasts a quarter of
-// the timeout records "waiting/r<me> = <peer>" in the store, and the reporter
-// follows that chain to the rank that waits for no one (Gloo's waits are one
-// blocking call with no such record: a Gloo rank names the peer it waited for).
+// waits for the stopped rank 2): a wait that lasts a quarter of the timeout
+// (at least 1 s) records "waiting/r<me> = <peer>" in the store (shared memory
+// from its wait loop, Gloo from a recorder thread: its waits are one blocking
+// call), and the reporter follows that chain to the rank that waits for no one.
 std::string Process::describe(const FailureReport& f) {
   const int rank = rank_of_label(f.label);
   if (rank < 0) return str_cat(f.label == "<store>" ? "" : f.label + ": ", f.reason);  // the store host: no rank to name
@@ -224,9 +260,9 @@ void Process::on_failure(const FailureReport& report) {
   if (failure_) return;
   failure_ = report;
   failed_.store(true, std::memory_order_release);
-  for (auto* buf : waiting_) {
-    buf->abortWaitRecv();
-    buf->abortWaitSend();
+  for (auto& kv : waiting_) {
+    kv.first->abortWaitRecv();
+    kv.first->abortWaitSend();
   }
   for (auto& kv : listeners_) kv.second();
 }

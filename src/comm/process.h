@@ -9,6 +9,8 @@
 #include <gloo/transport/unbound_buffer.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -16,6 +18,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "meshtrain/comm/store.h"
@@ -83,9 +86,12 @@ class Process {
   // and the watcher may name the dead rank a moment later).
   std::optional<FailureReport> await_failure(std::chrono::milliseconds grace) const;
 
-  // Gloo waits registered here are aborted (abortWaitRecv/Send) when a failure arrives.
-  void register_wait(gloo::transport::UnboundBuffer* buf);
-  void unregister_wait(gloo::transport::UnboundBuffer* buf);
+  // Gloo waits registered here are aborted (abortWaitRecv/Send) when a
+  // failure arrives. A wait for global rank `peer` still registered after
+  // `long_after` is recorded with note_waiting by a recorder thread (a Gloo
+  // wait is one blocking call), and the record is cleared when it completes.
+  void register_wait(gloo::transport::UnboundBuffer* buf, int peer, std::chrono::steady_clock::duration long_after);
+  void unregister_wait(gloo::transport::UnboundBuffer* buf, bool completed);
   // Other backends register a callback that wakes their waiters (called once,
   // from the watcher's thread, after failed() became true). Returns an id.
   int add_failure_listener(std::function<void()> wake);
@@ -110,7 +116,16 @@ class Process {
   std::optional<FailureReport> failure_;
   std::atomic<bool> failed_{false};
   std::atomic<bool> reported_stuck_{false};
-  std::set<gloo::transport::UnboundBuffer*> waiting_;
+  struct GlooWait {
+    int peer = -1;
+    std::chrono::steady_clock::time_point long_at;
+    bool noted = false;
+  };
+  void record_long_waits();  // the recorder thread's loop
+  std::map<gloo::transport::UnboundBuffer*, GlooWait> waiting_;
+  std::thread recorder_;
+  std::condition_variable recorder_wake_;
+  bool stopping_ = false;
   std::map<int, std::function<void()>> listeners_;
   int next_listener_ = 0;
   std::vector<std::string> hosts_;  // by global rank, loaded on first use

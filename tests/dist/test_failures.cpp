@@ -48,6 +48,8 @@ class Failures : public ::testing::TestWithParam<const char*> {
 class Split : public Failures {};
 // The backends on which a dead peer is an error the survivors see (not mpi).
 class PeerDeath : public Failures {};
+// The backends that name a stuck rank at the end of a waits-for chain (not mpi).
+class WaitChain : public Failures {};
 
 bool alive(int pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -209,6 +211,31 @@ TEST_P(Failures, StuckPeerGivesTimeoutError) {
   }, options);
 }
 
+// Note [Naming a stuck rank]: rank 1 waits for rank 0, which waits for the
+// stopped rank 2. Rank 1 times out first, yet it names rank 2, the end of the
+// chain (rank 0's long wait is in the store), and so does rank 0.
+TEST_P(WaitChain, TheFirstToTimeOutNamesTheEndOfTheChain) {
+  RankOptions options = this->options();
+  options.comm_timeout = std::chrono::seconds(3);
+  options.may_die = {2};
+  run_ranks(3, [](Communicator& comm) {
+    auto t = torch::ones({4});
+    comm.all_reduce(t);
+    if (comm.rank() == 2) raise(SIGSTOP);
+    try {
+      if (comm.rank() == 1) comm.recv(t, 0);  // waits from now: the first to time out
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      comm.recv(t, 2);  // rank 0
+      ADD_FAILURE() << "a receive completed from a stopped rank";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("global rank 2"), std::string::npos) << e.what();
+      if (comm.rank() == 1) {
+        EXPECT_NE(std::string(e.what()).find("which waits for global rank 2"), std::string::npos) << e.what();
+      }
+    }
+  }, options);
+}
+
 // Each case on a fresh communicator split from the world (one that raised
 // MismatchError refuses further work), all in one job: an mpirun job costs
 // ~1 s to start.
@@ -324,6 +351,8 @@ TEST_P(Split, ByColorAndByRankListConcurrentWithParent) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, Failures, ::testing::Values("shm", "gloo", "mpi"),
                          [](const auto& info) { return std::string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Backends, WaitChain, ::testing::Values("shm", "gloo"),
+                         [](const ::testing::TestParamInfo<const char*>& info) { return std::string(info.param); });
 INSTANTIATE_TEST_SUITE_P(Backends, PeerDeath, ::testing::Values("shm", "gloo"),
                          [](const auto& info) { return std::string(info.param); });
 INSTANTIATE_TEST_SUITE_P(Backends, Split, ::testing::Values("shm", "gloo", "mpi"),

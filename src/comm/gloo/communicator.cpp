@@ -204,18 +204,20 @@ bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration wa
 
 void GlooCommunicator::wait(Transfer& t) {
   if (!t.buf) return;
-  process_->register_wait(t.buf.get());
+  // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]).
+  process_->register_wait(t.buf.get(), global_ranks_[t.peer],
+                          std::max<std::chrono::steady_clock::duration>(std::chrono::seconds(1), options_.timeout / 4));
   const auto start = std::chrono::steady_clock::now();
   bool completed = false;
   try {
     completed = t.is_recv ? t.buf->waitRecv(nullptr, options_.timeout)
                           : t.buf->waitSend(nullptr, options_.timeout);
   } catch (const gloo::Exception& e) {
-    process_->unregister_wait(t.buf.get());
+    process_->unregister_wait(t.buf.get(), false);
     if (is_timeout(e, std::chrono::steady_clock::now() - start, options_.timeout)) throw_timeout(t);
     throw_broken_connection(t, e.what());
   }
-  process_->unregister_wait(t.buf.get());
+  process_->unregister_wait(t.buf.get(), completed);
   if (!completed) throw_aborted(t);
   const int64_t bytes = static_cast<int64_t>(t.bytes);
   count(t.kind, t.peer, t.is_recv ? 0 : bytes, t.is_recv ? bytes : 0);
