@@ -131,7 +131,7 @@ int Process::rank_of_label(const std::string& label) {
 void Process::register_wait(gloo::transport::UnboundBuffer* buf, int peer,
                             std::chrono::steady_clock::duration long_after) {
   std::lock_guard<std::mutex> lock(mutex_);
-  waiting_[buf] = GlooWait{peer, std::chrono::steady_clock::now() + long_after, false};
+  waiting_[buf] = GlooWait{peer, std::chrono::steady_clock::now() + long_after};
   if (!recorder_.joinable()) recorder_ = std::thread([this] { record_long_waits(); });
   if (failure_) {
     buf->abortWaitRecv();
@@ -140,34 +140,36 @@ void Process::register_wait(gloo::transport::UnboundBuffer* buf, int peer,
 }
 
 void Process::unregister_wait(gloo::transport::UnboundBuffer* buf, bool completed) {
-  bool noted = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = waiting_.find(buf);
-    if (it == waiting_.end()) return;
-    noted = it->second.noted;
-    waiting_.erase(it);
+    waiting_.erase(buf);
+    // A failed wait keeps its record: the ranks timing out on this one may still follow it.
+    keep_wait_record_ = keep_wait_record_ || !completed;
   }
-  // A completed wait clears its record; a failed one keeps it (others may still follow the chain).
-  if (noted && completed) note_waiting(-1);
+  recorder_wake_.notify_all();  // a completed long wait's record goes at once
 }
 
 // Note [Naming a stuck rank] for Gloo: its waits are one blocking call, so a
-// thread looks at them every 100 ms and records the long ones.
+// thread records them. It is the only writer of this rank's record (two
+// writers could land out of order and leave a stale one): every 100 ms, or
+// when a wait ends, it writes the peer of the oldest long wait, "" when there
+// is none, when that changed.
 void Process::record_long_waits() {
   std::unique_lock<std::mutex> lock(mutex_);
+  int written = -1;  // what the store holds for this rank (-1: no record)
   while (!stopping_) {
     recorder_wake_.wait_for(lock, std::chrono::milliseconds(100));
+    if (failure_ || keep_wait_record_) continue;
     const auto now = std::chrono::steady_clock::now();
     int peer = -1;
-    for (auto& kv : waiting_) {
-      if (kv.second.noted || now < kv.second.long_at || failure_) continue;
-      kv.second.noted = true;
-      peer = kv.second.peer;
+    auto oldest = std::chrono::steady_clock::time_point::max();
+    for (const auto& kv : waiting_) {
+      if (now >= kv.second.long_at && kv.second.long_at < oldest) oldest = kv.second.long_at, peer = kv.second.peer;
     }
-    if (peer < 0) continue;
+    if (peer == written) continue;
+    written = peer;
     lock.unlock();
-    note_waiting(peer);  // the store is thread-safe; not under the lock, which on_failure needs
+    note_waiting(peer);  // not under the lock, which on_failure needs
     lock.lock();
   }
 }

@@ -89,7 +89,8 @@ class Process {
   // Gloo waits registered here are aborted (abortWaitRecv/Send) when a
   // failure arrives. A wait for global rank `peer` still registered after
   // `long_after` is recorded with note_waiting by a recorder thread (a Gloo
-  // wait is one blocking call), and the record is cleared when it completes.
+  // wait is one blocking call); the record is cleared when it completes and
+  // kept when it fails.
   void register_wait(gloo::transport::UnboundBuffer* buf, int peer, std::chrono::steady_clock::duration long_after);
   void unregister_wait(gloo::transport::UnboundBuffer* buf, bool completed);
   // Other backends register a callback that wakes their waiters (called once,
@@ -119,13 +120,13 @@ class Process {
   struct GlooWait {
     int peer = -1;
     std::chrono::steady_clock::time_point long_at;
-    bool noted = false;
   };
   void record_long_waits();  // the recorder thread's loop
   std::map<gloo::transport::UnboundBuffer*, GlooWait> waiting_;
   std::thread recorder_;
   std::condition_variable recorder_wake_;
   bool stopping_ = false;
+  bool keep_wait_record_ = false;  // a Gloo wait failed: its record stays
   std::map<int, std::function<void()>> listeners_;
   int next_listener_ = 0;
   std::vector<std::string> hosts_;  // by global rank, loaded on first use

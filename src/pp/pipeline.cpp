@@ -45,16 +45,17 @@ std::vector<int64_t> stage_bounds(const torch::nn::SequentialImpl& model, int st
 // it), and the optimizers then keep the copies equal. The groups come from the
 // whole model, alike on every rank, in the order of the children.
 // For each parameter held by more than one rank: those ranks, and the parameter.
-std::vector<std::pair<std::set<int>, at::Tensor>> tied_across_ranks(const torch::nn::SequentialImpl& model,
-                                                                     const std::vector<int64_t>& bounds, int ranks) {
-  std::vector<std::pair<std::set<int>, at::Tensor>> groups;
+using TiedGroup = std::pair<std::set<int>, std::pair<std::string, at::Tensor>>;  // ranks, (a name, the parameter)
+std::vector<TiedGroup> tied_across_ranks(const torch::nn::SequentialImpl& model, const std::vector<int64_t>& bounds,
+                                         int ranks) {
+  std::vector<TiedGroup> groups;
   std::map<const void*, size_t> index;
-  const auto children = model.children();
+  const auto children = model.named_children();
   for (size_t stage = 0; stage + 1 < bounds.size(); ++stage) {
     for (int64_t i = bounds[stage]; i < bounds[stage + 1]; ++i) {
-      for (const at::Tensor& p : children[i]->parameters()) {
-        const auto found = index.emplace(p.unsafeGetTensorImpl(), groups.size());
-        if (found.second) groups.push_back({{}, p});
+      for (const auto& p : children[i].value()->named_parameters()) {
+        const auto found = index.emplace(p.value().unsafeGetTensorImpl(), groups.size());
+        if (found.second) groups.push_back({{}, {children[i].key() + "." + p.key(), p.value()}});
         groups[found.first->second].first.insert(static_cast<int>(stage) % ranks);
       }
     }
@@ -62,6 +63,18 @@ std::vector<std::pair<std::set<int>, at::Tensor>> tied_across_ranks(const torch:
   groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& g) { return g.first.size() < 2; }),
                groups.end());
   return groups;
+}
+
+// Whether a parameter sits in two of this rank's chunks (interleaved stages sharing it).
+bool shared_by_two_chunks(const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& chunks) {
+  std::map<const void*, size_t> chunk_of;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    for (const at::Tensor& p : chunks[c]->parameters()) {
+      const auto found = chunk_of.emplace(p.unsafeGetTensorImpl(), c);
+      if (!found.second && found.first->second != c) return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace
@@ -92,15 +105,29 @@ Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss l
   for (const auto& group : tied_across_ranks(*model, bounds_, ranks)) {  // Note [Tied parameters across stages]
     const bool mine = group.first.count(pp_->rank()) > 0;
     comm::CommPtr holders = pp_->split(mine ? 0 : -1, pp_->rank(), "tied");
-    if (mine) tied_.push_back({group.second, holders});
+    if (mine) tied_.push_back({group.second.first, group.second.second, holders});
   }
+  shared_by_chunks_ = shared_by_two_chunks(chunks_);
 }
 
+// A wrapper that shards gradients (ZeRO-2/3, zero::fully_shard) leaves no
+// full gradient to sum: the first step checks, on every holder alike, that
+// each holder has one (a sum of zeros would be silently wrong).
 void Pipeline::sum_tied_gradients() {
   for (auto& t : tied_) {
-    if (!t.parameter.grad().defined()) t.parameter.mutable_grad() = at::zeros_like(t.parameter);
+    if (!t.parameter.requires_grad()) continue;
+    if (!tied_checked_) {
+      at::Tensor with_grad = at::full({1}, t.parameter.grad().defined() ? 1.0 : 0.0, at::kDouble);
+      t.holders->all_reduce(with_grad);
+      const int have = static_cast<int>(with_grad.item<double>());
+      MESHTRAIN_CHECK(have == t.holders->size(), "pp::pipeline: the parameter that pipeline ranks share (tied, '",
+                      t.name, "') has a gradient after the step on ", have, " of the ", t.holders->size(),
+                      " ranks that hold it: a wrapper that shards gradients (ZeRO-2/3, zero::fully_shard) took it, or "
+                      "a stage does not use it; tied parameters across stages work with dp::replicate and ZeRO-1");
+    }
     t.holders->all_reduce(t.parameter.mutable_grad());
   }
+  tied_checked_ = true;
 }
 
 double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
@@ -122,6 +149,13 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   MESHTRAIN_CHECK(chunks == 1 || !dp::has_gradient_sync(*stage_), "pp::pipeline: a data-parallel wrapper holds the "
                   "whole stage, but with ", chunks, " virtual stages each chunk's backward runs apart; wrap each of "
                   "stage.chunks() instead (or zero::fully_shard the children)");
+  // Each chunk's wrapper would hook the shared parameter's gradient: the
+  // first chunk's finished backward would find it still on its way.
+  MESHTRAIN_CHECK(!shared_by_chunks_ || std::none_of(chunks_.begin(), chunks_.end(), [](const auto& c) {
+    return dp::has_gradient_sync(*c);
+  }), "pp::pipeline: two of this rank's chunks share a parameter (tied), and data-parallel wrappers on the chunks "
+      "would each reduce its gradient; wrap the children that do not share it, or place the tied children on "
+      "different ranks");
   auto chunk_of = [&](int stage) -> const torch::nn::Module& {
     return chunks == 1 ? *stage_ : *chunks_[stage / pp_->size()];
   };

@@ -136,6 +136,26 @@ std::string tied_to(torch::nn::Module& model, const std::string& path, const at:
   return "";
 }
 
+// A head tied to the vocabulary-parallel embedding at `path` is cut with it:
+// the cuts must be equal (for tp::vocab_parallel_cross_entropy), and a bias
+// of the whole vocabulary, or a 1 x 1 slice (not told from its transpose),
+// cannot follow.
+void check_tied_head(torch::nn::Module& model, const std::string& path, const at::Tensor& weight, int tp) {
+  const std::string tied = tied_to(model, path, weight);
+  if (tied.empty()) return;
+  const std::string where = str_cat("tp::parallelize: Embedding '", path, "' shares its weight with '", tied,
+                                    "' (a tied LM head), whose logits are cut by vocabulary with it");
+  MESHTRAIN_CHECK(weight.size(0) % tp == 0, where, " for tp::vocab_parallel_cross_entropy, which needs equal cuts: its ",
+                  weight.size(0), " rows are not a multiple of tp ", tp, "; pad the vocabulary to a multiple of ", tp);
+  MESHTRAIN_CHECK(weight.size(0) / tp > 1 || weight.size(1) > 1, where, ", but each rank would keep a 1 x 1 slice, "
+                  "which cannot be told from its transpose; leave such a small embedding whole");
+  const std::string owner = tied.substr(0, tied.rfind('.') + 1);  // "lm_head." or "" for a parameter of the root
+  for (const auto& p : model.named_parameters()) {
+    MESHTRAIN_CHECK(owner.empty() || p.key() != owner + "bias", where, ", but '", p.key(), "' is a bias over the "
+                    "whole vocabulary; build the head without a bias (as GPT-2's)");
+  }
+}
+
 const char* style_name(Style style) {
   return style == Style::kColwise ? "kColwise" : style == Style::kRowwise ? "kRowwise" : "kVocabParallel";
 }
@@ -152,11 +172,7 @@ torch::nn::Module& layer_at(torch::nn::Module& model, const std::string& path, S
                       "rows by global index; build it without max_norm");
       MESHTRAIN_CHECK(e->weight.size(0) >= tp, "tp::parallelize: Embedding '", path, "' has ", e->weight.size(0),
                       " rows, fewer than tp ", tp);
-      const std::string tied = tied_to(model, path, e->weight);
-      MESHTRAIN_CHECK(tied.empty() || e->weight.size(0) % tp == 0, "tp::parallelize: Embedding '", path, "' shares its ",
-                      "weight with '", tied, "' (a tied LM head), whose logits are then cut by vocabulary for ",
-                      "tp::vocab_parallel_cross_entropy, which needs equal cuts: its ", e->weight.size(0),
-                      " rows are not a multiple of tp ", tp, "; pad the vocabulary to a multiple of ", tp);
+      check_tied_head(model, path, e->weight, tp);
       return m;
     }
     auto* linear = m.as<torch::nn::LinearImpl>();
@@ -207,12 +223,33 @@ void slice_embedding(torch::nn::EmbeddingImpl& embedding, const comm::CommPtr& t
   intercept::add_dispatch_key(w, kBeforeAutograd);
 }
 
+// A head tied to a kVocabParallel embedding follows it: in the plan too, its
+// weight would be cut twice.
+void refuse_tied_head_in_plan(const std::map<std::string, Style>& plan,
+                              const std::vector<std::pair<torch::nn::Module*, Style>>& layers) {
+  auto weight_of = [](torch::nn::Module* m) {
+    auto* e = m->as<torch::nn::EmbeddingImpl>();
+    return e ? e->weight : m->as<torch::nn::LinearImpl>()->weight;
+  };
+  auto path = plan.begin();
+  for (size_t i = 0; i < layers.size(); ++i, ++path) {
+    if (layers[i].second != Style::kVocabParallel) continue;
+    auto other = plan.begin();
+    for (size_t j = 0; j < layers.size(); ++j, ++other) {
+      MESHTRAIN_CHECK(i == j || !weight_of(layers[j].first).is_same(weight_of(layers[i].first)), "tp::parallelize: '",
+                      other->first, "' shares its weight with the kVocabParallel Embedding '", path->first,
+                      "' (tied): leave it out of the plan, it is cut with the embedding");
+    }
+  }
+}
+
 }  // namespace
 
 void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan) {
   MESHTRAIN_CHECK(tp, "tp::parallelize needs a communicator");
   std::vector<std::pair<torch::nn::Module*, Style>> layers;
   for (const auto& kv : plan) layers.push_back({&layer_at(model, kv.first, kv.second, tp->size()), kv.second});  // all checked first
+  refuse_tied_head_in_plan(plan, layers);
   if (tp->size() == 1) return;
   for (auto& l : layers) {
     if (l.second == Style::kVocabParallel) {

@@ -934,3 +934,55 @@ TEST(UserModules, VocabParallelEmbeddingWithATiedHeadMatchesOneProcess) {
     }
   });
 }
+
+// What a tied parameter cannot go with is refused, not trained wrong: ZeRO-2
+// on the pipeline stages (no full gradient to sum) at the first step, on both
+// holders; in tp::parallelize, the tied head also in the plan (it would be cut
+// twice) and a head with a bias over the whole vocabulary.
+TEST(UserModules, TiedParametersRefuseWhatTheyCannotFollow) {
+  run_ranks(4, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+    auto stage = meshtrain::pp::pipeline(tied_model(), mesh.pp(), cross_entropy,
+                                         meshtrain::pp::PipelineOptions().split_points({2}).microbatches(2));
+    auto sgd = std::make_unique<torch::optim::SGD>(stage->parameters(), torch::optim::SGDOptions(0.5));
+    meshtrain::zero::ZeroRedundancyOptimizer zero(stage.module(), std::move(sgd), mesh.dp(),
+                                                  meshtrain::zero::ZeroOptions().stage(2));
+    auto mine = tokens(0).narrow(0, mesh.coord().dp * 6, 6);
+    try {
+      stage.step(mine, next_tokens(mine));
+      ADD_FAILURE() << "ZeRO-2 with a parameter tied across stages was accepted";
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("(tied, '0.weight') has a gradient after the step on 0 of the 2"),
+                std::string::npos) << e.what();
+    }
+  });
+  run_ranks(2, [&](Communicator& comm) {
+    struct LinearHead : torch::nn::Module {  // a Linear whose forward uses the embedding's weight
+      torch::nn::Embedding wte{register_module("wte", torch::nn::Embedding(8, 4))};
+      torch::nn::Linear head{register_module("head", torch::nn::Linear(4, 8))};
+      LinearHead() { head->weight = wte->weight; }
+    };
+    struct BiasedHead : torch::nn::Module {  // a tied head with a bias of the whole vocabulary
+      torch::nn::Embedding wte{register_module("wte", torch::nn::Embedding(8, 4))};
+      std::shared_ptr<torch::nn::Module> head = register_module("head", std::make_shared<torch::nn::Module>());
+      BiasedHead() {
+        head->register_parameter("weight", wte->weight);
+        head->register_parameter("bias", torch::zeros({8}));
+      }
+    };
+    auto refused = [&](torch::nn::Module& model, const std::map<std::string, meshtrain::tp::Style>& plan,
+                       const std::string& says) {
+      try {
+        meshtrain::tp::parallelize(model, borrowed(comm), plan);
+        ADD_FAILURE() << "accepted: " << says;
+      } catch (const meshtrain::ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      }
+    };
+    LinearHead linear;
+    refused(linear, {{"wte", meshtrain::tp::Style::kVocabParallel}, {"head", meshtrain::tp::Style::kColwise}},
+            "'head' shares its weight with the kVocabParallel Embedding 'wte' (tied): leave it out of the plan");
+    BiasedHead biased;
+    refused(biased, {{"wte", meshtrain::tp::Style::kVocabParallel}}, "'head.bias' is a bias over the whole vocabulary");
+  });
+}

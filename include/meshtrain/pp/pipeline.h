@@ -24,8 +24,8 @@
 // Tied parameters: a parameter that children of stages on different ranks
 // share (an embedding and the LM head that reuses its weight) is kept equal:
 // step() sums its gradient over those ranks, as one process accumulates it.
-// Shown with dp::replicate around the stage; ZeRO-2/3 and fully_shard, which
-// shard gradients, are not combined with it yet.
+// Shown with dp::replicate around the stage; with ZeRO-2/3 or fully_shard,
+// which shard gradients, the first step refuses it (on every holder).
 //
 // Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2, or
 // zero::fully_shard its children) along the data axis, and step() pauses
@@ -88,6 +88,7 @@ class Pipeline {
  private:
   // Note [Tied parameters across stages] (src/pp/pipeline.cpp).
   struct Tied {
+    std::string name;  // its first name in the whole model
     at::Tensor parameter;
     comm::CommPtr holders;  // the pipeline ranks that hold it
   };
@@ -101,6 +102,8 @@ class Pipeline {
   std::vector<std::shared_ptr<torch::nn::SequentialImpl>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
   std::vector<Tied> tied_;
+  bool tied_checked_ = false;     // the first step checked that every holder has a full gradient
+  bool shared_by_chunks_ = false;  // a parameter sits in two of this rank's chunks
 };
 
 // The same as constructing a Pipeline, as PyTorch's and torchtitan's helpers read.

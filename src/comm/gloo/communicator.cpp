@@ -58,7 +58,10 @@ constexpr uint64_t kPairProofBit = 3ull << 62;
 // the peer's nonce with HMAC-SHA256(token, "gloo-pair" + nonce + from + to)
 // over global ranks (the direction is in the MAC, so a reflected answer does
 // not pass). A pair that fails is refused before any collective runs. It costs
-// two small messages per pair when a communicator is made.
+// two small messages per pair when a communicator is made. It proves who
+// connected, not what travels later: a machine in the network path could
+// relay the proof and then alter the traffic (that needs TLS, which Debian's
+// gloo is built without).
 std::string pair_proof(const std::string& token, const std::string& nonce, int from, int to) {
   return store_auth::mac(token, str_cat("gloo-pair", nonce, from, "->", to));
 }
