@@ -8,7 +8,8 @@
 //                          milliseconds when a node's meshrun dies
 //   rdzv/round             the round node 0 has opened
 //   rdzv/rR/inc/K          the node rank of incarnation K, which joined round R
-//   rdzv/rR/joined         how many joined round R (a counter)
+//   rdzv/rR/joined         how many joined round R and are alive (a counter;
+//                          node 0 takes back a waiting node that dies)
 //   rdzv/rR/members        written by node 0 when it closes round R
 //   rdzv/refused/K         incarnation K has a --node-rank a member has
 //   rdzv/finished          the job is done: nodes still waiting exit
@@ -133,10 +134,7 @@ ElasticRendezvous::ElasticRendezvous(const LaunchOptions& o, comm::TcpStore& sto
   if (o.node_rank == 0) {
     agents_watcher_ = std::make_unique<comm::FailureWatcher>(
         o.master_addr, store.port(), "agent/", o.rendezvous_timeout,
-        [this](const comm::FailureReport& r) {
-          std::lock_guard<std::mutex> lock(mutex_);
-          dead_.insert(std::atoi(r.label.c_str() + sizeof "agent/" - 1));
-        },
+        [this](const comm::FailureReport& r) { agent_died(std::atoi(r.label.c_str() + sizeof "agent/" - 1)); },
         o.rdzv_token);
   }
   incarnation_ = static_cast<int>(store.add("rdzv/agents", 1));
@@ -145,6 +143,20 @@ ElasticRendezvous::ElasticRendezvous(const LaunchOptions& o, comm::TcpStore& sto
 
 ElasticRendezvous::~ElasticRendezvous() {
   agents_watcher_.reset();  // its thread writes dead_: joined before the members go
+}
+
+// Node 0's watcher thread. A node that died while waiting for the next round
+// no longer counts as waiting: the running ranks would stop for nothing.
+void ElasticRendezvous::agent_died(int incarnation) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dead_.insert(incarnation);
+  }
+  const int next = running_round_.load() + 1;
+  try {
+    if (next > 0 && store_.check(round_key(next, str_cat("inc/", incarnation)))) store_.add(round_joined_key(next), -1);
+  } catch (const std::exception&) {  // the store is going away with the job
+  }
 }
 
 std::set<int> ElasticRendezvous::dead() {
@@ -203,6 +215,7 @@ void ElasticRendezvous::close_round(int round) {
                       members.size() * static_cast<size_t>(o_.nproc_per_node), " ranks",
                       round > 0 ? membership_change(last_members_, members) : ""));
       last_members_ = members;
+      running_round_.store(round);
       return;
     }
     MESHTRAIN_CHECK(Clock::now() - start < o_.rendezvous_timeout, "meshrun: timed out in round ", round,

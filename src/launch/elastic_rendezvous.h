@@ -2,6 +2,7 @@
 // The elastic rendezvous of meshrun's agents (internal; see
 // include/meshtrain/launch/elastic.h and Note [Elastic rendezvous]).
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -53,6 +54,7 @@ class ElasticRendezvous {
   void refuse_duplicates(const std::vector<NodeEntry>& joined, const std::set<int>& gone,
                          const std::vector<NodeEntry>& members);
   std::set<int> dead();
+  void agent_died(int incarnation);
 
   const LaunchOptions& o_;
   comm::TcpStore& store_;
@@ -60,6 +62,7 @@ class ElasticRendezvous {
   std::function<bool()> interrupted_;
   int incarnation_ = 0;
   std::vector<NodeEntry> last_members_;  // node 0: the previous round's
+  std::atomic<int> running_round_{-1};   // node 0: the last round it closed
   std::mutex mutex_;
   std::set<int> dead_;
   // Last: its thread writes dead_, so it goes first.

@@ -356,3 +356,24 @@ TEST(Meshrun, ElasticNodeStillWaitingWhenTheJobEndsExitsZero) {
   EXPECT_TRUE(contains(r.output, "node1 rc 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "node0 rc 0")) << r.output;
 }
+
+// A node that dies while it waits to join no longer counts as waiting: the
+// running ranks do not stop at their next checkpoint for it.
+TEST(Meshrun, ElasticNodeThatDiesWhileWaitingIsNotWaitedFor) {
+  char tmpl[] = "/tmp/meshrun-waiter-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string node = "MESHTRAIN_RDZV_TOKEN=0123456789abcdef0123456789abcdef " + kBin +
+                           "/meshrun --nnodes 1:2 --nproc-per-node 1 --rdzv-last-call 0 --rdzv-timeout 60 "
+                           "--master-port " + std::to_string(free_port()) + " --node-rank ";
+  const std::string job = " -- " + kBin + "/meshtrain --model gpt --layers 1 --hidden 32 --seq-len 16 --global-batch 8 --steps 200 --eval-problems 0 "
+                          "--log-every 100 "
+                          "--save-dir " + dir + "/ckpt --save-every 100 --resume";
+  Shell r = sh("cd " + dir + "; (" + node + "0" + job + " > node0.log 2>&1; echo node0 rc $? >> node0.log) & " +
+               "until grep -q 'round 0' node0.log; do sleep 0.05; done; " + node + "1" + job + " > node1.log 2>&1 & " +
+               "until grep -q 'joins at the job' node1.log; do sleep 0.02; done; kill -9 $!; wait; cat node0.log node1.log");
+  std::system(("rm -rf " + dir).c_str());
+  EXPECT_TRUE(contains(r.output, "this node 1 joins at the job's next checkpoint")) << r.output;
+  EXPECT_FALSE(contains(r.output, "a node is waiting to join")) << r.output;
+  EXPECT_FALSE(contains(r.output, "round 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "node0 rc 0")) << r.output;
+}
