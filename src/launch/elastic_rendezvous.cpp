@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/strings.h"
 
@@ -46,6 +47,7 @@ using Clock = std::chrono::steady_clock;
 std::string round_key(int round, const std::string& what) { return str_cat("rdzv/r", round, "/", what); }
 
 constexpr char kFinishedKey[] = "rdzv/finished";
+constexpr char kAgentsKey[] = "rdzv/agents";
 constexpr char kRoundKey[] = "rdzv/round";
 
 int parse_count(const std::string& text, const std::string& what) {
@@ -127,18 +129,20 @@ std::vector<NodeEntry> decode_members(const std::string& text) {
 
 std::string round_joined_key(int round) { return round_key(round, "joined"); }
 
+int incarnation_of(const std::string& agent_label) { return std::atoi(agent_label.c_str() + sizeof kAgentPrefix - 1); }
+
 ElasticRendezvous::ElasticRendezvous(const LaunchOptions& o, comm::TcpStore& store,
                                      std::function<void(const std::string&)> inform,
                                      std::function<bool()> interrupted)
     : o_(o), store_(store), inform_(std::move(inform)), interrupted_(std::move(interrupted)) {
   if (o.node_rank == 0) {
     agents_watcher_ = std::make_unique<comm::FailureWatcher>(
-        o.master_addr, store.port(), "agent/", o.rendezvous_timeout,
-        [this](const comm::FailureReport& r) { agent_died(std::atoi(r.label.c_str() + sizeof "agent/" - 1)); },
+        o.master_addr, store.port(), kAgentPrefix, o.rendezvous_timeout,
+        [this](const comm::FailureReport& r) { agent_died(incarnation_of(r.label)); },
         o.rdzv_token);
   }
-  incarnation_ = static_cast<int>(store.add("rdzv/agents", 1));
-  store.hello(str_cat("agent/", incarnation_));
+  incarnation_ = static_cast<int>(store.add(kAgentsKey, 1));
+  store.hello(str_cat(kAgentPrefix, incarnation_));
 }
 
 ElasticRendezvous::~ElasticRendezvous() {
@@ -234,21 +238,21 @@ void ElasticRendezvous::close_round(int round) {
 // keyed by its incarnation: one that died half-way hides no one).
 std::vector<NodeEntry> ElasticRendezvous::joined_entries(int round) {
   std::vector<NodeEntry> entries;
-  const int registered = static_cast<int>(store_.add("rdzv/agents", 0));
-  for (int k = 1; k <= registered; ++k) {
+  for (int k = 1, n = registered(); k <= n; ++k) {
     const std::string key = round_key(round, str_cat("inc/", k));
     if (store_.check(key)) entries.push_back({parse_count(store_.get(key), "node rank"), k});
   }
   return entries;
 }
 
+int ElasticRendezvous::registered() { return static_cast<int>(store_.add(kAgentsKey, 0)); }
+
 // Live registered nodes not in `joined`; `previous_missing`: how many of them were members of the previous round.
 int ElasticRendezvous::alive_not_joined(const std::vector<NodeEntry>& joined, int* previous_missing) {
-  const int registered = static_cast<int>(store_.add("rdzv/agents", 0));
   const std::set<int> gone = dead();
   int waiting = 0;
   *previous_missing = 0;
-  for (int k = 1; k <= registered; ++k) {
+  for (int k = 1, n = registered(); k <= n; ++k) {
     const bool in = std::any_of(joined.begin(), joined.end(), [k](const NodeEntry& e) { return e.incarnation == k; });
     if (in || gone.count(k)) continue;
     ++waiting;
@@ -290,18 +294,16 @@ void ElasticRendezvous::finish() {
   store_.set(kFinishedKey, "1");
   const auto until = Clock::now() + std::chrono::seconds(3);
   while (Clock::now() < until) {
-    const int registered = static_cast<int>(store_.add("rdzv/agents", 0));
-    if (static_cast<int>(dead().size()) >= registered - 1) return;  // everyone but node 0 has gone
+    if (static_cast<int>(dead().size()) >= registered() - 1) return;  // everyone but node 0 has gone
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
 
 bool node_waiting_to_join() {
   const char* key = std::getenv(kRegroupKeyVariable);
-  const char* addr = std::getenv("MASTER_ADDR");
-  const char* port = std::getenv("MASTER_PORT");
-  if (!key || !*key || !addr || !port) return false;
-  comm::TcpStore store(addr, parse_count(port, "MASTER_PORT"), std::chrono::seconds(30));
+  if (!key || !*key) return false;
+  const comm::DistEnv env = comm::dist_env_from_process();  // the store meshrun told this rank
+  comm::TcpStore store(env.master_addr, env.master_port, std::chrono::seconds(30));
   return store.add(key, 0) > 0;
 }
 

@@ -20,6 +20,11 @@ namespace launch {
 // The store key that counts the nodes joining `round`.
 std::string round_joined_key(int round);
 
+// Each meshrun's store connection says hello as "agent/<incarnation>"; the
+// prefix to watch, and the incarnation a failure label names.
+constexpr char kAgentPrefix[] = "agent/";
+int incarnation_of(const std::string& agent_label);
+
 class ElasticRendezvous {
  public:
   struct Round {
@@ -50,6 +55,7 @@ class ElasticRendezvous {
   void close_round(int round);
   bool wait_for_members(int round, std::string& members);
   std::vector<NodeEntry> joined_entries(int round);
+  int registered();  // meshruns registered so far (incarnations 1..n)
   int alive_not_joined(const std::vector<NodeEntry>& joined, int* previous_missing);
   void refuse_duplicates(const std::vector<NodeEntry>& joined, const std::set<int>& gone,
                          const std::vector<NodeEntry>& members);

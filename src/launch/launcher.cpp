@@ -531,9 +531,9 @@ void leave_together(const LaunchOptions& o, const std::string& gen, comm::TcpSto
 std::unique_ptr<comm::FailureWatcher> watch_members(const LaunchOptions& o, int store_port, const std::string& gen,
                                                     const std::vector<NodeEntry>& members, RemoteFailures& remote) {
   return std::make_unique<comm::FailureWatcher>(
-      o.master_addr, store_port, "agent/", o.rendezvous_timeout,
+      o.master_addr, store_port, kAgentPrefix, o.rendezvous_timeout,
       [&remote, members, gen](const comm::FailureReport& r) {
-        const int incarnation = std::atoi(r.label.c_str() + sizeof "agent/" - 1);
+        const int incarnation = incarnation_of(r.label);
         for (const NodeEntry& m : members) {
           if (m.incarnation == incarnation) {
             remote.record({str_cat(gen, "/node", m.node), "its meshrun is gone (killed, or its machine went down)"});
@@ -583,6 +583,11 @@ void remember_failure_time(Agent& a, const Outcome& outcome) {
   a.base_env["MESHTRAIN_FAILURE_TIME_NS"] = std::to_string(outcome.detected_ns ? outcome.detected_ns : wall_ns());
 }
 
+// meshrun's last word on a failed job.
+void say_failed(const Outcome& outcome, int max_restarts) {
+  say(str_cat("failed: ", outcome.failure, max_restarts > 0 ? str_cat(" (after ", max_restarts, " restarts)") : ""));
+}
+
 // A job of a fixed number of nodes: every attempt waits for all of them.
 int run_fixed(Agent& a) {
   const LaunchOptions& o = a.o;
@@ -615,7 +620,7 @@ int run_fixed(Agent& a) {
       say(e.what());
     }
     if (generation >= o.max_restarts) {
-      say(str_cat("failed: ", outcome.failure, o.max_restarts > 0 ? str_cat(" (after ", o.max_restarts, " restarts)") : ""));
+      say_failed(outcome, o.max_restarts);
       return 1;
     }
     say(str_cat("restarting the whole group (restart ", generation + 1, " of ", o.max_restarts, ")"));
@@ -680,7 +685,7 @@ int run_elastic(Agent& a) {
     }
     remember_failure_time(a, outcome);
     if (++failures > a.o.max_restarts) {
-      say(str_cat("failed: ", outcome.failure, a.o.max_restarts > 0 ? str_cat(" (after ", a.o.max_restarts, " restarts)") : ""));
+      say_failed(outcome, a.o.max_restarts);
       return 1;
     }
     say(str_cat("meeting the nodes that are left in round ", next, " (restart ", failures, " of ", a.o.max_restarts, ")"));

@@ -223,21 +223,25 @@ void slice_embedding(torch::nn::EmbeddingImpl& embedding, const comm::CommPtr& t
   intercept::add_dispatch_key(w, kBeforeAutograd);
 }
 
+// One entry of the plan, checked: the layer at `path` and how it is cut.
+struct PlannedLayer {
+  std::string path;
+  torch::nn::Module* module;
+  Style style;
+  const at::Tensor& weight() const {
+    auto* e = module->as<torch::nn::EmbeddingImpl>();
+    return e ? e->weight : module->as<torch::nn::LinearImpl>()->weight;
+  }
+};
+
 // A head tied to a kVocabParallel embedding follows it: in the plan too, its
 // weight would be cut twice.
-void refuse_tied_head_in_plan(const std::map<std::string, Style>& plan,
-                              const std::vector<std::pair<torch::nn::Module*, Style>>& layers) {
-  auto weight_of = [](torch::nn::Module* m) {
-    auto* e = m->as<torch::nn::EmbeddingImpl>();
-    return e ? e->weight : m->as<torch::nn::LinearImpl>()->weight;
-  };
-  auto path = plan.begin();
-  for (size_t i = 0; i < layers.size(); ++i, ++path) {
-    if (layers[i].second != Style::kVocabParallel) continue;
-    auto other = plan.begin();
-    for (size_t j = 0; j < layers.size(); ++j, ++other) {
-      MESHTRAIN_CHECK(i == j || !weight_of(layers[j].first).is_same(weight_of(layers[i].first)), "tp::parallelize: '",
-                      other->first, "' shares its weight with the kVocabParallel Embedding '", path->first,
+void refuse_tied_head_in_plan(const std::vector<PlannedLayer>& layers) {
+  for (const PlannedLayer& embedding : layers) {
+    if (embedding.style != Style::kVocabParallel) continue;
+    for (const PlannedLayer& other : layers) {
+      MESHTRAIN_CHECK(&other == &embedding || !other.weight().is_same(embedding.weight()), "tp::parallelize: '",
+                      other.path, "' shares its weight with the kVocabParallel Embedding '", embedding.path,
                       "' (tied): leave it out of the plan, it is cut with the embedding");
     }
   }
@@ -247,18 +251,17 @@ void refuse_tied_head_in_plan(const std::map<std::string, Style>& plan,
 
 void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan) {
   MESHTRAIN_CHECK(tp, "tp::parallelize needs a communicator");
-  std::vector<std::pair<torch::nn::Module*, Style>> layers;
-  for (const auto& kv : plan) layers.push_back({&layer_at(model, kv.first, kv.second, tp->size()), kv.second});  // all checked first
-  refuse_tied_head_in_plan(plan, layers);
+  std::vector<PlannedLayer> layers;
+  for (const auto& kv : plan) layers.push_back({kv.first, &layer_at(model, kv.first, kv.second, tp->size()), kv.second});
+  refuse_tied_head_in_plan(layers);  // all checked before anything changes
   if (tp->size() == 1) return;
-  for (auto& l : layers) {
-    if (l.second == Style::kVocabParallel) {
-      auto& e = *l.first->as<torch::nn::EmbeddingImpl>();
-      int names = 0;  // a tied weight is registered under two names
-      for (const auto& p : model.named_parameters()) names += p.value().is_same(e.weight);
-      slice_embedding(e, tp, names > 1);
+  for (const PlannedLayer& l : layers) {
+    if (l.style == Style::kVocabParallel) {
+      auto& e = *l.module->as<torch::nn::EmbeddingImpl>();
+      slice_embedding(e, tp, /*tied=*/!tied_to(model, l.path, e.weight).empty());
+    } else {
+      slice_linear(*l.module->as<torch::nn::LinearImpl>(), l.style, tp);
     }
-    else slice_linear(*l.first->as<torch::nn::LinearImpl>(), l.second, tp);
   }
 }
 

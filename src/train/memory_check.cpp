@@ -32,6 +32,17 @@ std::string gib(int64_t bytes) {
   return out.str();
 }
 
+// A line of /proc/meminfo ("MemTotal:") in bytes; unbounded when absent.
+int64_t meminfo_bytes(const std::string& field) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == field) return kib * 1024;
+  }
+  return std::numeric_limits<int64_t>::max();
+}
+
 // What the planner recommends for `world` ranks sharing `available` bytes, said as flags.
 std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t available) {
   try {
@@ -75,23 +86,11 @@ plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_
 }
 
 int64_t total_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key, unit;
-  int64_t kib = 0;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemTotal:") return std::min(kib * 1024, read_number("/sys/fs/cgroup/memory.max"));
-  }
-  return read_number("/sys/fs/cgroup/memory.max");
+  return std::min(meminfo_bytes("MemTotal:"), read_number("/sys/fs/cgroup/memory.max"));
 }
 
 int64_t available_memory_bytes() {
-  int64_t available = std::numeric_limits<int64_t>::max();
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key, unit;
-  int64_t kib = 0;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") available = kib * 1024;
-  }
+  int64_t available = meminfo_bytes("MemAvailable:");
   const int64_t limit = read_number("/sys/fs/cgroup/memory.max");
   if (limit != std::numeric_limits<int64_t>::max()) {
     available = std::min(available, limit - std::min(limit, read_number("/sys/fs/cgroup/memory.current")));
