@@ -21,9 +21,13 @@ at::Tensor StageImpl::forward_range(at::Tensor x, size_t first, size_t last) {
       continue;
     }
     torch::nn::AnyModule piece = pieces_[i];
-    x = checkpoint([piece](const at::Tensor& h) mutable { return piece.forward(h); }, x, piece.ptr()->parameters());
+    x = checkpoint([piece](const at::Tensor& h) mutable { return piece.forward(h); }, x, *checkpointed_[i]);
   }
   return x;
+}
+
+void StageImpl::set_checkpointed(size_t i, bool on) {
+  checkpointed_.at(i) = on ? c10::make_optional(pieces_.at(i).ptr()->parameters()) : c10::nullopt;
 }
 
 }  // namespace models

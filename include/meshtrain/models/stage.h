@@ -9,6 +9,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/pimpl.h>
+#include <c10/util/Optional.h>
 
 #include <string>
 #include <vector>
@@ -28,7 +29,7 @@ class StageImpl : public torch::nn::Module {
       dict(group)->update({{key, piece.ptr()}});
     }
     pieces_.emplace_back(piece);
-    checkpointed_.push_back(false);
+    checkpointed_.emplace_back();
   }
   // Applies the pieces in order.
   at::Tensor forward(at::Tensor x);
@@ -37,13 +38,16 @@ class StageImpl : public torch::nn::Module {
   size_t num_pieces() const { return pieces_.size(); }
   std::shared_ptr<torch::nn::Module> piece(size_t i) const { return pieces_.at(i).ptr(); }
   // Piece i recomputes its activations in backward (models/checkpointing.h).
-  void set_checkpointed(size_t i, bool on) { checkpointed_.at(i) = on; }
-  bool checkpointed(size_t i) const { return checkpointed_.at(i); }
+  // The recompute's gradients go to the parameters the piece has now: set it
+  // before zero::fully_shard, which replaces them in the piece's parameter
+  // list by its shard (the layers keep computing with them).
+  void set_checkpointed(size_t i, bool on);
+  bool checkpointed(size_t i) const { return checkpointed_.at(i).has_value(); }
 
  private:
   torch::nn::ModuleDict dict(const std::string& group);
   std::vector<torch::nn::AnyModule> pieces_;
-  std::vector<bool> checkpointed_;
+  std::vector<c10::optional<std::vector<at::Tensor>>> checkpointed_;  // the parameters, when checkpointed
 };
 TORCH_MODULE(Stage);
 
