@@ -1,8 +1,8 @@
-// What zero::fully_shard's dispatcher route costs: the same stack of MLP blocks
-// trained with ZeRO-3 as zero::fully_shard on the plain blocks (forward
-// unchanged, no prefetch) and as the explicit FullyShardedDataParallel
-// (run_unit per block, next unit prefetched), interleaved in one run; bytes
-// sent per step by each, and what a rank holds after backward.
+// What ZeRO-3 costs over DDP on the same model: a stack of MLP blocks trained
+// as zero::fully_shard per block (units gathered by the dispatcher on first
+// touch, forward unchanged) and as dp::replicate (DDP), steps interleaved in
+// one run; bytes sent per step by each, and the parameter bytes a rank holds
+// after backward.
 //   meshrun --nproc-per-node 2 -- build/bin/bench_zero_fully_shard [hidden] [blocks] [batch] [steps]
 #include <torch/torch.h>
 
@@ -12,8 +12,8 @@
 
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/comm/traffic.h"
+#include "meshtrain/dp/replicate.h"
 #include "meshtrain/zero/fully_shard.h"
-#include "meshtrain/zero/zero.h"
 
 using namespace meshtrain;
 
@@ -66,14 +66,13 @@ int main(int argc, char** argv) {
   for (auto& b : plain->blocks) zero::fully_shard(*b, world);
   torch::optim::SGD opt_plain(zero::sharded_parameters(*plain), 1e-3);
 
-  auto expl = std::make_shared<Stack>(hidden, blocks);
-  std::vector<std::shared_ptr<torch::nn::Module>> units(expl->blocks.begin(), expl->blocks.end());
-  zero::FullyShardedDataParallel fsdp(expl, units, std::make_unique<torch::optim::SGD>(expl->parameters(), 1e-3), world);
+  auto ddp = dp::replicate(std::make_shared<Stack>(hidden, blocks), world);
+  torch::optim::SGD opt_ddp(ddp->parameters(), 1e-3);
 
   torch::manual_seed(1 + world->rank());
   const auto x = torch::randn({batch, hidden});
-  std::vector<double> t_plain, t_expl;
-  int64_t sent_plain = 0, sent_expl = 0, held_plain = 0;
+  std::vector<double> t_plain, t_ddp;
+  int64_t sent_plain = 0, sent_ddp = 0, held_plain = 0;
   for (int s = 0; s < steps + 3; ++s) {  // interleaved; the first 3 of each are warm-up
     const Sample a = timed(*world, [&] {
       opt_plain.zero_grad();
@@ -82,24 +81,23 @@ int main(int argc, char** argv) {
       opt_plain.step();
     });
     const Sample b = timed(*world, [&] {
-      fsdp.zero_grad();
-      torch::Tensor h = x;
-      for (size_t u = 0; u < units.size(); ++u) h = fsdp.run_unit(u, [&] { return expl->blocks[u]->forward(h); });
-      h.pow(2).mean().backward();
-      fsdp.step();
+      opt_ddp.zero_grad();
+      ddp->forward(x).pow(2).mean().backward();
+      opt_ddp.step();
     });
-    if (s >= 3) t_plain.push_back(a.seconds), t_expl.push_back(b.seconds), sent_plain = a.bytes_sent, sent_expl = b.bytes_sent;
+    if (s >= 3) t_plain.push_back(a.seconds), t_ddp.push_back(b.seconds), sent_plain = a.bytes_sent, sent_ddp = b.bytes_sent;
   }
   if (world->rank() == 0) {
     int64_t full = 0;
-    for (const auto& p : expl->parameters()) full += p.numel() * p.element_size();
+    for (const auto& p : ddp->parameters()) full += p.numel() * p.element_size();
     std::printf("dp %d, %d blocks of MLP %lld -> %lld -> %lld (%lld B of parameters), batch %lld per rank, %d steps (median)\n",
                 world->size(), blocks, (long long)hidden, (long long)(4 * hidden), (long long)hidden, (long long)full,
                 (long long)batch, steps);
     std::printf("| | ms/step | bytes sent/step |\n|---|---|---|\n");
-    std::printf("| zero::fully_shard on plain blocks | %.3f | %lld |\n", 1e3 * median(t_plain), (long long)sent_plain);
-    std::printf("| FullyShardedDataParallel, run_unit | %.3f | %lld |\n", 1e3 * median(t_expl), (long long)sent_expl);
-    std::printf("ratio (fully_shard / run_unit): %.3f; fully_shard holds %lld B of parameters after backward\n",
-                median(t_plain) / median(t_expl), (long long)held_plain);
+    std::printf("| zero::fully_shard per block | %.3f | %lld |\n", 1e3 * median(t_plain), (long long)sent_plain);
+    std::printf("| dp::replicate (DDP) | %.3f | %lld |\n", 1e3 * median(t_ddp), (long long)sent_ddp);
+    std::printf("ratio (fully_shard / DDP): time %.3f, bytes %.3f; fully_shard holds %lld B of parameters after backward\n",
+                median(t_plain) / median(t_ddp), static_cast<double>(sent_plain) / static_cast<double>(sent_ddp),
+                (long long)held_plain);
   }
 }

@@ -157,6 +157,14 @@ ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& b, int z
   m.parameters = b.parameters * (zero >= 3 ? shard : psi);
   m.gradients = b.gradients * (zero >= 2 ? shard : psi);
   m.optimizer = b.optimizer * (zero >= 1 ? shard : psi);
+  if (zero >= 3 && b.parameters < 4) {
+    // Mixed precision at stage 3 (zero::fully_shard, as PyTorch's FSDP): the
+    // float32 shard is both the parameter and the master the optimizer steps,
+    // its gradient float32; the same total as the paper's (2 + 2 + K).
+    m.parameters = 4 * shard;
+    m.gradients = 4 * shard;
+    m.optimizer = (b.optimizer - 4) * shard;
+  }
   return m;
 }
 

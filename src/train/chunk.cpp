@@ -9,6 +9,7 @@
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/shard.h"
 #include "meshtrain/zero/optimizer_state.h"
+#include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
 
 namespace meshtrain {
@@ -86,10 +87,10 @@ void load_whole(const std::vector<dp::NamedParam>& params, torch::optim::Optimiz
 }
 
 // ZeRO: every dp rank writes its pieces' optimizer state (values too for stage 3).
-void add_pieces(const models::Stage& stage, std::vector<zero::OwnedPiece> pieces, bool values, RankState& out,
-                const ShardPlace& place) {
+void add_pieces(const std::vector<dp::NamedParam>& named, std::vector<zero::OwnedPiece> pieces, bool values,
+                RankState& out, const ShardPlace& place) {
   std::map<std::string, at::Tensor> params;
-  for (const auto& p : dp::unique_parameters(*stage)) params[p.name] = p.tensor;
+  for (const auto& p : named) params[p.name] = p.tensor;
   if (!values) {
     for (const auto& p : params) add_replicated(p.first, "value", p.second, p.second, place, out);
   }
@@ -104,9 +105,10 @@ void add_pieces(const models::Stage& stage, std::vector<zero::OwnedPiece> pieces
 }
 
 // ZeRO: the full (tp-local) state of the chunk, for load_state.
-zero::FullState full_state(const models::Stage& stage, CheckpointReader& reader, const ShardPlace& place) {
+zero::FullState full_state(const std::vector<dp::NamedParam>& params, CheckpointReader& reader,
+                           const ShardPlace& place) {
   zero::FullState s;
-  for (const auto& p : dp::unique_parameters(*stage)) {
+  for (const auto& p : params) {
     MESHTRAIN_CHECK(reader.has(p.name), "checkpoint has no parameter '", p.name, "' (saved from another model?)");
     s.parameters[p.name] = local_part(reader, p.name, "value", p.tensor, place);
     for (const char* kind : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) {
@@ -237,9 +239,11 @@ class ZeroChunk : public ChunkTrainer {
   }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
     // Mixed: each rank writes its float32 masters (the module holds bf16 copies).
-    add_pieces(stage_, zro_->owned_pieces(), /*values=*/mixed_, out, place);
+    add_pieces(dp::unique_parameters(*stage_), zro_->owned_pieces(), /*values=*/mixed_, out, place);
   }
-  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { zro_->load_state(full_state(stage_, r, place)); }
+  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override {
+    zro_->load_state(full_state(dp::unique_parameters(*stage_), r, place));
+  }
 
  private:
   int stage_no_;
@@ -248,46 +252,60 @@ class ZeroChunk : public ChunkTrainer {
   std::optional<zero::ZeroRedundancyOptimizer::NoSync> no_sync_;
 };
 
+// ZeRO-3: zero::fully_shard on each piece (embedding, block, head, MLP layer),
+// the stage's forward unchanged; bf16-mixed computes and communicates in bf16
+// and steps the float32 shards.
 class FsdpChunk : public ChunkTrainer {
  public:
   FsdpChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp, bool keep_first)
-      : ChunkTrainer(std::move(stage)), mixed_(c.precision == "bf16-mixed") {
-    std::vector<std::shared_ptr<torch::nn::Module>> units;
-    for (size_t i = 0; i < stage_->num_pieces(); ++i) units.push_back(stage_->piece(i));
-    zero::FsdpOptions options;
-    if (keep_first) options.keep_gathered({0});
-    if (mixed_) options.param_dtype(at::kBFloat16);
-    fsdp_ = std::make_unique<zero::FullyShardedDataParallel>(stage_.ptr(), units, make_optimizer(c, tensors(stage_)),
-                                                             std::move(dp), options);
+      : ChunkTrainer(std::move(stage)), mixed_(c.precision == "bf16-mixed"), dp_(std::move(dp)) {
+    for (size_t i = 0; i < stage_->num_pieces(); ++i) {
+      auto options = zero::FullyShardOptions().reshard_after_forward(!(keep_first && i == 0));
+      if (mixed_) options.param_dtype(at::kBFloat16);
+      if (!stage_->piece(i)->parameters().empty()) zero::fully_shard(*stage_->piece(i), dp_, options);
+    }
+    params_ = zero::original_parameters(*stage_);
+    opt_ = make_optimizer(c, zero::sharded_parameters(*stage_));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor h = mixed_ && x.is_floating_point() ? x.to(at::kBFloat16) : x;
-    for (size_t i = 0; i < stage_->num_pieces(); ++i) {
-      h = fsdp_->run_unit(i, [&] { return stage_->forward_range(h, i, i + 1); });
-    }
-    return h;
+    return stage_->forward(mixed_ && x.is_floating_point() ? x.to(at::kBFloat16) : x);
   }
-  void zero_grad() override { fsdp_->zero_grad(); }
-  void step() override { fsdp_->step(); }
-  torch::optim::Optimizer& optimizer() override { return fsdp_->optimizer(); }
+  void zero_grad() override { opt_->zero_grad(); }
+  void step() override { opt_->step(); }
+  torch::optim::Optimizer& optimizer() override { return *opt_; }
+  // Every micro-batch's backward reduce-scatters (the full gradients are not kept).
   void begin_backward(bool) override {}
   void end_backward() override {}
-  std::map<std::string, at::Tensor> parameters_on_dp_root() override { return fsdp_->consolidated_state(0).parameters; }
+  std::map<std::string, at::Tensor> parameters_on_dp_root() override {
+    std::map<std::string, at::Tensor> all = zero::full_parameters(*stage_);  // collective over dp
+    if (dp_->rank() != 0) return {};
+    return all;
+  }
   StateBytes held() const override {
-    const zero::HeldBytes h = fsdp_->held_bytes();
-    return StateBytes{h.parameters, h.gradients, h.optimizer, h.buffers};
+    StateBytes s;
+    for (const at::Tensor& shard : zero::sharded_parameters(*stage_)) {
+      s.parameters += shard.nbytes();
+      if (shard.grad().defined()) s.gradients += shard.grad().nbytes();
+    }
+    s.optimizer = optimizer_state_bytes(*opt_);
+    s.buffers = zero::peak_gathered_bytes(dp_);  // of every chunk on this rank (the engine takes it once)
+    return s;
   }
   std::vector<GradPart> gradient_parts(const ShardPlace& place) override {
-    return count_once(fsdp_->shard_gradients(), place.tp_dims, /*replicated_over_dp=*/false, coord_of(place));
+    return count_once(zero::shard_gradients(*stage_), place.tp_dims, /*replicated_over_dp=*/false, coord_of(place));
   }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
-    add_pieces(stage_, fsdp_->owned_pieces(), /*values=*/true, out, place);
+    add_pieces(params_, zero::owned_pieces(*stage_, *opt_), /*values=*/true, out, place);
   }
-  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override { fsdp_->load_state(full_state(stage_, r, place)); }
+  void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override {
+    zero::load_state(*stage_, *opt_, full_state(params_, r, place));
+  }
 
  private:
   bool mixed_;
-  std::unique_ptr<zero::FullyShardedDataParallel> fsdp_;
+  comm::CommPtr dp_;
+  std::vector<dp::NamedParam> params_;  // as named before sharding (what checkpoints hold)
+  std::unique_ptr<torch::optim::Optimizer> opt_;
 };
 
 }  // namespace

@@ -4,7 +4,7 @@
 //   whole  dp == 1: the optimizer alone; dp > 1: DistributedDataParallel over
 //          the dp communicator (either in fp32 or bf16-mixed)
 //   zero   ZeRO stage 1 or 2 (ZeroRedundancyOptimizer)
-//   fsdp   ZeRO stage 3 (FullyShardedDataParallel), one unit per piece
+//   fsdp   ZeRO stage 3 (zero::fully_shard), one unit per piece
 
 #include <map>
 #include <memory>

@@ -162,7 +162,8 @@ class MeshEngine : public Engine {
       s.parameters += h.parameters;
       s.gradients += h.gradients;
       s.optimizer += h.optimizer;
-      s.buffers += h.buffers;
+      // ZeRO-3 reports the peak of gathered units over the rank's dp group, which every chunk shares.
+      s.buffers = c_.zero == 3 ? std::max(s.buffers, h.buffers) : s.buffers + h.buffers;
     }
     return s;
   }

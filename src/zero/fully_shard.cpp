@@ -4,10 +4,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <functional>
 #include <unordered_map>
 
 #include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/zero/optimizer_state.h"
 #include "meshtrain/util/shard.h"
 #include "util/autograd_hooks.h"
 #include "util/intercept.h"
@@ -24,6 +26,11 @@ class Unit;
 struct Group : std::enable_shared_from_this<Group> {
   std::vector<Unit*> units;  // units live as long as the registry (the process)
   bool end_queued = false;
+  int64_t gathered_bytes = 0, peak_gathered_bytes = 0;
+  void add_gathered(int64_t bytes) {
+    gathered_bytes += bytes;
+    peak_gathered_bytes = std::max(peak_gathered_bytes, gathered_bytes);
+  }
   void queue_end_of_backward();
   void end_of_backward();
 };
@@ -58,6 +65,7 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
     }
     mine_ = shard_range(total_, dp_->size(), dp_->rank());
     ready_.assign(params_.size(), false);
+    compute_ = options_.param_dtype().value_or(params_.front().scalar_type());
   }
 
   // Takes rank 0's values, keeps this rank's part, frees the parameters.
@@ -69,6 +77,7 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
     at::Tensor full = at::cat(flat);
     dp_->broadcast(full, 0);
     shard_ = full.narrow(0, mine_.offset, mine_.size).clone().requires_grad_(trainable_ > 0);
+    if (compute_ != shard_.scalar_type()) compute_in(compute_);
     std::vector<at::Tensor> trainable;
     std::vector<size_t> index;  // trainable[k] is params_[index[k]]
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -76,7 +85,8 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
     }
     accumulators_ = hooks::on_grad_ready(trainable, weak_from_this(), [this, index](size_t k) { grad_ready(index[k]); });
     for (size_t i = 0; i < params_.size(); ++i) intercept::mark(params_[i], shared_from_this(), static_cast<int>(i));
-    gathered_ = true;
+    gathered_ = true;  // the module's own values until now: freed without counting as a gather
+    group_->gathered_bytes += gathered_bytes();
     free();
   }
 
@@ -119,13 +129,13 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
   void reduce_gradients() {
     at::NoGradGuard no_grad;
     intercept::Bypass bypass;
-    at::Tensor flat = at::zeros({total_}, shard_.options().requires_grad(false));
+    at::Tensor flat = at::zeros({total_}, shard_.options().dtype(compute_).requires_grad(false));
     for (size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& g = params_[i].mutable_grad();
       if (g.defined()) flat.narrow(0, offsets_[i], params_[i].numel()).copy_(g.reshape({-1}));
       g.reset();
     }
-    at::Tensor mine = dp_->reduce_scatter(flat).div_(dp_->size());
+    at::Tensor mine = dp_->reduce_scatter(flat, comm::ReduceOp::kAvg).to(shard_.scalar_type());
     at::Tensor& grad = shard_.mutable_grad();
     if (grad.defined()) grad.add_(mine);
     else grad = mine;
@@ -151,12 +161,13 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
       s->set_nbytes(0);
     }
     gathered_ = false;
+    group_->gathered_bytes -= gathered_bytes();
   }
 
   void gather() {
     at::NoGradGuard no_grad;
     intercept::Bypass bypass;
-    const at::Tensor full = dp_->all_gather_flat(shard_.detach());
+    const at::Tensor full = dp_->all_gather_flat(shard_.detach().to(compute_));
     for (size_t i = 0; i < params_.size(); ++i) {
       const at::Tensor& p = params_[i];
       c10::StorageImpl* s = p.storage().unsafeGetStorageImpl();
@@ -167,12 +178,63 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
     }
     gathered_ = true;
     gathered_version_ = shard_._version();
+    group_->add_gathered(gathered_bytes());
   }
 
   // Every parameter at full shape (collective over dp).
-  std::vector<at::Tensor> full_values() const {
+  std::vector<at::Tensor> full_values() const { return gather_params(shard_); }
+
+  // Mixed precision: the layers' parameters take the compute dtype in place
+  // (same TensorImpl and storage, so other roles' marks on them hold), before
+  // any gradient hook exists, so autograd accumulates their gradients in it.
+  void compute_in(at::ScalarType dtype) {
+    for (const at::Tensor& p : params_) {
+      MESHTRAIN_CHECK(p.is_floating_point(), "zero::fully_shard: param_dtype ", dtype, " for a ", p.scalar_type(),
+                      " parameter; shard parameters that are not floating point without param_dtype");
+      p.unsafeGetTensorImpl()->set_storage_and_dtype(p.storage(), caffe2::TypeMeta::fromScalarType(dtype));
+    }
+  }
+
+  // Parameter i's part of this rank's shard, or an empty range.
+  struct Piece {
+    int64_t in_param = 0, in_shard = 0, numel = 0;
+  };
+  Piece piece(size_t i) const {
+    const int64_t lo = std::max(offsets_[i], mine_.offset), hi = std::min(offsets_[i] + params_[i].numel(), mine_.end());
+    if (lo >= hi) return {};
+    return {lo - offsets_[i], lo - mine_.offset, hi - lo};
+  }
+  size_t num_params() const { return params_.size(); }
+  const at::Tensor& param(size_t i) const { return params_[i]; }
+  // The name parameter i goes by: its first.
+  const std::string& name_of(size_t i) const {
+    for (const Name& n : names_)
+      if (n.index == i) return n.name;
+    MESHTRAIN_CHECK(false, "zero::fully_shard: parameter ", i, " of a unit has no name");
+    return names_.front().name;
+  }
+
+  // Sets the shard from full tensors by parameter (values, or one optimizer
+  // state kind), as `like` the shard.
+  at::Tensor shard_of(const std::vector<at::Tensor>& full) const {
+    at::Tensor out = at::empty({mine_.size}, shard_.options().requires_grad(false));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Piece p = piece(i);
+      if (p.numel > 0) out.narrow(0, p.in_shard, p.numel).copy_(full[i].reshape({-1}).narrow(0, p.in_param, p.numel));
+    }
+    return out;
+  }
+  // New shard values (a checkpoint): gathered copies are stale from now on.
+  void set_shard(const at::Tensor& values) {
+    at::NoGradGuard no_grad;
+    shard_.detach().copy_(values);
+    free();
+  }
+
+  // Each parameter's full tensor of `flat_shard` (this rank's part, shard-sized) from every rank's (collective over dp).
+  std::vector<at::Tensor> gather_params(const at::Tensor& flat_shard) const {
     intercept::Bypass bypass;
-    const at::Tensor full = dp_->all_gather_flat(shard_.detach());
+    const at::Tensor full = dp_->all_gather_flat(flat_shard.detach());
     std::vector<at::Tensor> out;
     for (size_t i = 0; i < params_.size(); ++i)
       out.push_back(full.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes()).clone());
@@ -182,6 +244,7 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
   const at::Tensor& shard() const { return shard_; }
   const std::vector<Name>& names() const { return names_; }
   // The shard plus whatever the parameters' storage holds now (measured, not inferred from gathered_).
+  int64_t gathered_bytes() const { return total_ * c10::elementSize(compute_); }
   int64_t held_bytes() const {
     int64_t bytes = static_cast<int64_t>(shard_.nbytes());
     for (const at::Tensor& p : params_) bytes += static_cast<int64_t>(p.storage().nbytes());
@@ -194,6 +257,7 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
   comm::CommPtr dp_;
   FullyShardOptions options_;
   std::shared_ptr<Group> group_;
+  at::ScalarType compute_;  // of the gathered parameters and their gradients
   std::vector<int64_t> offsets_;
   int64_t total_ = 0;
   size_t trainable_ = 0;
@@ -315,6 +379,57 @@ void add_full_parameters(const torch::nn::Module& m, const std::string& prefix, 
   }
 }
 
+// Each unit registered in `module` or below, with the name prefix of the module that registered it.
+void for_each_unit(const torch::nn::Module& module, const std::function<void(Unit&, const std::string&)>& fn) {
+  auto visit = [&](const torch::nn::Module& m, const std::string& prefix) {
+    for (const auto& item : m.named_parameters(/*recurse=*/false))
+      if (Unit* u = unit_of_shard(item.value())) fn(*u, prefix);
+  };
+  visit(module, "");
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) visit(*item.value(), item.key() + ".");
+}
+
+// The full tensors of one unit's parameters (or their optimizer state of one
+// kind) from `by_name`; what is missing or misshapen is refused.
+std::vector<at::Tensor> unit_tensors(const Unit& u, const std::string& prefix,
+                                     const std::function<const at::Tensor*(const std::string&)>& by_name,
+                                     const std::string& what) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < u.num_params(); ++i) {
+    const std::string name = prefix + u.name_of(i);
+    const at::Tensor* t = by_name(name);
+    MESHTRAIN_CHECK(t && t->defined(), "zero::load_state: the state has no ", what, " for parameter '", name,
+                    "' (saved from another model?)");
+    MESHTRAIN_CHECK(t->numel() == u.param(i).numel(), "zero::load_state: ", what, " of parameter '", name, "' has ",
+                    t->numel(), " elements but the model's has ", u.param(i).numel());
+    out.push_back(*t);
+  }
+  return out;
+}
+
+void load_unit(Unit& u, const std::string& prefix, torch::optim::Optimizer& optimizer, const FullState& state) {
+  u.set_shard(u.shard_of(unit_tensors(u, prefix, [&](const std::string& name) -> const at::Tensor* {
+    auto it = state.parameters.find(name);
+    return it == state.parameters.end() ? nullptr : &it->second;
+  }, "value")));
+  auto first = state.optimizer.find(prefix + u.name_of(0));
+  if (first == state.optimizer.end()) return;  // no optimizer state yet
+  std::map<std::string, at::Tensor> shard_state;
+  for (const auto& kind : first->second) {
+    if (kind.first == "step") {
+      shard_state["step"] = kind.second;
+      continue;
+    }
+    shard_state[kind.first] = u.shard_of(unit_tensors(u, prefix, [&](const std::string& name) -> const at::Tensor* {
+      auto p = state.optimizer.find(name);
+      if (p == state.optimizer.end()) return nullptr;
+      auto k = p->second.find(kind.first);
+      return k == p->second.end() ? nullptr : &k->second;
+    }, "optimizer state '" + kind.first + "'"));
+  }
+  set_state(optimizer, u.shard(), shard_state);
+}
+
 }  // namespace
 
 void fully_shard(torch::nn::Module& module, const comm::CommPtr& dp, FullyShardOptions options) {
@@ -344,6 +459,67 @@ std::map<std::string, at::Tensor> full_parameters(const torch::nn::Module& modul
   for (const auto& item : module.named_modules("", /*include_self=*/false)) add_full_parameters(*item.value(), item.key() + ".", out);
   return out;
 }
+
+std::vector<dp::NamedParam> original_parameters(const torch::nn::Module& module) {
+  std::vector<dp::NamedParam> out;
+  for (const auto& p : dp::unique_parameters(module))
+    if (!unit_of_shard(p.tensor)) out.push_back(p);
+  for_each_unit(module, [&](Unit& u, const std::string& prefix) {
+    for (size_t i = 0; i < u.num_params(); ++i) out.push_back({prefix + u.name_of(i), u.param(i)});
+  });
+  return out;
+}
+
+std::vector<OwnedPiece> owned_pieces(const torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
+  std::vector<OwnedPiece> out;
+  for_each_unit(module, [&](Unit& u, const std::string& prefix) {
+    const std::map<std::string, at::Tensor> state = state_of(optimizer, u.shard());
+    for (size_t i = 0; i < u.num_params(); ++i) {
+      const Unit::Piece p = u.piece(i);
+      if (p.numel == 0) continue;
+      OwnedPiece piece{prefix + u.name_of(i), p.in_param, u.shard().detach().narrow(0, p.in_shard, p.numel), {}};
+      for (const auto& kv : state)
+        piece.state[kv.first] = kv.first == "step" ? kv.second : kv.second.narrow(0, p.in_shard, p.numel);
+      out.push_back(std::move(piece));
+    }
+  });
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> shard_gradients(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for_each_unit(module, [&](Unit& u, const std::string& prefix) {
+    if (!u.shard().grad().defined()) return;
+    for (size_t i = 0; i < u.num_params(); ++i) {
+      const Unit::Piece p = u.piece(i);
+      if (p.numel > 0) out.emplace_back(prefix + u.name_of(i), u.shard().grad().narrow(0, p.in_shard, p.numel));
+    }
+  });
+  return out;
+}
+
+FullState full_state(const torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
+  FullState out;
+  out.parameters = full_parameters(module);
+  for (const auto& p : dp::unique_parameters(module)) {
+    if (unit_of_shard(p.tensor)) continue;
+    for (const auto& kv : state_of(optimizer, p.tensor)) out.optimizer[p.name][kv.first] = kv.second.clone();
+  }
+  for_each_unit(module, [&](Unit& u, const std::string& prefix) {
+    for (const auto& kv : state_of(optimizer, u.shard())) {  // the same kinds on every rank (an elementwise optimizer)
+      const std::vector<at::Tensor> full = kv.first == "step" ? std::vector<at::Tensor>() : u.gather_params(kv.second);
+      for (const Unit::Name& n : u.names())
+        out.optimizer[prefix + n.name][kv.first] = kv.first == "step" ? kv.second.clone() : full[n.index];
+    }
+  });
+  return out;
+}
+
+void load_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, const FullState& state) {
+  for_each_unit(module, [&](Unit& u, const std::string& prefix) { load_unit(u, prefix, optimizer, state); });
+}
+
+int64_t peak_gathered_bytes(const comm::CommPtr& dp) { return group_of(dp)->peak_gathered_bytes; }
 
 int64_t held_parameter_bytes(const torch::nn::Module& module) {
   int64_t bytes = 0;

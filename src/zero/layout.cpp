@@ -1,7 +1,6 @@
 #include "meshtrain/zero/layout.h"
 
 #include <algorithm>
-#include <set>
 
 #include "meshtrain/util/error.h"
 
@@ -13,13 +12,11 @@ Range Bucket::shard(int rank) const {
   return Range{begin + offsets.at(rank), shard_sizes.at(rank)};
 }
 
-Layout make_layout(const std::vector<size_t>& order, const std::vector<int64_t>& numels, int64_t cap_numel, int world,
-                   const std::vector<size_t>& forced_boundaries) {
+Layout make_layout(const std::vector<size_t>& order, const std::vector<int64_t>& numels, int64_t cap_numel, int world) {
   MESHTRAIN_CHECK(world >= 1, "ZeRO layout: world size ", world, " must be positive");
   MESHTRAIN_CHECK(cap_numel >= 1, "ZeRO layout: bucket cap must be positive");
   MESHTRAIN_CHECK(order.size() == numels.size(), "ZeRO layout: order has ", order.size(), " entries for ",
                   numels.size(), " parameters");
-  const std::set<size_t> forced(forced_boundaries.begin(), forced_boundaries.end());
   Layout l;
   l.world = world;
   int64_t offset = 0, bucket_begin = 0;
@@ -34,7 +31,7 @@ Layout make_layout(const std::vector<size_t>& order, const std::vector<int64_t>&
   };
   for (size_t k = 0; k < order.size(); ++k) {
     const int64_t n = numels.at(order[k]);
-    if (forced.count(k) || (offset > bucket_begin && offset - bucket_begin + n > cap_numel)) close(offset);
+    if (offset > bucket_begin && offset - bucket_begin + n > cap_numel) close(offset);
     l.entries.push_back({order[k], offset, n});
     offset += n;
   }

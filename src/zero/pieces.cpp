@@ -52,11 +52,11 @@ void Pieces::masters_take_gradients() {
   for (size_t i = 0; i < low_grads.size(); ++i) values[i].mutable_grad() = low_grads[i].to(at::kFloat);
 }
 
-void Pieces::masters_into(at::Tensor buffer, bool by_flat_offset) {
+void Pieces::masters_into(at::Tensor buffer) {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < values.size(); ++i) {
     const ShardPiece& p = pieces[i];
-    buffer.narrow(0, by_flat_offset ? p.flat_offset : p.shard_offset, p.numel).copy_(values[i]);
+    buffer.narrow(0, p.flat_offset, p.numel).copy_(values[i]);
     values[i].mutable_grad() = at::Tensor();
   }
 }

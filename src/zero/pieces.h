@@ -33,9 +33,9 @@ struct Pieces {
   // Before the optimizer step: float32 copies of low_grads become the masters'
   // gradients (for this step only).
   void masters_take_gradients();
-  // After it: the masters into `buffer` (the module's precision) at each
-  // piece's flat offset (`by_flat_offset`) or shard offset; gradients dropped.
-  void masters_into(at::Tensor buffer, bool by_flat_offset);
+  // After it: the masters into `buffer` (the module's flat parameters, in
+  // their precision) at each piece's flat offset; gradients dropped.
+  void masters_into(at::Tensor buffer);
   // The float32 shard of `shard_numel` elements made of the masters (for consolidation).
   at::Tensor masters_shard(int64_t shard_numel) const;
   int64_t master_bytes() const;

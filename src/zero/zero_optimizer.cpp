@@ -67,7 +67,7 @@ ShardedCore::ShardedCore(std::shared_ptr<torch::nn::Module> module, std::unique_
                          comm::CommPtr comm, ZeroOptions options)
     : module_(std::move(module)), comm_(std::move(comm)), options_(options), optimizer_(std::move(optimizer)) {
   MESHTRAIN_CHECK(options_.stage() == 1 || options_.stage() == 2, "ZeroRedundancyOptimizer: stage ", options_.stage(),
-                  " must be 1 or 2 (stage 3 is FullyShardedDataParallel)");
+                  " must be 1 or 2 (stage 3 is zero::fully_shard)");
   MESHTRAIN_CHECK(optimizer_ && module_ && comm_, "ZeroRedundancyOptimizer needs a module, an optimizer and a communicator");
   dtype_ = options_.param_dtype().value_or(at::kFloat);
   mixed_ = dtype_ != at::kFloat;
@@ -226,7 +226,7 @@ void ShardedCore::step() {
   MESHTRAIN_CHECK(!in_backward_, "ZeroRedundancyOptimizer::step() called during backward");
   if (mixed_) pieces_.masters_take_gradients();
   optimizer_->step();  // this rank's pieces: views into flat_params_ (mixed: float32 masters)
-  if (mixed_) pieces_.masters_into(flat_params_, /*by_flat_offset=*/true);
+  if (mixed_) pieces_.masters_into(flat_params_);
   // Everyone gets everyone's updated shards, bucket by bucket.
   const int r = comm_->rank();
   std::vector<comm::WorkPtr> gathers;

@@ -13,6 +13,7 @@
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/tensor_io.h"
 #include "meshtrain/util/json.h"
+#include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
 
 
@@ -112,31 +113,28 @@ TEST(Zero, ParameterGroupsEveryStage) {
       auto ref = std::make_shared<TwoLayer>();
       auto ref_opt = two_groups(*ref);
       std::unique_ptr<zero::ZeroRedundancyOptimizer> zro;
-      std::unique_ptr<zero::FullyShardedDataParallel> fsdp;
+      std::unique_ptr<torch::optim::Optimizer> sharded;  // stage 3: the user's optimizer, on the shards
       if (stage < 3) {
         zro = std::make_unique<zero::ZeroRedundancyOptimizer>(model, two_groups(*model), self,
                                                               zero::ZeroOptions().stage(stage).bucket_cap_mb(1e-5));
       } else {
-        fsdp = std::make_unique<zero::FullyShardedDataParallel>(
-            model, std::vector<std::shared_ptr<torch::nn::Module>>{model->a.ptr(), model->b.ptr()}, two_groups(*model), self);
+        zero::fully_shard(*model->a, self);  // one unit per layer: a group per layer
+        zero::fully_shard(*model->b, self);
+        sharded = two_groups(*model);  // model->a->parameters() is now a's shard
       }
       for (int step = 0; step < 4; ++step) {
-        zro ? zro->zero_grad() : fsdp->zero_grad();
+        zro ? zro->zero_grad() : sharded->zero_grad();
         auto x = batch(comm.rank(), step);
-        torch::Tensor y = zro ? model->forward(x)
-                              : fsdp->run_unit(1, [&] {
-                                  auto h = fsdp->run_unit(0, [&] { return model->a->forward(x); });
-                                  return model->b->forward(torch::tanh(h));
-                                });
-        y.pow(2).mean().backward();
-        zro ? zro->step() : fsdp->step();
+        model->forward(x).pow(2).mean().backward();
+        if (zro) zro->step();
+        else sharded->step();
         ref_opt->zero_grad();
         torch::Tensor total = torch::zeros({});
         for (int r = 0; r < comm.size(); ++r) total = total + ref->forward(batch(r, step)).pow(2).mean() / comm.size();
         total.backward();
         ref_opt->step();
       }
-      auto state = zro ? zro->consolidated_state(0) : fsdp->consolidated_state(0);
+      auto state = zro ? zro->consolidated_state(0) : zero::full_state(*model, *sharded);
       if (comm.rank() == 0) {
         for (const auto& kv : ref->named_parameters()) {
           EXPECT_TRUE(torch::allclose(state.parameters.at(kv.key()), kv.value(), 1e-4, 1e-6))
@@ -145,6 +143,13 @@ TEST(Zero, ParameterGroupsEveryStage) {
       }
     }
   });
+}
+
+// ZeRO-3 as the trainer applies it: zero::fully_shard on each piece, the
+// embedding (whose weight the tied head reads) kept gathered through the step.
+void shard_pieces(meshtrain::models::StageImpl& model, const std::shared_ptr<Communicator>& dp) {
+  for (size_t i = 0; i < model.num_pieces(); ++i)
+    zero::fully_shard(*model.piece(i), dp, zero::FullyShardOptions().reshard_after_forward(i != 0));
 }
 
 // Train 2 steps on 3 ranks, consolidate, save; load at 2 ranks (another stage),
@@ -159,22 +164,18 @@ TEST(Zero, ConsolidatedStateLoadsAtAnotherWorldSizeAndStage) {
     auto self = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
     auto cfg = c;
     cfg.zero = 3;
-    // Build the pieces the trainer builds, drive them through the public API.
+    // Build the pieces the trainer builds, shard each through the public API.
     auto model = meshtrain::models::build_stage(cfg.model, 0, meshtrain::models::num_pieces(cfg.model));
-    std::vector<std::shared_ptr<torch::nn::Module>> units;
-    for (size_t i = 0; i < model->num_pieces(); ++i) units.push_back(model->piece(i));
-    zero::FullyShardedDataParallel fsdp(model.ptr(), units, std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(cfg.lr).eps(cfg.adam_eps)), self,
-                                        zero::FsdpOptions().keep_gathered({0}));
+    shard_pieces(*model, self);
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(cfg.lr).eps(cfg.adam_eps));
     auto data = meshtrain::train::make_arithmetic_dataset(cfg.seed, cfg.model.seq_len);
     for (int step = 0; step < 2; ++step) {
-      fsdp.zero_grad();
+      adamw.zero_grad();
       auto b = data->samples(step * cfg.global_batch + comm.rank() * 8, 8);
-      torch::Tensor h = b.inputs;
-      for (size_t i = 0; i < model->num_pieces(); ++i) h = fsdp.run_unit(i, [&] { return model->forward_range(h, i, i + 1); });
-      meshtrain::models::loss(cfg.model, h, b.targets).backward();
-      fsdp.step();
+      meshtrain::models::loss(cfg.model, model->forward(b.inputs), b.targets).backward();
+      adamw.step();
     }
-    auto state = fsdp.consolidated_state(0);
+    auto state = zero::full_state(*model, adamw);
     if (comm.rank() == 0) {
       std::map<std::string, at::Tensor> flat = state.parameters;
       for (const auto& p : state.optimizer)
@@ -239,11 +240,10 @@ TEST(Zero, ConsolidatedStateLoadsAtAnotherWorldSizeAndStage) {
 // The ZeRO paper's memory model for fp32 Adam (4 bytes each for parameters and
 // gradients, 8 for Adam's moments), from the tensors each rank holds, and the
 // traffic model: stages 1-2 move DDP's bytes, stage 3 about 1.5x.
-// Stage 3 driven through its public API on a 6-block GPT: with and without
-// prefetching the next unit, the losses and weights are those of one process,
-// and the full parameters held at once never exceed the kept embedding plus
-// one block (two while the next is prefetched) — far below the whole model.
-TEST(Zero, StageThreeGathersOneUnitAtATimeWithOrWithoutPrefetch) {
+// Stage 3 on a 6-block GPT, as the trainer shards it: the losses and weights
+// are those of one process, and the full parameters held at once never
+// exceed the kept embedding plus one block, far below the whole model.
+TEST(Zero, StageThreeGathersOneUnitAtATime) {
   run_ranks(3, [](Communicator& comm) {
     auto self = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
     auto c = tiny_gpt();
@@ -275,36 +275,27 @@ TEST(Zero, StageThreeGathersOneUnitAtATimeWithOrWithoutPrefetch) {
       whole += piece_bytes(i);
       if (i > 0) largest_block = std::max(largest_block, piece_bytes(i));
     }
-    for (bool prefetch : {false, true}) {
-      auto model = meshtrain::models::build_stage(c.model, 0, meshtrain::models::num_pieces(c.model));
-      std::vector<std::shared_ptr<torch::nn::Module>> units;
-      for (size_t i = 0; i < model->num_pieces(); ++i) units.push_back(model->piece(i));
-      zero::FullyShardedDataParallel fsdp(model.ptr(), units, adamw(model->parameters()), self,
-                                          zero::FsdpOptions().prefetch(prefetch).keep_gathered({0}));
-      for (int step = 0; step < 3; ++step) {
-        fsdp.zero_grad();
-        auto b = data->samples(step * c.global_batch + comm.rank() * per_rank, per_rank);
-        torch::Tensor h = b.inputs;
-        for (size_t i = 0; i < model->num_pieces(); ++i) {
-          h = fsdp.run_unit(i, [&] { return model->forward_range(h, i, i + 1); });
-        }
-        auto loss = meshtrain::models::loss(c.model, h, b.targets);
-        loss.backward();
-        fsdp.step();
-        auto global = loss.detach().clone();
-        comm.all_reduce(global, meshtrain::comm::ReduceOp::kAvg);
-        EXPECT_NEAR(global.item<double>(), want[step], 1e-6 + 2e-6 * want[step])
-            << "prefetch " << prefetch << " step " << step;
-      }
-      const int64_t peak = fsdp.held_bytes().buffers;
-      EXPECT_LE(peak, piece_bytes(0) + (prefetch ? 2 : 1) * largest_block) << "prefetch " << prefetch;
-      EXPECT_LT(peak, whole / 2) << "prefetch " << prefetch;
-      auto full = fsdp.consolidated_state(0).parameters;
-      if (comm.rank() != 0) continue;
-      for (const auto& kv : dense->named_parameters()) {
-        EXPECT_TRUE(torch::allclose(full.at(kv.key()), kv.value(), 2e-4, 2e-5))
-            << "prefetch " << prefetch << " parameter " << kv.key();
-      }
+    auto model = meshtrain::models::build_stage(c.model, 0, meshtrain::models::num_pieces(c.model));
+    shard_pieces(*model, self);
+    auto opt = adamw(model->parameters());
+    for (int step = 0; step < 3; ++step) {
+      opt->zero_grad();
+      auto b = data->samples(step * c.global_batch + comm.rank() * per_rank, per_rank);
+      auto loss = meshtrain::models::loss(c.model, model->forward(b.inputs), b.targets);
+      loss.backward();
+      opt->step();
+      auto global = loss.detach().clone();
+      comm.all_reduce(global, meshtrain::comm::ReduceOp::kAvg);
+      EXPECT_NEAR(global.item<double>(), want[step], 1e-6 + 2e-6 * want[step]) << "step " << step;
+    }
+    const int64_t peak = zero::peak_gathered_bytes(self);
+    EXPECT_GT(peak, 0);
+    EXPECT_LE(peak, piece_bytes(0) + largest_block);
+    EXPECT_LT(peak, whole / 2);
+    auto full = zero::full_parameters(*model);
+    if (comm.rank() != 0) return;
+    for (const auto& kv : dense->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(full.at(kv.key()), kv.value(), 2e-4, 2e-5)) << "parameter " << kv.key();
     }
   });
 }

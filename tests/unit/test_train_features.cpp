@@ -13,6 +13,7 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
 
 using namespace meshtrain;
@@ -143,25 +144,67 @@ TEST(TrainingOptionFlags, BadValuesNameTheFlagBeforeAnyCommunication) {
   EXPECT_EQ(c.activation_checkpointing, "every-3");
 }
 
-// The regather node owns a reference to FSDP's core: a backward that outlives
-// the wrapper gets an error naming the cause, not a use-after-free.
-TEST(FullyShardedDataParallel, BackwardAfterTheWrapperIsDestroyedIsAClearError) {
-  torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+// Units outlive the module they were sharded from: a backward after the
+// module is gone still reduces into the shards (no use-after-free), and the
+// gradient is the dense one's.
+TEST(FullyShard, BackwardAfterTheModuleIsGoneReducesIntoTheShards) {
+  torch::manual_seed(3);
+  torch::nn::Sequential dense(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+  dense->forward(torch::ones({3, 4})).sum().backward();
+  std::vector<at::Tensor> want;
+  for (const auto& p : dense->parameters()) want.push_back(p.grad().reshape({-1}));
   at::Tensor y;
+  std::vector<at::Tensor> shards;
   {
-    std::vector<std::shared_ptr<torch::nn::Module>> units = {model[0], model[1]};
-    zero::FullyShardedDataParallel fsdp(model.ptr(), units,
-                                        std::make_unique<torch::optim::SGD>(model->parameters(), 0.1),
-                                        comm::make_single_process_world());
-    at::Tensor h = fsdp.run_unit(0, [&] { return model[0]->as<torch::nn::Linear>()->forward(torch::ones({3, 4})); });
-    y = fsdp.run_unit(1, [&] { return model[1]->as<torch::nn::Linear>()->forward(h); });
+    torch::manual_seed(3);
+    torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+    const auto world = comm::make_single_process_world();
+    zero::fully_shard(*model[0], world);
+    zero::fully_shard(*model[1], world);
+    shards = zero::sharded_parameters(*model);
+    y = model->forward(torch::ones({3, 4}));
   }
-  try {
-    y.sum().backward();
-    FAIL() << "expected an error";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("destroyed"), std::string::npos) << e.what();
+  y.sum().backward();
+  ASSERT_EQ(shards.size(), 2u);
+  ASSERT_TRUE(shards[0].grad().defined() && shards[1].grad().defined());
+  EXPECT_TRUE(torch::allclose(shards[0].grad(), torch::cat({want[0], want[1]})));
+  EXPECT_TRUE(torch::allclose(shards[1].grad(), torch::cat({want[2], want[3]})));
+}
+
+// param_dtype bf16: the layers compute in bf16 (the output is the bf16 twin's,
+// bit for bit), the optimizer steps the float32 shard, whose gradient is the
+// twin's bf16 gradient, and an SGD step changes the float32 values.
+TEST(FullyShard, Bf16ParamDtypeComputesInBf16AndStepsFloat32Shards) {
+  torch::manual_seed(4);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  torch::nn::Sequential twin(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < model->parameters().size(); ++i) twin->parameters()[i].copy_(model->parameters()[i]);
   }
+  const std::vector<at::Tensor> before = twin->parameters();
+  std::vector<at::Tensor> masters;
+  for (const auto& p : before) masters.push_back(p.detach().reshape({-1}).clone());
+  twin->to(torch::kBFloat16);
+  const auto world = comm::make_single_process_world();
+  zero::fully_shard(*model, world, zero::FullyShardOptions().param_dtype(at::kBFloat16));
+  const at::Tensor shard = zero::sharded_parameters(*model).at(0);
+  EXPECT_EQ(shard.scalar_type(), at::kFloat);
+  EXPECT_TRUE(torch::equal(shard.detach(), torch::cat(masters)));  // the float32 values, not rounded
+  const at::Tensor x = torch::randn({5, 8}).to(torch::kBFloat16);
+  const at::Tensor y = model->forward(x), y_twin = twin->forward(x);
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(torch::equal(y, y_twin));
+  y.to(torch::kFloat).pow(2).sum().backward();
+  y_twin.to(torch::kFloat).pow(2).sum().backward();
+  std::vector<at::Tensor> twin_grads;
+  for (const auto& p : twin->parameters()) twin_grads.push_back(p.grad().reshape({-1}).to(torch::kFloat));
+  ASSERT_TRUE(shard.grad().defined());
+  EXPECT_EQ(shard.grad().scalar_type(), at::kFloat);
+  EXPECT_TRUE(torch::equal(shard.grad(), torch::cat(twin_grads)));
+  torch::optim::SGD sgd(model->parameters(), 1e-3);
+  sgd.step();
+  EXPECT_TRUE(torch::allclose(shard.detach(), torch::cat(masters) - 1e-3 * torch::cat(twin_grads)));
 }
 
 // The trainer consults the planner before allocating: a model that cannot fit

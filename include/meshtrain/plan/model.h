@@ -123,6 +123,8 @@ struct ModelStateBytes {
 //   stage 1        (2 + 2) psi + K psi / N         optimizer state sharded
 //   stage 2        2 psi + (2 + K) psi / N         + gradients
 //   stage 3        (2 + 2 + K) psi / N             + parameters
+//                  (mixed precision: the float32 shard is the master,
+//                  counted 4 + 4 + (K - 4), the same total)
 // A shard is psi / N elements, the first psi % N ranks one more (util/shard.h).
 ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& bytes, int zero, int dp_size, int dp_rank = 0);
 

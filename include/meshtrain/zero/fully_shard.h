@@ -46,7 +46,19 @@
 // pp::pipeline does between micro-batches) keeps full-size gradients in the
 // parameters' .grad until a backward with sync on, for one reduce-scatter.
 //
-// Not yet: prefetching the next unit, and mixed precision (param_dtype).
+// Mixed precision (param_dtype, PyTorch's MixedPrecisionPolicy): the shard
+// stays float32 (what the optimizer steps: the masters); the layers' parameters
+// become bf16, units are gathered and their gradients reduce-scattered in bf16,
+// and each reduced piece is added to the float32 shard's .grad. Bytes per rank:
+// (4 + 4 + 8) psi / N with Adam, plus gathered units at 2 bytes per element.
+// Float inputs must be cast to bf16 by the caller (no forward hook to do it).
+//
+// Sharded checkpoints: owned_pieces gives this rank's part of each parameter
+// with its optimizer state (every rank writes only what it holds); load_state
+// takes full values and state by name back into the shards, at any dp size.
+//
+// Not yet: prefetching the next unit (measured: on two cores the thread that
+// would overlap the gather competes with the compute; docs/BENCHMARKS.md).
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -56,6 +68,8 @@
 #include <vector>
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/dp/params.h"
+#include "meshtrain/zero/zero.h"
 
 namespace meshtrain {
 namespace zero {
@@ -65,6 +79,9 @@ struct FullyShardOptions {
   // gathered from its first use to the end of backward (false: the root's
   // embedding and head, used at both ends of the forward).
   TORCH_ARG(bool, reshard_after_forward) = true;
+  // Compute and communicate in this dtype (at::kBFloat16); the shard keeps the
+  // parameters' own dtype (float32 masters). nullopt: everything in that dtype.
+  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
 };
 
 // Makes `module`'s not yet sharded parameters one unit over `dp`. Collective
@@ -82,6 +99,34 @@ std::vector<at::Tensor> sharded_parameters(const torch::nn::Module& module);
 // original names (sharded ones gathered, tied ones under each name; others
 // as they are): for checkpoints and checks.
 std::map<std::string, at::Tensor> full_parameters(const torch::nn::Module& module);
+
+// `module`'s parameters as the model had them before sharding, under those
+// names, each once (a tied one under its first name); sharded ones keep their
+// full shape (an operation on one gathers its unit). The names FullState uses.
+std::vector<dp::NamedParam> original_parameters(const torch::nn::Module& module);
+
+// This rank's part of every sharded parameter of `module`, with its state in
+// `optimizer` (which steps the shards): for sharded checkpoints. No communication.
+std::vector<OwnedPiece> owned_pieces(const torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+
+// The shards' gradients as 1-D pieces by parameter name (for clipping:
+// train/clip.h); pieces of shards without a gradient are left out.
+std::vector<std::pair<std::string, at::Tensor>> shard_gradients(const torch::nn::Module& module);
+
+// Collective over dp: full values and optimizer state of `module` by
+// parameter name, at full shape, on every rank (a consolidated checkpoint:
+// load it into any layout with load_state or ZeroRedundancyOptimizer).
+FullState full_state(const torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+
+// Loads full values and optimizer state (by original_parameters' names, at
+// full shape; "step" a scalar) into this rank's shards and `optimizer`. Every
+// rank passes the same state; no communication. Refuses a state that lacks a
+// sharded parameter or has another size for it.
+void load_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, const FullState& state);
+
+// The most bytes of gathered units (sharded parameters at full size) this
+// process has held at once over `dp` since the first fully_shard on it.
+int64_t peak_gathered_bytes(const comm::CommPtr& dp);
 
 // Bytes of `module`'s parameters this rank holds now: the shards plus the
 // storage of every gathered unit and of unsharded parameters.

@@ -54,9 +54,9 @@ struct Layout {
 
 // numels[i]: parameter order[i]'s size, in flat order. A bucket closes before a
 // parameter that would take it past cap_numel (a larger parameter gets a bucket
-// of its own); boundaries[k] forces a new bucket at entry k (stage 3 units).
+// of its own).
 Layout make_layout(const std::vector<size_t>& order, const std::vector<int64_t>& numels_by_param,
-                   int64_t cap_numel, int world, const std::vector<size_t>& forced_boundaries = {});
+                   int64_t cap_numel, int world);
 
 }  // namespace zero
 }  // namespace meshtrain

@@ -9,10 +9,10 @@
 //   stage 2  ZeroRedundancyOptimizer(stage 2): gradients partitioned too; each
 //            bucket is reduce-scattered during backward as soon as it is full and
 //            only the shard is kept: 4Psi + 12Psi/N.
-//   stage 3  FullyShardedDataParallel: parameters partitioned too; a unit's full
-//            parameters are all-gathered before its forward and again before its
-//            backward, freed after use, the next unit's gather prefetched:
-//            16Psi/N plus the gathered units, 1.5x DDP's traffic.
+//   stage 3  zero::fully_shard (fully_shard.h): parameters partitioned too; a
+//            unit's full parameters are all-gathered when its forward first
+//            reads them and again in its backward, freed after use: 16Psi/N
+//            plus the gathered units, 1.5x DDP's traffic.
 //
 // Shards follow zero/layout.h: parameters flat, cut into buckets (units for
 // stage 3), every bucket split over the ranks (sizes need not divide).
@@ -23,7 +23,6 @@
 
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
@@ -57,7 +56,7 @@ struct HeldBytes {
 class ShardedCore;
 
 struct ZeroOptions {
-  TORCH_ARG(int, stage) = 1;  // 1 or 2; stage 3 is FullyShardedDataParallel
+  TORCH_ARG(int, stage) = 1;  // 1 or 2; stage 3 is zero::fully_shard
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   // Reduce-scatter each bucket during backward (off: after backward).
   TORCH_ARG(bool, overlap) = true;
@@ -107,49 +106,6 @@ class ZeroRedundancyOptimizer {
  private:
   const torch::nn::Module* module_;  // for dp::set_gradient_sync (dp/gradient_sync.h)
   std::shared_ptr<ShardedCore> core_;
-};
-
-struct FsdpOptions {
-  // All-gather the next unit while this one computes.
-  TORCH_ARG(bool, prefetch) = true;
-  // Units kept gathered from their first use to the end of backward (e.g. an
-  // embedding whose weight the LM head also uses).
-  TORCH_ARG(std::set<size_t>, keep_gathered) = {};
-  // Mixed precision, as ZeroOptions::param_dtype: shards, gathered units,
-  // gradients and their reduce-scatter in this dtype; the optimizer steps
-  // float32 masters of the shard: (2 + 2 + 12) psi / N.
-  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
-};
-
-class FullyShardedDataParallel {
- public:
-  // `units`: submodules whose parameters are gathered together, in forward
-  // order. Parameters outside every unit form one more unit, gathered for the
-  // whole step (with no units: the whole module is one unit).
-  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                           std::vector<std::shared_ptr<torch::nn::Module>> units,
-                           std::unique_ptr<torch::optim::Optimizer> optimizer, comm::CommPtr comm,
-                           FsdpOptions options = {});
-  ~FullyShardedDataParallel();
-
-  // Runs fn (a unit's forward) with unit `unit` gathered; frees it afterwards
-  // and arranges for it to be gathered again before its backward.
-  at::Tensor run_unit(size_t unit, const std::function<at::Tensor()>& fn);
-  // Runs fn with every unit gathered (a module without units).
-  at::Tensor forward(const std::function<at::Tensor()>& fn);
-  size_t num_units() const;
-
-  void zero_grad();
-  void step();
-  FullState consolidated_state(int root = 0);
-  void load_state(const FullState& state);
-  std::vector<OwnedPiece> owned_pieces();
-  std::vector<std::pair<std::string, at::Tensor>> shard_gradients();  // as ZeroRedundancyOptimizer's
-  HeldBytes held_bytes() const;
-  torch::optim::Optimizer& optimizer();
-
- private:
-  std::shared_ptr<class FsdpCore> core_;
 };
 
 }  // namespace zero
