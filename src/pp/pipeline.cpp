@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 
 #include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
+#include "util/parameter_dict.h"
 
 namespace meshtrain {
 namespace pp {
@@ -37,32 +37,60 @@ std::vector<int64_t> stage_bounds(const torch::nn::SequentialImpl& model, int st
 
 // Note [Tied parameters across stages]
 // A parameter that children of stages on different ranks share (a language
-// model's embedding and its head, Megatron's tied word embeddings) gets a
-// gradient on each of those ranks, each the part of its own uses; the
-// one-process gradient is their sum. Every rank builds the whole model, so
-// each holds the same values: step() sums the gradient over the ranks that
-// hold the parameter (after the data-parallel reduction, which commutes with
-// it), and the optimizers then keep the copies equal. The groups come from the
-// whole model, alike on every rank, in the order of the children.
-// For each parameter held by more than one rank: those ranks, and the parameter.
-using TiedGroup = std::pair<std::set<int>, std::pair<std::string, at::Tensor>>;  // ranks, (a name, the parameter)
+// model's embedding and its head, Megatron's tied word embeddings) has one
+// gradient in one process: the sum of its uses. Every rank builds the whole
+// model, so each starts with the same values; the rank of the first stage
+// that uses it owns it, and the others take it out of their stage's parameter
+// list (their layers keep computing with the tensor, now a copy). step():
+//   - as it starts, the owner sends the current value to every copy;
+//   - after a copy's rank finishes its last backward through it (the last
+//     micro-batch on its lowest stage using it), it sends the accumulated
+//     gradient to the owner;
+//   - before the owner's last backward through it, the owner adds the copies'
+//     gradients to its own, so that backward's data-parallel reduction (DDP,
+//     ZeRO, fully_shard, all reducing on the last micro-batch) reduces the sum.
+// The ordering holds because a later stage's backward of a micro-batch ends
+// before an earlier stage's starts. Only the owner's optimizer steps it, and
+// checkpoints of the stages hold it once.
+struct TiedGroup {
+  at::Tensor parameter;
+  int owner = 0;  // the rank of the first stage using it
+  std::map<int, int> lowest_stage;  // by holding rank: the first stage on it that uses it
+};
+
+// The parameters held by more than one rank, found from the whole model, alike
+// on every rank, in the order of the children.
 std::vector<TiedGroup> tied_across_ranks(const torch::nn::SequentialImpl& model, const std::vector<int64_t>& bounds,
                                          int ranks) {
   std::vector<TiedGroup> groups;
   std::map<const void*, size_t> index;
-  const auto children = model.named_children();
+  const auto children = model.children();
   for (size_t stage = 0; stage + 1 < bounds.size(); ++stage) {
+    const int rank = static_cast<int>(stage) % ranks;
     for (int64_t i = bounds[stage]; i < bounds[stage + 1]; ++i) {
-      for (const auto& p : children[i].value()->named_parameters()) {
-        const auto found = index.emplace(p.value().unsafeGetTensorImpl(), groups.size());
-        if (found.second) groups.push_back({{}, {children[i].key() + "." + p.key(), p.value()}});
-        groups[found.first->second].first.insert(static_cast<int>(stage) % ranks);
+      for (const at::Tensor& p : children[i]->parameters()) {
+        const auto found = index.emplace(p.unsafeGetTensorImpl(), groups.size());
+        if (found.second) groups.push_back({p, rank, {}});
+        groups[found.first->second].lowest_stage.emplace(rank, static_cast<int>(stage));
       }
     }
   }
-  groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& g) { return g.first.size() < 2; }),
+  groups.erase(std::remove_if(groups.begin(), groups.end(), [](const auto& g) { return g.lowest_stage.size() < 2; }),
                groups.end());
   return groups;
+}
+
+// On a rank holding a copy: no module of its chunks lists the parameter any more.
+void take_out_of_parameters(const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& chunks, const at::Tensor& p) {
+  for (const auto& chunk : chunks) {
+    for (const auto& m : chunk->modules(/*include_self=*/true)) {
+      auto& dict = ParameterDict::of(*m);
+      std::vector<std::string> keys;
+      for (const auto& item : dict)
+        if (item.value().unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) keys.push_back(item.key());
+      for (const auto& key : keys) dict.erase(key);
+    }
+  }
 }
 
 // Whether a parameter sits in two of this rank's chunks (interleaved stages sharing it).
@@ -102,32 +130,55 @@ Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss l
     fns.push_back({s, [chunk](const at::Tensor& x, int) { return chunk->forward(x); }});
   }
   executor_ = std::make_unique<PipelineExecutor>(pp_, spec, std::move(fns));
-  for (const auto& group : tied_across_ranks(*model, bounds_, ranks)) {  // Note [Tied parameters across stages]
-    const bool mine = group.first.count(pp_->rank()) > 0;
-    comm::CommPtr holders = pp_->split(mine ? 0 : -1, pp_->rank(), "tied");
-    if (mine) tied_.push_back({group.second.first, group.second.second, holders});
+  int tag = 0;  // two per group (value, gradient), alike on every rank
+  for (const TiedGroup& group : tied_across_ranks(*model, bounds_, ranks)) {  // Note [Tied parameters across stages]
+    tag += 2;
+    const auto here = group.lowest_stage.find(pp_->rank());
+    if (here == group.lowest_stage.end() || !group.parameter.requires_grad()) continue;  // a frozen one stays equal
+    Tied t{group.parameter, group.owner, {}, here->second, tag};
+    if (pp_->rank() == group.owner) {
+      for (const auto& kv : group.lowest_stage)
+        if (kv.first != group.owner) t.copies.push_back(kv.first);
+    } else {
+      take_out_of_parameters(chunks_, group.parameter);
+    }
+    tied_.push_back(t);
   }
   shared_by_chunks_ = shared_by_two_chunks(chunks_);
 }
 
-// A wrapper that shards gradients (ZeRO-2/3, zero::fully_shard) leaves no
-// full gradient to sum: the first step checks, on every holder alike, that
-// each holder has one (a sum of zeros would be silently wrong).
-void Pipeline::sum_tied_gradients() {
-  for (auto& t : tied_) {
-    if (!t.parameter.requires_grad()) continue;
-    if (!tied_checked_) {
-      at::Tensor with_grad = at::full({1}, t.parameter.grad().defined() ? 1.0 : 0.0, at::kDouble);
-      t.holders->all_reduce(with_grad);
-      const int have = static_cast<int>(with_grad.item<double>());
-      MESHTRAIN_CHECK(have == t.holders->size(), "pp::pipeline: the parameter that pipeline ranks share (tied, '",
-                      t.name, "') has a gradient after the step on ", have, " of the ", t.holders->size(),
-                      " ranks that hold it: a wrapper that shards gradients (ZeRO-2/3, zero::fully_shard) took it, or "
-                      "a stage does not use it; tied parameters across stages work with dp::replicate and ZeRO-1");
-    }
-    t.holders->all_reduce(t.parameter.mutable_grad());
+void Pipeline::refresh_tied_copies(std::vector<comm::WorkPtr>& sends) {
+  for (const Tied& t : tied_) {
+    for (int rank : t.copies) sends.push_back(pp_->isend(t.parameter.detach().clone(), rank, user_tag(t.tag)));
   }
-  tied_checked_ = true;
+  at::NoGradGuard no_grad;
+  for (Tied& t : tied_) {
+    if (t.owner == pp_->rank()) continue;
+    t.parameter.detach().copy_(pp_->recv_any(t.owner, user_tag(t.tag)).view_as(t.parameter));
+    t.parameter.mutable_grad().reset();
+  }
+}
+
+// Called around every backward: on the last micro-batch, a copy's gradient
+// leaves after its rank's last backward through it and the owner adds the
+// copies' gradients before its own (Note [Tied parameters across stages]).
+void Pipeline::exchange_tied_gradients(int stage, std::vector<comm::WorkPtr>& sends, bool before) {
+  at::NoGradGuard no_grad;
+  for (Tied& t : tied_) {
+    if (t.last_backward_stage != stage) continue;
+    const bool owner = t.owner == pp_->rank();
+    if (before && owner) {
+      for (int rank : t.copies) {
+        const at::Tensor g = pp_->recv_any(rank, user_tag(t.tag + 1)).view_as(t.parameter);
+        at::Tensor& grad = t.parameter.mutable_grad();
+        if (grad.defined()) grad.add_(g);
+        else grad = g.clone();
+      }
+    } else if (!before && !owner) {
+      const at::Tensor& g = t.parameter.grad();
+      sends.push_back(pp_->isend(g.defined() ? g : at::zeros_like(t.parameter), t.owner, user_tag(t.tag + 1)));
+    }
+  }
 }
 
 double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
@@ -159,12 +210,20 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   auto chunk_of = [&](int stage) -> const torch::nn::Module& {
     return chunks == 1 ? *stage_ : *chunks_[stage / pp_->size()];
   };
+  std::vector<comm::WorkPtr> sends;
+  refresh_tied_copies(sends);
   PipelineHooks hooks;
-  hooks.before_backward = [&](int s, int mb) { dp::set_gradient_sync(chunk_of(s), mb == m - 1); };
-  hooks.after_backward = [&](int s, int) { dp::set_gradient_sync(chunk_of(s), true); };
+  hooks.before_backward = [&](int s, int mb) {
+    if (mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/true);
+    dp::set_gradient_sync(chunk_of(s), mb == m - 1);
+  };
+  hooks.after_backward = [&](int s, int mb) {
+    dp::set_gradient_sync(chunk_of(s), true);
+    if (mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/false);
+  };
   const StepResult r = executor_->run(
       in, out, [&](const at::Tensor& y, const at::Tensor& t, int) { return loss_(y, t) / m; }, hooks);
-  sum_tied_gradients();
+  for (auto& w : sends) w->wait();
   at::Tensor loss = at::tensor({r.loss_sum}, at::kDouble);
   pp_->broadcast(loss, pp_->size() - 1);
   return loss.item<double>();

@@ -13,6 +13,7 @@
 #include "meshtrain/util/shard.h"
 #include "util/autograd_hooks.h"
 #include "util/intercept.h"
+#include "util/parameter_dict.h"
 
 namespace meshtrain {
 namespace zero {
@@ -300,15 +301,6 @@ Unit* unit_of(const at::Tensor& p) {
     if (auto* u = dynamic_cast<Unit*>(r.first)) return u;
   return nullptr;
 }
-
-// Module keeps its parameter dictionary protected; a member pointer formed
-// through a derived class reaches it (fully_shard takes the parameters out).
-struct ParameterDict : torch::nn::Module {
-  static torch::OrderedDict<std::string, at::Tensor>& of(torch::nn::Module& m) {
-    torch::OrderedDict<std::string, at::Tensor> torch::nn::Module::*dict = &ParameterDict::parameters_;
-    return m.*dict;
-  }
-};
 
 // What fully_shard takes from `module`: each storage once (tied weights), and
 // every name it was registered under, relative to `module`.

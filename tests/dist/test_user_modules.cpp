@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <optional>
+
 #include "harness.h"
 #include "meshtrain/comm/traffic.h"
 #include "meshtrain/dp/params.h"
@@ -849,9 +851,10 @@ Reference train_tied_one_process() {
 
 }  // namespace
 
-// Note [Tied parameters across stages]: the embedding (stage 0) and the head
-// tied to it (the last stage) are kept equal and trained as in one process,
-// on 2 and 3 stages and with dp 2 x pp 2 under dp::replicate.
+// Note [Tied parameters across stages]: the embedding (stage 0) owns the
+// weight the head (the last stage) reuses; trained as in one process on 2 and
+// 3 stages, and on dp 2 x pp 2 under dp::replicate, ZeRO-2 and
+// zero::fully_shard (the wrappers that shard gradients reduce the sum too).
 TEST(UserModules, TiedEmbeddingAndHeadOnDifferentStagesMatchOneProcess) {
   const Reference ref = train_tied_one_process();
   ASSERT_TRUE(ref.params.count("4.weight") && ref.params.count("0.weight"));
@@ -871,23 +874,49 @@ TEST(UserModules, TiedEmbeddingAndHeadOnDifferentStagesMatchOneProcess) {
       expect_matches(ref, losses, *stage.module(), std::to_string(stages) + " stages, rank " + std::to_string(comm.rank()));
     });
   }
-  run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
-    auto stage = meshtrain::pp::pipeline(tied_model(), mesh.pp(), cross_entropy,
-                                         meshtrain::pp::PipelineOptions().split_points({2}).microbatches(2));
-    auto replicated = meshtrain::dp::replicate(stage.module(), mesh.dp());
-    torch::optim::SGD opt(replicated->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
-    std::vector<double> losses;
-    for (int step = 0; step < kSteps; ++step) {
-      auto mine = tokens(step).narrow(0, mesh.coord().dp * 6, 6);
-      opt.zero_grad();
-      torch::Tensor loss = torch::tensor({stage.step(mine, next_tokens(mine))}, torch::kDouble);
-      mesh.dp()->all_reduce(loss, meshtrain::comm::ReduceOp::kAvg);
-      opt.step();
-      losses.push_back(loss.item<double>());
-    }
-    expect_matches(ref, losses, *stage.module(), "dp 2 x pp 2, rank " + std::to_string(comm.rank()));
-  });
+  for (const std::string wrapper : {"replicate", "zero2", "fully_shard"}) {
+    run_ranks(4, [&](Communicator& comm) {
+      meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+      auto stage = meshtrain::pp::pipeline(tied_model(), mesh.pp(), cross_entropy,
+                                           meshtrain::pp::PipelineOptions().split_points({2}).microbatches(2));
+      // Only the owner (stage 0, the embedding) lists the tied weight.
+      EXPECT_EQ(stage->named_parameters().contains("0.weight"), mesh.coord().pp == 0);
+      EXPECT_FALSE(stage->named_parameters().contains("4.weight"));
+      std::unique_ptr<meshtrain::zero::ZeroRedundancyOptimizer> zero2;
+      std::optional<meshtrain::dp::Replicated<torch::nn::SequentialImpl>> replicated;  // DDP lives as long as this
+      if (wrapper == "replicate") replicated.emplace(meshtrain::dp::replicate(stage.module(), mesh.dp()));
+      if (wrapper == "fully_shard")
+        for (const auto& child : stage->children())
+          if (!child->parameters().empty()) meshtrain::zero::fully_shard(*child, mesh.dp());
+      auto sgd = std::make_unique<torch::optim::SGD>(stage->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+      if (wrapper == "zero2")
+        zero2 = std::make_unique<meshtrain::zero::ZeroRedundancyOptimizer>(stage.module(), std::move(sgd), mesh.dp(),
+                                                                           meshtrain::zero::ZeroOptions().stage(2));
+      torch::optim::Optimizer& opt = zero2 ? zero2->optimizer() : *sgd;
+      std::vector<double> losses;
+      for (int step = 0; step < kSteps; ++step) {
+        auto mine = tokens(step).narrow(0, mesh.coord().dp * 6, 6);
+        zero2 ? zero2->zero_grad() : opt.zero_grad();
+        torch::Tensor loss = torch::tensor({stage.step(mine, next_tokens(mine))}, torch::kDouble);
+        mesh.dp()->all_reduce(loss, meshtrain::comm::ReduceOp::kAvg);
+        if (zero2) zero2->step();
+        else opt.step();
+        losses.push_back(loss.item<double>());
+      }
+      const std::string where = "dp 2 x pp 2 under " + wrapper + ", rank " + std::to_string(comm.rank());
+      for (size_t s = 0; s < losses.size(); ++s)
+        EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where << " step " << s;
+      std::map<std::string, torch::Tensor> got;  // the stage's parameters at full size, by name
+      if (wrapper == "fully_shard") got = meshtrain::zero::full_parameters(*stage.module());
+      if (zero2) got = zero2->consolidated_state(0).parameters;  // complete on dp rank 0
+      if (wrapper == "replicate")
+        for (const auto& kv : stage->named_parameters()) got[kv.key()] = kv.value();
+      if (zero2 && mesh.coord().dp != 0) return;
+      EXPECT_FALSE(got.empty()) << where;
+      for (const auto& kv : got)
+        EXPECT_TRUE(torch::allclose(kv.second, ref.params.at(kv.first), 1e-4, 1e-6)) << where << " " << kv.first;
+    });
+  }
 }
 
 // tp::parallelize of an embedding whose weight the LM head reuses (tied): the
@@ -935,27 +964,10 @@ TEST(UserModules, VocabParallelEmbeddingWithATiedHeadMatchesOneProcess) {
   });
 }
 
-// What a tied parameter cannot go with is refused, not trained wrong: ZeRO-2
-// on the pipeline stages (no full gradient to sum) at the first step, on both
-// holders; in tp::parallelize, the tied head also in the plan (it would be cut
-// twice) and a head with a bias over the whole vocabulary.
+// What a tied parameter cannot go with is refused, not trained wrong: in
+// tp::parallelize, the tied head also in the plan (it would be cut twice) and
+// a head with a bias over the whole vocabulary.
 TEST(UserModules, TiedParametersRefuseWhatTheyCannotFollow) {
-  run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
-    auto stage = meshtrain::pp::pipeline(tied_model(), mesh.pp(), cross_entropy,
-                                         meshtrain::pp::PipelineOptions().split_points({2}).microbatches(2));
-    auto sgd = std::make_unique<torch::optim::SGD>(stage->parameters(), torch::optim::SGDOptions(0.5));
-    meshtrain::zero::ZeroRedundancyOptimizer zero(stage.module(), std::move(sgd), mesh.dp(),
-                                                  meshtrain::zero::ZeroOptions().stage(2));
-    auto mine = tokens(0).narrow(0, mesh.coord().dp * 6, 6);
-    try {
-      stage.step(mine, next_tokens(mine));
-      ADD_FAILURE() << "ZeRO-2 with a parameter tied across stages was accepted";
-    } catch (const meshtrain::ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find("(tied, '0.weight') has a gradient after the step on 0 of the 2"),
-                std::string::npos) << e.what();
-    }
-  });
   run_ranks(2, [&](Communicator& comm) {
     struct LinearHead : torch::nn::Module {  // a Linear whose forward uses the embedding's weight
       torch::nn::Embedding wte{register_module("wte", torch::nn::Embedding(8, 4))};

@@ -22,10 +22,13 @@
 // children; stage.chunks() each chunk apart.
 //
 // Tied parameters: a parameter that children of stages on different ranks
-// share (an embedding and the LM head that reuses its weight) is kept equal:
-// step() sums its gradient over those ranks, as one process accumulates it.
-// Shown with dp::replicate around the stage; with ZeRO-2/3 or fully_shard,
-// which shard gradients, the first step refuses it (on every holder).
+// share (an embedding and the LM head that reuses its weight) belongs to the
+// rank of the first stage that uses it, the owner, as in one process: only
+// there is it in stage->parameters() (what the optimizer and data-parallel
+// wrappers see). The other ranks compute with a copy that step() refreshes
+// from the owner as it starts, and send the copy's gradient back before the
+// owner's last backward, so any wrapper (dp::replicate, ZeRO 1/2,
+// zero::fully_shard) reduces the sum. Between steps, read the owner's value.
 //
 // Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2, or
 // zero::fully_shard its children) along the data axis, and step() pauses
@@ -88,11 +91,14 @@ class Pipeline {
  private:
   // Note [Tied parameters across stages] (src/pp/pipeline.cpp).
   struct Tied {
-    std::string name;  // its first name in the whole model
-    at::Tensor parameter;
-    comm::CommPtr holders;  // the pipeline ranks that hold it
+    at::Tensor parameter;  // the owner's, or this rank's copy
+    int owner = 0;  // the pipeline rank that owns it
+    std::vector<int> copies;  // on the owner: the ranks holding a copy
+    int last_backward_stage = 0;  // this rank's lowest stage using it (its last backward)
+    int tag = 0;
   };
-  void sum_tied_gradients();
+  void refresh_tied_copies(std::vector<comm::WorkPtr>& sends);
+  void exchange_tied_gradients(int stage, std::vector<comm::WorkPtr>& sends, bool before);
 
   comm::CommPtr pp_;
   PipelineLoss loss_;
@@ -102,7 +108,6 @@ class Pipeline {
   std::vector<std::shared_ptr<torch::nn::SequentialImpl>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
   std::vector<Tied> tied_;
-  bool tied_checked_ = false;     // the first step checked that every holder has a full gradient
   bool shared_by_chunks_ = false;  // a parameter sits in two of this rank's chunks
 };
 
