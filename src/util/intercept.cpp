@@ -23,9 +23,26 @@ struct KeySetAccess : c10::TensorImpl {
   }
 };
 
+// The elements [begin, end) of its storage a tensor can reach.
+struct Span {
+  int64_t begin = 0, end = 0;
+  bool overlaps(const Span& o) const { return begin < o.end && o.begin < end; }
+};
+Span span_of(const at::Tensor& t) {
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {t.storage_offset(), t.numel() == 0 ? t.storage_offset() : last + 1};
+}
+
+// A storage may hold several marked tensors (ZeRO-1/2 lay parameters end to
+// end in one flat buffer): each role applies to the span it was marked on.
 struct Marks {
   c10::Storage keep;  // the registry is keyed by StorageImpl*: never let an address be reused
-  std::vector<std::pair<std::shared_ptr<Role>, int>> roles;
+  struct Entry {
+    Mark mark;
+    Span span;
+  };
+  std::vector<Entry> entries;
 };
 
 std::mutex& registry_mutex() {
@@ -92,18 +109,26 @@ void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   Marks& m = registry()[t.storage().unsafeGetStorageImpl()];
   m.keep = t.storage();
-  m.roles.emplace_back(std::move(role), index);
+  m.entries.push_back({Mark{std::move(role), index}, span_of(t)});
+}
+
+std::vector<Mark> marks_of(const at::Tensor& t) {
+  std::vector<Mark> out;
+  if (!t.defined() || !t.has_storage()) return out;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().find(t.storage().unsafeGetStorageImpl());
+  if (it == registry().end()) return out;
+  const Span mine = span_of(t);
+  for (const auto& e : it->second.entries)
+    if (e.span.overlaps(mine)) out.push_back(e.mark);
+  return out;
 }
 
 void add_dispatch_key(const at::Tensor& t, c10::DispatchKey key) { KeySetAccess::add(t, key); }
 
 std::vector<std::pair<Role*, int>> roles_of(const at::Tensor& t) {
   std::vector<std::pair<Role*, int>> out;
-  if (!t.defined() || !t.has_storage()) return out;
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  auto it = registry().find(t.storage().unsafeGetStorageImpl());
-  if (it == registry().end()) return out;
-  for (const auto& r : it->second.roles) out.emplace_back(r.first.get(), r.second);
+  for (const Mark& m : marks_of(t)) out.emplace_back(m.role.get(), m.index);
   return out;
 }
 

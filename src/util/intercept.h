@@ -37,11 +37,20 @@ class Role {
   virtual void written(int index) { (void)index; }
 };
 
-// Attaches `role` to t's storage (every view of it) under `index`. A storage
-// may carry several roles (a tp slice inside a ZeRO unit). Call after any
-// Module::to() or set_data() on t, which would drop the key. The registry
-// keeps the storage and role alive for the process.
+// Attaches `role` to the part of t's storage t spans (every view into it)
+// under `index`. A tensor may carry several roles (a tp slice inside a ZeRO
+// unit), a storage several tensors' (ZeRO-1/2's flat buffer). Call after any
+// Module::to() or set_data() on t, which would drop the key (marks_of before
+// and mark after carry them over). The registry keeps the storage and role
+// alive for the process.
 void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index = 0);
+
+struct Mark {
+  std::shared_ptr<Role> role;
+  int index = 0;
+};
+// The marks whose span t overlaps.
+std::vector<Mark> marks_of(const at::Tensor& t);
 
 // Adds `key` to the key set of t's TensorImpl (after any set_data, which copies key sets).
 void add_dispatch_key(const at::Tensor& t, c10::DispatchKey key);

@@ -10,6 +10,7 @@
 #include "meshtrain/zero/optimizer_state.h"
 #include "pieces.h"
 #include "util/autograd_hooks.h"
+#include "util/intercept.h"
 
 namespace meshtrain {
 namespace zero {
@@ -105,7 +106,10 @@ ShardedCore::ShardedCore(std::shared_ptr<torch::nn::Module> module, std::unique_
     at::NoGradGuard no_grad;
     for (const auto& e : layout_.entries) {
       at::Tensor& p = params_[e.param].tensor;
+      // A tp::parallelize'd parameter keeps its roles on its view of the flat buffer.
+      const std::vector<intercept::Mark> marks = intercept::marks_of(p);
       p.set_data(flat_params_.narrow(0, e.offset, e.numel).view(p.sizes()));
+      for (const auto& m : marks) intercept::mark(p, m.role, m.index);
     }
   }
   if (options_.stage() == 1) {

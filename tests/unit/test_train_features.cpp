@@ -14,6 +14,7 @@
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/fully_shard.h"
+#include "util/intercept.h"
 #include "meshtrain/zero/zero.h"
 
 using namespace meshtrain;
@@ -205,6 +206,31 @@ TEST(FullyShard, Bf16ParamDtypeComputesInBf16AndStepsFloat32Shards) {
   torch::optim::SGD sgd(model->parameters(), 1e-3);
   sgd.step();
   EXPECT_TRUE(torch::allclose(shard.detach(), torch::cat(masters) - 1e-3 * torch::cat(twin_grads)));
+}
+
+// Two tensors marked on one storage (ZeRO-1/2 lay parameters end to end in a
+// flat buffer, tp::parallelize marks some of them): an operation sees the
+// roles of the spans its operands reach, not every role on the storage.
+TEST(Intercept, RolesApplyToTheSpanTheyWereMarkedOn) {
+  struct Counting : meshtrain::intercept::Role {
+    int seen = 0;
+    void before(const std::vector<meshtrain::intercept::Role*>&) override { ++seen; }
+  };
+  const at::Tensor flat = torch::zeros({10});
+  const at::Tensor a = flat.narrow(0, 0, 4).view({2, 2}), b = flat.narrow(0, 4, 6);
+  auto role_a = std::make_shared<Counting>(), role_b = std::make_shared<Counting>();
+  meshtrain::intercept::mark(a, role_a);
+  meshtrain::intercept::mark(b, role_b);
+  (void)(a.t() * 2);  // a view of a, then a product: two operations on a
+  EXPECT_EQ(role_a->seen, 2);
+  EXPECT_EQ(role_b->seen, 0);
+  (void)(b.narrow(0, 1, 2) + 1);
+  EXPECT_EQ(role_a->seen, 2);
+  EXPECT_EQ(role_b->seen, 2);
+  (void)(flat + 1);  // the buffer itself carries no dispatch key: not intercepted
+  EXPECT_EQ(role_a->seen + role_b->seen, 4);
+  EXPECT_EQ(meshtrain::intercept::marks_of(flat.narrow(0, 3, 2)).size(), 2u);  // a span reaching both
+  EXPECT_EQ(meshtrain::intercept::marks_of(flat.narrow(0, 5, 5)).size(), 1u);
 }
 
 // The trainer consults the planner before allocating: a model that cannot fit

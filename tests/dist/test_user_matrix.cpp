@@ -1,0 +1,271 @@
+// The equivalence matrix for a user's own module: a small GPT-like
+// torch::nn::Sequential of plain layers (an embedding, attention + MLP blocks,
+// a head tied to the embedding), wrapped only with the public calls
+// (tp::parallelize, pp::pipeline, dp::replicate / ZeroRedundancyOptimizer /
+// zero::fully_shard), trains like one process on every dp x pp x tp layout
+// of 2, 4 and 8 ranks the built-in matrix covers, with every ZeRO stage
+// where dp > 1 and the pipeline schedules rotating.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <optional>
+
+#include "harness.h"
+#include "meshtrain/dp/params.h"
+#include "meshtrain/dp/replicate.h"
+#include "meshtrain/mesh/mesh.h"
+#include "meshtrain/pp/pipeline.h"
+#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/zero/zero.h"
+
+using meshtrain::comm::CommPtr;
+using meshtrain::comm::Communicator;
+using meshtrain::testing::run_ranks;
+namespace dp = meshtrain::dp;
+namespace pp = meshtrain::pp;
+namespace tp = meshtrain::tp;
+namespace zero = meshtrain::zero;
+
+namespace {
+
+constexpr int64_t kVocab = 16, kHidden = 16, kHeadDim = 2, kBlocks = 6, kBatch = 16, kSeq = 4;
+constexpr int kSteps = 3;
+
+// Attention and an MLP, the head count read from the tensor, so the forward
+// runs unchanged on a tp rank's heads (8 heads of 2: tp up to 8).
+struct Block : torch::nn::Module {
+  Block() {
+    for (const char* name : {"q", "k", "v", "out"}) layers.emplace(name, register_module(name, torch::nn::Linear(kHidden, kHidden)));
+    fc1 = register_module("fc1", torch::nn::Linear(kHidden, 2 * kHidden));
+    fc2 = register_module("fc2", torch::nn::Linear(2 * kHidden, kHidden));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1);
+    auto heads = [&](const char* l) { return layers.at(l)(x).view({B, T, -1, kHeadDim}).transpose(1, 2); };
+    auto scores = torch::softmax(torch::matmul(heads("q"), heads("k").transpose(-2, -1)), -1);
+    auto h = x + layers.at("out")(torch::matmul(scores, heads("v")).transpose(1, 2).reshape({B, T, -1}));
+    return h + fc2(torch::gelu(fc1(h)));
+  }
+  std::map<std::string, torch::nn::Linear> layers;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+struct TiedHead : torch::nn::Module {
+  explicit TiedHead(const torch::Tensor& shared) : weight(register_parameter("weight", shared)) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::matmul(x, weight.t()); }
+  torch::Tensor weight;
+};
+
+// 8 children: embedding, 6 blocks, the tied head (pp up to 8).
+torch::nn::Sequential user_gpt() {
+  torch::manual_seed(21);
+  torch::nn::Embedding embedding(kVocab, kHidden);
+  torch::nn::Sequential model(embedding);
+  for (int b = 0; b < kBlocks; ++b) model->push_back(std::make_shared<Block>());
+  model->push_back(std::make_shared<TiedHead>(embedding->weight));
+  return model;
+}
+
+// The blocks' tensor-parallel plan: Megatron's cut of attention and MLP.
+std::map<std::string, tp::Style> block_plan() {
+  std::map<std::string, tp::Style> plan;
+  for (int b = 1; b <= kBlocks; ++b) {
+    const std::string p = std::to_string(b) + ".";
+    for (const char* col : {"q", "k", "v", "fc1"}) plan[p + col] = tp::Style::kColwise;
+    for (const char* row : {"out", "fc2"}) plan[p + row] = tp::Style::kRowwise;
+  }
+  return plan;
+}
+
+// The slice of a one-process parameter that tp rank r of n holds under block_plan.
+torch::Tensor tp_slice(const std::string& name, const torch::Tensor& full, int r, int n) {
+  const std::string layer = name.substr(name.find('.') + 1, name.rfind('.') - name.find('.') - 1);
+  const bool weight = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
+  if (name.find('.') == name.rfind('.')) return full;  // the embedding and the head: "0.weight", "7.weight"
+  if (layer == "q" || layer == "k" || layer == "v" || layer == "fc1") return full.chunk(n, 0)[r];
+  if ((layer == "out" || layer == "fc2") && weight) return full.chunk(n, 1)[r];
+  return full;
+}
+
+torch::Tensor tokens(int step) {
+  torch::manual_seed(300 + step);
+  return torch::randint(0, kVocab, {kBatch, kSeq}, torch::kLong);
+}
+torch::Tensor next_tokens(const torch::Tensor& t) { return (t * 3 + 1) % kVocab; }
+torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+std::unique_ptr<torch::optim::SGD> sgd(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> once;  // a tied parameter once (libtorch lists it under both names)
+  for (const auto& p : dp::unique_parameters(m)) once.push_back(p.tensor);
+  return std::make_unique<torch::optim::SGD>(once, torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+struct Reference {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> params;
+};
+
+Reference one_process() {
+  Reference r;
+  auto model = user_gpt();
+  auto opt = sgd(*model);
+  for (int step = 0; step < kSteps; ++step) {
+    opt->zero_grad();
+    auto x = tokens(step);
+    auto loss = cross_entropy(model->forward(x), next_tokens(x));
+    loss.backward();
+    opt->step();
+    r.losses.push_back(loss.item<double>());
+  }
+  for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
+  return r;
+}
+
+struct Case {
+  int dp, pp, tp, zero;
+  std::string schedule;
+  int world() const { return dp * pp * tp; }
+  int virtual_stages() const { return schedule == "interleaved" ? 2 : 1; }
+};
+
+// Every layout of 2, 4 and 8 ranks, with every ZeRO stage where dp > 1; the
+// schedules rotate (a layout with pp > 1 and dp > 1 runs each of them once).
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  const std::vector<std::string> schedules = {"1f1b", "gpipe", "interleaved", "naive"};
+  int rotation = 0;
+  for (int world : {2, 4, 8}) {
+    for (int d = 1; d <= world; d *= 2) {
+      for (int p = 1; d * p <= world; p *= 2) {
+        for (int z = 0; z <= (d > 1 ? 3 : 0); ++z) {
+          std::string schedule = p > 1 ? schedules[(rotation + z) % schedules.size()] : "1f1b";
+          if (schedule == "interleaved" && 2 * p > kBlocks + 2) schedule = "1f1b";  // 8 children: V = 2 needs pp <= 4
+          out.push_back({d, p, world / (d * p), z, schedule});
+        }
+        if (p > 1) ++rotation;
+      }
+    }
+  }
+  return out;
+}
+
+// What the data axis adds to this rank's modules (each chunk apart under
+// virtual stages, as pp::pipeline asks), and the optimizers that step them.
+struct DataAxis {
+  std::vector<dp::Replicated<torch::nn::Module>> ddp;
+  std::vector<std::unique_ptr<zero::ZeroRedundancyOptimizer>> zero12;
+  std::unique_ptr<torch::optim::SGD> plain;
+
+  // `tied_here`: the embedding and the head that reuses its weight are both on
+  // this rank (no pipeline); elsewhere pp::pipeline gave the head a copy.
+  DataAxis(int stage, const std::vector<std::shared_ptr<torch::nn::Module>>& units, torch::nn::Module& root,
+           const CommPtr& comm, bool tied_here) {
+    if (stage == 3) {
+      for (const auto& unit : units)
+        for (const auto& child : unit->children()) {
+          const bool tied = dynamic_cast<TiedHead*>(child.get()) || dynamic_cast<torch::nn::EmbeddingImpl*>(child.get());
+          if (!child->parameters().empty() && !(tied && tied_here)) zero::fully_shard(*child, comm);
+        }
+      // Tied on this rank: one unit for the embedding and the head, kept through the step.
+      if (tied_here) zero::fully_shard(root, comm, zero::FullyShardOptions().reshard_after_forward(false));
+    }
+    for (const auto& unit : units) {
+      if (stage == 0) ddp.push_back(dp::replicate(unit, comm));
+      if (stage == 1 || stage == 2)
+        zero12.push_back(std::make_unique<zero::ZeroRedundancyOptimizer>(
+            unit, sgd(*unit), comm, zero::ZeroOptions().stage(stage).bucket_cap_mb(0.001)));
+    }
+    if (zero12.empty()) plain = sgd(root);
+  }
+  void zero_grad() {
+    for (auto& z : zero12) z->zero_grad();
+    if (plain) plain->zero_grad();
+  }
+  void step() {
+    for (auto& z : zero12) z->step();
+    if (plain) plain->step();
+  }
+  // This rank's parameters at full size over dp (empty where ZeRO-1/2 consolidate elsewhere).
+  std::map<std::string, torch::Tensor> full(torch::nn::Module& root, int stage, int dp_rank) {
+    std::map<std::string, torch::Tensor> out;
+    if (stage == 3) return zero::full_parameters(root);
+    for (auto& z : zero12)
+      for (auto& kv : z->consolidated_state(0).parameters) out[kv.first] = kv.second;
+    if (!zero12.empty() && dp_rank != 0) return {};
+    if (zero12.empty())
+      for (const auto& kv : root.named_parameters()) out[kv.key()] = kv.value();
+    return out;
+  }
+};
+
+class UserMatrix : public ::testing::TestWithParam<Case> {};
+
+TEST_P(UserMatrix, TrainsLikeOneProcess) {
+  const Case c = GetParam();
+  const Reference ref = one_process();
+  meshtrain::testing::RankOptions options;
+  options.time_limit = std::chrono::seconds(90);
+  run_ranks(c.world(), [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
+                                     meshtrain::mesh::MeshLayout(c.world(), c.dp, c.pp, c.tp));
+    const auto me = mesh.coord();
+    auto model = user_gpt();
+    if (c.tp > 1) tp::parallelize(*model, mesh.tp(), block_plan());
+    std::optional<pp::Pipeline> pipeline;
+    std::shared_ptr<torch::nn::Module> root = model.ptr();
+    std::vector<std::shared_ptr<torch::nn::Module>> units = {root};
+    if (c.pp > 1) {
+      pipeline.emplace(pp::pipeline(model, mesh.pp(), cross_entropy,
+                                    pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp)
+                                        .virtual_stages(c.virtual_stages())));
+      root = pipeline->module();
+      units = {root};
+      if (c.virtual_stages() > 1) units.assign(pipeline->chunks().begin(), pipeline->chunks().end());
+    }
+    DataAxis data(c.zero, units, *root, mesh.dp(), /*tied_here=*/c.pp == 1);
+    const std::string where = "rank " + std::to_string(comm.rank());
+    for (int step = 0; step < kSteps; ++step) {
+      const auto x = tokens(step).chunk(c.dp, 0)[me.dp], y = next_tokens(x);
+      data.zero_grad();
+      double loss = 0;
+      if (pipeline) {
+        loss = pipeline->step(x, y);
+      } else {
+        auto l = cross_entropy(model->forward(x), y);
+        l.backward();
+        loss = l.item<double>();
+      }
+      data.step();
+      at::Tensor mean = at::tensor({loss}, at::kDouble);
+      mesh.dp()->all_reduce(mean, meshtrain::comm::ReduceOp::kAvg);
+      EXPECT_NEAR(mean.item<double>(), ref.losses[step], 1e-5 * (1 + ref.losses[step])) << where << " step " << step;
+    }
+    const auto got = data.full(*root, c.zero, me.dp);
+    for (const auto& kv : got) {
+      ASSERT_TRUE(ref.params.count(kv.first)) << where << ": " << kv.first << " is not a parameter of the model";
+      EXPECT_TRUE(torch::allclose(kv.second, tp_slice(kv.first, ref.params.at(kv.first), me.tp, c.tp), 1e-4, 1e-6))
+          << where << " parameter " << kv.first;
+    }
+    // (A rank whose only child is the tied head holds no parameter of its own: a copy.)
+    if (!dp::unique_parameters(*root).empty() && (c.zero == 0 || c.zero == 3 || me.dp == 0)) {
+      EXPECT_FALSE(got.empty()) << where << ": no parameters compared";
+    }
+    // tp::parallelize's and fully_shard's registries hold the communicators to
+    // the end of the process, and the harness ends a rank with _Exit, before
+    // they would say goodbye: a rank whose dp group finished first must not
+    // leave while another group still runs (the others would see it die).
+    comm.barrier();
+  }, options);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, UserMatrix, ::testing::ValuesIn(cases()), [](const auto& info) {
+  const Case& c = info.param;
+  return "dp" + std::to_string(c.dp) + "_pp" + std::to_string(c.pp) + "_tp" + std::to_string(c.tp) + "_zero" +
+         std::to_string(c.zero) + (c.pp > 1 ? "_" + c.schedule : "");
+});
+
+}  // namespace
