@@ -1,6 +1,7 @@
 #include "meshtrain/models/stage.h"
 
 #include "meshtrain/models/checkpointing.h"
+#include "meshtrain/util/error.h"
 
 namespace meshtrain {
 namespace models {
@@ -27,6 +28,11 @@ at::Tensor StageImpl::forward_range(at::Tensor x, size_t first, size_t last) {
 }
 
 void StageImpl::set_checkpointed(size_t i, bool on) {
+  for (const auto& p : pieces_.at(i).ptr()->named_parameters()) {
+    MESHTRAIN_CHECK(p.key().find("_fully_sharded") == std::string::npos, "activation checkpointing of piece ", i,
+                    " after zero::fully_shard: its parameter list now holds the shard, not the parameters its layers "
+                    "compute with; mark pieces for checkpointing before sharding them");
+  }
   checkpointed_.at(i) = on ? c10::make_optional(pieces_.at(i).ptr()->parameters()) : c10::nullopt;
 }
 

@@ -130,7 +130,7 @@ Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss l
     fns.push_back({s, [chunk](const at::Tensor& x, int) { return chunk->forward(x); }});
   }
   executor_ = std::make_unique<PipelineExecutor>(pp_, spec, std::move(fns));
-  int tag = 0;  // two per group (value, gradient), alike on every rank
+  int tag = kTiedTagBase;  // two per group (value, gradient), alike on every rank
   for (const TiedGroup& group : tied_across_ranks(*model, bounds_, ranks)) {  // Note [Tied parameters across stages]
     tag += 2;
     const auto here = group.lowest_stage.find(pp_->rank());
@@ -145,6 +145,12 @@ Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss l
     tied_.push_back(t);
   }
   shared_by_chunks_ = shared_by_two_chunks(chunks_);
+}
+
+void Pipeline::sync_tied() {
+  std::vector<comm::WorkPtr> sends;
+  refresh_tied_copies(sends);
+  for (auto& w : sends) w->wait();
 }
 
 void Pipeline::refresh_tied_copies(std::vector<comm::WorkPtr>& sends) {

@@ -2,13 +2,15 @@
 
 #include <ATen/ATen.h>
 
+#include "util/intercept.h"
+
 namespace meshtrain {
 namespace train {
 
 void cast_parameters(torch::nn::Module& module, at::ScalarType dtype) {
   at::NoGradGuard no_grad;
   for (auto& p : dp::unique_parameters(module))
-    if (p.tensor.is_floating_point()) p.tensor.set_data(p.tensor.detach().to(dtype));
+    if (p.tensor.is_floating_point()) intercept::set_data_keeping_marks(p.tensor, p.tensor.detach().to(dtype));
 }
 
 MasterWeights::MasterWeights(torch::nn::Module& module, at::ScalarType compute) {

@@ -112,6 +112,25 @@ void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index) {
   m.entries.push_back({Mark{std::move(role), index}, span_of(t)});
 }
 
+void set_data_keeping_marks(const at::Tensor& t, const at::Tensor& data) {
+  std::vector<Mark> moved;
+  if (t.has_storage()) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(t.storage().unsafeGetStorageImpl());
+    if (it != registry().end()) {
+      const Span mine = span_of(t);
+      auto& entries = it->second.entries;
+      for (const auto& e : entries)
+        if (e.span.overlaps(mine)) moved.push_back(e.mark);
+      entries.erase(std::remove_if(entries.begin(), entries.end(), [&](const Marks::Entry& e) { return e.span.overlaps(mine); }),
+                    entries.end());
+      if (entries.empty()) registry().erase(it);  // the old storage is free to go
+    }
+  }
+  t.set_data(data);
+  for (const Mark& m : moved) mark(t, m.role, m.index);
+}
+
 std::vector<Mark> marks_of(const at::Tensor& t) {
   std::vector<Mark> out;
   if (!t.defined() || !t.has_storage()) return out;

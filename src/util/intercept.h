@@ -52,6 +52,11 @@ struct Mark {
 // The marks whose span t overlaps.
 std::vector<Mark> marks_of(const at::Tensor& t);
 
+// t.set_data(data), t's marks moving with it onto data's storage (set_data
+// would drop the dispatch key, and the old storage would stay registered):
+// ZeRO-1/2's flat buffer, a cast to bf16, on tp::parallelize'd parameters.
+void set_data_keeping_marks(const at::Tensor& t, const at::Tensor& data);
+
 // Adds `key` to the key set of t's TensorImpl (after any set_data, which copies key sets).
 void add_dispatch_key(const at::Tensor& t, c10::DispatchKey key);
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <set>
 #include <unordered_map>
 
 #include "meshtrain/dp/gradient_sync.h"
@@ -382,14 +383,20 @@ void for_each_unit(const torch::nn::Module& module, const std::function<void(Uni
 }
 
 // The full tensors of one unit's parameters (or their optimizer state of one
-// kind) from `by_name`; what is missing or misshapen is refused.
+// kind) from `by_name`; a missing one is refused, or taken as zeros when
+// `zeros_if_missing` (a parameter the optimizer has no such state for yet);
+// a misshapen one is refused.
 std::vector<at::Tensor> unit_tensors(const Unit& u, const std::string& prefix,
                                      const std::function<const at::Tensor*(const std::string&)>& by_name,
-                                     const std::string& what) {
+                                     const std::string& what, bool zeros_if_missing = false) {
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < u.num_params(); ++i) {
     const std::string name = prefix + u.name_of(i);
     const at::Tensor* t = by_name(name);
+    if ((!t || !t->defined()) && zeros_if_missing) {
+      out.push_back(at::zeros({u.param(i).numel()}, at::kFloat));
+      continue;
+    }
     MESHTRAIN_CHECK(t && t->defined(), "zero::load_state: the state has no ", what, " for parameter '", name,
                     "' (saved from another model?)");
     MESHTRAIN_CHECK(t->numel() == u.param(i).numel(), "zero::load_state: ", what, " of parameter '", name, "' has ",
@@ -399,27 +406,53 @@ std::vector<at::Tensor> unit_tensors(const Unit& u, const std::string& prefix,
   return out;
 }
 
+// The optimizer state of a unit's parameters as its shard's: every kind any of
+// them has (zeros for those without), the step of any.
+std::map<std::string, at::Tensor> shard_optimizer_state(const Unit& u, const std::string& prefix, const FullState& state) {
+  std::map<std::string, at::Tensor> out;
+  std::set<std::string> kinds;
+  for (size_t i = 0; i < u.num_params(); ++i) {
+    auto p = state.optimizer.find(prefix + u.name_of(i));
+    if (p == state.optimizer.end()) continue;
+    for (const auto& kind : p->second) {
+      if (kind.first == "step") out.emplace("step", kind.second);
+      else kinds.insert(kind.first);
+    }
+  }
+  for (const std::string& kind : kinds) {
+    out[kind] = u.shard_of(unit_tensors(u, prefix, [&](const std::string& name) -> const at::Tensor* {
+      auto p = state.optimizer.find(name);
+      if (p == state.optimizer.end()) return nullptr;
+      auto k = p->second.find(kind);
+      return k == p->second.end() ? nullptr : &k->second;
+    }, "optimizer state '" + kind + "'", /*zeros_if_missing=*/true));
+  }
+  return out;
+}
+
 void load_unit(Unit& u, const std::string& prefix, torch::optim::Optimizer& optimizer, const FullState& state) {
   u.set_shard(u.shard_of(unit_tensors(u, prefix, [&](const std::string& name) -> const at::Tensor* {
     auto it = state.parameters.find(name);
     return it == state.parameters.end() ? nullptr : &it->second;
   }, "value")));
-  auto first = state.optimizer.find(prefix + u.name_of(0));
-  if (first == state.optimizer.end()) return;  // no optimizer state yet
-  std::map<std::string, at::Tensor> shard_state;
-  for (const auto& kind : first->second) {
-    if (kind.first == "step") {
-      shard_state["step"] = kind.second;
-      continue;
-    }
-    shard_state[kind.first] = u.shard_of(unit_tensors(u, prefix, [&](const std::string& name) -> const at::Tensor* {
-      auto p = state.optimizer.find(name);
-      if (p == state.optimizer.end()) return nullptr;
-      auto k = p->second.find(kind.first);
-      return k == p->second.end() ? nullptr : &k->second;
-    }, "optimizer state '" + kind.first + "'"));
-  }
-  set_state(optimizer, u.shard(), shard_state);
+  const std::map<std::string, at::Tensor> shard_state = shard_optimizer_state(u, prefix, state);
+  if (!shard_state.empty()) set_state(optimizer, u.shard(), shard_state);
+}
+
+// A parameter no unit took (a module sharded in part): its value and state as they are.
+void load_unsharded(const dp::NamedParam& p, torch::optim::Optimizer& optimizer, const FullState& state) {
+  auto value = state.parameters.find(p.name);
+  MESHTRAIN_CHECK(value != state.parameters.end(), "zero::load_state: the state has no value for parameter '", p.name,
+                  "' (saved from another model?)");
+  MESHTRAIN_CHECK(value->second.numel() == p.tensor.numel(), "zero::load_state: parameter '", p.name, "' has ",
+                  value->second.numel(), " elements in the state but ", p.tensor.numel(), " in the model");
+  at::NoGradGuard no_grad;
+  p.tensor.detach().copy_(value->second.reshape(p.tensor.sizes()));
+  auto opt = state.optimizer.find(p.name);
+  if (opt == state.optimizer.end()) return;
+  std::map<std::string, at::Tensor> st;
+  for (const auto& kv : opt->second) st[kv.first] = kv.first == "step" ? kv.second : kv.second.reshape(p.tensor.sizes());
+  set_state(optimizer, p.tensor, st);
 }
 
 }  // namespace
@@ -508,6 +541,8 @@ FullState full_state(const torch::nn::Module& module, torch::optim::Optimizer& o
 }
 
 void load_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, const FullState& state) {
+  for (const auto& p : dp::unique_parameters(module))
+    if (!unit_of_shard(p.tensor)) load_unsharded(p, optimizer, state);
   for_each_unit(module, [&](Unit& u, const std::string& prefix) { load_unit(u, prefix, optimizer, state); });
 }
 

@@ -107,9 +107,7 @@ ShardedCore::ShardedCore(std::shared_ptr<torch::nn::Module> module, std::unique_
     for (const auto& e : layout_.entries) {
       at::Tensor& p = params_[e.param].tensor;
       // A tp::parallelize'd parameter keeps its roles on its view of the flat buffer.
-      const std::vector<intercept::Mark> marks = intercept::marks_of(p);
-      p.set_data(flat_params_.narrow(0, e.offset, e.numel).view(p.sizes()));
-      for (const auto& m : marks) intercept::mark(p, m.role, m.index);
+      intercept::set_data_keeping_marks(p, flat_params_.narrow(0, e.offset, e.numel).view(p.sizes()));
     }
   }
   if (options_.stage() == 1) {

@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <set>
+#include <sstream>
 
 #include "harness.h"
 #include "meshtrain/dp/params.h"
@@ -253,6 +255,19 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
     // (A rank whose only child is the tied head holds no parameter of its own: a copy.)
     if (!dp::unique_parameters(*root).empty() && (c.zero == 0 || c.zero == 3 || me.dp == 0)) {
       EXPECT_FALSE(got.empty()) << where << ": no parameters compared";
+    }
+    // Every parameter of the model was compared on some rank (the tied head's
+    // weight is the embedding's: listed under "7.weight" only without a pipeline).
+    std::string names;
+    for (const auto& kv : got) names += kv.first + "\n";
+    std::set<std::string> compared;
+    for (const std::string& part : meshtrain::comm::all_gather_strings(comm, names)) {
+      std::istringstream lines(part);
+      for (std::string line; std::getline(lines, line);) compared.insert(line);
+    }
+    for (const auto& kv : ref.params) {
+      if (kv.first == "7.weight") continue;
+      EXPECT_TRUE(compared.count(kv.first)) << where << ": " << kv.first << " was not compared";
     }
     // tp::parallelize's and fully_shard's registries hold the communicators to
     // the end of the process, and the harness ends a rank with _Exit, before

@@ -231,6 +231,17 @@ TEST(Intercept, RolesApplyToTheSpanTheyWereMarkedOn) {
   EXPECT_EQ(role_a->seen + role_b->seen, 4);
   EXPECT_EQ(meshtrain::intercept::marks_of(flat.narrow(0, 3, 2)).size(), 2u);  // a span reaching both
   EXPECT_EQ(meshtrain::intercept::marks_of(flat.narrow(0, 5, 5)).size(), 1u);
+  // A parameter moved onto other storage (ZeRO's flat buffer, a bf16 cast) keeps its role there, and only there.
+  const at::Tensor param = torch::zeros({3});
+  const at::Tensor old_storage_view = param.detach();  // before the mark: not an intercepted operation
+  auto role_p = std::make_shared<Counting>();
+  meshtrain::intercept::mark(param, role_p);
+  EXPECT_EQ(meshtrain::intercept::marks_of(old_storage_view).size(), 1u);
+  meshtrain::intercept::set_data_keeping_marks(param, torch::ones({3}, torch::kBFloat16));
+  EXPECT_EQ(param.scalar_type(), at::kBFloat16);
+  (void)(param * 2);
+  EXPECT_EQ(role_p->seen, 1);
+  EXPECT_TRUE(meshtrain::intercept::marks_of(old_storage_view).empty());
 }
 
 // The trainer consults the planner before allocating: a model that cannot fit

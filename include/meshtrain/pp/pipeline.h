@@ -28,7 +28,10 @@
 // wrappers see). The other ranks compute with a copy that step() refreshes
 // from the owner as it starts, and send the copy's gradient back before the
 // owner's last backward, so any wrapper (dp::replicate, ZeRO 1/2,
-// zero::fully_shard) reduces the sum. Between steps, read the owner's value.
+// zero::fully_shard) reduces the sum. Between steps, read the owner's value,
+// or call sync_tied() on every pipeline rank to bring the copies up to date
+// (after the last step, or after loading a checkpoint into the owner).
+// Its messages use pp::user_tag ids from kTiedTagBase on: keep clear of them.
 //
 // Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2, or
 // zero::fully_shard its children) along the data axis, and step() pauses
@@ -87,6 +90,11 @@ class Pipeline {
   // are read on the first stage and `targets` on the last (other ranks may pass
   // undefined tensors). Returns the batch loss on every rank of the pipeline.
   double step(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // The copies of tied parameters take their owner's value (every rank of the
+  // pipeline calls it; step() does it as it starts).
+  void sync_tied();
+  static constexpr int kTiedTagBase = 1 << 20;
 
  private:
   // Note [Tied parameters across stages] (src/pp/pipeline.cpp).

@@ -119,9 +119,11 @@ std::vector<std::pair<std::string, at::Tensor>> shard_gradients(const torch::nn:
 FullState full_state(const torch::nn::Module& module, torch::optim::Optimizer& optimizer);
 
 // Loads full values and optimizer state (by original_parameters' names, at
-// full shape; "step" a scalar) into this rank's shards and `optimizer`. Every
-// rank passes the same state; no communication. Refuses a state that lacks a
-// sharded parameter or has another size for it.
+// full shape; "step" a scalar) into this rank's shards and `optimizer`, and
+// the module's unsharded parameters as they are. Every rank passes the same
+// state; no communication. A parameter without some kind of optimizer state
+// gets zeros (Adam's and momentum's start). Refuses a state that lacks a
+// parameter or has another size for it.
 void load_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer, const FullState& state);
 
 // The most bytes of gathered units (sharded parameters at full size) this
