@@ -288,7 +288,7 @@ class FsdpChunk : public ChunkTrainer {
       if (shard.grad().defined()) s.gradients += shard.grad().nbytes();
     }
     s.optimizer = optimizer_state_bytes(*opt_);
-    s.buffers = zero::peak_gathered_bytes(dp_);  // of every chunk on this rank (the engine takes it once)
+    s.buffers = zero::peak_gathered_bytes(dp_);  // this chunk's units: each chunk has its own communicator
     return s;
   }
   std::vector<GradPart> gradient_parts(const ShardPlace& place) override {

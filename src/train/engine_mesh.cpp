@@ -62,7 +62,7 @@ class MeshEngine : public Engine {
       // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
       // weight, on this stage or, through a copy sent after the first forward, on the last.
       const bool keep = gpt_tied && s == 0;
-      chunks_[s] = make_chunk_trainer(c, stage, mesh_.dp(), keep);
+      chunks_[s] = make_chunk_trainer(c, stage, chunk_dp(chunk), keep);
     }
     first_ = chunks_.count(0) > 0;
     last_ = chunks_.count(S - 1) > 0;
@@ -162,18 +162,18 @@ class MeshEngine : public Engine {
       s.parameters += h.parameters;
       s.gradients += h.gradients;
       s.optimizer += h.optimizer;
-      // ZeRO-3 reports the peak of gathered units over the rank's dp group, which every chunk shares.
-      s.buffers = c_.zero == 3 ? std::max(s.buffers, h.buffers) : s.buffers + h.buffers;
+      s.buffers += h.buffers;  // ZeRO-3: each chunk's units over its own communicator (chunk_dp)
     }
     return s;
   }
 
-  comm::Traffic traffic() const override { return mesh_.dp()->traffic() + mesh_.pp()->traffic() + mesh_.tp()->traffic(); }
+  comm::Traffic traffic() const override { return dp_traffic() + mesh_.pp()->traffic() + mesh_.tp()->traffic(); }
   std::map<std::string, comm::Traffic> traffic_by_axis() const override {
-    return {{"dp", mesh_.dp()->traffic()}, {"pp", mesh_.pp()->traffic()}, {"tp", mesh_.tp()->traffic()}};
+    return {{"dp", dp_traffic()}, {"pp", mesh_.pp()->traffic()}, {"tp", mesh_.tp()->traffic()}};
   }
   void reset_traffic() override {
     for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp}) mesh_.axis(axis)->reset_traffic();
+    for (auto& dp : chunk_dps_) dp->reset_traffic();
   }
   std::vector<pp::TraceEvent> last_trace() const override { return trace_; }
 
@@ -196,6 +196,22 @@ class MeshEngine : public Engine {
   at::Tensor embedding_weight() {
     auto& stage = chunks_.at(0)->stage();
     return std::dynamic_pointer_cast<models::GptEmbeddingImpl>(stage->piece(0))->tok->weight;
+  }
+
+  // ZeRO-3 settles every unit over a communicator at the end of each backward
+  // (a unit that got no gradient reduces zeros, so the ranks stay in step);
+  // under virtual stages each chunk's backward runs apart, so each further
+  // chunk gets its own communicator over the same dp ranks, or every backward
+  // would also reduce the other chunk's units (a third more bytes on dp 2 x pp 2).
+  comm::CommPtr chunk_dp(int chunk) {
+    if (chunk == 0 || c_.zero != 3) return mesh_.dp();
+    chunk_dps_.push_back(mesh_.dp()->split(0, mesh_.dp()->rank(), "dp-chunk" + std::to_string(chunk)));
+    return chunk_dps_.back();
+  }
+  comm::Traffic dp_traffic() const {
+    comm::Traffic t = mesh_.dp()->traffic();
+    for (const auto& dp : chunk_dps_) t = t + dp->traffic();
+    return t;
   }
 
   ShardPlace place(ChunkTrainer& chunk) const {
@@ -244,6 +260,7 @@ class MeshEngine : public Engine {
   mesh::DeviceMesh mesh_;
   std::unique_ptr<Dataset> data_;
   models::BuildContext ctx_;
+  std::vector<comm::CommPtr> chunk_dps_;  // ZeRO-3 under virtual stages: chunks after the first
   std::map<int, std::unique_ptr<ChunkTrainer>> chunks_;  // by stage
   std::unique_ptr<pp::PipelineExecutor> executor_;
   bool first_ = false, last_ = false, tied_across_ = false;
