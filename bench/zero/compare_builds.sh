@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The trainer's ZeRO-3 in two builds side by side (runs alternated): median
+# step time, bytes sent per step by rank 0, and the largest loss difference.
+# How the 'before and after moving onto zero::fully_shard' table in
+# docs/BENCHMARKS.md was measured:
+#   git worktree add /tmp/old 92699ac && (cd /tmp/old && cmake -S . -B build -DCMAKE_BUILD_TYPE=Release &&
+#     make -C build -j2 meshrun meshtrain_cli)
+#   bench/zero/compare_builds.sh /tmp/old/build/bin build/bin      (RUNS=3)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OLD=${1:?old build/bin}; NEW=${2:-build/bin}; RUNS=${RUNS:-3}
+OUT=${OUT:-build/bench/compare_builds}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
+GPT="--model gpt --layers 6 --hidden 256 --heads 4 --vocab 128 --seq-len 64 --global-batch 16 --steps 20 --eval-problems 0 --log-every 1000"
+run() {  # run NAME RANKS BIN FLAGS...
+  local name=$1 n=$2 bin=$3; shift 3
+  "$bin/meshrun" --nproc-per-node "$n" --master-port 0 -- "$bin/meshtrain" $GPT "$@" --metrics-out "$OUT/$name.json" \
+    > "$OUT/$name.log" 2>&1 || { echo "FAILED: $name"; tail -5 "$OUT/$name.log"; exit 1; }
+}
+for r in $(seq 1 "$RUNS"); do
+  for v in old new; do
+    bin=$OLD; [ "$v" = new ] && bin=$NEW
+    run "dp2_fp32_${v}_$r" 2 "$bin" --zero 3
+    run "dp2_bf16_${v}_$r" 2 "$bin" --zero 3 --precision bf16-mixed
+    run "dp2pp2_fp32_${v}_$r" 4 "$bin" --zero 3 --dp 2 --pp 2 --microbatches 4
+    run "dp2pp2il_fp32_${v}_$r" 4 "$bin" --zero 3 --dp 2 --pp 2 --microbatches 4 --schedule interleaved --virtual-stages 2
+  done
+done
+/usr/bin/python3 - "$OUT" <<'PY'
+import glob, json, statistics, sys
+d = sys.argv[1]
+print("| layout | old ms/step | new ms/step | new / old | old bytes/step | new bytes/step | max abs loss difference |")
+print("|---|---|---|---|---|---|---|")
+for cfg in ["dp2_fp32", "dp2_bf16", "dp2pp2_fp32", "dp2pp2il_fp32"]:
+    t, b, losses = {}, {}, {}
+    for v in ["old", "new"]:
+        runs = [json.load(open(f)) for f in sorted(glob.glob(f"{d}/{cfg}_{v}_*.json"))]
+        t[v] = statistics.median(m["step_time_s"] for m in runs) * 1e3
+        b[v] = int(runs[0]["ranks"][0]["traffic"]["total"]["bytes_sent"])
+        losses[v] = runs[0]["losses"]
+    diff = max(abs(x - y) for x, y in zip(losses["old"], losses["new"]))
+    print(f"| {cfg} | {t['old']:.1f} | {t['new']:.1f} | {t['new'] / t['old']:.2f} | {b['old']:,} | {b['new']:,} | {diff:.2e} |")
+PY
