@@ -160,7 +160,10 @@ void Pipeline::refresh_tied_copies(std::vector<comm::WorkPtr>& sends) {
   at::NoGradGuard no_grad;
   for (Tied& t : tied_) {
     if (t.owner == pp_->rank()) continue;
-    t.parameter.detach().copy_(pp_->recv_any(t.owner, user_tag(t.tag)).view_as(t.parameter));
+    const at::Tensor value = pp_->recv_any(t.owner, user_tag(t.tag));
+    // The owner computes in another dtype (fully_shard's param_dtype): so does the copy.
+    if (value.scalar_type() != t.parameter.scalar_type()) t.parameter.set_data(at::empty(t.parameter.sizes(), value.options()));
+    t.parameter.detach().copy_(value.view_as(t.parameter));
     t.parameter.mutable_grad().reset();
   }
 }
