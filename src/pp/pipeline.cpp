@@ -52,11 +52,7 @@ std::vector<int64_t> stage_bounds(const torch::nn::SequentialImpl& model, int st
 // The ordering holds because a later stage's backward of a micro-batch ends
 // before an earlier stage's starts. Only the owner's optimizer steps it, and
 // checkpoints of the stages hold it once.
-struct TiedGroup {
-  at::Tensor parameter;
-  int owner = 0;  // the rank of the first stage using it
-  std::map<int, int> lowest_stage;  // by holding rank: the first stage on it that uses it
-};
+using detail::TiedGroup;
 
 // The parameters held by more than one rank, found from the whole model, alike
 // on every rank, in the order of the children.
@@ -80,8 +76,36 @@ std::vector<TiedGroup> tied_across_ranks(const torch::nn::SequentialImpl& model,
   return groups;
 }
 
+// The groups PipelineOptions::tied declares for stages the caller built: this
+// rank's tensor of each from its chunk's parameters by name.
+std::vector<TiedGroup> declared_tied(const TiedNames& declared,
+                                     const std::vector<std::shared_ptr<torch::nn::Module>>& chunks, int rank, int ranks,
+                                     int stages) {
+  std::vector<TiedGroup> groups;
+  for (const auto& names : declared) {
+    MESHTRAIN_CHECK(names.size() >= 2, "PipelineOptions::tied: a group needs at least two (stage, name) pairs");
+    TiedGroup g;
+    g.owner = names.front().first % ranks;
+    for (const auto& [stage, name] : names) {
+      MESHTRAIN_CHECK(stage >= 0 && stage < stages, "PipelineOptions::tied: stage ", stage, " of '", name,
+                      "' is outside [0, ", stages, ")");
+      const int holder = stage % ranks;
+      auto it = g.lowest_stage.emplace(holder, stage).first;
+      it->second = std::min(it->second, stage);
+      if (holder != rank || g.parameter.defined()) continue;
+      const auto params = chunks[stage / ranks]->named_parameters();
+      MESHTRAIN_CHECK(params.contains(name), "PipelineOptions::tied: stage ", stage, " has no parameter '", name,
+                      "'; name it as the stage's module does (", params.size(), " parameters, e.g. '",
+                      params.is_empty() ? std::string("none") : params.keys().front(), "')");
+      g.parameter = params[name];
+    }
+    groups.push_back(g);
+  }
+  return groups;
+}
+
 // On a rank holding a copy: no module of its chunks lists the parameter any more.
-void take_out_of_parameters(const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& chunks, const at::Tensor& p) {
+void take_out_of_parameters(const std::vector<std::shared_ptr<torch::nn::Module>>& chunks, const at::Tensor& p) {
   for (const auto& chunk : chunks) {
     for (const auto& m : chunk->modules(/*include_self=*/true)) {
       auto& dict = ParameterDict::of(*m);
@@ -94,7 +118,7 @@ void take_out_of_parameters(const std::vector<std::shared_ptr<torch::nn::Sequent
 }
 
 // Whether a parameter sits in two of this rank's chunks (interleaved stages sharing it).
-bool shared_by_two_chunks(const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& chunks) {
+bool shared_by_two_chunks(const std::vector<std::shared_ptr<torch::nn::Module>>& chunks) {
   std::map<const void*, size_t> chunk_of;
   for (size_t c = 0; c < chunks.size(); ++c) {
     for (const at::Tensor& p : chunks[c]->parameters()) {
@@ -116,7 +140,7 @@ Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss l
   validate(spec);
   bounds_ = stage_bounds(*model, spec.stages(), options_.split_points());
   // This rank's children, under their names in the whole model, chunk by chunk.
-  stage_ = std::make_shared<torch::nn::SequentialImpl>();
+  auto stage = std::make_shared<torch::nn::SequentialImpl>();
   const auto named = model->named_children();
   std::vector<StageFn> fns;
   for (int k = 0; k < chunks; ++k) {
@@ -124,14 +148,45 @@ Pipeline::Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss l
     auto chunk = std::make_shared<torch::nn::SequentialImpl>();
     for (int64_t i = bounds_[s]; i < bounds_[s + 1]; ++i) {
       chunk->push_back(named[i].key(), *(model->begin() + i));
-      stage_->push_back(named[i].key(), *(model->begin() + i));
+      stage->push_back(named[i].key(), *(model->begin() + i));
     }
     chunks_.push_back(chunk);
     fns.push_back({s, [chunk](const at::Tensor& x, int) { return chunk->forward(x); }});
   }
-  executor_ = std::make_unique<PipelineExecutor>(pp_, spec, std::move(fns));
+  stage_ = stage;
+  start(std::move(fns), tied_across_ranks(*model, bounds_, ranks));
+}
+
+Pipeline::Pipeline(std::vector<StageModule> my_stages, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options)
+    : pp_(std::move(pp)), loss_(std::move(loss)), options_(std::move(options)) {
+  MESHTRAIN_CHECK(pp_ && loss_, "pp::Pipeline needs a communicator and a loss");
+  const int ranks = pp_->size(), chunks = options_.virtual_stages();
+  MESHTRAIN_CHECK(static_cast<int>(my_stages.size()) == chunks, "pp::Pipeline: rank ", pp_->rank(), " was given ",
+                  my_stages.size(), " stages, but ", chunks, " virtual stage(s) per rank need as many (stage rank + k * ",
+                  ranks, ")");
+  MESHTRAIN_CHECK(options_.split_points().empty(), "pp::Pipeline: split_points do not apply to stages you built");
+  if (options_.microbatches() == 0) options_.microbatches(ranks);
+  validate(ScheduleSpec{options_.schedule(), ranks, options_.microbatches(), chunks});
+  std::vector<StageFn> fns;
+  auto holder = std::make_shared<torch::nn::Module>();
+  for (int k = 0; k < chunks; ++k) {
+    const StageModule& stage = my_stages[k];
+    MESHTRAIN_CHECK(stage.module && stage.forward, "pp::Pipeline: stage ", pp_->rank() + k * ranks,
+                    " has no module or no forward");
+    chunks_.push_back(stage.module);
+    holder->register_module(std::to_string(k), stage.module);
+    fns.push_back({pp_->rank() + k * ranks, [forward = stage.forward](const at::Tensor& x, int) { return forward(x); }});
+  }
+  stage_ = chunks == 1 ? chunks_.front() : holder;
+  start(std::move(fns), declared_tied(options_.tied(), chunks_, pp_->rank(), ranks, ranks * chunks));
+}
+
+void Pipeline::start(std::vector<StageFn> fns, const std::vector<TiedGroup>& groups) {
+  const int ranks = pp_->size();
+  executor_ = std::make_unique<PipelineExecutor>(
+      pp_, ScheduleSpec{options_.schedule(), ranks, options_.microbatches(), options_.virtual_stages()}, std::move(fns));
   int tag = kTiedTagBase;  // two per group (value, gradient), alike on every rank
-  for (const TiedGroup& group : tied_across_ranks(*model, bounds_, ranks)) {  // Note [Tied parameters across stages]
+  for (const TiedGroup& group : groups) {  // Note [Tied parameters across stages]
     tag += 2;
     const auto here = group.lowest_stage.find(pp_->rank());
     if (here == group.lowest_stage.end() || !group.parameter.requires_grad()) continue;  // a frozen one stays equal

@@ -211,7 +211,7 @@ TEST(UserModules, InterleavedPipelineWithDataParallelChunksMatchesOneProcess) {
       meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
       auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse,
                                            meshtrain::pp::PipelineOptions().schedule("interleaved").virtual_stages(2).microbatches(2));
-      std::vector<meshtrain::dp::Replicated<torch::nn::SequentialImpl>> replicas;
+      std::vector<meshtrain::dp::Replicated<torch::nn::Module>> replicas;
       std::vector<torch::Tensor> params;
       if (wrap == "replicate") {
         for (const auto& chunk : stage.chunks()) replicas.push_back(meshtrain::dp::replicate(chunk, mesh.dp()));
@@ -891,7 +891,7 @@ TEST(UserModules, TiedEmbeddingAndHeadOnDifferentStagesMatchOneProcess) {
       EXPECT_EQ(stage->named_parameters().contains("0.weight"), mesh.coord().pp == 0);
       EXPECT_FALSE(stage->named_parameters().contains("4.weight"));
       std::unique_ptr<meshtrain::zero::ZeroRedundancyOptimizer> zero2;
-      std::optional<meshtrain::dp::Replicated<torch::nn::SequentialImpl>> replicated;  // DDP lives as long as this
+      std::optional<meshtrain::dp::Replicated<torch::nn::Module>> replicated;  // DDP lives as long as this
       if (wrapper == "replicate") replicated.emplace(meshtrain::dp::replicate(stage.module(), mesh.dp()));
       if (wrapper.rfind("fully_shard", 0) == 0) {
         meshtrain::zero::FullyShardOptions options;
@@ -931,6 +931,61 @@ TEST(UserModules, TiedEmbeddingAndHeadOnDifferentStagesMatchOneProcess) {
       }
     });
   }
+}
+
+// Stages each rank built itself (PyTorch's PipelineStage, for a model too
+// large to build whole everywhere): the last stage's head has a weight of its
+// own, which PipelineOptions::tied declares a copy of the embedding's; trained
+// like one process. A name a stage does not have is refused, naming it.
+TEST(UserModules, PipelineOfStagesEachRankBuiltMatchesOneProcess) {
+  const Reference ref = train_tied_one_process();
+  const meshtrain::pp::TiedNames tied = {{{0, "0.weight"}, {1, "2.weight"}}};
+  run_ranks(2, [&](Communicator& comm) {
+    auto whole = tied_model();  // only for the initial values the one-process run starts from
+    torch::nn::Sequential mine;
+    std::shared_ptr<TiedHeadImpl> head;
+    if (comm.rank() == 0) {
+      for (int i : {0, 1}) mine->push_back(*(whole->begin() + i));  // embedding, Linear: "0.weight", "1.*"
+    } else {
+      for (int i : {2, 3}) mine->push_back(*(whole->begin() + i));   // Tanh, Linear: "1.*"
+      head = std::make_shared<TiedHeadImpl>(torch::zeros({10, 8}));  // its own tensor: "2.weight"
+      mine->push_back(TiedHead(head));
+    }
+    meshtrain::pp::Pipeline stage({meshtrain::pp::stage_module(mine)}, borrowed(comm), cross_entropy,
+                                  meshtrain::pp::PipelineOptions().microbatches(3).tied(tied));
+    EXPECT_FALSE(stage->named_parameters().contains("2.weight")) << "the copy is not the stage's to step";
+    torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto x = tokens(step);
+      opt.zero_grad();
+      losses.push_back(stage.step(x, next_tokens(x)));
+      opt.step();
+    }
+    const std::string where = "rank " + std::to_string(comm.rank());
+    for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
+    stage.sync_tied();
+    const auto params = stage->named_parameters();
+    // This stage's names -> the whole model's.
+    const std::map<std::string, std::string> whole_name =
+        comm.rank() == 0 ? std::map<std::string, std::string>{{"0.weight", "0.weight"}, {"1.weight", "1.weight"}, {"1.bias", "1.bias"}}
+                         : std::map<std::string, std::string>{{"1.weight", "3.weight"}, {"1.bias", "3.bias"}};
+    EXPECT_EQ(params.size(), whole_name.size()) << where;
+    for (const auto& kv : whole_name)
+      EXPECT_TRUE(torch::allclose(params[kv.first], ref.params.at(kv.second), 1e-5, 1e-6)) << where << " " << kv.first;
+    if (head) EXPECT_TRUE(torch::allclose(head->weight, ref.params.at("4.weight"), 1e-5, 1e-6)) << "the copy after sync_tied";
+  });
+  run_ranks(2, [&](Communicator& comm) {
+    torch::nn::Sequential mine(torch::nn::Linear(8, 8));
+    try {
+      meshtrain::pp::Pipeline stage({meshtrain::pp::stage_module(mine)}, borrowed(comm), cross_entropy,
+                                    meshtrain::pp::PipelineOptions().tied({{{0, "0.weight"}, {1, "0.wieght"}}}));
+      if (comm.rank() == 1) ADD_FAILURE() << "a tied name the stage does not have was accepted";
+    } catch (const meshtrain::ConfigError& e) {
+      EXPECT_EQ(comm.rank(), 1);
+      EXPECT_NE(std::string(e.what()).find("stage 1 has no parameter '0.wieght'"), std::string::npos) << e.what();
+    }
+  });
 }
 
 // tp::parallelize of an embedding whose weight the LM head reuses (tied): the

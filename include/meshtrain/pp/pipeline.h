@@ -45,6 +45,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,6 +56,9 @@
 namespace meshtrain {
 namespace pp {
 
+// Groups of (stage, parameter name) that share one parameter (PipelineOptions::tied).
+using TiedNames = std::vector<std::vector<std::pair<int, std::string>>>;
+
 struct PipelineOptions {
   TORCH_ARG(std::string, schedule) = "1f1b";  // naive | gpipe | 1f1b
   TORCH_ARG(int, microbatches) = 0;           // 0: one per rank
@@ -63,25 +67,66 @@ struct PipelineOptions {
   // The first child of each stage after the first (S - 1 increasing indices);
   // empty: balanced by parameter count.
   TORCH_ARG(std::vector<int64_t>, split_points) = {};
+  // With stages the caller built (the second constructor): parameters shared
+  // across stages, each group its (stage, parameter name in that stage's
+  // module) pairs, the owner's first: {{{0, "tok.weight"}, {S - 1, "head.weight"}}}.
+  // The others hold a copy of the same shape (its values come from the owner).
+  TORCH_ARG(TiedNames, tied) = {};
 };
 
 // The loss of one micro-batch's output. step() divides it by the number of
 // micro-batches, so a mean loss gives the mean over the batch.
 using PipelineLoss = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
+// A stage the caller built: its module and its forward (stage_module makes
+// one from any module with forward(Tensor) -> Tensor, torch::nn::Sequential
+// included).
+struct StageModule {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+};
+template <typename M>
+StageModule stage_module(std::shared_ptr<M> m) {
+  return {m, [m](const at::Tensor& x) -> at::Tensor { return m->forward(x); }};
+}
+template <typename Impl>
+StageModule stage_module(const torch::nn::ModuleHolder<Impl>& m) {
+  return stage_module(m.ptr());
+}
+
+namespace detail {
+// A parameter held on several pipeline ranks (Note [Tied parameters across stages]).
+struct TiedGroup {
+  at::Tensor parameter;  // this rank's (undefined where it holds none)
+  int owner = 0;  // the rank of the first stage using it
+  std::map<int, int> lowest_stage;  // by holding rank: the first stage on it that uses it
+};
+}  // namespace detail
+
 class Pipeline {
  public:
   Pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options = {});
 
-  // This rank's stage (its children of the model), for the optimizer and for
-  // data-parallel wrappers: stage->parameters(), dp::replicate(stage.module(), ...).
-  torch::nn::SequentialImpl* operator->() const { return stage_.get(); }
-  const std::shared_ptr<torch::nn::SequentialImpl>& module() const { return stage_; }
+  // The stages this rank runs, built by the caller (PyTorch's PipelineStage):
+  // for a model too large to build whole on every rank. my_stages[k] is stage
+  // rank + k * pp of S = pp x virtual_stages, any module with
+  // forward(Tensor) -> Tensor (pp::stage_module(m)); its parameters keep the
+  // names it gives them. Parameters shared across stages cannot be found by
+  // identity here: declare them with PipelineOptions::tied. split_points do
+  // not apply.
+  Pipeline(std::vector<StageModule> my_stages, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options = {});
+
+  // This rank's stage (its children of the model, or its one built stage), for
+  // the optimizer and data-parallel wrappers: stage->parameters(),
+  // dp::replicate(stage.module(), ...). Built stages under virtual stages: the
+  // chunks as children "0", "1", ... (use chunks() for their own names).
+  torch::nn::Module* operator->() const { return stage_.get(); }
+  const std::shared_ptr<torch::nn::Module>& module() const { return stage_; }
   // This rank's chunks, in stage order (one without virtual stages).
-  const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& chunks() const { return chunks_; }
-  // Children [first, last) of the model in this rank's first chunk.
-  int64_t first_child() const { return bounds_[pp_->rank()]; }
-  int64_t last_child() const { return bounds_[pp_->rank() + 1]; }
+  const std::vector<std::shared_ptr<torch::nn::Module>>& chunks() const { return chunks_; }
+  // Children [first, last) of the model in this rank's first chunk (-1 for built stages).
+  int64_t first_child() const { return bounds_.empty() ? -1 : bounds_[pp_->rank()]; }
+  int64_t last_child() const { return bounds_.empty() ? -1 : bounds_[pp_->rank() + 1]; }
   bool is_first() const { return pp_->rank() == 0; }
   bool is_last() const { return pp_->rank() == pp_->size() - 1; }
 
@@ -105,6 +150,7 @@ class Pipeline {
     int last_backward_stage = 0;  // this rank's lowest stage using it (its last backward)
     int tag = 0;
   };
+  void start(std::vector<StageFn> fns, const std::vector<detail::TiedGroup>& tied);
   void refresh_tied_copies(std::vector<comm::WorkPtr>& sends);
   void exchange_tied_gradients(int stage, std::vector<comm::WorkPtr>& sends, bool before);
 
@@ -112,8 +158,8 @@ class Pipeline {
   PipelineLoss loss_;
   PipelineOptions options_;
   std::vector<int64_t> bounds_;
-  std::shared_ptr<torch::nn::SequentialImpl> stage_;
-  std::vector<std::shared_ptr<torch::nn::SequentialImpl>> chunks_;
+  std::shared_ptr<torch::nn::Module> stage_;
+  std::vector<std::shared_ptr<torch::nn::Module>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
   std::vector<Tied> tied_;
   bool shared_by_chunks_ = false;  // a parameter sits in two of this rank's chunks
