@@ -99,6 +99,8 @@ std::vector<TiedGroup> declared_tied(const TiedNames& declared,
                       params.is_empty() ? std::string("none") : params.keys().front(), "')");
       g.parameter = params[name];
     }
+    MESHTRAIN_CHECK(g.lowest_stage.size() >= 2, "PipelineOptions::tied: every stage of the group of '",
+                    names.front().second, "' is on pipeline rank ", g.owner, "; let those stages share one tensor");
     groups.push_back(g);
   }
   return groups;
@@ -279,15 +281,17 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   PipelineHooks hooks;
   hooks.before_backward = [&](int s, int mb) {
     if (mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/true);
-    dp::set_gradient_sync(chunk_of(s), mb == m - 1);
+    dp::set_gradient_sync(chunk_of(s), options_.reduce_every_microbatch() || mb == m - 1);
   };
   hooks.after_backward = [&](int s, int mb) {
     dp::set_gradient_sync(chunk_of(s), true);
     if (mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/false);
   };
-  const StepResult r = executor_->run(
+  StepResult r = executor_->run(
       in, out, [&](const at::Tensor& y, const at::Tensor& t, int) { return loss_(y, t) / m; }, hooks);
   for (auto& w : sends) w->wait();
+  last_.events = std::move(r.events);
+  last_.max_in_flight = std::max(last_.max_in_flight, r.max_in_flight);
   at::Tensor loss = at::tensor({r.loss_sum}, at::kDouble);
   pp_->broadcast(loss, pp_->size() - 1);
   return loss.item<double>();

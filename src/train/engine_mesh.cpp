@@ -1,16 +1,17 @@
 // The engine for every layout on the (dp, pp, tp) mesh: model chunks for this
 // rank's pipeline stages, each with its data-parallel wrapper (chunk.h), run
-// by the pipeline executor (pp > 1) or a plain micro-batch loop (pp == 1).
+// by pp::Pipeline over the stages this rank builds (pp > 1 or virtual stages)
+// or a plain micro-batch loop.
 //
 // Note [Tied embeddings across pipeline stages]
 // When the GPT's LM head is tied to the token embedding and the two sit on
-// different pipeline stages, only the first stage owns the weight (and its
-// optimizer state). After its first forward of a step it sends the weight's
-// value to the last stage, whose head uses it as a leaf for every micro-batch;
-// after its last backward the last stage sends the accumulated gradient back,
-// and the first stage adds it to the embedding's gradient before its own last
-// backward, so the data-parallel reduction sees the sum of both uses. The
-// weights are therefore identical by construction.
+// different pipeline ranks, the last stage's head registers a copy of the
+// weight ("head.tied_weight") and the pipeline is told the two are one
+// parameter (PipelineOptions::tied): the first stage owns it, the copy takes
+// its value as each step starts and its gradient joins the owner's before the
+// owner's last backward (Note [Tied parameters across stages] in
+// src/pp/pipeline.cpp). On one rank (pp 1 with virtual stages) the head simply
+// uses the embedding's weight.
 
 #include <ATen/ATen.h>
 
@@ -18,7 +19,7 @@
 #include "engine.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/models/checkpointing.h"
-#include "meshtrain/pp/executor.h"
+#include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/layers.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
@@ -28,8 +29,6 @@ namespace meshtrain {
 namespace train {
 
 namespace {
-
-constexpr int kTieWeightTag = 1, kTieGradTag = 2;
 
 std::vector<int64_t> piece_costs(const models::ModelConfig& m) {
   // Balance by parameter count; a tied head costs what its weight costs.
@@ -57,29 +56,23 @@ class MeshEngine : public Engine {
     const bool gpt_tied = c.model.kind == "gpt" && c.model.tie_embeddings;
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
-      models::Stage stage = models::build_stage(c.model, bounds[s], bounds[s + 1], ctx_);
-      models::apply_checkpointing(*stage, c.model, c.activation_checkpointing, bounds[s]);
+      stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx_));
+      models::apply_checkpointing(*stages_.at(s), c.model, c.activation_checkpointing, bounds[s]);
+    }
+    first_ = stages_.count(0) > 0;
+    last_ = stages_.count(S - 1) > 0;
+    const bool tied = gpt_tied && S > 1;
+    if (tied && first_ && last_) head()->set_tied(embedding_weight());  // both ends on this rank: a true tie
+    if (tied && !first_ && last_) {  // Note [Tied embeddings across pipeline stages]
+      at::Tensor copy = at::zeros({c.model.vocab / c.tp, c.model.hidden});
+      head()->set_tied(head()->register_parameter("tied_weight", copy));
+    }
+    if (c.pp > 1 || c.virtual_stages > 1) pipeline_ = make_pipeline(tied && !(first_ && last_), S);
+    for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
+      const int s = chunk * c.pp + me.pp;
       // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
-      // weight, on this stage or, through a copy sent after the first forward, on the last.
-      const bool keep = gpt_tied && s == 0;
-      chunks_[s] = make_chunk_trainer(c, stage, chunk_dp(chunk), keep);
-    }
-    first_ = chunks_.count(0) > 0;
-    last_ = chunks_.count(S - 1) > 0;
-    tied_across_ = gpt_tied && S > 1;
-    if (tied_across_ && first_ && last_) {
-      // Both ends on this rank (pp = 1 with virtual stages): a true tie.
-      head()->set_tied(embedding_weight());
-      tied_across_ = false;
-    }
-    if (c.pp > 1 || c.virtual_stages > 1) {
-      std::vector<pp::StageFn> fns;
-      for (auto& kv : chunks_) {
-        ChunkTrainer* chunk = kv.second.get();
-        fns.push_back({kv.first, [chunk](const at::Tensor& x, int) { return chunk->forward(x); }});
-      }
-      executor_ = std::make_unique<pp::PipelineExecutor>(
-          mesh_.pp(), pp::ScheduleSpec{c.schedule, c.pp, c.microbatches, c.virtual_stages}, std::move(fns));
+      // weight, on this stage or, through the copy the pipeline sends, on the last.
+      chunks_[s] = make_chunk_trainer(c, stages_.at(s), chunk_dp(chunk), gpt_tied && s == 0);
     }
   }
 
@@ -92,7 +85,7 @@ class MeshEngine : public Engine {
     auto loss = [&](const at::Tensor& out, const at::Tensor& targets) {
       return models::loss(c_.model, out.to(at::kFloat), targets, ctx_) * scale;  // bf16-mixed: the loss in fp32
     };
-    if (!executor_) {
+    if (!pipeline_) {
       ChunkTrainer& chunk = *chunks_.begin()->second;
       for (int64_t j = 0; j < M; ++j) {
         Batch b = data_->samples(first + j * m, m);
@@ -103,21 +96,11 @@ class MeshEngine : public Engine {
         loss_sum += l.item<double>();
       }
     } else {
-      std::vector<at::Tensor> inputs, targets;
-      for (int64_t j = 0; j < M; ++j) {
-        Batch b = (first_ || last_) ? data_->samples(first + j * m, m) : Batch{};
-        inputs.push_back(b.inputs);
-        targets.push_back(b.targets);
-      }
-      pp::StepResult r = executor_->run(inputs, targets,
-                                        [&](const at::Tensor& out, const at::Tensor& t, int) { return loss(out, t); },
-                                        hooks(static_cast<int>(M)));
-      loss_sum = r.loss_sum;
-      trace_ = std::move(r.events);
-      max_in_flight_ = std::max(max_in_flight_, r.max_in_flight);
+      Batch b = (first_ || last_) ? data_->samples(first, local) : Batch{};
+      loss_sum = pipeline_->step(b.inputs, b.targets);
+      trace_ = pipeline_->last_trace();
+      max_in_flight_ = pipeline_->max_activations_in_flight();
     }
-    for (auto& w : tie_sends_) w->wait();  // received within this step (see the Note)
-    tie_sends_.clear();
     std::vector<GradPart> parts;
     for (auto& kv : chunks_) kv.second->finish_gradients();
     for (auto& kv : chunks_) {
@@ -189,13 +172,29 @@ class MeshEngine : public Engine {
 
  private:
   std::shared_ptr<models::GptHeadImpl> head() {
-    const int S = c_.pp * c_.virtual_stages;
-    auto& stage = chunks_.at(S - 1)->stage();
+    const models::Stage& stage = stages_.at(c_.pp * c_.virtual_stages - 1);
     return std::dynamic_pointer_cast<models::GptHeadImpl>(stage->piece(stage->num_pieces() - 1));
   }
   at::Tensor embedding_weight() {
-    auto& stage = chunks_.at(0)->stage();
-    return std::dynamic_pointer_cast<models::GptEmbeddingImpl>(stage->piece(0))->tok->weight;
+    return std::dynamic_pointer_cast<models::GptEmbeddingImpl>(stages_.at(0)->piece(0))->tok->weight;
+  }
+
+  // This rank's stages in a pp::Pipeline; each runs through its chunk's
+  // wrapper (made after: the pipeline first takes the tied copy out of the
+  // head's parameters). ZeRO-2/3 reduce every micro-batch, as DeepSpeed does.
+  std::unique_ptr<pp::Pipeline> make_pipeline(bool tied_across_ranks, int S) {
+    std::vector<pp::StageModule> mine;
+    for (const auto& kv : stages_) {
+      const int s = kv.first;
+      mine.push_back({kv.second.ptr(), [this, s](const at::Tensor& x) { return chunks_.at(s)->forward(x); }});
+    }
+    auto options = pp::PipelineOptions().schedule(c_.schedule).microbatches(c_.microbatches)
+                       .virtual_stages(c_.virtual_stages).reduce_every_microbatch(c_.zero >= 2);
+    if (tied_across_ranks) options.tied({{{0, "embed.tok.weight"}, {S - 1, "head.tied_weight"}}});
+    auto loss = [this](const at::Tensor& out, const at::Tensor& targets) {
+      return models::loss(c_.model, out.to(at::kFloat), targets, ctx_);  // bf16-mixed: the loss in fp32
+    };
+    return std::make_unique<pp::Pipeline>(std::move(mine), mesh_.pp(), loss, options);
   }
 
   // ZeRO-3 settles every unit over a communicator at the end of each backward
@@ -224,47 +223,15 @@ class MeshEngine : public Engine {
     return p;
   }
 
-  pp::PipelineHooks hooks(int M) {
-    const int S = c_.pp * c_.virtual_stages;
-    const int first_rank = pp::rank_of_stage(0, c_.pp), last_rank = pp::rank_of_stage(S - 1, c_.pp);
-    pp::PipelineHooks h;
-    h.before_backward = [this, M, S, last_rank](int stage, int mb) {
-      if (tied_across_ && stage == 0 && mb == M - 1) {  // the head's share of the tied gradient
-        at::Tensor g = mesh_.pp()->recv_any(last_rank, pp::user_tag(kTieGradTag));
-        at::Tensor w = embedding_weight();
-        if (w.grad().defined()) w.mutable_grad().add_(g); else w.mutable_grad() = g;
-      }
-      chunks_.at(stage)->begin_backward(mb == M - 1);
-    };
-    h.after_backward = [this, M, S, first_rank](int stage, int mb) {
-      chunks_.at(stage)->end_backward();
-      if (tied_across_ && stage == S - 1 && mb == M - 1) {
-        tie_sends_.push_back(mesh_.pp()->isend(head()->out_weight().grad(), first_rank, pp::user_tag(kTieGradTag)));
-        head()->set_tied(at::Tensor());
-      }
-    };
-    h.after_forward = [this, S, last_rank](int stage, int mb) {
-      if (tied_across_ && stage == 0 && mb == 0) {
-        tie_sends_.push_back(mesh_.pp()->isend(embedding_weight().detach().clone(), last_rank, pp::user_tag(kTieWeightTag)));
-      }
-    };
-    h.before_forward = [this, S, first_rank](int stage, int mb) {
-      if (tied_across_ && stage == S - 1 && mb == 0) {
-        head()->set_tied(mesh_.pp()->recv_any(first_rank, pp::user_tag(kTieWeightTag)).requires_grad_(true));
-      }
-    };
-    return h;
-  }
-
   TrainConfig c_;
   mesh::DeviceMesh mesh_;
   std::unique_ptr<Dataset> data_;
   models::BuildContext ctx_;
   std::vector<comm::CommPtr> chunk_dps_;  // ZeRO-3 under virtual stages: chunks after the first
+  std::map<int, models::Stage> stages_;  // this rank's, by stage
   std::map<int, std::unique_ptr<ChunkTrainer>> chunks_;  // by stage
-  std::unique_ptr<pp::PipelineExecutor> executor_;
-  bool first_ = false, last_ = false, tied_across_ = false;
-  std::vector<comm::WorkPtr> tie_sends_;
+  std::unique_ptr<pp::Pipeline> pipeline_;
+  bool first_ = false, last_ = false;
   std::vector<pp::TraceEvent> trace_;
   int max_in_flight_ = 0;
   double grad_norm_ = 0;

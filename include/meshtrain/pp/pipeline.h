@@ -72,6 +72,10 @@ struct PipelineOptions {
   // module) pairs, the owner's first: {{{0, "tok.weight"}, {S - 1, "head.weight"}}}.
   // The others hold a copy of the same shape (its values come from the owner).
   TORCH_ARG(TiedNames, tied) = {};
+  // Data-parallel wrappers reduce after every micro-batch's backward instead
+  // of the last only: for ZeRO-2/3, which then keep gradient shards, not
+  // full-size gradients, through the step (DeepSpeed's way; more traffic).
+  TORCH_ARG(bool, reduce_every_microbatch) = false;
 };
 
 // The loss of one micro-batch's output. step() divides it by the number of
@@ -139,6 +143,9 @@ class Pipeline {
   // The copies of tied parameters take their owner's value (every rank of the
   // pipeline calls it; step() does it as it starts).
   void sync_tied();
+  // The last step's timeline on this rank and the most activations it held.
+  const std::vector<TraceEvent>& last_trace() const { return last_.events; }
+  int max_activations_in_flight() const { return last_.max_in_flight; }
   static constexpr int kTiedTagBase = 1 << 20;
 
  private:
@@ -162,6 +169,7 @@ class Pipeline {
   std::vector<std::shared_ptr<torch::nn::Module>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
   std::vector<Tied> tied_;
+  StepResult last_;
   bool shared_by_chunks_ = false;  // a parameter sits in two of this rank's chunks
 };
 
