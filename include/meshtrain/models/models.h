@@ -80,8 +80,8 @@ TORCH_MODULE(GptBlock);
 struct GptHeadImpl : torch::nn::Module {
   // Untied: the head owns its weight. Tied (the default) to `tied`, the
   // embedding's weight, when both live in this stage; when the embedding lives
-  // on another pipeline stage the pipeline supplies it with set_tied() every
-  // step (see Note [Tied embeddings across pipeline stages]).
+  // on another pipeline rank the trainer registers a copy ("tied_weight") that
+  // pp::Pipeline keeps in step (Note [Tied embeddings across pipeline stages]).
   GptHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> logits [B, T, vocab/tp]
   at::Tensor out_weight() const;
