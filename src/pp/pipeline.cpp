@@ -85,20 +85,25 @@ std::vector<TiedGroup> declared_tied(const TiedNames& declared,
   for (const auto& names : declared) {
     MESHTRAIN_CHECK(names.size() >= 2, "PipelineOptions::tied: a group needs at least two (stage, name) pairs");
     TiedGroup g;
-    g.owner = names.front().first % ranks;
+    int first_stage = stages;
     for (const auto& [stage, name] : names) {
       MESHTRAIN_CHECK(stage >= 0 && stage < stages, "PipelineOptions::tied: stage ", stage, " of '", name,
                       "' is outside [0, ", stages, ")");
+      first_stage = std::min(first_stage, stage);
       const int holder = stage % ranks;
       auto it = g.lowest_stage.emplace(holder, stage).first;
       it->second = std::min(it->second, stage);
-      if (holder != rank || g.parameter.defined()) continue;
+      if (holder != rank) continue;
       const auto params = chunks[stage / ranks]->named_parameters();
       MESHTRAIN_CHECK(params.contains(name), "PipelineOptions::tied: stage ", stage, " has no parameter '", name,
                       "'; name it as the stage's module does (", params.size(), " parameters, e.g. '",
                       params.is_empty() ? std::string("none") : params.keys().front(), "')");
+      // Two stages of one rank in a group must compute with one tensor (no message can tie them).
+      MESHTRAIN_CHECK(!g.parameter.defined() || g.parameter.is_same(params[name]), "PipelineOptions::tied: stages ",
+                      "of rank ", rank, " hold '", name, "' and another tensor of its group; let them share one tensor");
       g.parameter = params[name];
     }
+    g.owner = first_stage % ranks;  // the first stage's rank, whatever the order of the pairs
     MESHTRAIN_CHECK(g.lowest_stage.size() >= 2, "PipelineOptions::tied: every stage of the group of '",
                     names.front().second, "' is on pipeline rank ", g.owner, "; let those stages share one tensor");
     groups.push_back(g);
@@ -218,6 +223,8 @@ void Pipeline::refresh_tied_copies(std::vector<comm::WorkPtr>& sends) {
   for (Tied& t : tied_) {
     if (t.owner == pp_->rank()) continue;
     const at::Tensor value = pp_->recv_any(t.owner, user_tag(t.tag));
+    MESHTRAIN_CHECK(value.sizes() == t.parameter.sizes(), "pp::Pipeline: the tied copy on rank ", pp_->rank(), " is ",
+                    t.parameter.sizes(), " but its owner's parameter (rank ", t.owner, ") is ", value.sizes());
     // The owner computes in another dtype (fully_shard's param_dtype): so does the copy.
     if (value.scalar_type() != t.parameter.scalar_type()) t.parameter.set_data(at::empty(t.parameter.sizes(), value.options()));
     t.parameter.detach().copy_(value.view_as(t.parameter));
@@ -290,6 +297,8 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   StepResult r = executor_->run(
       in, out, [&](const at::Tensor& y, const at::Tensor& t, int) { return loss_(y, t) / m; }, hooks);
   for (auto& w : sends) w->wait();
+  for (Tied& t : tied_)
+    if (t.owner != pp_->rank()) t.parameter.mutable_grad().reset();  // sent: the copy's gradient is not kept
   last_.events = std::move(r.events);
   last_.max_in_flight = std::max(last_.max_in_flight, r.max_in_flight);
   at::Tensor loss = at::tensor({r.loss_sum}, at::kDouble);
