@@ -98,8 +98,6 @@ class MeshEngine : public Engine {
     } else {
       Batch b = (first_ || last_) ? data_->samples(first, local) : Batch{};
       loss_sum = pipeline_->step(b.inputs, b.targets);
-      trace_ = pipeline_->last_trace();
-      max_in_flight_ = pipeline_->max_activations_in_flight();
     }
     std::vector<GradPart> parts;
     for (auto& kv : chunks_) kv.second->finish_gradients();
@@ -158,7 +156,9 @@ class MeshEngine : public Engine {
     for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp}) mesh_.axis(axis)->reset_traffic();
     for (auto& dp : chunk_dps_) dp->reset_traffic();
   }
-  std::vector<pp::TraceEvent> last_trace() const override { return trace_; }
+  std::vector<pp::TraceEvent> last_trace() const override {
+    return pipeline_ ? pipeline_->last_trace() : std::vector<pp::TraceEvent>{};
+  }
 
   RankState checkpoint_state() override {
     RankState out;
@@ -168,7 +168,7 @@ class MeshEngine : public Engine {
   void load_checkpoint(CheckpointReader& reader) override {
     for (auto& kv : chunks_) kv.second->load_checkpoint(reader, place(*kv.second));
   }
-  int max_activations_in_flight() const override { return max_in_flight_; }
+  int max_activations_in_flight() const override { return pipeline_ ? pipeline_->max_activations_in_flight() : 0; }
 
  private:
   std::shared_ptr<models::GptHeadImpl> head() {
@@ -232,8 +232,6 @@ class MeshEngine : public Engine {
   std::map<int, std::unique_ptr<ChunkTrainer>> chunks_;  // by stage
   std::unique_ptr<pp::Pipeline> pipeline_;
   bool first_ = false, last_ = false;
-  std::vector<pp::TraceEvent> trace_;
-  int max_in_flight_ = 0;
   double grad_norm_ = 0;
 };
 
