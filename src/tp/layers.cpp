@@ -4,6 +4,7 @@
 #include <torch/nn/functional.h>
 
 #include "meshtrain/tp/ops.h"
+#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
@@ -171,7 +172,7 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 std::map<std::string, int64_t> shard_dims(const torch::nn::Module& module) {
   std::map<std::string, int64_t> dims;
-  for (const auto& p : module.named_parameters()) dims[p.key()] = -1;
+  for (const auto& p : module.named_parameters()) dims[p.key()] = sliced_dim(p.value());  // tp::parallelize's
   for (const auto& m : module.named_modules()) {
     const std::string prefix = m.key().empty() ? "" : m.key() + ".";
     if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.value().get())) {

@@ -127,8 +127,10 @@ void set_data_keeping_marks(const at::Tensor& t, const at::Tensor& data) {
       if (entries.empty()) registry().erase(it);  // the old storage is free to go
     }
   }
+  const bool above = t.key_set().has(kAboveAutogradMarker);
   t.set_data(data);
   for (const Mark& m : moved) mark(t, m.role, m.index);
+  if (above) add_dispatch_key(t, kAboveAutogradMarker);
 }
 
 std::vector<Mark> marks_of(const at::Tensor& t) {

@@ -65,6 +65,9 @@ std::vector<std::pair<Role*, int>> roles_of(const at::Tensor& t);
 
 // The dispatch key marked tensors carry.
 constexpr c10::DispatchKey kMarker = c10::DispatchKey::Fake;
+// A second unused key, above autograd, for kernels that must act before
+// autograd records an operation (tp::parallelize's; tp/cut.h). set_data_keeping_marks keeps it too.
+constexpr c10::DispatchKey kAboveAutogradMarker = c10::DispatchKey::DeferredInit;
 
 // While alive, operations on marked tensors go straight to their kernels (a
 // role's own copies into and out of its tensors, outside the fallback).

@@ -147,8 +147,8 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const comm::CommPtr& tp, bool sequence_parallel);
 
 // Dense <-> sharded parameters. shard_dims gives, for each parameter of a
-// module built from these layers, the dimension it is split along (-1:
-// replicated on every tp rank).
+// module built from these layers or cut by tp::parallelize, the dimension it
+// is split along (-1: replicated on every tp rank).
 std::map<std::string, int64_t> shard_dims(const torch::nn::Module& module);
 // The full tensors from every tp rank's shards (a collective over tp).
 std::map<std::string, at::Tensor> unshard(const std::map<std::string, at::Tensor>& local,

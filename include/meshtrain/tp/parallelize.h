@@ -24,21 +24,41 @@
 //             (tp/ops.h; the logits are never gathered), and its backward is
 //             summed over tp; the vocabulary must then divide by tp.
 //
+//   kSequenceParallel  (a module with replicated parameters, LayerNorm) only
+//             with ParallelizeOptions::sequence_parallel: it sees this rank's
+//             part of the sequence, so its parameters' gradients are summed
+//             over tp as backward computes them
+//
+// Sequence parallelism (Megatron's, ParallelizeOptions::sequence_parallel):
+// between the cut layers the activations hold this rank's part of the
+// sequence, dimension 1 of [batch, seq, hidden] (seq/tp positions; the norms,
+// residuals and dropout work on 1/tp of them): kColwise layers all-gather the
+// sequence of their input, kRowwise layers and kVocabParallel embeddings
+// reduce-scatter their output over it (instead of the all-reduce), a kRowwise
+// bias gets its gradient summed over tp. Every LayerNorm of the model must be
+// planned kSequenceParallel (checked). The code between the layers sees
+// seq/tp positions there and the whole sequence inside the cut layers' region
+// (attention): read sizes from the tensors there (q's output), and slice a
+// position table by tp rank (tp::copy_to_tp(table).narrow(0, part * rank,
+// part)); the model's input is the whole sequence, the loss's input the
+// head's output, whole.
+//
 // The values are the dense layer's own, sliced (every rank must hold the same
 // dense model: build it after the same seed), so the parallel model starts as
 // its dense twin. The parameters stay the same tensors (resized), so an
 // optimizer built before or after sees them.
 //
-// How, without forward hooks: see docs/design/forward-interception.md. The
-// sliced weights carry a dispatch key that libtorch 1.13 leaves unused
-// (DispatchKey::Fake); one fallback sees every operation on them, after
-// autograd, and sums over tp the matrix products that contract over the
-// sliced dimension (Megatron's f and g, found where they happen). Any other
-// contraction of a sliced weight is an error, never a silent partial sum.
-// Embedding lookups need the shift into the rank's rows before autograd
-// records them: a kernel for aten::embedding on a second unused key
-// (DispatchKey::DeferredInit, above autograd).
-// Wrap after moving the model (Module::to() would drop the key).
+// How, without forward hooks: see docs/design/forward-interception.md. The cut
+// weights carry a dispatch key above autograd that libtorch 1.13 leaves unused
+// (DispatchKey::DeferredInit): kernels for aten::linear, matmul, addmm and
+// embedding place Megatron's communication (copy_to_tp / all-gather of the
+// sequence before a kColwise product, the all-reduce / reduce-scatter after a
+// kRowwise one, the shift into a vocabulary's rows) where autograd records
+// it, so backward follows; layers that read one input (q, k, v) share one
+// communication of it. Below autograd (DispatchKey::Fake) any other
+// contraction of a cut weight in a forward that records gradients is an
+// error, never a silent partial sum.
+// Wrap after moving the model (Module::to() would drop the keys).
 
 #include <torch/nn/module.h>
 
@@ -50,12 +70,21 @@
 namespace meshtrain {
 namespace tp {
 
-enum class Style { kColwise, kRowwise, kVocabParallel };
+enum class Style { kColwise, kRowwise, kVocabParallel, kSequenceParallel };
+
+struct ParallelizeOptions {
+  bool sequence_parallel = false;  // Megatron's sequence parallelism (above)
+};
 
 // Plan: layer path ("block.fc1", as in named_modules()) -> style. Every path
 // must name a torch::nn::Linear whose sliced dimension divides by tp, or (for
 // kVocabParallel) a torch::nn::Embedding; all are checked before any changes.
-void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan);
+void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan,
+                 ParallelizeOptions options = {});
+
+// The dimension tp::parallelize cut `param` along (0: a kColwise weight or
+// bias, a vocabulary's rows; 1: a kRowwise weight), or -1 (replicated).
+int64_t sliced_dim(const at::Tensor& param);
 
 }  // namespace tp
 }  // namespace meshtrain
