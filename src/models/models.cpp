@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "meshtrain/tp/ops.h"
+#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
@@ -66,19 +67,36 @@ void validate(const ModelConfig& c, int tp_size, bool sequence_parallel) {
 
 int64_t num_pieces(const ModelConfig& c) { return c.kind == "gpt" ? c.layers + 2 : c.layers; }
 
+namespace {
+
+// A plain Linear whose values derive from seed + name (the layer's path), the
+// same on every rank: tp::parallelize slices them.
+torch::nn::Linear seeded_linear(int64_t in, int64_t out, bool bias, uint64_t seed, const std::string& name,
+                                const InitSpec& weight_init, const InitSpec& bias_init = InitSpec::constant(0)) {
+  torch::nn::Linear layer(torch::nn::LinearOptions(in, out).bias(bias));
+  at::NoGradGuard no_grad;
+  layer->weight.copy_(init_full(seed, name + ".weight", weight_init, {out, in}));
+  if (bias) layer->bias.copy_(init_full(seed, name + ".bias", bias_init, {out}));
+  return layer;
+}
+
+// The token embedding's values (the head tied to it starts from them too).
+at::Tensor token_embedding_values(const ModelConfig& c) {
+  return init_full(c.seed, "embed.tok.weight", InitSpec::normal(0, 0.02), {c.vocab, c.hidden});
+}
+
+}  // namespace
+
 GptEmbeddingImpl::GptEmbeddingImpl(const ModelConfig& c, const BuildContext& context) : ctx(context) {
-  tok = register_module("tok", tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(c.vocab, c.hidden)
-                                                              .tp(ctx.tp)
-                                                              .sequence_parallel(ctx.sequence_parallel)
-                                                              .seed(c.seed)
-                                                              .name("embed.tok")));
+  tok = register_module("tok", torch::nn::Embedding(torch::nn::EmbeddingOptions(c.vocab, c.hidden)
+                                                        ._weight(token_embedding_values(c))));
   pos = register_parameter("pos", init_full(c.seed, "embed.pos", InitSpec::normal(0, 0.01), {c.seq_len, c.hidden}));
 }
 
 at::Tensor GptEmbeddingImpl::forward(const at::Tensor& tokens) {
   MESHTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) <= pos.size(0), "GPT input must be [batch, seq <= ",
                   pos.size(0), "] token ids; got ", tokens.sizes());
-  at::Tensor x = tok->forward(tokens);
+  at::Tensor x = tok->forward(tokens);  // [B, T/tp, H] under sequence parallelism (tp::parallelize)
   if (ctx.sequence_parallel && tp::tp_size(ctx.tp) > 1) {
     // This rank holds positions [r*T/tp, (r+1)*T/tp) and adds those rows, so
     // each rank's gradient covers its rows only: copy_to_tp (before slicing)
@@ -89,38 +107,30 @@ at::Tensor GptEmbeddingImpl::forward(const at::Tensor& tokens) {
   return x + pos.narrow(0, 0, tokens.size(1));
 }
 
-GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& context) : ctx(context) {
-  const std::string p = "blocks." + std::to_string(index);
-  const int tp_n = tp::tp_size(ctx.tp);
-  MESHTRAIN_CHECK(c.heads % tp_n == 0, "tp size ", tp_n, " does not divide --heads ", c.heads,
-                  "; choose tp among the divisors of ", c.heads);
-  local_heads = c.heads / tp_n;
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index) {
+  const std::string p = "blocks." + std::to_string(index) + ".";
   head_dim = c.hidden / c.heads;
+  const InitSpec normal = InitSpec::normal(0, 0.02);
   // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
   const InitSpec residual = InitSpec::normal(0, 0.02 / std::sqrt(2.0 * c.layers));
-  // q, k, v (and fc1) read one input, prepared once by the block (enter()).
-  auto col = [&](const std::string& name, int64_t in, int64_t out) {
-    return tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(in, out).tp(ctx.tp).seed(c.seed).name(p + "." + name)
-                                        .sequence_parallel(ctx.sequence_parallel).input_is_prepared(true));
-  };
-  auto row = [&](const std::string& name, int64_t in, int64_t out) {
-    return tp::RowParallelLinear(tp::RowParallelLinearOptions(in, out).tp(ctx.tp).seed(c.seed).name(p + "." + name)
-                                     .weight_init(residual).sequence_parallel(ctx.sequence_parallel));
-  };
-  ln1 = register_module("ln1", layer_norm(c.hidden));
-  q = register_module("q", col("q", c.hidden, c.hidden));
-  k = register_module("k", col("k", c.hidden, c.hidden));
-  v = register_module("v", col("v", c.hidden, c.hidden));
-  proj = register_module("proj", row("proj", c.hidden, c.hidden));
-  ln2 = register_module("ln2", layer_norm(c.hidden));
-  fc1 = register_module("fc1", col("fc1", c.hidden, 4 * c.hidden));
-  fc2 = register_module("fc2", row("fc2", 4 * c.hidden, c.hidden));
+  const int64_t h = c.hidden;
+  ln1 = register_module("ln1", layer_norm(h));
+  q = register_module("q", seeded_linear(h, h, true, c.seed, p + "q", normal));
+  k = register_module("k", seeded_linear(h, h, true, c.seed, p + "k", normal));
+  v = register_module("v", seeded_linear(h, h, true, c.seed, p + "v", normal));
+  proj = register_module("proj", seeded_linear(h, h, true, c.seed, p + "proj", residual));
+  ln2 = register_module("ln2", layer_norm(h));
+  fc1 = register_module("fc1", seeded_linear(h, 4 * h, true, c.seed, p + "fc1", normal));
+  fc2 = register_module("fc2", seeded_linear(4 * h, h, true, c.seed, p + "fc2", residual));
 }
 
 at::Tensor GptBlockImpl::attention(const at::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1);
+  // Sizes from q's output: under tensor parallelism it holds this rank's heads,
+  // under sequence parallelism the whole sequence (x holds a part).
+  const at::Tensor q_out = q->forward(x);
+  const int64_t B = q_out.size(0), T = q_out.size(1), local_heads = q_out.size(2) / head_dim;
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
-  at::Tensor qh = heads(q->forward(x)), kh = heads(k->forward(x)), vh = heads(v->forward(x));
+  at::Tensor qh = heads(q_out), kh = heads(k->forward(x)), vh = heads(v->forward(x));
   at::Tensor scores = at::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
   at::Tensor future = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
@@ -128,74 +138,66 @@ at::Tensor GptBlockImpl::attention(const at::Tensor& x) {
   return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
-namespace {
-
-// Into a tensor-parallel region: all-gather the sequence (SP) or copy_to_tp.
-at::Tensor enter(const at::Tensor& x, const BuildContext& ctx) {
-  return ctx.sequence_parallel ? tp::gather_from_sp(x, ctx.tp) : tp::copy_to_tp(x, ctx.tp);
-}
-
-at::Tensor norm(const torch::nn::LayerNorm& ln, const at::Tensor& x, const BuildContext& ctx) {
-  return tp::layer_norm(x, ln->weight, ln->bias, ctx.tp, ctx.sequence_parallel);
-}
-
-}  // namespace
-
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
-  at::Tensor h = x + attention(enter(norm(ln1, x, ctx), ctx));
-  return h + fc2->forward(at::gelu(fc1->forward(enter(norm(ln2, h, ctx), ctx))));
+  at::Tensor h = x + attention(ln1->forward(x));
+  return h + fc2->forward(at::gelu(fc1->forward(ln2->forward(h))));
 }
 
 GptHeadImpl::GptHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied_weight)
-    : tied(std::move(tied_weight)), tp(ctx.tp), sequence_parallel(ctx.sequence_parallel) {
+    : tied(std::move(tied_weight)) {
   ln = register_module("ln", layer_norm(c.hidden));
   if (!c.tie_embeddings) {
-    // Vocabulary rows split over tp, like the embedding it would be tied to.
-    out = register_module("out", tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden, c.vocab)
-                                                              .bias(false).tp(ctx.tp).seed(c.seed).name("head.out")
-                                                              .input_is_prepared(true)));
+    out = register_module("out", seeded_linear(c.hidden, c.vocab, false, c.seed, "head.out", InitSpec::normal(0, 0.02)));
+  } else if (ctx.tied_head_copy) {  // Note [Tied embeddings across pipeline stages]
+    out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, c.vocab).bias(false)));
+    at::NoGradGuard no_grad;
+    out->weight.copy_(token_embedding_values(c));
   }
 }
 
-at::Tensor GptHeadImpl::out_weight() const {
-  if (out) return out->weight;
-  MESHTRAIN_CHECK(tied.defined(), "GptHead: the LM head is tied to an embedding on another pipeline stage and has "
-                  "not been given its weight (set_tied) for this step");
-  return tied;
-}
-
 at::Tensor GptHeadImpl::forward(const at::Tensor& x) {
-  // Logits of this rank's vocabulary slice; the loss is vocab-parallel.
-  at::Tensor h = tp::layer_norm(x, ln->weight, ln->bias, tp, sequence_parallel);
-  h = sequence_parallel ? tp::gather_from_sp(h, tp) : tp::copy_to_tp(h, tp);
-  return at::matmul(h, out_weight().t());
+  // Logits of this rank's vocabulary rows under tensor parallelism (the loss is vocab-parallel).
+  at::Tensor h = ln->forward(x);
+  if (out) return out->forward(h);
+  MESHTRAIN_CHECK(tied.defined(), "GptHead: the LM head is tied to an embedding on another pipeline stage of this "
+                  "rank and has not been given its weight (set_tied)");
+  return at::matmul(h, tied.t());
 }
 
 MlpLayerImpl::MlpLayerImpl(int64_t in, int64_t out, bool relu_after, uint64_t seed, const std::string& name)
-    : relu(relu_after) {
-  weight = register_parameter("weight", init_full(seed, name + ".weight", torch_linear_init(in), {out, in}));
-  bias = register_parameter("bias", init_full(seed, name + ".bias", torch_linear_init(in), {out}));
+    : torch::nn::LinearImpl(torch::nn::LinearOptions(in, out)), relu(relu_after) {
+  at::NoGradGuard no_grad;
+  weight.copy_(init_full(seed, name + ".weight", torch_linear_init(in), {out, in}));
+  bias.copy_(init_full(seed, name + ".bias", torch_linear_init(in), {out}));
 }
 
 at::Tensor MlpLayerImpl::forward(const at::Tensor& x) {
-  at::Tensor y = at::linear(x, weight, bias);
+  at::Tensor y = torch::nn::LinearImpl::forward(x);
   return relu ? at::relu(y) : y;
 }
 
-MlpColumnImpl::MlpColumnImpl(int64_t in, int64_t out, uint64_t seed, const std::string& name, comm::CommPtr tp)
-    : tp::ColumnParallelLinearImpl(tp::ColumnParallelLinearOptions(in, out).tp(std::move(tp)).seed(seed).name(name)
-                                       .weight_init(torch_linear_init(in)).bias_init(torch_linear_init(in))) {}
-
-at::Tensor MlpColumnImpl::forward(const at::Tensor& x) { return at::relu(ColumnParallelLinearImpl::forward(x)); }
-
-MlpRowImpl::MlpRowImpl(int64_t in, int64_t out, bool relu_after, uint64_t seed, const std::string& name, comm::CommPtr tp)
-    : tp::RowParallelLinearImpl(tp::RowParallelLinearOptions(in, out).tp(std::move(tp)).seed(seed).name(name)
-                                    .weight_init(torch_linear_init(in)).bias_init(torch_linear_init(in))),
-      relu(relu_after) {}
-
-at::Tensor MlpRowImpl::forward(const at::Tensor& x) {
-  at::Tensor y = RowParallelLinearImpl::forward(x);
-  return relu ? at::relu(y) : y;
+std::map<std::string, tp::Style> tp_plan(const ModelConfig& c, torch::nn::Module& stage, bool sequence_parallel) {
+  std::map<std::string, tp::Style> plan;
+  for (const auto& item : stage.named_modules("", /*include_self=*/false)) {
+    const std::string& path = item.key();
+    const std::string name = path.substr(path.rfind('.') + 1);
+    if (c.kind == "mlp") {
+      // Pairs (2k, 2k + 1): Megatron's MLP, one all-reduce per pair each way; an odd last layer stays whole.
+      if (path.rfind("layers.", 0) != 0 || name == "layers") continue;
+      const int64_t i = std::stoll(name);
+      if (i % 2 == 0 && i + 1 < c.layers) plan[path] = tp::Style::kColwise;
+      if (i % 2 == 1) plan[path] = tp::Style::kRowwise;
+    } else if (name == "q" || name == "k" || name == "v" || name == "fc1" || path == "head.out") {
+      plan[path] = tp::Style::kColwise;
+    } else if (name == "proj" || name == "fc2") {
+      plan[path] = tp::Style::kRowwise;
+    } else if (path == "embed.tok") {
+      plan[path] = tp::Style::kVocabParallel;
+    } else if (sequence_parallel && item.value()->as<torch::nn::LayerNormImpl>()) {
+      plan[path] = tp::Style::kSequenceParallel;
+    }
+  }
+  return plan;
 }
 
 Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const BuildContext& ctx) {
@@ -205,33 +207,29 @@ Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const Build
                   ") out of range for a model of ", n, " pieces");
   Stage stage;
   if (c.kind == "mlp") {
-    const bool parallel = tp::tp_size(ctx.tp) > 1;
     for (int64_t i = first; i < last; ++i) {
       const int64_t in = i == 0 ? c.features : c.hidden;
       const int64_t out = i == c.layers - 1 ? c.classes : c.hidden;
-      const bool relu = i != c.layers - 1;
-      const std::string key = std::to_string(i), name = "layers." + key;
-      if (parallel && i % 2 == 0 && i + 1 < c.layers) {
-        stage->append("layers", key, MlpColumn(in, out, c.seed, name, ctx.tp));
-      } else if (parallel && i % 2 == 1) {
-        stage->append("layers", key, MlpRow(in, out, relu, c.seed, name, ctx.tp));
+      const std::string key = std::to_string(i);
+      stage->append("layers", key, MlpLayer(in, out, /*relu=*/i != c.layers - 1, c.seed, "layers." + key));
+    }
+  } else {
+    at::Tensor embedding_weight;
+    for (int64_t i = first; i < last; ++i) {
+      if (i == 0) {
+        GptEmbedding e(c, ctx);
+        embedding_weight = e->tok->weight;
+        stage->append("", "embed", e);
+      } else if (i == n - 1) {
+        stage->append("", "head", GptHead(c, ctx, c.tie_embeddings ? embedding_weight : at::Tensor()));
       } else {
-        stage->append("layers", key, MlpLayer(in, out, relu, c.seed, name));
+        stage->append("blocks", std::to_string(i - 1), GptBlock(c, i - 1));
       }
     }
-    return stage;
   }
-  at::Tensor embedding_weight;
-  for (int64_t i = first; i < last; ++i) {
-    if (i == 0) {
-      GptEmbedding e(c, ctx);
-      embedding_weight = e->tok->weight;
-      stage->append("", "embed", e);
-    } else if (i == n - 1) {
-      stage->append("", "head", GptHead(c, ctx, c.tie_embeddings ? embedding_weight : at::Tensor()));
-    } else {
-      stage->append("blocks", std::to_string(i - 1), GptBlock(c, i - 1, ctx));
-    }
+  // The dense stage, cut the way a user's model is (the same values on every tp rank).
+  if (tp::tp_size(ctx.tp) > 1) {
+    tp::parallelize(*stage, ctx.tp, tp_plan(c, *stage, ctx.sequence_parallel), {ctx.sequence_parallel});
   }
   return stage;
 }

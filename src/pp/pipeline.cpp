@@ -8,6 +8,7 @@
 #include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
+#include "util/intercept.h"
 #include "util/parameter_dict.h"
 
 namespace meshtrain {
@@ -225,8 +226,10 @@ void Pipeline::refresh_tied_copies(std::vector<comm::WorkPtr>& sends) {
     const at::Tensor value = pp_->recv_any(t.owner, user_tag(t.tag));
     MESHTRAIN_CHECK(value.sizes() == t.parameter.sizes(), "pp::Pipeline: the tied copy on rank ", pp_->rank(), " is ",
                     t.parameter.sizes(), " but its owner's parameter (rank ", t.owner, ") is ", value.sizes());
-    // The owner computes in another dtype (fully_shard's param_dtype): so does the copy.
-    if (value.scalar_type() != t.parameter.scalar_type()) t.parameter.set_data(at::empty(t.parameter.sizes(), value.options()));
+    // The owner computes in another dtype (fully_shard's param_dtype, bf16 masters): so does the copy, keeping
+    // its roles (a tp-cut head's).
+    if (value.scalar_type() != t.parameter.scalar_type())
+      intercept::set_data_keeping_marks(t.parameter, at::empty(t.parameter.sizes(), value.options()));
     t.parameter.detach().copy_(value.view_as(t.parameter));
     t.parameter.mutable_grad().reset();
   }

@@ -175,6 +175,13 @@ std::map<std::string, int64_t> shard_dims(const torch::nn::Module& module) {
   for (const auto& p : module.named_parameters()) dims[p.key()] = sliced_dim(p.value());  // tp::parallelize's
   for (const auto& m : module.named_modules()) {
     const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+    // Layers cut by tp::parallelize, also when zero::fully_shard has taken
+    // their parameters out of the module's list (the layers keep them).
+    auto cut = [&](const std::string& name, const at::Tensor& t) {
+      if (t.defined() && sliced_dim(t) >= 0) dims[prefix + name] = sliced_dim(t);
+    };
+    if (auto* l = dynamic_cast<torch::nn::LinearImpl*>(m.value().get())) cut("weight", l->weight), cut("bias", l->bias);
+    if (auto* e = dynamic_cast<torch::nn::EmbeddingImpl*>(m.value().get())) cut("weight", e->weight);
     if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.value().get())) {
       dims[prefix + "weight"] = 0;
       if (c->bias.defined()) dims[prefix + "bias"] = 0;

@@ -5,8 +5,8 @@
 //
 // Note [Tied embeddings across pipeline stages]
 // When the GPT's LM head is tied to the token embedding and the two sit on
-// different pipeline ranks, the last stage's head registers a copy of the
-// weight ("head.tied_weight") and the pipeline is told the two are one
+// different pipeline ranks, the last stage's head is built with a copy of the
+// weight ("head.out.weight", cut over tp like the embedding) and the pipeline is told the two are one
 // parameter (PipelineOptions::tied): the first stage owns it, the copy takes
 // its value as each step starts and its gradient joins the owner's before the
 // owner's last backward (Note [Tied parameters across stages] in
@@ -54,19 +54,17 @@ class MeshEngine : public Engine {
         c.stage_boundaries.empty() ? pp::partition_balanced(piece_costs(c.model), S)
                                    : pp::partition_explicit(c.stage_boundaries, models::num_pieces(c.model), S);
     const bool gpt_tied = c.model.kind == "gpt" && c.model.tie_embeddings;
+    first_ = me.pp == 0;  // stage 0 is chunk 0 of pp rank 0
+    last_ = me.pp == c.pp - 1;
+    const bool tied = gpt_tied && S > 1;
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
-      stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx_));
+      models::BuildContext ctx = ctx_;
+      ctx.tied_head_copy = tied && s == S - 1 && !first_;  // Note [Tied embeddings across pipeline stages]
+      stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx));
       models::apply_checkpointing(*stages_.at(s), c.model, c.activation_checkpointing, bounds[s]);
     }
-    first_ = stages_.count(0) > 0;
-    last_ = stages_.count(S - 1) > 0;
-    const bool tied = gpt_tied && S > 1;
     if (tied && first_ && last_) head()->set_tied(embedding_weight());  // both ends on this rank: a true tie
-    if (tied && !first_ && last_) {  // Note [Tied embeddings across pipeline stages]
-      at::Tensor copy = at::zeros({c.model.vocab / c.tp, c.model.hidden});
-      head()->set_tied(head()->register_parameter("tied_weight", copy));
-    }
     if (c.pp > 1 || c.virtual_stages > 1) pipeline_ = make_pipeline(tied && !(first_ && last_), S);
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
@@ -190,7 +188,7 @@ class MeshEngine : public Engine {
     }
     auto options = pp::PipelineOptions().schedule(c_.schedule).microbatches(c_.microbatches)
                        .virtual_stages(c_.virtual_stages).reduce_every_microbatch(c_.zero >= 2);
-    if (tied_across_ranks) options.tied({{{0, "embed.tok.weight"}, {S - 1, "head.tied_weight"}}});
+    if (tied_across_ranks) options.tied({{{0, "embed.tok.weight"}, {S - 1, "head.out.weight"}}});
     auto loss = [this](const at::Tensor& out, const at::Tensor& targets) {
       return models::loss(c_.model, out.to(at::kFloat), targets, ctx_);  // bf16-mixed: the loss in fp32
     };
