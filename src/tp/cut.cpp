@@ -72,13 +72,16 @@ namespace {
 //
 // q, k and v read one input: one copy_to_tp (one all-reduce of its gradient
 // in backward) or one all-gather of the sequence serves all three, as
-// Megatron's fused QKV layer. The last prepared input is remembered by weak
-// references, so a hit needs the same live input at the same version, and an
-// output still alive (autograd keeps it for the first layer's backward).
+// Megatron's fused QKV layer. The last prepared input is remembered: a hit
+// needs the same live input (a weak reference) at the same version, in the
+// same grad mode, for the same communicator and kind. The prepared tensor is
+// held until the next one replaces it: copy_to_tp returns a view of its input,
+// which the first layer's saved tensors do not keep alive (their base is the
+// input), and one activation is what this costs.
 using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 struct LastPrepared {
   Weak input{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
-  Weak output{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  at::Tensor output;
   uint32_t version = 0;
   const comm::Communicator* tp = nullptr;
   bool sequence_parallel = false, grad = false;
@@ -88,15 +91,14 @@ thread_local LastPrepared last_prepared;
 at::Tensor prepare(const at::Tensor& x, const Cut& cut) {
   LastPrepared& last = last_prepared;
   const bool grad = at::GradMode::is_enabled();
-  if (last.tp == cut.tp.get() && last.sequence_parallel == cut.sequence_parallel && last.grad == grad &&
-      last.input._unsafe_get_target() == x.unsafeGetTensorImpl() && !last.input.expired() &&
+  if (last.output.defined() && last.tp == cut.tp.get() && last.sequence_parallel == cut.sequence_parallel &&
+      last.grad == grad && last.input._unsafe_get_target() == x.unsafeGetTensorImpl() && !last.input.expired() &&
       last.version == x._version()) {
-    auto out = last.output.lock();
-    if (out) return at::Tensor(std::move(out));
+    return last.output;
   }
   at::Tensor out = cut.sequence_parallel ? gather_from_sp(x, cut.tp) : copy_to_tp(x, cut.tp);
   last.input = Weak(x.getIntrusivePtr());
-  last.output = Weak(out.getIntrusivePtr());
+  last.output = out;
   last.version = x._version();
   last.tp = cut.tp.get();
   last.sequence_parallel = cut.sequence_parallel;
