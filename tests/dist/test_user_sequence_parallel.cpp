@@ -204,3 +204,37 @@ TEST(SequenceParallel, WhatItCannotDoIsRefusedNamingTheFix) {
     EXPECT_EQ(block->fc1(x).size(1), kHidden);  // 2 * kHidden / 2
   });
 }
+
+// Megatron's count of communications for one training step of the model
+// above on tp 2, which q, k and v sharing one communication of their input
+// gives (each of them communicating apart would add 2 per block):
+//   without SP: per block 2 all-reduces forward (out, fc2) and 2 backward (the
+//     inputs of q/k/v and of fc1); the embedding's and the head input's; the
+//     loss's 3 (max, sum of exponentials, target logit): 4 x 2 + 2 + 3 = 13
+//   with SP: per block 2 all-gathers and 2 reduce-scatters forward, as many
+//     backward; the embedding's reduce-scatter and the head's all-gather, each
+//     with its conjugate in backward: 10 of each; all-reduces: the norms'
+//     weights and biases (4 per block, 2 in the head), the row-parallel
+//     biases (2 per block), the position table, the loss's 3: 18.
+TEST(SequenceParallel, LayersReadingOneInputShareItsCommunication) {
+  for (bool sp : {false, true}) {
+    run_ranks(2, [&](Communicator& comm) {
+      Model m = user_gpt();
+      auto p = plan();
+      if (!sp) {
+        for (auto it = p.begin(); it != p.end();) it = it->second == tp::Style::kSequenceParallel ? p.erase(it) : std::next(it);
+      }
+      tp::parallelize(*m.seq, borrowed(comm), p, {sp});
+      if (sp) m.embed->tp = borrowed(comm);
+      comm.reset_traffic();
+      const torch::Tensor x = tokens(0), logits = m.seq->forward(x);
+      tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), ((x * 3 + 1) % kVocab).reshape({-1}),
+                                       borrowed(comm)).backward();
+      const auto t = comm.traffic();
+      using meshtrain::comm::OpKind;
+      EXPECT_EQ(t[OpKind::kAllReduce].calls, sp ? 18 : 13) << (sp ? "SP" : "no SP");
+      EXPECT_EQ(t[OpKind::kAllGather].calls, sp ? 10 : 0) << (sp ? "SP" : "no SP");
+      EXPECT_EQ(t[OpKind::kReduceScatter].calls, sp ? 10 : 0) << (sp ? "SP" : "no SP");
+    });
+  }
+}
