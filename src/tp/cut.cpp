@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <mutex>
@@ -33,7 +34,7 @@ class InKernel {
 
 bool is_contraction(const std::string& name) {
   for (const char* c : {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv",
-                        "aten::addmv", "aten::dot", "aten::addbmm", "aten::linear"})
+                        "aten::addmv", "aten::dot", "aten::vdot", "aten::addbmm", "aten::linear", "aten::_trilinear"})
     if (name == c) return true;
   return false;
 }
@@ -46,8 +47,9 @@ Cut::Cut(comm::CommPtr tp, Style style, bool sequence_parallel, const at::Tensor
 
 bool Cut::run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   (void)keys, (void)stack;
-  // Backward's products (gradients off) and the kernels' own are right by construction.
-  if (kernel_depth > 0 || !at::GradMode::is_enabled()) return false;
+  // The kernels' own products and backward's (inside a graph task: the
+  // gradients of what the kernels recorded) are right by construction.
+  if (kernel_depth > 0 || torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr) return false;
   MESHTRAIN_CHECK(!is_contraction(op.schema().name()), "tp::parallelize: ", op.schema().name(), " on a cut weight "
                   "is not supported (only x W^T, as torch::nn::Linear's forward, at::linear and at::matmul compute "
                   "it, are); a partial sum would be silently wrong");
@@ -72,27 +74,34 @@ namespace {
 //
 // q, k and v read one input: one copy_to_tp (one all-reduce of its gradient
 // in backward) or one all-gather of the sequence serves all three, as
-// Megatron's fused QKV layer. The last prepared input is remembered: a hit
+// Megatron's fused QKV layer. The last prepared input is remembered until a
+// kRowwise product ends the region (or the next input replaces it): a hit
 // needs the same live input (a weak reference) at the same version, in the
-// same grad mode, for the same communicator and kind. The prepared tensor is
-// held until the next one replaces it: copy_to_tp returns a view of its input,
-// which the first layer's saved tensors do not keep alive (their base is the
-// input), and one activation is what this costs.
+// same grad mode, requiring grad as before, for the same communicator and
+// kind. The prepared tensor itself is held: copy_to_tp returns a view of its
+// input, which the first layer's saved tensors do not keep alive (their base
+// is the input). Ranks run the same layers on the same inputs, so they hit
+// alike (under sequence parallelism a miss is a collective).
 using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 struct LastPrepared {
   Weak input{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
   at::Tensor output;
   uint32_t version = 0;
   const comm::Communicator* tp = nullptr;
-  bool sequence_parallel = false, grad = false;
+  bool sequence_parallel = false, grad = false, requires_grad = false;
 };
 thread_local LastPrepared last_prepared;
 
+void forget_prepared() { last_prepared = LastPrepared(); }
+
 at::Tensor prepare(const at::Tensor& x, const Cut& cut) {
+  // Inference tensors have no version counter: no sharing (InferenceMode records no gradients to sum anyway).
+  if (x.is_inference()) return cut.sequence_parallel ? gather_from_sp(x, cut.tp) : copy_to_tp(x, cut.tp);
   LastPrepared& last = last_prepared;
   const bool grad = at::GradMode::is_enabled();
   if (last.output.defined() && last.tp == cut.tp.get() && last.sequence_parallel == cut.sequence_parallel &&
-      last.grad == grad && last.input._unsafe_get_target() == x.unsafeGetTensorImpl() && !last.input.expired() &&
+      last.grad == grad && last.requires_grad == x.requires_grad() &&
+      last.input._unsafe_get_target() == x.unsafeGetTensorImpl() && !last.input.expired() &&
       last.version == x._version()) {
     return last.output;
   }
@@ -103,11 +112,13 @@ at::Tensor prepare(const at::Tensor& x, const Cut& cut) {
   last.tp = cut.tp.get();
   last.sequence_parallel = cut.sequence_parallel;
   last.grad = grad;
+  last.requires_grad = x.requires_grad();
   return out;
 }
 
 // kRowwise's partial products: summed, or reduce-scattered over the sequence.
 at::Tensor reduce(const at::Tensor& partial, const Cut& cut) {
+  forget_prepared();  // the region's end: nothing held past it
   return cut.sequence_parallel ? reduce_scatter_to_sp(partial, cut.tp) : reduce_from_tp(partial, cut.tp);
 }
 
@@ -163,7 +174,8 @@ at::Tensor parallel_addmm(const at::Tensor& bias, const at::Tensor& m1, const at
   if (cut->style == Style::kColwise) return at::addmm(bias, prepare(m1, *cut), m2, beta, alpha);
   at::Tensor y = at::mm(m1, m2);
   if (alpha.toDouble() != 1.0) y = y * alpha;
-  return at::add(reduce(y, *cut), bias, beta);  // the bias once, after the sum
+  y = reduce(y, *cut);
+  return beta.toDouble() == 0.0 ? y : at::add(y, bias, beta);  // the bias once, after the sum (beta 0: ignored, as addmm)
 }
 
 // Megatron's VocabParallelEmbedding: look up the indices in this rank's rows,
@@ -213,7 +225,18 @@ void add_kernel_key(const at::Tensor& weight) {
   intercept::add_dispatch_key(weight, kAboveAutograd);
 }
 
+namespace {
+class SummedOverTp : public intercept::Role {};  // marks a parameter sum_gradient_over_tp hooked
+}  // namespace
+
+bool summed_over_tp(const at::Tensor& param) {
+  for (const auto& r : intercept::roles_of(param))
+    if (dynamic_cast<const SummedOverTp*>(r.first)) return true;
+  return false;
+}
+
 void sum_gradient_over_tp(at::Tensor& param, const comm::CommPtr& tp) {
+  intercept::mark(param, std::make_shared<SummedOverTp>());
   param.register_hook([tp](const at::Tensor& grad) {
     at::Tensor sum = grad.clone();
     tp->all_reduce(sum, comm::ReduceOp::kSum);

@@ -69,8 +69,10 @@ const VocabRows* vocab_rows_of(const at::Tensor& t);
 void add_kernel_key(const at::Tensor& weight);
 
 // The gradient of `param` summed over tp as backward computes it (a
-// replicated parameter that sees only this rank's part of the sequence).
+// replicated parameter that sees only this rank's part of the sequence);
+// summed_over_tp tells whether it already is.
 void sum_gradient_over_tp(at::Tensor& param, const comm::CommPtr& tp);
+bool summed_over_tp(const at::Tensor& param);
 
 }  // namespace tp
 }  // namespace meshtrain

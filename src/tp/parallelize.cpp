@@ -57,6 +57,7 @@ const char* style_name(Style style) {
 void check_embedding(torch::nn::Module& model, const std::string& path, torch::nn::Module& m, int tp) {
   auto* e = m.as<torch::nn::EmbeddingImpl>();
   MESHTRAIN_CHECK(e, "tp::parallelize: '", path, "' is a ", m.name(), "; kVocabParallel applies to torch::nn::Embedding");
+  MESHTRAIN_CHECK(sliced_dim(e->weight) < 0, "tp::parallelize: '", path, "' is already cut (parallelize a model once)");
   MESHTRAIN_CHECK(!e->options.max_norm(), "tp::parallelize: Embedding '", path, "' has max_norm, which renormalizes "
                   "rows by global index; build it without max_norm");
   MESHTRAIN_CHECK(e->weight.size(0) >= tp, "tp::parallelize: Embedding '", path, "' has ", e->weight.size(0),
@@ -68,6 +69,8 @@ void check_linear(const std::string& path, torch::nn::Module& m, Style style, in
   auto* linear = m.as<torch::nn::LinearImpl>();
   MESHTRAIN_CHECK(linear, "tp::parallelize: '", path, "' is a ", m.name(), "; ", style_name(style),
                   " applies to torch::nn::Linear (and kVocabParallel to torch::nn::Embedding)");
+  MESHTRAIN_CHECK(sliced_dim(linear->weight) < 0, "tp::parallelize: '", path, "' is already cut (parallelize a "
+                  "model once)");
   const int64_t dim = style == Style::kColwise ? 0 : 1, full = linear->weight.size(dim);
   MESHTRAIN_CHECK(full % tp == 0, "tp::parallelize: '", path, "' has ", full,
                   style == Style::kColwise ? " output" : " input", " features, which tp ", tp, " does not divide");
@@ -80,9 +83,9 @@ void check_linear(const std::string& path, torch::nn::Module& m, Style style, in
 void check_sequence_parallel_module(const std::string& path, torch::nn::Module& m, const ParallelizeOptions& options) {
   MESHTRAIN_CHECK(options.sequence_parallel, "tp::parallelize: '", path, "' is planned kSequenceParallel, which "
                   "needs ParallelizeOptions{.sequence_parallel = true}");
-  MESHTRAIN_CHECK(!m.parameters(/*recurse=*/false).empty() && m.children().empty(), "tp::parallelize: '", path,
-                  "' (a ", m.name(), ") is planned kSequenceParallel, which applies to a module with parameters of "
-                  "its own and no children (a LayerNorm)");
+  MESHTRAIN_CHECK(m.children().empty(), "tp::parallelize: '", path, "' (a ", m.name(), ") is planned "
+                  "kSequenceParallel, which applies to a module without children whose parameters are replicated (a "
+                  "LayerNorm)");
 }
 
 // The layer at `path`, checked against its style before anything is changed.
@@ -113,7 +116,9 @@ torch::nn::Module& layer_at(torch::nn::Module& model, const std::string& path, S
 void require_norms_planned(torch::nn::Module& model, const std::map<std::string, Style>& plan) {
   std::string missing;
   for (const auto& item : model.named_modules("", false)) {
-    if (!item.value()->as<torch::nn::LayerNormImpl>()) continue;
+    bool trainable = false;  // a norm without affine parameters, or frozen, has no gradient to sum
+    for (const auto& p : item.value()->parameters(false)) trainable = trainable || p.requires_grad();
+    if (!item.value()->as<torch::nn::LayerNormImpl>() || !trainable) continue;
     auto it = plan.find(item.key());
     if (it == plan.end() || it->second != Style::kSequenceParallel) missing += (missing.empty() ? "" : ", ") + item.key();
   }
@@ -132,7 +137,7 @@ void slice_linear(torch::nn::LinearImpl& linear, Style style, const comm::CommPt
   if (style == Style::kColwise) {
     linear.bias.set_data(linear.bias.narrow(0, start, local).clone());
     intercept::mark(linear.bias, std::make_shared<CutBias>());
-  } else if (sequence_parallel) {
+  } else if (sequence_parallel && linear.bias.requires_grad()) {
     sum_gradient_over_tp(linear.bias, tp);  // added to this rank's part of the sequence only
   }
 }
@@ -156,8 +161,12 @@ void slice_embedding(torch::nn::EmbeddingImpl& embedding, const comm::CommPtr& t
   add_kernel_key(w);
 }
 
+// Once per parameter, whatever the number of paths to its module.
 void sum_gradients_over_tp(torch::nn::Module& m, const comm::CommPtr& tp) {
-  for (at::Tensor& p : m.parameters(/*recurse=*/false)) sum_gradient_over_tp(p, tp);
+  for (at::Tensor& p : m.parameters(/*recurse=*/false)) {
+    if (!p.requires_grad() || summed_over_tp(p)) continue;
+    sum_gradient_over_tp(p, tp);
+  }
 }
 
 // One entry of the plan, checked: the layer at `path` and how it is cut.
@@ -172,15 +181,17 @@ struct PlannedLayer {
   }
 };
 
-// A head tied to a kVocabParallel embedding follows it: in the plan too, its
-// weight would be cut twice.
-void refuse_tied_head_in_plan(const std::vector<PlannedLayer>& layers) {
-  for (const PlannedLayer& embedding : layers) {
-    if (embedding.style != Style::kVocabParallel) continue;
+// A weight planned twice would be cut twice: a head tied to a kVocabParallel
+// embedding follows it, and a layer registered at two paths is planned once.
+void refuse_weights_planned_twice(const std::vector<PlannedLayer>& layers) {
+  for (const PlannedLayer& first : layers) {
     for (const PlannedLayer& other : layers) {
-      MESHTRAIN_CHECK(&other == &embedding || !other.weight() || !other.weight()->is_same(*embedding.weight()),
-                      "tp::parallelize: '", other.path, "' shares its weight with the kVocabParallel Embedding '",
-                      embedding.path, "' (tied): leave it out of the plan, it is cut with the embedding");
+      if (&other == &first || !first.weight() || !other.weight() || !other.weight()->is_same(*first.weight())) continue;
+      MESHTRAIN_CHECK(first.style != Style::kVocabParallel, "tp::parallelize: '", other.path, "' shares its weight "
+                      "with the kVocabParallel Embedding '", first.path, "' (tied): leave it out of the plan, it is "
+                      "cut with the embedding");
+      MESHTRAIN_CHECK(other.style == Style::kVocabParallel, "tp::parallelize: '", first.path, "' and '", other.path,
+                      "' are one layer (or share their weight): plan it once");
     }
   }
 }
@@ -193,7 +204,7 @@ void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::m
   std::vector<PlannedLayer> layers;
   for (const auto& kv : plan)
     layers.push_back({kv.first, &layer_at(model, kv.first, kv.second, tp->size(), options), kv.second});
-  refuse_tied_head_in_plan(layers);  // all checked before anything changes
+  refuse_weights_planned_twice(layers);  // all checked before anything changes
   if (options.sequence_parallel) require_norms_planned(model, plan);
   if (tp->size() == 1) return;
   const bool sp = options.sequence_parallel;

@@ -7,8 +7,8 @@
 // for (DispatchKey::Fake, ordered after autograd); views, detach() and .data()
 // keep it. One boxed fallback on that key sees each operation whose operands
 // include a marked tensor, looks their storages up in a registry, and lets
-// the roles attached there act: gather a ZeRO unit before the op, run a
-// matrix product with a sum over tp, copy an in-place write back to a shard.
+// the roles attached there act: gather a ZeRO unit before the op, refuse a
+// contraction of a tp-cut weight, copy an in-place write back to a shard.
 // Operations a role runs itself are not intercepted again.
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -187,18 +187,40 @@ TEST(SequenceParallel, WhatItCannotDoIsRefusedNamingTheFix) {
     auto without_norm = plan();
     without_norm.erase("3.ln");
     refused(without_norm, true, "the LayerNorms [3.ln] see a part of the sequence each; plan them kSequenceParallel");
-    refused({{"1", tp::Style::kSequenceParallel}}, true, "applies to a module with parameters of its own and no children");
+    refused({{"1", tp::Style::kSequenceParallel}}, true, "applies to a module without children whose parameters are replicated");
 
-    // A contraction of a cut weight other than x W^T is refused when it runs.
+
+    {  // one layer at two paths, or parallelized twice, would be cut twice
+      Model m = user_gpt();
+      auto* block = dynamic_cast<Block*>(m.seq->ptr(1).get());
+      block->register_module("fc1_again", block->fc1);
+      try {
+        tp::parallelize(*m.seq, borrowed(comm), {{"1.fc1", tp::Style::kColwise}, {"1.fc1_again", tp::Style::kColwise}});
+        ADD_FAILURE() << "a layer planned at two paths was accepted";
+      } catch (const meshtrain::ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find("are one layer (or share their weight): plan it once"), std::string::npos) << e.what();
+      }
+      tp::parallelize(*m.seq, borrowed(comm), {{"1.fc1", tp::Style::kColwise}});
+      try {
+        tp::parallelize(*m.seq, borrowed(comm), {{"1.fc1", tp::Style::kColwise}});
+        ADD_FAILURE() << "a second parallelize of one layer was accepted";
+      } catch (const meshtrain::ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find("'1.fc1' is already cut"), std::string::npos) << e.what();
+      }
+    }
+    // A contraction of a cut weight other than x W^T is refused when it runs, with or without gradients.
     Model m = user_gpt();
     tp::parallelize(*m.seq, borrowed(comm), {{"1.fc1", tp::Style::kColwise}, {"1.fc2", tp::Style::kRowwise}});
     auto* block = dynamic_cast<Block*>(m.seq->ptr(1).get());
     const torch::Tensor x = torch::randn({3, kHidden});
-    try {
-      (void)torch::mm(x, block->fc1->weight.t());
-      ADD_FAILURE() << "mm on a cut weight was accepted";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("aten::mm on a cut weight is not supported"), std::string::npos) << e.what();
+    for (bool grad : {true, false}) {
+      torch::AutoGradMode mode(grad);
+      try {
+        (void)torch::mm(x, block->fc1->weight.t());
+        ADD_FAILURE() << "mm on a cut weight was accepted";
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("aten::mm on a cut weight is not supported"), std::string::npos) << e.what();
+      }
     }
     // Through the layer it computes the dense layer's slice.
     EXPECT_EQ(block->fc1(x).size(1), kHidden);  // 2 * kHidden / 2

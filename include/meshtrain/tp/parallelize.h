@@ -77,8 +77,14 @@ struct ParallelizeOptions {
 };
 
 // Plan: layer path ("block.fc1", as in named_modules()) -> style. Every path
-// must name a torch::nn::Linear whose sliced dimension divides by tp, or (for
-// kVocabParallel) a torch::nn::Embedding; all are checked before any changes.
+// must name a torch::nn::Linear whose sliced dimension divides by tp, (for
+// kVocabParallel) a torch::nn::Embedding, or (kSequenceParallel) a module
+// without children; all are checked before any changes, and a layer is cut
+// once (planned at two paths, or parallelized twice: refused). Under sequence
+// parallelism every torch::nn::LayerNorm with trainable parameters must be
+// planned kSequenceParallel; plan a norm meshtrain cannot recognise (a user's
+// RMSNorm) too, and route any other replicated parameter that meets the
+// sequence's part through tp::copy_to_tp, as the position table above.
 void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan,
                  ParallelizeOptions options = {});
 
