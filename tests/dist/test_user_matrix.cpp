@@ -1,8 +1,8 @@
 // The equivalence matrix for a user's own module: a small GPT-like
 // torch::nn::Sequential of plain layers (an embedding, attention + MLP blocks,
-// a head tied to the embedding), wrapped only with the public calls
-// (tp::parallelize, pp::pipeline, dp::replicate / ZeroRedundancyOptimizer /
-// zero::fully_shard), trains like one process on every dp x pp x tp layout
+// a head tied to the embedding), trained by train::Trainer, which wraps it
+// only with the public calls (tp::parallelize, pp::pipeline, dp::replicate /
+// ZeroRedundancyOptimizer / zero::fully_shard), trains like one process on every dp x pp x tp layout
 // of 2, 4 and 8 ranks the built-in matrix covers, with every ZeRO stage
 // where dp > 1 and the pipeline schedules rotating.
 
@@ -18,6 +18,7 @@
 #include "meshtrain/dp/replicate.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
+#include "meshtrain/train/module_trainer.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
@@ -100,10 +101,14 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
-std::unique_ptr<torch::optim::SGD> sgd(const torch::nn::Module& m) {
+std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<torch::Tensor> params) {
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+std::unique_ptr<torch::optim::Optimizer> sgd(const torch::nn::Module& m) {
   std::vector<torch::Tensor> once;  // a tied parameter once (libtorch lists it under both names)
   for (const auto& p : dp::unique_parameters(m)) once.push_back(p.tensor);
-  return std::make_unique<torch::optim::SGD>(once, torch::optim::SGDOptions(0.05).momentum(0.9));
+  return make_sgd(once);
 }
 
 struct Reference {
@@ -155,55 +160,6 @@ std::vector<Case> cases() {
   return out;
 }
 
-// What the data axis adds to this rank's modules (each chunk apart under
-// virtual stages, as pp::pipeline asks), and the optimizers that step them.
-struct DataAxis {
-  std::vector<dp::Replicated<torch::nn::Module>> ddp;
-  std::vector<std::unique_ptr<zero::ZeroRedundancyOptimizer>> zero12;
-  std::unique_ptr<torch::optim::SGD> plain;
-
-  // `tied_here`: the embedding and the head that reuses its weight are both on
-  // this rank (no pipeline); elsewhere pp::pipeline gave the head a copy.
-  DataAxis(int stage, const std::vector<std::shared_ptr<torch::nn::Module>>& units, torch::nn::Module& root,
-           const CommPtr& comm, bool tied_here) {
-    if (stage == 3) {
-      for (const auto& unit : units)
-        for (const auto& child : unit->children()) {
-          const bool tied = dynamic_cast<TiedHead*>(child.get()) || dynamic_cast<torch::nn::EmbeddingImpl*>(child.get());
-          if (!child->parameters().empty() && !(tied && tied_here)) zero::fully_shard(*child, comm);
-        }
-      // Tied on this rank: one unit for the embedding and the head, kept through the step.
-      if (tied_here) zero::fully_shard(root, comm, zero::FullyShardOptions().reshard_after_forward(false));
-    }
-    for (const auto& unit : units) {
-      if (stage == 0) ddp.push_back(dp::replicate(unit, comm));
-      if (stage == 1 || stage == 2)
-        zero12.push_back(std::make_unique<zero::ZeroRedundancyOptimizer>(
-            unit, sgd(*unit), comm, zero::ZeroOptions().stage(stage).bucket_cap_mb(0.001)));
-    }
-    if (zero12.empty()) plain = sgd(root);
-  }
-  void zero_grad() {
-    for (auto& z : zero12) z->zero_grad();
-    if (plain) plain->zero_grad();
-  }
-  void step() {
-    for (auto& z : zero12) z->step();
-    if (plain) plain->step();
-  }
-  // This rank's parameters at full size over dp (empty where ZeRO-1/2 consolidate elsewhere).
-  std::map<std::string, torch::Tensor> full(torch::nn::Module& root, int stage, int dp_rank) {
-    std::map<std::string, torch::Tensor> out;
-    if (stage == 3) return zero::full_parameters(root);
-    for (auto& z : zero12)
-      for (auto& kv : z->consolidated_state(0).parameters) out[kv.first] = kv.second;
-    if (!zero12.empty() && dp_rank != 0) return {};
-    if (zero12.empty())
-      for (const auto& kv : root.named_parameters()) out[kv.key()] = kv.value();
-    return out;
-  }
-};
-
 class UserMatrix : public ::testing::TestWithParam<Case> {};
 
 TEST_P(UserMatrix, TrainsLikeOneProcess) {
@@ -215,45 +171,24 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
     meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
                                      meshtrain::mesh::MeshLayout(c.world(), c.dp, c.pp, c.tp));
     const auto me = mesh.coord();
-    auto model = user_gpt();
-    if (c.tp > 1) tp::parallelize(*model, mesh.tp(), block_plan());
-    std::optional<pp::Pipeline> pipeline;
-    std::shared_ptr<torch::nn::Module> root = model.ptr();
-    std::vector<std::shared_ptr<torch::nn::Module>> units = {root};
-    if (c.pp > 1) {
-      pipeline.emplace(pp::pipeline(model, mesh.pp(), cross_entropy,
-                                    pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp)
-                                        .virtual_stages(c.virtual_stages())));
-      root = pipeline->module();
-      units = {root};
-      if (c.virtual_stages() > 1) units.assign(pipeline->chunks().begin(), pipeline->chunks().end());
-    }
-    DataAxis data(c.zero, units, *root, mesh.dp(), /*tied_here=*/c.pp == 1);
+    auto setup = meshtrain::train::TrainerOptions().zero(c.zero).tp_plan(block_plan())
+                       .pipeline(pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp).virtual_stages(c.virtual_stages()))
+                       .zero_options(zero::ZeroOptions().bucket_cap_mb(0.001));  // several buckets
+    meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, setup);
     const std::string where = "rank " + std::to_string(comm.rank());
     for (int step = 0; step < kSteps; ++step) {
       const auto x = tokens(step).chunk(c.dp, 0)[me.dp], y = next_tokens(x);
-      data.zero_grad();
-      double loss = 0;
-      if (pipeline) {
-        loss = pipeline->step(x, y);
-      } else {
-        auto l = cross_entropy(model->forward(x), y);
-        l.backward();
-        loss = l.item<double>();
-      }
-      data.step();
-      at::Tensor mean = at::tensor({loss}, at::kDouble);
-      mesh.dp()->all_reduce(mean, meshtrain::comm::ReduceOp::kAvg);
-      EXPECT_NEAR(mean.item<double>(), ref.losses[step], 1e-5 * (1 + ref.losses[step])) << where << " step " << step;
+      const double loss = trainer.step(x, y);
+      EXPECT_NEAR(loss, ref.losses[step], 1e-5 * (1 + ref.losses[step])) << where << " step " << step;
     }
-    const auto got = data.full(*root, c.zero, me.dp);
+    const auto got = trainer.parameters_over_dp();
     for (const auto& kv : got) {
       ASSERT_TRUE(ref.params.count(kv.first)) << where << ": " << kv.first << " is not a parameter of the model";
       EXPECT_TRUE(torch::allclose(kv.second, tp_slice(kv.first, ref.params.at(kv.first), me.tp, c.tp), 1e-4, 1e-6))
           << where << " parameter " << kv.first;
     }
     // (A rank whose only child is the tied head holds no parameter of its own: a copy.)
-    if (!dp::unique_parameters(*root).empty() && (c.zero == 0 || c.zero == 3 || me.dp == 0)) {
+    if (!dp::unique_parameters(*trainer.module()).empty() && (c.zero == 0 || c.zero == 3 || me.dp == 0)) {
       EXPECT_FALSE(got.empty()) << where << ": no parameters compared";
     }
     // Every parameter of the model was compared on some rank (the tied head's

@@ -1,0 +1,134 @@
+#include "meshtrain/train/module_trainer.h"
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <set>
+
+#include "meshtrain/dp/params.h"
+#include "meshtrain/dp/replicate.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/zero/fully_shard.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+std::vector<at::Tensor> trainable_once(const torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : dp::unique_parameters(m)) out.push_back(p.tensor);
+  return out;
+}
+
+// Children of this rank's chunks that share a parameter with another child
+// (a head tied to the embedding on the same rank): they stay in one unit.
+std::set<const torch::nn::Module*> sharing_children(const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
+  std::vector<std::pair<const torch::nn::Module*, at::Tensor>> owners;
+  for (const auto& unit : units)
+    for (const auto& child : unit->children())
+      for (const auto& p : child->parameters()) owners.emplace_back(child.get(), p);
+  std::set<const torch::nn::Module*> sharing;
+  for (const auto& a : owners)
+    for (const auto& b : owners)
+      if (a.first != b.first && a.second.is_same(b.second)) sharing.insert(a.first);
+  return sharing;
+}
+
+}  // namespace
+
+struct Trainer::State {
+  comm::CommPtr dp;
+  int zero = 0;
+  Loss loss;
+  torch::nn::Sequential model;
+  std::optional<pp::Pipeline> pipeline;
+  std::shared_ptr<torch::nn::Module> root;
+  std::vector<std::shared_ptr<torch::nn::Module>> units;  // each wrapped apart along dp
+  std::vector<dp::Replicated<torch::nn::Module>> ddp;
+  std::vector<std::unique_ptr<zero::ZeroRedundancyOptimizer>> zero12;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // zero 0 and 3
+
+  void shard_fully() {
+    const auto sharing = sharing_children(units);
+    for (const auto& unit : units) {
+      bool kept = false;
+      for (const auto& child : unit->children()) {
+        if (child->parameters().empty()) continue;
+        if (sharing.count(child.get())) kept = true;
+        else zero::fully_shard(*child, dp);
+      }
+      if (kept) zero::fully_shard(*unit, dp, zero::FullyShardOptions().reshard_after_forward(false));
+    }
+  }
+
+  void wrap_data_axis(const MakeOptimizer& make_optimizer, zero::ZeroOptions zero_options) {
+    if (zero == 3) shard_fully();
+    for (const auto& unit : units) {
+      if (zero == 0 && dp->size() > 1) ddp.push_back(dp::replicate(unit, dp));
+      if (zero == 1 || zero == 2) {
+        zero12.push_back(std::make_unique<zero::ZeroRedundancyOptimizer>(
+            unit, make_optimizer(trainable_once(*unit)), dp, zero_options.stage(zero)));
+      }
+    }
+    if (zero12.empty()) optimizer = make_optimizer(trainable_once(*root));
+  }
+};
+
+Trainer::Trainer(torch::nn::Sequential model, const mesh::DeviceMesh& mesh, Loss loss, MakeOptimizer make_optimizer,
+                 TrainerOptions options)
+    : s_(std::make_unique<State>()) {
+  MESHTRAIN_CHECK(options.zero() >= 0 && options.zero() <= 3, "train::Trainer: zero ", options.zero(),
+                  " is not a ZeRO stage; use 0 (DDP), 1, 2 or 3");
+  s_->dp = mesh.dp();
+  s_->zero = options.zero();
+  s_->loss = loss;
+  s_->model = model;
+  if (mesh.tp()->size() > 1 && !options.tp_plan().empty())
+    tp::parallelize(*model, mesh.tp(), options.tp_plan(), options.tp_options());
+  s_->root = model.ptr();
+  s_->units = {s_->root};
+  if (mesh.pp()->size() > 1 || options.pipeline().virtual_stages() > 1) {
+    s_->pipeline.emplace(pp::pipeline(model, mesh.pp(), loss, options.pipeline()));
+    s_->root = s_->pipeline->module();
+    s_->units = {s_->root};  // the module the pipeline pauses gradient sync on; each chunk under virtual stages
+    if (options.pipeline().virtual_stages() > 1) s_->units.assign(s_->pipeline->chunks().begin(), s_->pipeline->chunks().end());
+  }
+  s_->wrap_data_axis(make_optimizer, options.zero_options());
+}
+
+Trainer::~Trainer() = default;
+
+double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  for (auto& z : s_->zero12) z->zero_grad();
+  if (s_->optimizer) s_->optimizer->zero_grad();
+  double loss = 0;
+  if (s_->pipeline) {
+    loss = s_->pipeline->step(inputs, targets);
+  } else {
+    at::Tensor l = s_->loss(s_->model->forward(inputs), targets);
+    l.backward();
+    loss = l.item<double>();
+  }
+  for (auto& z : s_->zero12) z->step();
+  if (s_->optimizer) s_->optimizer->step();
+  at::Tensor mean = at::tensor({loss}, at::kDouble);
+  s_->dp->all_reduce(mean, comm::ReduceOp::kAvg);
+  return mean.item<double>();
+}
+
+const std::shared_ptr<torch::nn::Module>& Trainer::module() const { return s_->root; }
+
+std::map<std::string, at::Tensor> Trainer::parameters_over_dp() {
+  std::map<std::string, at::Tensor> out;
+  if (s_->zero == 3) return zero::full_parameters(*s_->root);
+  for (auto& z : s_->zero12)
+    for (auto& kv : z->consolidated_state(0).parameters) out[kv.first] = kv.second;
+  if (!s_->zero12.empty() && s_->dp->rank() != 0) return {};
+  if (s_->zero12.empty())
+    for (const auto& kv : s_->root->named_parameters()) out[kv.key()] = kv.value();
+  return out;
+}
+
+}  // namespace train
+}  // namespace meshtrain
