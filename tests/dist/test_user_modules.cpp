@@ -13,6 +13,7 @@
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/ops.h"
+#include "meshtrain/tp/layers.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/shard.h"
@@ -1071,5 +1072,27 @@ TEST(UserModules, TiedParametersRefuseWhatTheyCannotFollow) {
             "'head' shares its weight with the kVocabParallel Embedding 'wte' (tied): leave it out of the plan");
     BiasedHead biased;
     refused(biased, {{"wte", meshtrain::tp::Style::kVocabParallel}}, "'head.bias' is a bias over the whole vocabulary");
+  });
+}
+
+// A vocabulary tp does not divide is cut 3 / 2 / 2 rows (shard_range) at tp 3:
+// tp::unshard gathers the parts of unequal size back into the dense weight,
+// and tp::shard cuts a dense one the same way (checkpoints convert both ways).
+TEST(UserModules, UnevenVocabularyConvertsBothWays) {
+  run_ranks(3, [&](Communicator& comm) {
+    torch::manual_seed(9);
+    torch::nn::Sequential model(torch::nn::Embedding(7, 4), torch::nn::Linear(4, 6));
+    const torch::Tensor dense = model[0]->as<torch::nn::EmbeddingImpl>()->weight.detach().clone();
+    meshtrain::tp::parallelize(*model, borrowed(comm), {{"0", meshtrain::tp::Style::kVocabParallel},
+                                                         {"1", meshtrain::tp::Style::kColwise}});
+    const auto dims = meshtrain::tp::shard_dims(*model);
+    std::map<std::string, torch::Tensor> local;
+    for (const auto& kv : model->named_parameters()) local[kv.key()] = kv.value().detach();
+    EXPECT_EQ(local.at("0.weight").size(0), comm.rank() == 0 ? 3 : 2);
+    const auto full = meshtrain::tp::unshard(local, dims, comm);
+    EXPECT_TRUE(torch::equal(full.at("0.weight"), dense)) << "rank " << comm.rank();
+    EXPECT_EQ(full.at("1.weight").size(0), 6);
+    const auto back = meshtrain::tp::shard(full, dims, comm.rank(), 3);
+    for (const auto& kv : local) EXPECT_TRUE(torch::equal(back.at(kv.first), kv.second)) << kv.first;
   });
 }
