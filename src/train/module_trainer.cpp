@@ -7,6 +7,8 @@
 
 #include "meshtrain/dp/params.h"
 #include "meshtrain/dp/replicate.h"
+#include "meshtrain/tp/layers.h"
+#include "meshtrain/train/clip.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/fully_shard.h"
 
@@ -38,7 +40,9 @@ std::set<const torch::nn::Module*> sharing_children(const std::vector<std::share
 }  // namespace
 
 struct Trainer::State {
-  comm::CommPtr dp;
+  comm::CommPtr world, dp;
+  mesh::Coord coord;
+  double max_norm = 0, grad_norm = 0;
   int zero = 0;
   Loss loss;
   torch::nn::Sequential model;
@@ -73,6 +77,24 @@ struct Trainer::State {
     }
     if (zero12.empty()) optimizer = make_optimizer(trainable_once(*root));
   }
+
+  // Each unit's gradients, counted once across the layout: whole (DDP) or the
+  // reduced shards (ZeRO), cut over tp or replicated on it.
+  std::vector<GradPart> gradient_parts() {
+    std::vector<GradPart> parts;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const torch::nn::Module& unit = *units[i];
+      NamedGrads grads;
+      if (zero == 0) {
+        for (const auto& p : dp::unique_parameters(unit)) grads.emplace_back(p.name, p.tensor.grad());
+      }
+      if (zero == 3) grads = zero::shard_gradients(unit);
+      if (zero == 1 || zero == 2) grads = zero12[i]->shard_gradients();
+      std::vector<GradPart> mine = count_once(grads, tp::shard_dims(unit), /*replicated_over_dp=*/zero == 0, coord);
+      parts.insert(parts.end(), mine.begin(), mine.end());
+    }
+    return parts;
+  }
 };
 
 Trainer::Trainer(torch::nn::Sequential model, const mesh::DeviceMesh& mesh, Loss loss, MakeOptimizer make_optimizer,
@@ -80,7 +102,10 @@ Trainer::Trainer(torch::nn::Sequential model, const mesh::DeviceMesh& mesh, Loss
     : s_(std::make_unique<State>()) {
   MESHTRAIN_CHECK(options.zero() >= 0 && options.zero() <= 3, "train::Trainer: zero ", options.zero(),
                   " is not a ZeRO stage; use 0 (DDP), 1, 2 or 3");
+  s_->world = mesh.world();
+  s_->coord = mesh.coord();
   s_->dp = mesh.dp();
+  s_->max_norm = options.clip_grad_norm();
   s_->zero = options.zero();
   s_->loss = loss;
   s_->model = model;
@@ -110,12 +135,15 @@ double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
     l.backward();
     loss = l.item<double>();
   }
+  if (s_->max_norm > 0) s_->grad_norm = clip_grad_norm(s_->gradient_parts(), s_->max_norm, *s_->world);
   for (auto& z : s_->zero12) z->step();
   if (s_->optimizer) s_->optimizer->step();
   at::Tensor mean = at::tensor({loss}, at::kDouble);
   s_->dp->all_reduce(mean, comm::ReduceOp::kAvg);
   return mean.item<double>();
 }
+
+double Trainer::last_grad_norm() const { return s_->grad_norm; }
 
 const std::shared_ptr<torch::nn::Module>& Trainer::module() const { return s_->root; }
 

@@ -4,7 +4,8 @@
 // only with the public calls (tp::parallelize, pp::pipeline, dp::replicate /
 // ZeroRedundancyOptimizer / zero::fully_shard), trains like one process on every dp x pp x tp layout
 // of 2, 4 and 8 ranks the built-in matrix covers, with every ZeRO stage
-// where dp > 1 and the pipeline schedules rotating.
+// where dp > 1 and the pipeline schedules rotating, the global gradient norm
+// clipped on every step.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -112,9 +113,12 @@ std::unique_ptr<torch::optim::Optimizer> sgd(const torch::nn::Module& m) {
 }
 
 struct Reference {
-  std::vector<double> losses;
+  std::vector<double> losses, grad_norms;
   std::map<std::string, torch::Tensor> params;
 };
+
+// Small enough that every step clips (checked in the reference).
+constexpr double kMaxNorm = 0.5;
 
 Reference one_process() {
   Reference r;
@@ -125,6 +129,10 @@ Reference one_process() {
     auto x = tokens(step);
     auto loss = cross_entropy(model->forward(x), next_tokens(x));
     loss.backward();
+    std::vector<torch::Tensor> once;
+    for (const auto& p : dp::unique_parameters(*model)) once.push_back(p.tensor);
+    r.grad_norms.push_back(torch::nn::utils::clip_grad_norm_(once, kMaxNorm));
+    EXPECT_GT(r.grad_norms.back(), kMaxNorm) << "step " << step << " does not clip: the matrix would not test clipping";
     opt->step();
     r.losses.push_back(loss.item<double>());
   }
@@ -173,13 +181,15 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
     const auto me = mesh.coord();
     auto setup = meshtrain::train::TrainerOptions().zero(c.zero).tp_plan(block_plan())
                        .pipeline(pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp).virtual_stages(c.virtual_stages()))
-                       .zero_options(zero::ZeroOptions().bucket_cap_mb(0.001));  // several buckets
+                       .zero_options(zero::ZeroOptions().bucket_cap_mb(0.001))  // several buckets
+                       .clip_grad_norm(kMaxNorm);
     meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, setup);
     const std::string where = "rank " + std::to_string(comm.rank());
     for (int step = 0; step < kSteps; ++step) {
       const auto x = tokens(step).chunk(c.dp, 0)[me.dp], y = next_tokens(x);
       const double loss = trainer.step(x, y);
       EXPECT_NEAR(loss, ref.losses[step], 1e-5 * (1 + ref.losses[step])) << where << " step " << step;
+      EXPECT_NEAR(trainer.last_grad_norm(), ref.grad_norms[step], 1e-5 * ref.grad_norms[step]) << where << " step " << step;
     }
     const auto got = trainer.parameters_over_dp();
     for (const auto& kv : got) {

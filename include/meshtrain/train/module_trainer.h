@@ -23,7 +23,8 @@
 // The built-in trainer (run_training, train/trainer.h) composes the same calls
 // over the stages each rank builds of the built-in models, with checkpoints,
 // metrics and mixed precision; this class takes a user's torch::nn::Sequential
-// whole on every rank. Not here yet: gradient clipping, checkpoints, bf16.
+// whole on every rank. Gradient clipping as the built-in trainer's; not here
+// yet: checkpoints, bf16.
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
@@ -50,6 +51,10 @@ struct TrainerOptions {
   TORCH_ARG(tp::ParallelizeOptions, tp_options) = {};
   TORCH_ARG(pp::PipelineOptions, pipeline) = {};
   TORCH_ARG(zero::ZeroOptions, zero_options) = {};  // ZeRO-1/2 (the stage comes from zero)
+  // Clip the global gradient norm, every element counted once across the
+  // layout (train/clip.h), as torch::nn::utils::clip_grad_norm_ on one
+  // process; 0: neither measured nor clipped.
+  TORCH_ARG(double, clip_grad_norm) = 0;
 };
 
 class Trainer {
@@ -69,6 +74,8 @@ class Trainer {
   // on every rank.
   double step(const at::Tensor& inputs, const at::Tensor& targets);
 
+  // The last step's global gradient norm before clipping (0 without clip_grad_norm).
+  double last_grad_norm() const;
   // This rank's part of the model (its pipeline stage, or the whole model).
   const std::shared_ptr<torch::nn::Module>& module() const;
   // This rank's parameters at full size along dp, by the model's names (tp
