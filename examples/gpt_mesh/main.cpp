@@ -10,17 +10,25 @@
 //   auto stage = pp::pipeline(model, mesh.pp(), loss, options); // this rank's blocks; micro-batches streamed
 //   for (auto& layer : stage->children()) zero::fully_shard(*layer, mesh.dp());
 // (and the loop calls stage.step(x, y); the optimizer takes stage->parameters(): the shards).
+//
+// Or the same calls in one object, train::Trainer (with the global gradient
+// norm clipped):                meshrun --nproc-per-node 8 -- build/bin/gpt_mesh --trainer
+//   train::Trainer trainer(model, mesh, loss, make_adamw, train::TrainerOptions().zero(3).tp_plan(plan)
+//                              .pipeline(pp::PipelineOptions().microbatches(4)).clip_grad_norm(1.0));
+// (and the loop calls trainer.step(x, y)).
 // The plan names the layers (the attention's forward reads its head count
 // from the tensor, view(B, T, -1, head_dim), so it runs unchanged on the
 // heads a tp rank holds).
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 #include <iostream>
 
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
+#include "meshtrain/train/module_trainer.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/zero/fully_shard.h"
 
@@ -78,7 +86,42 @@ std::pair<torch::Tensor, torch::Tensor> batch(int64_t size) {
   return {seq.narrow(1, 0, kContext), seq.narrow(1, 1, kContext)};
 }
 
-int main() {
+std::map<std::string, tp::Style> tp_plan() {
+  std::map<std::string, tp::Style> plan = {{"0.tokens", tp::Style::kVocabParallel}};  // children 1..kBlocks are the blocks
+  for (int i = 1; i <= kBlocks; ++i) {
+    for (const char* col : {"q", "k", "v", "fc1"}) plan[std::to_string(i) + "." + col] = tp::Style::kColwise;
+    for (const char* row : {"out", "fc2"}) plan[std::to_string(i) + "." + row] = tp::Style::kRowwise;
+  }
+  return plan;
+}
+
+torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::cross_entropy_loss(logits.reshape({-1, kVocab}), targets.reshape({-1}));
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_adamw(std::vector<torch::Tensor> params) {
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(3e-3).weight_decay(0));
+}
+
+// 150 steps; `step` trains on (x, y) and returns the loss; printed by one rank.
+void train_steps(const mesh::Coord& me, bool prints, const std::function<double(torch::Tensor, torch::Tensor)>& step) {
+  for (int i = 0; i < 150; ++i) {
+    torch::manual_seed(1000 * i + me.dp);  // each data-parallel replica its own batch
+    auto [x, y] = batch(16);
+    const double batch_loss = step(x, y);
+    if (prints && i % 30 == 29) std::cout << "step " << i + 1 << " loss " << batch_loss << std::endl;
+  }
+}
+
+void report(const comm::Communicator& world, const mesh::Coord& me, const std::map<std::string, torch::Tensor>& full,
+            const torch::nn::Module& stage) {
+  int64_t bytes = 0;  // this rank's tp slices of its stage, at full size over dp
+  for (const auto& kv : full) bytes += kv.second.numel() * kv.second.element_size();
+  std::cout << "rank " << world.rank() << " (dp " << me.dp << ", pp " << me.pp << ", tp " << me.tp << ") holds "
+            << zero::held_parameter_bytes(stage) << " of its stage's " << bytes << " B of parameters\n";
+}
+
+int main(int argc, char** argv) {
   auto world = comm::init_from_env();
   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), /*dp=*/2, /*pp=*/2, /*tp=*/2));
   const mesh::Coord me = mesh.coord();
@@ -86,31 +129,24 @@ int main() {
   torch::nn::Sequential model{Embed()};
   for (int i = 0; i < kBlocks; ++i) model->push_back(Block());
   model->push_back(Head());
+  const bool last_stage_prints = me.pp == 1 && me.tp == 0 && me.dp == 0;  // pp rank 1 holds the last stage
 
-  std::map<std::string, tp::Style> plan = {{"0.tokens", tp::Style::kVocabParallel}};  // children 1..kBlocks are the blocks
-  for (int i = 1; i <= kBlocks; ++i) {
-    for (const char* col : {"q", "k", "v", "fc1"}) plan[std::to_string(i) + "." + col] = tp::Style::kColwise;
-    for (const char* row : {"out", "fc2"}) plan[std::to_string(i) + "." + row] = tp::Style::kRowwise;
+  if (argc > 1 && std::string(argv[1]) == "--trainer") {
+    train::Trainer trainer(model, mesh, loss, make_adamw, train::TrainerOptions().zero(3).tp_plan(tp_plan())
+                               .pipeline(pp::PipelineOptions().microbatches(4)).clip_grad_norm(1.0));
+    train_steps(me, last_stage_prints, [&](torch::Tensor x, torch::Tensor y) { return trainer.step(x, y); });
+    report(*world, me, trainer.parameters_over_dp(), *trainer.module());
+    return 0;
   }
-  tp::parallelize(*model, mesh.tp(), plan);
-  auto loss = [](const torch::Tensor& logits, const torch::Tensor& targets) {
-    return torch::cross_entropy_loss(logits.reshape({-1, kVocab}), targets.reshape({-1}));
-  };
+  tp::parallelize(*model, mesh.tp(), tp_plan());
   auto stage = pp::pipeline(model, mesh.pp(), loss, pp::PipelineOptions().microbatches(4));
   for (const auto& layer : stage->children()) zero::fully_shard(*layer, mesh.dp());
   torch::optim::AdamW adam(stage->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0));
-
-  for (int step = 0; step < 150; ++step) {
-    torch::manual_seed(1000 * step + me.dp);  // each data-parallel replica its own batch
-    auto [x, y] = batch(16);
+  train_steps(me, last_stage_prints, [&](torch::Tensor x, torch::Tensor y) {
     adam.zero_grad();
     const double batch_loss = stage.step(x, y);
     adam.step();
-    if (stage.is_last() && me.tp == 0 && me.dp == 0 && step % 30 == 29)
-      std::cout << "step " << step + 1 << " loss " << batch_loss << std::endl;
-  }
-  int64_t full = 0;  // this rank's tp slices of its stage, at full size over dp (gathered: every rank calls it)
-  for (const auto& kv : zero::full_parameters(*stage.module())) full += kv.second.numel() * kv.second.element_size();
-  std::cout << "rank " << world->rank() << " (dp " << me.dp << ", pp " << me.pp << ", tp " << me.tp << ") holds "
-            << zero::held_parameter_bytes(*stage.module()) << " of its stage's " << full << " B of parameters\n";
+    return batch_loss;
+  });
+  report(*world, me, zero::full_parameters(*stage.module()), *stage.module());  // gathered: every rank calls it
 }
