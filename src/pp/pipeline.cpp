@@ -14,9 +14,6 @@
 namespace meshtrain {
 namespace pp {
 
-namespace {
-
-// The children's parameter counts: the cost a balanced split evens out.
 std::vector<int64_t> parameter_counts(const torch::nn::SequentialImpl& model) {
   std::vector<int64_t> costs;
   for (const auto& child : model.children()) {
@@ -26,6 +23,8 @@ std::vector<int64_t> parameter_counts(const torch::nn::SequentialImpl& model) {
   }
   return costs;
 }
+
+namespace {
 
 std::vector<int64_t> stage_bounds(const torch::nn::SequentialImpl& model, int stages,
                                   const std::vector<int64_t>& split_points) {

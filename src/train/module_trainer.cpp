@@ -17,10 +17,22 @@ namespace train {
 
 namespace {
 
-std::vector<at::Tensor> trainable_once(const torch::nn::Module& m) {
+std::vector<at::Tensor> trainable_once(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   std::vector<at::Tensor> out;
-  for (const auto& p : dp::unique_parameters(m)) out.push_back(p.tensor);
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& m : modules)
+    for (const auto& p : dp::unique_parameters(*m))
+      if (seen.insert(p.tensor.unsafeGetTensorImpl()).second) out.push_back(p.tensor);
   return out;
+}
+
+// The split a balanced pipeline would make of the whole, uncut model: the
+// same on every tp rank (a vocabulary tp does not divide leaves the ranks'
+// slices of unequal size, and so their own balanced splits could differ).
+std::vector<int64_t> balanced_split(torch::nn::SequentialImpl& model, int stages) {
+  if (static_cast<int64_t>(model.size()) < stages) return {};  // pp::pipeline says why
+  const std::vector<int64_t> bounds = pp::partition_balanced(pp::parameter_counts(model), stages);
+  return std::vector<int64_t>(bounds.begin() + 1, bounds.end() - 1);
 }
 
 // Children of this rank's chunks that share a parameter with another child
@@ -43,6 +55,7 @@ struct Trainer::State {
   comm::CommPtr world, dp;
   mesh::Coord coord;
   double max_norm = 0, grad_norm = 0;
+  int64_t microbatches = 1;
   int zero = 0;
   Loss loss;
   torch::nn::Sequential model;
@@ -72,10 +85,11 @@ struct Trainer::State {
       if (zero == 0 && dp->size() > 1) ddp.push_back(dp::replicate(unit, dp));
       if (zero == 1 || zero == 2) {
         zero12.push_back(std::make_unique<zero::ZeroRedundancyOptimizer>(
-            unit, make_optimizer(trainable_once(*unit)), dp, zero_options.stage(zero)));
+            unit, make_optimizer(trainable_once({unit})), dp, zero_options.stage(zero)));
       }
     }
-    if (zero12.empty()) optimizer = make_optimizer(trainable_once(*root));
+    // Every unit's (ZeRO-3: a unit's shard is registered in the chunk it was made for).
+    if (zero12.empty()) optimizer = make_optimizer(trainable_once(units));
   }
 
   // Each unit's gradients, counted once across the layout: whole (DDP) or the
@@ -109,15 +123,22 @@ Trainer::Trainer(torch::nn::Sequential model, const mesh::DeviceMesh& mesh, Loss
   s_->zero = options.zero();
   s_->loss = loss;
   s_->model = model;
+  pp::PipelineOptions pipeline = options.pipeline();
+  const bool pipelined = mesh.pp()->size() > 1 || pipeline.virtual_stages() > 1;
+  if (pipelined && pipeline.split_points().empty())
+    pipeline.split_points(balanced_split(*model, mesh.pp()->size() * pipeline.virtual_stages()));
+  pipeline.reduce_every_microbatch(options.zero() >= 2);  // ZeRO-2/3 keep shards, not full gradients, through the step
+  s_->microbatches = pipeline.microbatches() > 0 ? pipeline.microbatches() : mesh.pp()->size();
   if (mesh.tp()->size() > 1 && !options.tp_plan().empty())
     tp::parallelize(*model, mesh.tp(), options.tp_plan(), options.tp_options());
   s_->root = model.ptr();
   s_->units = {s_->root};
-  if (mesh.pp()->size() > 1 || options.pipeline().virtual_stages() > 1) {
-    s_->pipeline.emplace(pp::pipeline(model, mesh.pp(), loss, options.pipeline()));
+  if (pipelined) {
+    s_->pipeline.emplace(pp::pipeline(model, mesh.pp(), loss, pipeline));
+    s_->model = nullptr;  // this rank keeps its stage only (the caller should drop its handle too)
     s_->root = s_->pipeline->module();
     s_->units = {s_->root};  // the module the pipeline pauses gradient sync on; each chunk under virtual stages
-    if (options.pipeline().virtual_stages() > 1) s_->units.assign(s_->pipeline->chunks().begin(), s_->pipeline->chunks().end());
+    if (pipeline.virtual_stages() > 1) s_->units.assign(s_->pipeline->chunks().begin(), s_->pipeline->chunks().end());
   }
   s_->wrap_data_axis(make_optimizer, options.zero_options());
 }
@@ -125,6 +146,10 @@ Trainer::Trainer(torch::nn::Sequential model, const mesh::DeviceMesh& mesh, Loss
 Trainer::~Trainer() = default;
 
 double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  // Every rank checks, so a batch the micro-batches do not divide fails on all of them, never half the pipeline.
+  MESHTRAIN_CHECK(!s_->pipeline || !inputs.defined() || inputs.size(0) % s_->microbatches == 0, "train::Trainer: a "
+                  "batch of ", inputs.size(0), " samples does not divide into ", s_->microbatches, " micro-batches; "
+                  "pass a multiple of ", s_->microbatches, " per data-parallel rank");
   for (auto& z : s_->zero12) z->zero_grad();
   if (s_->optimizer) s_->optimizer->zero_grad();
   double loss = 0;
@@ -149,12 +174,16 @@ const std::shared_ptr<torch::nn::Module>& Trainer::module() const { return s_->r
 
 std::map<std::string, at::Tensor> Trainer::parameters_over_dp() {
   std::map<std::string, at::Tensor> out;
-  if (s_->zero == 3) return zero::full_parameters(*s_->root);
+  if (s_->zero == 3) {
+    for (const auto& unit : s_->units)
+      for (auto& kv : zero::full_parameters(*unit)) out.emplace(kv.first, kv.second);
+    return out;
+  }
   for (auto& z : s_->zero12)
     for (auto& kv : z->consolidated_state(0).parameters) out[kv.first] = kv.second;
   if (!s_->zero12.empty() && s_->dp->rank() != 0) return {};
   if (s_->zero12.empty())
-    for (const auto& kv : s_->root->named_parameters()) out[kv.key()] = kv.value();
+    for (const auto& kv : s_->root->named_parameters()) out[kv.key()] = kv.value().detach().clone();
   return out;
 }
 

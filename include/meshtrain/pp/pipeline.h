@@ -173,6 +173,9 @@ class Pipeline {
   bool shared_by_chunks_ = false;  // a parameter sits in two of this rank's chunks
 };
 
+// The children's parameter counts: the costs the balanced split evens out.
+std::vector<int64_t> parameter_counts(const torch::nn::SequentialImpl& model);
+
 // The same as constructing a Pipeline, as PyTorch's and torchtitan's helpers read.
 inline Pipeline pipeline(torch::nn::Sequential model, comm::CommPtr pp, PipelineLoss loss, PipelineOptions options = {}) {
   return Pipeline(std::move(model), std::move(pp), std::move(loss), std::move(options));

@@ -11,20 +11,32 @@
 // What it does, in order:
 //   tensor    tp::parallelize(model, mesh.tp(), tp_plan, tp_options) when tp > 1
 //   pipeline  pp::pipeline(model, mesh.pp(), loss, pipeline) when pp > 1 or
-//             with virtual stages (each chunk wrapped apart below)
+//             with virtual stages, split where a balanced split cuts the
+//             uncut model unless split_points are given; ZeRO-2/3 reduce
+//             every micro-batch (reduce_every_microbatch); this rank keeps
+//             its stage only (drop your own handle to the model to free the rest)
 //   data      zero 0: dp::replicate per chunk; 1 and 2: a
 //             zero::ZeroRedundancyOptimizer per chunk; 3: zero::fully_shard on
 //             each child with parameters, then on the chunk when children
 //             share a parameter (a tied embedding and head: one unit, kept
 //             gathered through the step)
-//   optimizer make_optimizer(the parameters it must step: the model's, each
-//             once; a chunk's under ZeRO-1/2; the shards under ZeRO-3)
+//   optimizer make_optimizer(the parameters it must step: this rank's part of
+//             the model, each once; a chunk's under ZeRO-1/2; the shards
+//             under ZeRO-3)
+//   clipping  with clip_grad_norm, the global norm counted once across the
+//             layout (train/clip.h), as the built-in trainer
+//
+// Every dp rank passes the same number of samples (the loss and the gradients
+// are means of the ranks' means). Micro-batches apply to a pipeline only
+// (without one the batch goes through in one forward). Under virtual stages
+// the chunks share the dp communicator (the built-in trainer gives each its
+// own: with ZeRO-3 each chunk's backward then also settles the other's units,
+// more bytes, the same values).
 //
 // The built-in trainer (run_training, train/trainer.h) composes the same calls
 // over the stages each rank builds of the built-in models, with checkpoints,
 // metrics and mixed precision; this class takes a user's torch::nn::Sequential
-// whole on every rank. Gradient clipping as the built-in trainer's; not here
-// yet: checkpoints, bf16.
+// whole on every rank. Not here yet: checkpoints, bf16.
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
