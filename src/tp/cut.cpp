@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <mutex>
+#include <set>
 
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/util/error.h"
@@ -33,10 +34,10 @@ class InKernel {
 };
 
 bool is_contraction(const std::string& name) {
-  for (const char* c : {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv",
-                        "aten::addmv", "aten::dot", "aten::vdot", "aten::addbmm", "aten::linear", "aten::_trilinear"})
-    if (name == c) return true;
-  return false;
+  static const std::set<std::string> contractions = {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm",
+      "aten::baddbmm", "aten::mv", "aten::addmv", "aten::dot", "aten::vdot", "aten::addbmm", "aten::linear",
+      "aten::_trilinear"};
+  return contractions.count(name) > 0;
 }
 
 }  // namespace
@@ -56,17 +57,8 @@ bool Cut::run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   return false;
 }
 
-const Cut* cut_of(const at::Tensor& t) {
-  for (const auto& r : intercept::roles_of(t))
-    if (auto* c = dynamic_cast<const Cut*>(r.first)) return c;
-  return nullptr;
-}
-
-const VocabRows* vocab_rows_of(const at::Tensor& t) {
-  for (const auto& r : intercept::roles_of(t))
-    if (auto* v = dynamic_cast<const VocabRows*>(r.first)) return v;
-  return nullptr;
-}
+const Cut* cut_of(const at::Tensor& t) { return intercept::role_of<const Cut>(t); }
+const VocabRows* vocab_rows_of(const at::Tensor& t) { return intercept::role_of<const VocabRows>(t); }
 
 namespace {
 
@@ -229,11 +221,7 @@ namespace {
 class SummedOverTp : public intercept::Role {};  // marks a parameter sum_gradient_over_tp hooked
 }  // namespace
 
-bool summed_over_tp(const at::Tensor& param) {
-  for (const auto& r : intercept::roles_of(param))
-    if (dynamic_cast<const SummedOverTp*>(r.first)) return true;
-  return false;
-}
+bool summed_over_tp(const at::Tensor& param) { return intercept::role_of<const SummedOverTp>(param) != nullptr; }
 
 void sum_gradient_over_tp(at::Tensor& param, const comm::CommPtr& tp) {
   intercept::mark(param, std::make_shared<SummedOverTp>());

@@ -63,6 +63,14 @@ void add_dispatch_key(const at::Tensor& t, c10::DispatchKey key);
 // The roles on t's storage, with their indices; empty for an unmarked tensor.
 std::vector<std::pair<Role*, int>> roles_of(const at::Tensor& t);
 
+// The first role of type R on t's span, or null.
+template <typename R>
+R* role_of(const at::Tensor& t) {
+  for (const auto& r : roles_of(t))
+    if (auto* role = dynamic_cast<R*>(r.first)) return role;
+  return nullptr;
+}
+
 // The dispatch key marked tensors carry.
 constexpr c10::DispatchKey kMarker = c10::DispatchKey::Fake;
 // A second unused key, above autograd, for kernels that must act before

@@ -297,11 +297,7 @@ Unit* unit_of_shard(const at::Tensor& t) {
 }
 
 // The unit a module parameter was taken into, if any.
-Unit* unit_of(const at::Tensor& p) {
-  for (const auto& r : intercept::roles_of(p))
-    if (auto* u = dynamic_cast<Unit*>(r.first)) return u;
-  return nullptr;
-}
+Unit* unit_of(const at::Tensor& p) { return intercept::role_of<Unit>(p); }
 
 // What fully_shard takes from `module`: each storage once (tied weights), and
 // every name it was registered under, relative to `module`.

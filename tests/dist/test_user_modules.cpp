@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+
 #include <optional>
 
 #include "harness.h"
@@ -94,6 +96,20 @@ void expect_matches(const Reference& ref, const std::vector<double>& losses, con
 
 constexpr int kSteps = 5;
 
+// kSteps optimizer steps of a pipeline stage on batches inputs(step), targets(x); the losses.
+std::vector<double> train_stage(meshtrain::pp::Pipeline& stage, torch::optim::Optimizer& opt,
+                                const std::function<torch::Tensor(int)>& inputs,
+                                const std::function<torch::Tensor(const torch::Tensor&)>& targets) {
+  std::vector<double> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    const torch::Tensor x = inputs(step);
+    opt.zero_grad();
+    losses.push_back(stage.step(x, targets(x)));
+    opt.step();
+  }
+  return losses;
+}
+
 // The loss of this rank's part of the batch, averaged over dp (equal parts).
 double mean_over(const CommPtr& dp, const torch::Tensor& loss) {
   auto total = loss.detach().to(torch::kDouble).reshape({1});
@@ -110,13 +126,7 @@ TEST(UserModules, PipelineOfASequentialMatchesOneProcess) {
         auto stage = meshtrain::pp::pipeline(user_model(), borrowed(comm), mse,
                                              meshtrain::pp::PipelineOptions().schedule(schedule).microbatches(3));
         torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-        std::vector<double> losses;
-        for (int step = 0; step < kSteps; ++step) {
-          auto x = batch_inputs(step);
-          opt.zero_grad();
-          losses.push_back(stage.step(x, batch_targets(x)));
-          opt.step();
-        }
+        const std::vector<double> losses = train_stage(stage, opt, batch_inputs, batch_targets);
         expect_matches(ref, losses, *stage.module(),
                        std::string(schedule) + " on " + std::to_string(stages) + " stages, rank " + std::to_string(comm.rank()));
       });
@@ -190,13 +200,7 @@ TEST(UserModules, InterleavedPipelineOfASequentialMatchesOneProcess) {
                                            meshtrain::pp::PipelineOptions().schedule("interleaved").virtual_stages(2).microbatches(ranks == 2 ? 4 : 6));
       ASSERT_EQ(stage.chunks().size(), 2u);
       torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-      std::vector<double> losses;
-      for (int step = 0; step < kSteps; ++step) {
-        auto x = batch_inputs(step);
-        opt.zero_grad();
-        losses.push_back(stage.step(x, batch_targets(x)));
-        opt.step();
-      }
+      const std::vector<double> losses = train_stage(stage, opt, batch_inputs, batch_targets);
       expect_matches(ref, losses, *stage.module(), "interleaved on " + std::to_string(ranks) + " ranks, rank " + std::to_string(comm.rank()));
     });
   }
@@ -865,13 +869,7 @@ TEST(UserModules, TiedEmbeddingAndHeadOnDifferentStagesMatchOneProcess) {
                                            meshtrain::pp::PipelineOptions().microbatches(3).split_points(
                                                stages == 2 ? std::vector<int64_t>{2} : std::vector<int64_t>{1, 3}));
       torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
-      std::vector<double> losses;
-      for (int step = 0; step < kSteps; ++step) {
-        auto x = tokens(step);
-        opt.zero_grad();
-        losses.push_back(stage.step(x, next_tokens(x)));
-        opt.step();
-      }
+      const std::vector<double> losses = train_stage(stage, opt, tokens, next_tokens);
       expect_matches(ref, losses, *stage.module(), std::to_string(stages) + " stages, rank " + std::to_string(comm.rank()));
       // The head's copy of the weight holds the last step's start until sync_tied brings the owner's value.
       stage.sync_tied();
@@ -962,13 +960,7 @@ TEST(UserModules, PipelineOfStagesEachRankBuiltMatchesOneProcess) {
                                   meshtrain::pp::PipelineOptions().microbatches(3).tied(tied));
     EXPECT_FALSE(stage->named_parameters().contains("2.weight")) << "the copy is not the stage's to step";
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
-    std::vector<double> losses;
-    for (int step = 0; step < kSteps; ++step) {
-      auto x = tokens(step);
-      opt.zero_grad();
-      losses.push_back(stage.step(x, next_tokens(x)));
-      opt.step();
-    }
+    const std::vector<double> losses = train_stage(stage, opt, tokens, next_tokens);
     const std::string where = "rank " + std::to_string(comm.rank());
     for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], ref.losses[s], 1e-5 * (1 + ref.losses[s])) << where;
     stage.sync_tied();
