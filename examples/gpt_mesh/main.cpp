@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
     train::Trainer trainer(model, mesh, loss, make_adamw, train::TrainerOptions().zero(3).tp_plan(tp_plan())
                                .pipeline(pp::PipelineOptions().microbatches(4)).clip_grad_norm(1.0));
     train_steps(me, last_stage_prints, [&](torch::Tensor x, torch::Tensor y) { return trainer.step(x, y); });
-    report(*world, me, trainer.parameters_over_dp(), *trainer.module());
+    report(*world, me, zero::full_parameters(*trainer.module()), *trainer.module());  // gathered: every rank calls it
     return 0;
   }
   tp::parallelize(*model, mesh.tp(), tp_plan());

@@ -1,6 +1,10 @@
 #include "chunk.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include <algorithm>
 
 #include "meshtrain/dp/ddp.h"
 #include "meshtrain/dp/params.h"
@@ -120,38 +124,32 @@ zero::FullState full_state(const std::vector<dp::NamedParam>& params, Checkpoint
   return s;
 }
 
-std::vector<at::Tensor> tensors(const models::Stage& stage) {
+std::vector<at::Tensor> tensors(const std::vector<dp::NamedParam>& params) {
   std::vector<at::Tensor> out;
-  for (const auto& p : dp::unique_parameters(*stage)) out.push_back(p.tensor);
+  for (const auto& p : params) out.push_back(p.tensor);
   return out;
 }
 
 mesh::Coord coord_of(const ShardPlace& place) { return mesh::Coord{place.dp_rank, 0, place.tp_index}; }
 
 // Whole parameters on every dp rank: plain training (dp 1) or DDP, in fp32 or
-// bf16-mixed (bf16 module, fp32 masters that the optimizer steps and
+// mixed (parameters in param_dtype, fp32 masters that the optimizer steps and
 // checkpoints hold: train/mixed_precision.h).
 class WholeChunk : public ChunkTrainer {
  public:
-  WholeChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp) : ChunkTrainer(std::move(stage)) {
-    if (c.precision == "bf16-mixed") masters_.emplace(*stage_);
-    stepped_ = masters_ ? masters_->masters() : dp::unique_parameters(*stage_);
-    if (dp->size() > 1) {
-      auto options = dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap)
-                         .rebuild_buckets(false);
-      if (masters_ && c.reduce_dtype == "fp32") options.reduce_dtype(at::kFloat);
-      reduce_bytes_per_element_ = masters_ ? (c.reduce_dtype == "fp32" ? 4 : 2) : 4;
-      dp_ = std::move(dp);
-      ddp_ = std::make_unique<dp::DistributedDataParallel>(stage_.ptr(), dp_, options);
+  WholeChunk(const TrainerOptions& o, const Trainer::MakeOptimizer& make_optimizer,
+             std::shared_ptr<torch::nn::Module> module, comm::CommPtr dp, std::set<const void*>& stepped_elsewhere)
+      : ChunkTrainer(std::move(module)) {
+    if (o.param_dtype()) masters_.emplace(*module_, *o.param_dtype());
+    for (const auto& p : masters_ ? masters_->masters() : dp::unique_parameters(*module_)) {
+      if (stepped_elsewhere.insert(p.tensor.unsafeGetTensorImpl()).second) stepped_.push_back(p);
     }
-    std::vector<at::Tensor> tensors;
-    for (const auto& p : stepped_) tensors.push_back(p.tensor);
-    opt_ = make_optimizer(c, tensors);
-  }
-  at::Tensor forward(const at::Tensor& input) override {
-    // bf16-mixed: float inputs (the MLP's features) enter in bf16.
-    const at::Tensor x = masters_ && input.is_floating_point() ? input.to(at::kBFloat16) : input;
-    return stage_->forward(x);  // DDP works from autograd hooks alone
+    if (dp->size() > 1) {
+      reduce_dtype_ = o.ddp().reduce_dtype();
+      dp_ = std::move(dp);
+      ddp_ = std::make_unique<dp::DistributedDataParallel>(module_, dp_, o.ddp());
+    }
+    opt_ = make_optimizer(tensors(stepped_));
   }
   void zero_grad() override {
     opt_->zero_grad();
@@ -165,10 +163,6 @@ class WholeChunk : public ChunkTrainer {
     if (masters_) masters_->masters_to_parameters();
   }
   torch::optim::Optimizer& optimizer() override { return *opt_; }
-  void begin_backward(bool last) override {
-    if (ddp_ && !last) no_sync_.emplace(ddp_->no_sync());  // communicate on the last micro-batch only
-  }
-  void end_backward() override { no_sync_.reset(); }
   std::map<std::string, at::Tensor> parameters_on_dp_root() override {
     if (dp_ && dp_->rank() != 0) return {};
     std::map<std::string, at::Tensor> out;
@@ -177,14 +171,13 @@ class WholeChunk : public ChunkTrainer {
   }
   StateBytes held() const override {
     StateBytes s;
-    int64_t elements = 0;
-    for (const auto& p : dp::unique_parameters(*stage_)) {
+    for (const auto& p : dp::unique_parameters(*module_)) {
       s.parameters += p.tensor.nbytes();
       if (p.tensor.grad().defined()) s.gradients += p.tensor.grad().nbytes();
-      elements += p.tensor.numel();
+      // DDP's buckets mirror the gradients, in the reduce dtype.
+      if (ddp_) s.buffers += p.tensor.numel() * (reduce_dtype_ ? c10::elementSize(*reduce_dtype_) : p.tensor.element_size());
     }
     s.optimizer = optimizer_state_bytes(*opt_) + (masters_ ? masters_->master_bytes() : 0);
-    if (ddp_) s.buffers = elements * reduce_bytes_per_element_;  // DDP's buckets mirror the gradients
     return s;
   }
   std::vector<GradPart> gradient_parts(const ShardPlace& place) override {
@@ -203,32 +196,24 @@ class WholeChunk : public ChunkTrainer {
   std::vector<dp::NamedParam> stepped_;  // what the optimizer steps: the parameters, or their fp32 masters
   comm::CommPtr dp_;
   std::unique_ptr<dp::DistributedDataParallel> ddp_;
-  int64_t reduce_bytes_per_element_ = 4;
+  c10::optional<at::ScalarType> reduce_dtype_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
-  std::optional<dp::DistributedDataParallel::NoSync> no_sync_;
 };
 
 class ZeroChunk : public ChunkTrainer {
  public:
-  ZeroChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp)
-      : ChunkTrainer(std::move(stage)), stage_no_(c.zero), mixed_(c.precision == "bf16-mixed") {
-    auto options = zero::ZeroOptions().stage(c.zero).bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap);
-    if (mixed_) options.param_dtype(at::kBFloat16);
-    zro_ = std::make_unique<zero::ZeroRedundancyOptimizer>(stage_.ptr(), make_optimizer(c, tensors(stage_)),
-                                                           std::move(dp), options);
-  }
-  at::Tensor forward(const at::Tensor& x) override {
-    return stage_->forward(mixed_ && x.is_floating_point() ? x.to(at::kBFloat16) : x);
+  ZeroChunk(const TrainerOptions& o, const Trainer::MakeOptimizer& make_optimizer,
+            std::shared_ptr<torch::nn::Module> module, comm::CommPtr dp)
+      : ChunkTrainer(std::move(module)), mixed_(o.param_dtype().has_value()) {
+    auto options = o.zero_options();
+    options.stage(o.zero());
+    if (mixed_) options.param_dtype(*o.param_dtype());
+    zro_ = std::make_unique<zero::ZeroRedundancyOptimizer>(
+        module_, make_optimizer(tensors(dp::unique_parameters(*module_))), std::move(dp), options);
   }
   void zero_grad() override { zro_->zero_grad(); }
   void step() override { zro_->step(); }
   torch::optim::Optimizer& optimizer() override { return zro_->optimizer(); }
-  // Stage 1 reduces once per step; stage 2 keeps only its shard, so it reduces
-  // every micro-batch (as DeepSpeed does).
-  void begin_backward(bool last) override {
-    if (!last && stage_no_ == 1) no_sync_.emplace(zro_->no_sync());
-  }
-  void end_backward() override { no_sync_.reset(); }
   std::map<std::string, at::Tensor> parameters_on_dp_root() override { return zro_->consolidated_state(0).parameters; }
   StateBytes held() const override {
     const zero::HeldBytes h = zro_->held_bytes();
@@ -239,51 +224,77 @@ class ZeroChunk : public ChunkTrainer {
   }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
     // Mixed: each rank writes its float32 masters (the module holds bf16 copies).
-    add_pieces(dp::unique_parameters(*stage_), zro_->owned_pieces(), /*values=*/mixed_, out, place);
+    add_pieces(dp::unique_parameters(*module_), zro_->owned_pieces(), /*values=*/mixed_, out, place);
   }
   void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override {
-    zro_->load_state(full_state(dp::unique_parameters(*stage_), r, place));
+    zro_->load_state(full_state(dp::unique_parameters(*module_), r, place));
   }
 
  private:
-  int stage_no_;
   bool mixed_;
   std::unique_ptr<zero::ZeroRedundancyOptimizer> zro_;
-  std::optional<zero::ZeroRedundancyOptimizer::NoSync> no_sync_;
 };
 
-// ZeRO-3: zero::fully_shard on each piece (embedding, block, head, MLP layer),
-// the stage's forward unchanged; bf16-mixed computes and communicates in bf16
-// and steps the float32 shards.
+bool is_container(const torch::nn::Module& m) {
+  return dynamic_cast<const torch::nn::ModuleDictImpl*>(&m) || dynamic_cast<const torch::nn::ModuleListImpl*>(&m);
+}
+
+// ZeRO-3's units: the chunk's children holding parameters, by path; a
+// ModuleDict's or ModuleList's children each (a model's blocks).
+void collect_units(const std::shared_ptr<torch::nn::Module>& parent, const std::string& prefix,
+                   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& out) {
+  for (const auto& child : parent->named_children()) {
+    if (child.value()->parameters().empty()) continue;
+    const std::string path = prefix + child.key();
+    if (is_container(*child.value())) collect_units(child.value(), path + ".", out);
+    else out.emplace_back(path, child.value());
+  }
+}
+
+// Units that share a parameter with another unit of the chunk (a head tied to
+// the embedding on the same rank): they stay in the chunk's own unit.
+std::set<const torch::nn::Module*> sharing_units(
+    const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& units) {
+  std::map<const void*, std::set<const torch::nn::Module*>> users;
+  for (const auto& unit : units)
+    for (const auto& p : unit.second->parameters()) users[p.unsafeGetTensorImpl()].insert(unit.second.get());
+  std::set<const torch::nn::Module*> sharing;
+  for (const auto& kv : users)
+    if (kv.second.size() > 1) sharing.insert(kv.second.begin(), kv.second.end());
+  return sharing;
+}
+
+// ZeRO-3: zero::fully_shard on each unit, the chunk's forward unchanged; with
+// param_dtype it computes and communicates in it and steps the float32 shards.
 class FsdpChunk : public ChunkTrainer {
  public:
-  FsdpChunk(const TrainConfig& c, models::Stage stage, comm::CommPtr dp, bool keep_first)
-      : ChunkTrainer(std::move(stage)), mixed_(c.precision == "bf16-mixed"), dp_(std::move(dp)) {
-    for (size_t i = 0; i < stage_->num_pieces(); ++i) {
-      auto options = zero::FullyShardOptions().reshard_after_forward(!(keep_first && i == 0));
-      if (mixed_) options.param_dtype(at::kBFloat16);
-      if (!stage_->piece(i)->parameters().empty()) zero::fully_shard(*stage_->piece(i), dp_, options);
+  FsdpChunk(const TrainerOptions& o, const Trainer::MakeOptimizer& make_optimizer,
+            std::shared_ptr<torch::nn::Module> module, comm::CommPtr dp)
+      : ChunkTrainer(std::move(module)), dp_(std::move(dp)) {
+    auto options = zero::FullyShardOptions().param_dtype(o.param_dtype());
+    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> units;
+    collect_units(module_, "", units);
+    const auto sharing = sharing_units(units);
+    for (const auto& unit : units) {
+      if (sharing.count(unit.second.get())) continue;
+      const bool keep = std::count(o.keep_gathered().begin(), o.keep_gathered().end(), unit.first) > 0;
+      zero::fully_shard(*unit.second, dp_, options.reshard_after_forward(!keep));
     }
-    params_ = zero::original_parameters(*stage_);
-    opt_ = make_optimizer(c, zero::sharded_parameters(*stage_));
-  }
-  at::Tensor forward(const at::Tensor& x) override {
-    return stage_->forward(mixed_ && x.is_floating_point() ? x.to(at::kBFloat16) : x);
+    if (!sharing.empty()) zero::fully_shard(*module_, dp_, options.reshard_after_forward(false));
+    params_ = zero::original_parameters(*module_);
+    opt_ = make_optimizer(zero::sharded_parameters(*module_));
   }
   void zero_grad() override { opt_->zero_grad(); }
   void step() override { opt_->step(); }
   torch::optim::Optimizer& optimizer() override { return *opt_; }
-  // Every micro-batch's backward reduce-scatters (the full gradients are not kept).
-  void begin_backward(bool) override {}
-  void end_backward() override {}
   std::map<std::string, at::Tensor> parameters_on_dp_root() override {
-    std::map<std::string, at::Tensor> all = zero::full_parameters(*stage_);  // collective over dp
+    std::map<std::string, at::Tensor> all = zero::full_parameters(*module_);  // collective over dp
     if (dp_->rank() != 0) return {};
     return all;
   }
   StateBytes held() const override {
     StateBytes s;
-    for (const at::Tensor& shard : zero::sharded_parameters(*stage_)) {
+    for (const at::Tensor& shard : zero::sharded_parameters(*module_)) {
       s.parameters += shard.nbytes();
       if (shard.grad().defined()) s.gradients += shard.grad().nbytes();
     }
@@ -292,17 +303,16 @@ class FsdpChunk : public ChunkTrainer {
     return s;
   }
   std::vector<GradPart> gradient_parts(const ShardPlace& place) override {
-    return count_once(zero::shard_gradients(*stage_), place.tp_dims, /*replicated_over_dp=*/false, coord_of(place));
+    return count_once(zero::shard_gradients(*module_), place.tp_dims, /*replicated_over_dp=*/false, coord_of(place));
   }
   void add_to_checkpoint(RankState& out, const ShardPlace& place) override {
-    add_pieces(params_, zero::owned_pieces(*stage_, *opt_), /*values=*/true, out, place);
+    add_pieces(params_, zero::owned_pieces(*module_, *opt_), /*values=*/true, out, place);
   }
   void load_checkpoint(CheckpointReader& r, const ShardPlace& place) override {
-    zero::load_state(*stage_, *opt_, full_state(params_, r, place));
+    zero::load_state(*module_, *opt_, full_state(params_, r, place));
   }
 
  private:
-  bool mixed_;
   comm::CommPtr dp_;
   std::vector<dp::NamedParam> params_;  // as named before sharding (what checkpoints hold)
   std::unique_ptr<torch::optim::Optimizer> opt_;
@@ -310,11 +320,13 @@ class FsdpChunk : public ChunkTrainer {
 
 }  // namespace
 
-std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainConfig& c, models::Stage stage, comm::CommPtr dp,
-                                                 bool keep_first_unit) {
-  if (c.zero == 3) return std::make_unique<FsdpChunk>(c, std::move(stage), std::move(dp), keep_first_unit);
-  if (c.zero > 0) return std::make_unique<ZeroChunk>(c, std::move(stage), std::move(dp));
-  return std::make_unique<WholeChunk>(c, std::move(stage), std::move(dp));
+std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainerOptions& options,
+                                                 const Trainer::MakeOptimizer& make_optimizer,
+                                                 std::shared_ptr<torch::nn::Module> chunk, comm::CommPtr dp,
+                                                 std::set<const void*>& stepped_elsewhere) {
+  if (options.zero() == 3) return std::make_unique<FsdpChunk>(options, make_optimizer, std::move(chunk), std::move(dp));
+  if (options.zero() > 0) return std::make_unique<ZeroChunk>(options, make_optimizer, std::move(chunk), std::move(dp));
+  return std::make_unique<WholeChunk>(options, make_optimizer, std::move(chunk), std::move(dp), stepped_elsewhere);
 }
 
 }  // namespace train

@@ -1,22 +1,27 @@
 #pragma once
-// A model chunk (the pieces one pipeline stage holds, or the whole model) with
-// its data-parallel wrapper and optimizer (internal to the trainer):
-//   whole  dp == 1: the optimizer alone; dp > 1: DistributedDataParallel over
-//          the dp communicator (either in fp32 or bf16-mixed)
-//   zero   ZeRO stage 1 or 2 (ZeroRedundancyOptimizer)
-//   fsdp   ZeRO stage 3 (zero::fully_shard), one unit per piece
+// The data-parallel part of train::Trainer, one per chunk (the module one
+// pipeline stage runs, or the whole model): the chunk's wrapper along dp and
+// the optimizer that steps what it holds (internal to train::Trainer):
+//   whole  ZeRO 0: the parameters whole on every dp rank, DistributedDataParallel
+//          when dp > 1; with param_dtype, bf16 parameters and fp32 masters
+//          (train/mixed_precision.h) that the optimizer steps
+//   zero   ZeRO-1/2: zero::ZeroRedundancyOptimizer
+//   fsdp   ZeRO-3: zero::fully_shard on each child holding parameters (the
+//          children of a ModuleDict or ModuleList each: the blocks), the
+//          chunk's forward unchanged
+// Each wrapper registers with dp/gradient_sync.h, so the pipeline's and the
+// trainer's micro-batch loops pause its reduction without knowing which it is.
 
 #include <map>
 #include <memory>
-#include <optional>
+#include <set>
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
-#include "meshtrain/models/models.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/clip.h"
-#include "meshtrain/train/config.h"
 #include "meshtrain/train/metrics.h"
+#include "meshtrain/train/module_trainer.h"
 
 namespace meshtrain {
 namespace train {
@@ -34,14 +39,9 @@ struct ShardPlace {
 class ChunkTrainer {
  public:
   virtual ~ChunkTrainer() = default;
-  virtual at::Tensor forward(const at::Tensor& x) = 0;
   virtual void zero_grad() = 0;
   virtual void step() = 0;
   virtual torch::optim::Optimizer& optimizer() = 0;
-  // Wraps one micro-batch's backward: whether gradients are synchronized now
-  // (the last micro-batch of the step) or only accumulated.
-  virtual void begin_backward(bool last_microbatch) = 0;
-  virtual void end_backward() = 0;
   // Parameters under their full names, on dp rank 0 (a collective over dp).
   virtual std::map<std::string, at::Tensor> parameters_on_dp_root() = 0;
   virtual StateBytes held() const = 0;
@@ -55,17 +55,19 @@ class ChunkTrainer {
   // once: by dp rank 0, or by each rank for its ZeRO shard), and loading.
   virtual void add_to_checkpoint(RankState& out, const ShardPlace& place) = 0;
   virtual void load_checkpoint(CheckpointReader& reader, const ShardPlace& place) = 0;
-  models::Stage& stage() { return stage_; }
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
 
  protected:
-  explicit ChunkTrainer(models::Stage stage) : stage_(std::move(stage)) {}
-  models::Stage stage_;
+  explicit ChunkTrainer(std::shared_ptr<torch::nn::Module> module) : module_(std::move(module)) {}
+  std::shared_ptr<torch::nn::Module> module_;
 };
 
-// `keep_first_unit`: ZeRO-3 keeps the first piece gathered for the whole step
-// (an embedding whose weight a tied head uses).
-std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainConfig& c, models::Stage stage, comm::CommPtr dp,
-                                                 bool keep_first_unit);
+// `stepped_elsewhere`: parameters an earlier chunk of this rank steps (a tied
+// weight two chunks share, without a wrapper along dp); the new chunk adds its own.
+std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainerOptions& options,
+                                                 const Trainer::MakeOptimizer& make_optimizer,
+                                                 std::shared_ptr<torch::nn::Module> chunk, comm::CommPtr dp,
+                                                 std::set<const void*>& stepped_elsewhere);
 
 }  // namespace train
 }  // namespace meshtrain

@@ -1,7 +1,6 @@
-// The engine for every layout on the (dp, pp, tp) mesh: model chunks for this
-// rank's pipeline stages, each with its data-parallel wrapper (chunk.h), run
-// by pp::Pipeline over the stages this rank builds (pp > 1 or virtual stages)
-// or a plain micro-batch loop.
+// The engine for every layout on the (dp, pp, tp) mesh: this rank's pipeline
+// stages of the built-in model (tp-cut by models::build_stage), trained by the
+// public train::Trainer (module_trainer.h) with the options the flags give.
 //
 // Note [Tied embeddings across pipeline stages]
 // When the GPT's LM head is tied to the token embedding and the two sit on
@@ -15,15 +14,13 @@
 
 #include <ATen/ATen.h>
 
-#include "chunk.h"
 #include "engine.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/pipeline.h"
-#include "meshtrain/tp/layers.h"
+#include "meshtrain/train/module_trainer.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/tensor_io.h"
 
 namespace meshtrain {
 namespace train {
@@ -42,6 +39,26 @@ std::vector<int64_t> piece_costs(const models::ModelConfig& m) {
   return costs;
 }
 
+// The trainer's options from the flags.
+TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
+  const int S = c.pp * c.virtual_stages;
+  const bool mixed = c.precision == "bf16-mixed";
+  auto pipeline = pp::PipelineOptions().schedule(c.schedule).virtual_stages(c.virtual_stages)
+                      .microbatches(S > 1 ? c.microbatches : c.global_batch / c.dp / c.micro_batch);
+  if (tied_across_ranks) pipeline.tied({{{0, "embed.tok.weight"}, {S - 1, "head.out.weight"}}});
+  auto ddp = dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap)
+                 .rebuild_buckets(false);  // bucket boundaries never depend on when the run started (exact resume)
+  if (mixed && c.reduce_dtype == "fp32") ddp.reduce_dtype(at::kFloat);
+  auto options = TrainerOptions().zero(c.zero).pipeline(pipeline).ddp(ddp)
+                     .zero_options(zero::ZeroOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap))
+                     .clip_grad_norm(c.clip_grad_norm).measure_grad_norm(true);
+  if (mixed) options.param_dtype(at::kBFloat16);
+  // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
+  // weight, on this stage or, through the copy the pipeline sends, on the last.
+  if (c.model.kind == "gpt" && c.model.tie_embeddings) options.keep_gathered({"embed"});
+  return options;
+}
+
 class MeshEngine : public Engine {
  public:
   MeshEngine(const TrainConfig& c, comm::CommPtr world)
@@ -57,116 +74,50 @@ class MeshEngine : public Engine {
     first_ = me.pp == 0;  // stage 0 is chunk 0 of pp rank 0
     last_ = me.pp == c.pp - 1;
     const bool tied = gpt_tied && S > 1;
+    std::vector<pp::StageModule> mine;
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
       models::BuildContext ctx = ctx_;
       ctx.tied_head_copy = tied && s == S - 1 && !first_;  // Note [Tied embeddings across pipeline stages]
       stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx));
       models::apply_checkpointing(*stages_.at(s), c.model, c.activation_checkpointing, bounds[s]);
+      mine.push_back(pp::stage_module(stages_.at(s)));
     }
     if (tied && first_ && last_) head()->set_tied(embedding_weight());  // both ends on this rank: a true tie
-    if (c.pp > 1 || c.virtual_stages > 1) pipeline_ = make_pipeline(tied && !(first_ && last_), S);
-    for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
-      const int s = chunk * c.pp + me.pp;
-      // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
-      // weight, on this stage or, through the copy the pipeline sends, on the last.
-      chunks_[s] = make_chunk_trainer(c, stages_.at(s), chunk_dp(chunk), gpt_tied && s == 0);
-    }
+    auto loss = [this](const at::Tensor& out, const at::Tensor& targets) {
+      return models::loss(c_.model, out.to(at::kFloat), targets, ctx_);  // bf16-mixed: the loss in fp32
+    };
+    auto optimizer = [this](std::vector<at::Tensor> params) { return make_optimizer(c_, std::move(params)); };
+    trainer_ = std::make_unique<Trainer>(std::move(mine), mesh_, loss, optimizer,
+                                         trainer_options(c, tied && !(first_ && last_)));
   }
 
   double step(int64_t step) override {
-    const int64_t local = c_.global_batch / c_.dp, m = c_.micro_batch, M = local / m;
+    const int64_t local = c_.global_batch / c_.dp;
     const int64_t first = step * c_.global_batch + mesh_.coord().dp * local;
-    for (auto& kv : chunks_) kv.second->zero_grad();
-    double loss_sum = 0;
-    const double scale = 1.0 / static_cast<double>(M);  // micro-batch means -> this replica's mean
-    auto loss = [&](const at::Tensor& out, const at::Tensor& targets) {
-      return models::loss(c_.model, out.to(at::kFloat), targets, ctx_) * scale;  // bf16-mixed: the loss in fp32
-    };
-    if (!pipeline_) {
-      ChunkTrainer& chunk = *chunks_.begin()->second;
-      for (int64_t j = 0; j < M; ++j) {
-        Batch b = data_->samples(first + j * m, m);
-        at::Tensor l = loss(chunk.forward(b.inputs), b.targets);
-        chunk.begin_backward(j + 1 == M);
-        l.backward();
-        chunk.end_backward();
-        loss_sum += l.item<double>();
-      }
-    } else {
-      Batch b = (first_ || last_) ? data_->samples(first, local) : Batch{};
-      loss_sum = pipeline_->step(b.inputs, b.targets);
-    }
-    std::vector<GradPart> parts;
-    for (auto& kv : chunks_) kv.second->finish_gradients();
-    for (auto& kv : chunks_) {
-      std::vector<GradPart> mine = kv.second->gradient_parts(place(*kv.second));
-      parts.insert(parts.end(), mine.begin(), mine.end());
-    }
-    grad_norm_ = clip_grad_norm(parts, c_.clip_grad_norm, *mesh_.world());
-    for (auto& kv : chunks_) kv.second->step();
-    // Only the last stage computed the loss; tp ranks computed it alike.
-    return last_ && mesh_.coord().tp == 0 ? loss_sum / c_.dp : 0.0;
+    // A pipeline reads the inputs on its first stage and the targets on its last.
+    const bool pipelined = c_.pp * c_.virtual_stages > 1;
+    Batch b = !pipelined || first_ || last_ ? data_->samples(first, local) : Batch{};
+    const double loss = trainer_->step(b.inputs, b.targets);
+    // The trainer returns the global-batch loss on every rank; rank 0 contributes it.
+    return mesh_.world()->rank() == 0 ? loss : 0.0;
   }
 
-  void set_learning_rate(double lr) override {
-    for (auto& kv : chunks_) train::set_learning_rate(kv.second->optimizer(), lr);
+  void set_learning_rate(double lr) override { trainer_->set_learning_rate(lr); }
+  double last_grad_norm() const override { return trainer_->last_grad_norm(); }
+  std::map<std::string, at::Tensor> full_parameters() override { return trainer_->full_parameters(); }
+  StateBytes state_bytes() const override { return trainer_->held_bytes(); }
+  comm::Traffic traffic() const override {
+    comm::Traffic t;
+    for (const auto& kv : trainer_->traffic_by_axis()) t = t + kv.second;
+    return t;
   }
-
-  double last_grad_norm() const override { return grad_norm_; }
-
-  std::map<std::string, at::Tensor> full_parameters() override {
-    std::map<std::string, at::Tensor> mine;
-    const mesh::Coord me = mesh_.coord();
-    for (auto& kv : chunks_) {
-      std::map<std::string, at::Tensor> part = kv.second->parameters_on_dp_root();
-      // Full tensors from the tp shards (a collective within this dp-root's tp group).
-      if (c_.tp > 1 && me.dp == 0) part = tp::unshard(part, tp::shard_dims(*kv.second->stage()), *mesh_.tp());
-      for (auto& p : part) mine[p.first] = p.second;
-    }
-    // Every stage's dp-root, tp rank 0, sends its parameters to world rank 0.
-    const bool sender = me.dp == 0 && me.tp == 0;
-    std::map<std::string, at::Tensor> full;
-    for (const auto& part : comm::gather_strings(*mesh_.world(), sender ? serialize_tensors(mine) : std::string(), 0)) {
-      if (part.empty()) continue;
-      for (auto& kv : deserialize_tensors(part, "stage parameters")) full[kv.first] = kv.second;
-    }
-    return full;
-  }
-
-  StateBytes state_bytes() const override {
-    StateBytes s;
-    for (const auto& kv : chunks_) {
-      const StateBytes h = kv.second->held();
-      s.parameters += h.parameters;
-      s.gradients += h.gradients;
-      s.optimizer += h.optimizer;
-      s.buffers += h.buffers;  // ZeRO-3: each chunk's units over its own communicator (chunk_dp)
-    }
-    return s;
-  }
-
-  comm::Traffic traffic() const override { return dp_traffic() + mesh_.pp()->traffic() + mesh_.tp()->traffic(); }
-  std::map<std::string, comm::Traffic> traffic_by_axis() const override {
-    return {{"dp", dp_traffic()}, {"pp", mesh_.pp()->traffic()}, {"tp", mesh_.tp()->traffic()}};
-  }
-  void reset_traffic() override {
-    for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp}) mesh_.axis(axis)->reset_traffic();
-    for (auto& dp : chunk_dps_) dp->reset_traffic();
-  }
-  std::vector<pp::TraceEvent> last_trace() const override {
-    return pipeline_ ? pipeline_->last_trace() : std::vector<pp::TraceEvent>{};
-  }
-
-  RankState checkpoint_state() override {
-    RankState out;
-    for (auto& kv : chunks_) kv.second->add_to_checkpoint(out, place(*kv.second));
-    return out;
-  }
-  void load_checkpoint(CheckpointReader& reader) override {
-    for (auto& kv : chunks_) kv.second->load_checkpoint(reader, place(*kv.second));
-  }
-  int max_activations_in_flight() const override { return pipeline_ ? pipeline_->max_activations_in_flight() : 0; }
+  std::map<std::string, comm::Traffic> traffic_by_axis() const override { return trainer_->traffic_by_axis(); }
+  void reset_traffic() override { trainer_->reset_traffic(); }
+  std::vector<pp::TraceEvent> last_trace() const override { return trainer_->last_trace(); }
+  int max_activations_in_flight() const override { return trainer_->max_activations_in_flight(); }
+  RankState checkpoint_state() override { return trainer_->checkpoint_state(); }
+  void load_checkpoint(CheckpointReader& reader) override { trainer_->load_checkpoint(reader); }
 
  private:
   std::shared_ptr<models::GptHeadImpl> head() {
@@ -177,60 +128,13 @@ class MeshEngine : public Engine {
     return std::dynamic_pointer_cast<models::GptEmbeddingImpl>(stages_.at(0)->piece(0))->tok->weight;
   }
 
-  // This rank's stages in a pp::Pipeline; each runs through its chunk's
-  // wrapper (made after: the pipeline first takes the tied copy out of the
-  // head's parameters). ZeRO-2/3 reduce every micro-batch, as DeepSpeed does.
-  std::unique_ptr<pp::Pipeline> make_pipeline(bool tied_across_ranks, int S) {
-    std::vector<pp::StageModule> mine;
-    for (const auto& kv : stages_) {
-      const int s = kv.first;
-      mine.push_back({kv.second.ptr(), [this, s](const at::Tensor& x) { return chunks_.at(s)->forward(x); }});
-    }
-    auto options = pp::PipelineOptions().schedule(c_.schedule).microbatches(c_.microbatches)
-                       .virtual_stages(c_.virtual_stages).reduce_every_microbatch(c_.zero >= 2);
-    if (tied_across_ranks) options.tied({{{0, "embed.tok.weight"}, {S - 1, "head.out.weight"}}});
-    auto loss = [this](const at::Tensor& out, const at::Tensor& targets) {
-      return models::loss(c_.model, out.to(at::kFloat), targets, ctx_);  // bf16-mixed: the loss in fp32
-    };
-    return std::make_unique<pp::Pipeline>(std::move(mine), mesh_.pp(), loss, options);
-  }
-
-  // ZeRO-3 settles every unit over a communicator at the end of each backward
-  // (a unit that got no gradient reduces zeros, so the ranks stay in step);
-  // under virtual stages each chunk's backward runs apart, so each further
-  // chunk gets its own communicator over the same dp ranks, or every backward
-  // would also reduce the other chunk's units (a third more bytes on dp 2 x pp 2).
-  comm::CommPtr chunk_dp(int chunk) {
-    if (chunk == 0 || c_.zero != 3) return mesh_.dp();
-    chunk_dps_.push_back(mesh_.dp()->split(0, mesh_.dp()->rank(), "dp-chunk" + std::to_string(chunk)));
-    return chunk_dps_.back();
-  }
-  comm::Traffic dp_traffic() const {
-    comm::Traffic t = mesh_.dp()->traffic();
-    for (const auto& dp : chunk_dps_) t = t + dp->traffic();
-    return t;
-  }
-
-  ShardPlace place(ChunkTrainer& chunk) const {
-    ShardPlace p;
-    p.tp_dims = tp::shard_dims(*chunk.stage());
-    p.tp_index = mesh_.coord().tp;
-    p.tp_size = c_.tp;
-    p.dp_rank = mesh_.coord().dp;
-    p.dp_size = mesh_.dp()->size();
-    return p;
-  }
-
   TrainConfig c_;
   mesh::DeviceMesh mesh_;
   std::unique_ptr<Dataset> data_;
   models::BuildContext ctx_;
-  std::vector<comm::CommPtr> chunk_dps_;  // ZeRO-3 under virtual stages: chunks after the first
   std::map<int, models::Stage> stages_;  // this rank's, by stage
-  std::map<int, std::unique_ptr<ChunkTrainer>> chunks_;  // by stage
-  std::unique_ptr<pp::Pipeline> pipeline_;
+  std::unique_ptr<Trainer> trainer_;
   bool first_ = false, last_ = false;
-  double grad_norm_ = 0;
 };
 
 }  // namespace

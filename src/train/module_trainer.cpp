@@ -3,28 +3,18 @@
 #include <ATen/ATen.h>
 
 #include <optional>
-#include <set>
 
-#include "meshtrain/dp/params.h"
-#include "meshtrain/dp/replicate.h"
-#include "meshtrain/tp/layers.h"
+#include "chunk.h"
+#include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/train/clip.h"
+#include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/util/tensor_io.h"
 
 namespace meshtrain {
 namespace train {
 
 namespace {
-
-std::vector<at::Tensor> trainable_once(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
-  std::vector<at::Tensor> out;
-  std::set<const c10::TensorImpl*> seen;
-  for (const auto& m : modules)
-    for (const auto& p : dp::unique_parameters(*m))
-      if (seen.insert(p.tensor.unsafeGetTensorImpl()).second) out.push_back(p.tensor);
-  return out;
-}
 
 // The split a balanced pipeline would make of the whole, uncut model: the
 // same on every tp rank (a vocabulary tp does not divide leaves the ranks'
@@ -35,76 +25,107 @@ std::vector<int64_t> balanced_split(torch::nn::SequentialImpl& model, int stages
   return std::vector<int64_t>(bounds.begin() + 1, bounds.end() - 1);
 }
 
-// Children of this rank's chunks that share a parameter with another child
-// (a head tied to the embedding on the same rank): they stay in one unit.
-std::set<const torch::nn::Module*> sharing_children(const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
-  std::vector<std::pair<const torch::nn::Module*, at::Tensor>> owners;
-  for (const auto& unit : units)
-    for (const auto& child : unit->children())
-      for (const auto& p : child->parameters()) owners.emplace_back(child.get(), p);
-  std::set<const torch::nn::Module*> sharing;
-  for (const auto& a : owners)
-    for (const auto& b : owners)
-      if (a.first != b.first && a.second.is_same(b.second)) sharing.insert(a.first);
-  return sharing;
-}
+// Gradient reduction off for the micro-batches that only accumulate; back on
+// however the step ends.
+class SyncOnLast {
+ public:
+  explicit SyncOnLast(const torch::nn::Module& module) : module_(module) {}
+  ~SyncOnLast() { dp::set_gradient_sync(module_, true); }
+  void set(bool on) { dp::set_gradient_sync(module_, on); }
+
+ private:
+  const torch::nn::Module& module_;
+};
 
 }  // namespace
 
 struct Trainer::State {
-  comm::CommPtr world, dp;
-  mesh::Coord coord;
-  double max_norm = 0, grad_norm = 0;
-  int64_t microbatches = 1;
-  int zero = 0;
+  State(const mesh::DeviceMesh& m, Loss l, MakeOptimizer make, const TrainerOptions& o)
+      : mesh(m), loss(std::move(l)), make_optimizer(std::move(make)), options(o) {
+    MESHTRAIN_CHECK(o.zero() >= 0 && o.zero() <= 3, "train::Trainer: zero ", o.zero(),
+                    " is not a ZeRO stage; use 0 (DDP), 1, 2 or 3");
+    pipelined = mesh.pp()->size() > 1 || o.pipeline().virtual_stages() > 1;
+    pipeline_options = o.pipeline();
+    // ZeRO-2/3 keep shards, not full gradients, through the step.
+    pipeline_options.reduce_every_microbatch(o.zero() >= 2);
+    const int given = pipeline_options.microbatches();
+    microbatches = given > 0 ? given : (pipelined ? mesh.pp()->size() : 1);
+    // The loss's average over dp goes on a communicator of its own: the axes' traffic stays the training's.
+    loss_dp = mesh.dp()->size() > 1 ? mesh.dp()->split(0, mesh.dp()->rank(), "trainer-loss") : nullptr;
+  }
+
+  mesh::DeviceMesh mesh;
   Loss loss;
-  torch::nn::Sequential model;
+  MakeOptimizer make_optimizer;
+  TrainerOptions options;
+  pp::PipelineOptions pipeline_options;
+  bool pipelined = false;
+  int64_t microbatches = 1;
+  double grad_norm = 0;
+  comm::CommPtr loss_dp;
   std::optional<pp::Pipeline> pipeline;
-  std::shared_ptr<torch::nn::Module> root;
-  std::vector<std::shared_ptr<torch::nn::Module>> units;  // each wrapped apart along dp
-  std::vector<dp::Replicated<torch::nn::Module>> ddp;
-  std::vector<std::unique_ptr<zero::ZeroRedundancyOptimizer>> zero12;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;  // zero 0 and 3
+  std::shared_ptr<torch::nn::Module> root;  // this rank's stage or the whole model
+  std::function<at::Tensor(const at::Tensor&)> forward;  // without a pipeline
+  std::vector<std::unique_ptr<ChunkTrainer>> chunks;
+  std::vector<comm::CommPtr> chunk_dps;  // ZeRO-3 under virtual stages: chunks after the first
 
-  void shard_fully() {
-    const auto sharing = sharing_children(units);
-    for (const auto& unit : units) {
-      bool kept = false;
-      for (const auto& child : unit->children()) {
-        if (child->parameters().empty()) continue;
-        if (sharing.count(child.get())) kept = true;
-        else zero::fully_shard(*child, dp);
-      }
-      if (kept) zero::fully_shard(*unit, dp, zero::FullyShardOptions().reshard_after_forward(false));
-    }
+  // The wrappers along dp, one per chunk: the module the pipeline pauses
+  // gradient reduction on (each chunk under virtual stages), or the model.
+  void wrap_data_axis() {
+    std::vector<std::shared_ptr<torch::nn::Module>> units{root};
+    if (pipeline && pipeline_options.virtual_stages() > 1) units = pipeline->chunks();
+    std::set<const void*> stepped;
+    for (size_t k = 0; k < units.size(); ++k)
+      chunks.push_back(make_chunk_trainer(options, make_optimizer, units[k], chunk_dp(k), stepped));
   }
 
-  void wrap_data_axis(const MakeOptimizer& make_optimizer, zero::ZeroOptions zero_options) {
-    if (zero == 3) shard_fully();
-    for (const auto& unit : units) {
-      if (zero == 0 && dp->size() > 1) ddp.push_back(dp::replicate(unit, dp));
-      if (zero == 1 || zero == 2) {
-        zero12.push_back(std::make_unique<zero::ZeroRedundancyOptimizer>(
-            unit, make_optimizer(trainable_once({unit})), dp, zero_options.stage(zero)));
-      }
-    }
-    // Every unit's (ZeRO-3: a unit's shard is registered in the chunk it was made for).
-    if (zero12.empty()) optimizer = make_optimizer(trainable_once(units));
+  // ZeRO-3 settles every unit over its communicator at the end of each
+  // backward (a unit that got no gradient reduces zeros, so the ranks stay in
+  // step); under virtual stages each chunk's backward runs apart, so each
+  // further chunk gets its own communicator over the same dp ranks, or every
+  // backward would also reduce the other chunks' units (a third more bytes on
+  // dp 2 x pp 2).
+  comm::CommPtr chunk_dp(size_t chunk) {
+    if (chunk == 0 || options.zero() != 3) return mesh.dp();
+    chunk_dps.push_back(mesh.dp()->split(0, mesh.dp()->rank(), "dp-chunk" + std::to_string(chunk)));
+    return chunk_dps.back();
   }
 
-  // Each unit's gradients, counted once across the layout: whole (DDP) or the
-  // reduced shards (ZeRO), cut over tp or replicated on it.
+  ShardPlace place(const ChunkTrainer& chunk) const {
+    ShardPlace p;
+    p.tp_dims = tp::shard_dims(*chunk.module());
+    p.tp_index = mesh.coord().tp;
+    p.tp_size = mesh.tp()->size();
+    p.dp_rank = mesh.coord().dp;
+    p.dp_size = mesh.dp()->size();
+    return p;
+  }
+
+  // Without a pipeline: the micro-batches' gradients accumulate, reduced on
+  // the last (ZeRO-2/3: every one). Returns the batch's mean loss.
+  double accumulate(const at::Tensor& inputs, const at::Tensor& targets) {
+    const int64_t M = microbatches;
+    if (M == 1) {
+      at::Tensor l = loss(forward(inputs), targets);
+      l.backward();
+      return l.item<double>();
+    }
+    const std::vector<at::Tensor> xs = inputs.split(inputs.size(0) / M), ts = targets.split(targets.size(0) / M);
+    SyncOnLast sync(*root);
+    double sum = 0;
+    for (int64_t j = 0; j < M; ++j) {
+      sync.set(pipeline_options.reduce_every_microbatch() || j + 1 == M);
+      at::Tensor l = loss(forward(xs[j]), ts[j]) / M;
+      l.backward();
+      sum += l.item<double>();
+    }
+    return sum;
+  }
+
   std::vector<GradPart> gradient_parts() {
     std::vector<GradPart> parts;
-    for (size_t i = 0; i < units.size(); ++i) {
-      const torch::nn::Module& unit = *units[i];
-      NamedGrads grads;
-      if (zero == 0) {
-        for (const auto& p : dp::unique_parameters(unit)) grads.emplace_back(p.name, p.tensor.grad());
-      }
-      if (zero == 3) grads = zero::shard_gradients(unit);
-      if (zero == 1 || zero == 2) grads = zero12[i]->shard_gradients();
-      std::vector<GradPart> mine = count_once(grads, tp::shard_dims(unit), /*replicated_over_dp=*/zero == 0, coord);
+    for (auto& chunk : chunks) {
+      std::vector<GradPart> mine = chunk->gradient_parts(place(*chunk));
       parts.insert(parts.end(), mine.begin(), mine.end());
     }
     return parts;
@@ -113,59 +134,62 @@ struct Trainer::State {
 
 Trainer::Trainer(torch::nn::Sequential model, const mesh::DeviceMesh& mesh, Loss loss, MakeOptimizer make_optimizer,
                  TrainerOptions options)
-    : s_(std::make_unique<State>()) {
-  MESHTRAIN_CHECK(options.zero() >= 0 && options.zero() <= 3, "train::Trainer: zero ", options.zero(),
-                  " is not a ZeRO stage; use 0 (DDP), 1, 2 or 3");
-  s_->world = mesh.world();
-  s_->coord = mesh.coord();
-  s_->dp = mesh.dp();
-  s_->max_norm = options.clip_grad_norm();
-  s_->zero = options.zero();
-  s_->loss = loss;
-  s_->model = model;
-  pp::PipelineOptions pipeline = options.pipeline();
-  const bool pipelined = mesh.pp()->size() > 1 || pipeline.virtual_stages() > 1;
-  if (pipelined && pipeline.split_points().empty())
-    pipeline.split_points(balanced_split(*model, mesh.pp()->size() * pipeline.virtual_stages()));
-  pipeline.reduce_every_microbatch(options.zero() >= 2);  // ZeRO-2/3 keep shards, not full gradients, through the step
-  s_->microbatches = pipeline.microbatches() > 0 ? pipeline.microbatches() : mesh.pp()->size();
+    : s_(std::make_unique<State>(mesh, loss, std::move(make_optimizer), options)) {
+  if (s_->pipelined && s_->pipeline_options.split_points().empty())
+    s_->pipeline_options.split_points(balanced_split(*model, mesh.pp()->size() * s_->pipeline_options.virtual_stages()));
   if (mesh.tp()->size() > 1 && !options.tp_plan().empty())
     tp::parallelize(*model, mesh.tp(), options.tp_plan(), options.tp_options());
-  s_->root = model.ptr();
-  s_->units = {s_->root};
-  if (pipelined) {
-    s_->pipeline.emplace(pp::pipeline(model, mesh.pp(), loss, pipeline));
-    s_->model = nullptr;  // this rank keeps its stage only (the caller should drop its handle too)
-    s_->root = s_->pipeline->module();
-    s_->units = {s_->root};  // the module the pipeline pauses gradient sync on; each chunk under virtual stages
-    if (pipeline.virtual_stages() > 1) s_->units.assign(s_->pipeline->chunks().begin(), s_->pipeline->chunks().end());
+  if (s_->pipelined) {
+    s_->pipeline.emplace(pp::pipeline(model, mesh.pp(), loss, s_->pipeline_options));
+    s_->root = s_->pipeline->module();  // this rank keeps its stage only (the caller should drop its handle too)
+  } else {
+    s_->root = model.ptr();
+    s_->forward = pp::stage_module(model).forward;
   }
-  s_->wrap_data_axis(make_optimizer, options.zero_options());
+  s_->wrap_data_axis();
+}
+
+Trainer::Trainer(std::vector<pp::StageModule> my_stages, const mesh::DeviceMesh& mesh, Loss loss,
+                 MakeOptimizer make_optimizer, TrainerOptions options)
+    : s_(std::make_unique<State>(mesh, loss, std::move(make_optimizer), options)) {
+  MESHTRAIN_CHECK(options.tp_plan().empty(), "train::Trainer: a tp_plan applies to a whole model; cut the stages you "
+                  "build (tp::parallelize on each) and leave tp_plan empty");
+  if (s_->pipelined) {
+    s_->pipeline.emplace(std::move(my_stages), mesh.pp(), loss, s_->pipeline_options);
+    s_->root = s_->pipeline->module();
+  } else {
+    MESHTRAIN_CHECK(my_stages.size() == 1, "train::Trainer: ", my_stages.size(), " stages on a rank without a "
+                    "pipeline (pp 1, one virtual stage); pass the whole model as one stage");
+    s_->root = my_stages[0].module;
+    s_->forward = my_stages[0].forward;
+  }
+  s_->wrap_data_axis();
 }
 
 Trainer::~Trainer() = default;
 
 double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
   // Every rank checks, so a batch the micro-batches do not divide fails on all of them, never half the pipeline.
-  MESHTRAIN_CHECK(!s_->pipeline || !inputs.defined() || inputs.size(0) % s_->microbatches == 0, "train::Trainer: a "
-                  "batch of ", inputs.size(0), " samples does not divide into ", s_->microbatches, " micro-batches; "
-                  "pass a multiple of ", s_->microbatches, " per data-parallel rank");
-  for (auto& z : s_->zero12) z->zero_grad();
-  if (s_->optimizer) s_->optimizer->zero_grad();
-  double loss = 0;
-  if (s_->pipeline) {
-    loss = s_->pipeline->step(inputs, targets);
-  } else {
-    at::Tensor l = s_->loss(s_->model->forward(inputs), targets);
-    l.backward();
-    loss = l.item<double>();
-  }
-  if (s_->max_norm > 0) s_->grad_norm = clip_grad_norm(s_->gradient_parts(), s_->max_norm, *s_->world);
-  for (auto& z : s_->zero12) z->step();
-  if (s_->optimizer) s_->optimizer->step();
+  const int64_t M = s_->microbatches;
+  MESHTRAIN_CHECK(!inputs.defined() || inputs.size(0) % M == 0, "train::Trainer: a batch of ", inputs.size(0),
+                  " samples does not divide into ", M, " micro-batches; pass a multiple of ", M,
+                  " per data-parallel rank");
+  for (auto& chunk : s_->chunks) chunk->zero_grad();
+  const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
+  const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
+  double loss = s_->pipeline ? s_->pipeline->step(x, targets) : s_->accumulate(x, targets);
+  for (auto& chunk : s_->chunks) chunk->finish_gradients();
+  if (s_->options.clip_grad_norm() > 0 || s_->options.measure_grad_norm())
+    s_->grad_norm = clip_grad_norm(s_->gradient_parts(), s_->options.clip_grad_norm(), *s_->mesh.world());
+  for (auto& chunk : s_->chunks) chunk->step();
+  if (!s_->loss_dp) return loss;
   at::Tensor mean = at::tensor({loss}, at::kDouble);
-  s_->dp->all_reduce(mean, comm::ReduceOp::kAvg);
+  s_->loss_dp->all_reduce(mean, comm::ReduceOp::kAvg);
   return mean.item<double>();
+}
+
+void Trainer::set_learning_rate(double lr) {
+  for (auto& chunk : s_->chunks) train::set_learning_rate(chunk->optimizer(), lr);
 }
 
 double Trainer::last_grad_norm() const { return s_->grad_norm; }
@@ -174,17 +198,70 @@ const std::shared_ptr<torch::nn::Module>& Trainer::module() const { return s_->r
 
 std::map<std::string, at::Tensor> Trainer::parameters_over_dp() {
   std::map<std::string, at::Tensor> out;
-  if (s_->zero == 3) {
-    for (const auto& unit : s_->units)
-      for (auto& kv : zero::full_parameters(*unit)) out.emplace(kv.first, kv.second);
-    return out;
-  }
-  for (auto& z : s_->zero12)
-    for (auto& kv : z->consolidated_state(0).parameters) out[kv.first] = kv.second;
-  if (!s_->zero12.empty() && s_->dp->rank() != 0) return {};
-  if (s_->zero12.empty())
-    for (const auto& kv : s_->root->named_parameters()) out[kv.key()] = kv.value().detach().clone();
+  for (auto& chunk : s_->chunks)
+    for (auto& kv : chunk->parameters_on_dp_root()) out[kv.first] = kv.second;
   return out;
+}
+
+std::map<std::string, at::Tensor> Trainer::full_parameters() {
+  std::map<std::string, at::Tensor> mine;
+  const mesh::Coord me = s_->mesh.coord();
+  for (auto& chunk : s_->chunks) {
+    std::map<std::string, at::Tensor> part = chunk->parameters_on_dp_root();
+    // Full tensors from the tp shards (a collective within this dp-root's tp group).
+    if (s_->mesh.tp()->size() > 1 && me.dp == 0)
+      part = tp::unshard(part, tp::shard_dims(*chunk->module()), *s_->mesh.tp());
+    for (auto& p : part) mine[p.first] = p.second;
+  }
+  // Every stage's dp-root, tp rank 0, sends its parameters to world rank 0.
+  const bool sender = me.dp == 0 && me.tp == 0;
+  std::map<std::string, at::Tensor> full;
+  for (const auto& part : comm::gather_strings(*s_->mesh.world(), sender ? serialize_tensors(mine) : "", 0)) {
+    if (part.empty()) continue;
+    for (auto& kv : deserialize_tensors(part, "stage parameters")) full[kv.first] = kv.second;
+  }
+  return full;
+}
+
+RankState Trainer::checkpoint_state() {
+  RankState out;
+  for (auto& chunk : s_->chunks) chunk->add_to_checkpoint(out, s_->place(*chunk));
+  return out;
+}
+
+void Trainer::load_checkpoint(CheckpointReader& reader) {
+  for (auto& chunk : s_->chunks) chunk->load_checkpoint(reader, s_->place(*chunk));
+}
+
+StateBytes Trainer::held_bytes() const {
+  StateBytes s;
+  for (const auto& chunk : s_->chunks) {
+    const StateBytes h = chunk->held();
+    s.parameters += h.parameters;
+    s.gradients += h.gradients;
+    s.optimizer += h.optimizer;
+    s.buffers += h.buffers;  // ZeRO-3: each chunk's units over its own communicator (chunk_dp)
+  }
+  return s;
+}
+
+std::map<std::string, comm::Traffic> Trainer::traffic_by_axis() const {
+  comm::Traffic dp = s_->mesh.dp()->traffic();
+  for (const auto& c : s_->chunk_dps) dp = dp + c->traffic();
+  return {{"dp", dp}, {"pp", s_->mesh.pp()->traffic()}, {"tp", s_->mesh.tp()->traffic()}};
+}
+
+void Trainer::reset_traffic() {
+  for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp}) s_->mesh.axis(axis)->reset_traffic();
+  for (auto& c : s_->chunk_dps) c->reset_traffic();
+}
+
+std::vector<pp::TraceEvent> Trainer::last_trace() const {
+  return s_->pipeline ? s_->pipeline->last_trace() : std::vector<pp::TraceEvent>{};
+}
+
+int Trainer::max_activations_in_flight() const {
+  return s_->pipeline ? s_->pipeline->max_activations_in_flight() : 0;
 }
 
 }  // namespace train

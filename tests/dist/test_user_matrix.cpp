@@ -198,7 +198,7 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
           << where << " parameter " << kv.first;
     }
     // (A rank whose only child is the tied head holds no parameter of its own: a copy.)
-    if (!dp::unique_parameters(*trainer.module()).empty() && (c.zero == 0 || c.zero == 3 || me.dp == 0)) {
+    if (!dp::unique_parameters(*trainer.module()).empty() && me.dp == 0) {
       EXPECT_FALSE(got.empty()) << where << ": no parameters compared";
     }
     // Every parameter of the model was compared on some rank (the tied head's
@@ -213,6 +213,19 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
     for (const auto& kv : ref.params) {
       if (kv.first == "7.weight") continue;
       EXPECT_TRUE(compared.count(kv.first)) << where << ": " << kv.first << " was not compared";
+    }
+    // The whole model on world rank 0: tp slices joined, every stage's parameters.
+    const auto whole = trainer.full_parameters();
+    if (comm.rank() == 0) {
+      for (const auto& kv : ref.params) {
+        if (kv.first == "7.weight") continue;  // the embedding's (tied)
+        ASSERT_TRUE(whole.count(kv.first)) << where << ": full_parameters lacks " << kv.first;
+        EXPECT_TRUE(torch::allclose(whole.at(kv.first), kv.second, 1e-4, 1e-6)) << where << " full " << kv.first;
+      }
+      // The tied head's weight is the embedding's (ZeRO-3 lists it under both names, the others once).
+      EXPECT_EQ(whole.size() - whole.count("7.weight"), ref.params.size() - 1) << where;
+    } else {
+      EXPECT_TRUE(whole.empty()) << where;
     }
     // tp::parallelize's and fully_shard's registries hold the communicators to
     // the end of the process, and the harness ends a rank with _Exit, before

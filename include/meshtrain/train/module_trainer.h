@@ -1,6 +1,7 @@
 #pragma once
-// train::Trainer: a user's model trained on a device mesh with every strategy,
-// assembled from the public calls alone (what the examples write by hand):
+// train::Trainer: a model trained on a device mesh with every strategy,
+// assembled from the public calls alone (what the examples write by hand).
+// A user's model, whole on every rank:
 //
 //   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), dp, pp, tp));
 //   train::Trainer trainer(my_sequential, mesh, my_loss,
@@ -8,35 +9,41 @@
 //                          train::TrainerOptions().zero(3).tp_plan(plan).pipeline(pp::PipelineOptions().microbatches(8)));
 //   for (...) double loss = trainer.step(x, y);   // x, y: this dp rank's samples
 //
+// or the stages this rank builds itself (a model too large to build whole;
+// the built-in trainer, run_training, builds its GPT and MLP so):
+//
+//   train::Trainer trainer({pp::stage_module(my_stage)}, mesh, my_loss, make_optimizer, options);
+//
 // What it does, in order:
 //   tensor    tp::parallelize(model, mesh.tp(), tp_plan, tp_options) when tp > 1
-//   pipeline  pp::pipeline(model, mesh.pp(), loss, pipeline) when pp > 1 or
-//             with virtual stages, split where a balanced split cuts the
-//             uncut model unless split_points are given; ZeRO-2/3 reduce
-//             every micro-batch (reduce_every_microbatch); this rank keeps
-//             its stage only (drop your own handle to the model to free the rest)
-//   data      zero 0: dp::replicate per chunk; 1 and 2: a
-//             zero::ZeroRedundancyOptimizer per chunk; 3: zero::fully_shard on
-//             each child with parameters, then on the chunk when children
-//             share a parameter (a tied embedding and head: one unit, kept
-//             gathered through the step)
-//   optimizer make_optimizer(the parameters it must step: this rank's part of
-//             the model, each once; a chunk's under ZeRO-1/2; the shards
-//             under ZeRO-3)
+//             (a whole model; built stages come cut as the caller wants)
+//   pipeline  pp::pipeline over the model or the built stages when pp > 1 or
+//             with virtual stages; a whole model is split where a balanced
+//             split cuts the uncut model unless split_points are given;
+//             ZeRO-2/3 reduce every micro-batch (reduce_every_microbatch);
+//             this rank keeps its stage only (drop your own handle to the
+//             model to free the rest)
+//   data      per chunk (the stage, or each chunk under virtual stages): ZeRO 0:
+//             DistributedDataParallel (dp > 1); 1 and 2: a
+//             zero::ZeroRedundancyOptimizer; 3: zero::fully_shard on each
+//             child with parameters (a ModuleDict's or ModuleList's children
+//             each), then on the chunk when children share a parameter (a
+//             tied embedding and head: one unit, kept gathered through the
+//             step). Under ZeRO-3 with virtual stages each chunk has its own
+//             communicator over the dp ranks, so a chunk's backward settles
+//             its own units only
+//   precision param_dtype (at::kBFloat16): compute in it, step float32: DDP
+//             through fp32 master weights (train/mixed_precision.h), ZeRO and
+//             fully_shard through their param_dtype; float inputs enter in it
+//   optimizer make_optimizer(the parameters a chunk's optimizer steps), once per chunk
 //   clipping  with clip_grad_norm, the global norm counted once across the
-//             layout (train/clip.h), as the built-in trainer
+//             layout (train/clip.h)
 //
+// Micro-batches (PipelineOptions::microbatches) split the batch with or
+// without a pipeline: without one the gradients accumulate over them, and the
+// wrappers reduce on the last (ZeRO-2/3: on every one), as DeepSpeed does.
 // Every dp rank passes the same number of samples (the loss and the gradients
-// are means of the ranks' means). Micro-batches apply to a pipeline only
-// (without one the batch goes through in one forward). Under virtual stages
-// the chunks share the dp communicator (the built-in trainer gives each its
-// own: with ZeRO-3 each chunk's backward then also settles the other's units,
-// more bytes, the same values).
-//
-// The built-in trainer (run_training, train/trainer.h) composes the same calls
-// over the stages each rank builds of the built-in models, with checkpoints,
-// metrics and mixed precision; this class takes a user's torch::nn::Sequential
-// whole on every rank. Not here yet: checkpoints, bf16.
+// are means of the ranks' means).
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
@@ -47,9 +54,12 @@
 #include <string>
 #include <vector>
 
+#include "meshtrain/dp/ddp.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/parallelize.h"
+#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/train/metrics.h"
 #include "meshtrain/zero/zero.h"
 
 namespace meshtrain {
@@ -61,12 +71,25 @@ struct TrainerOptions {
   TORCH_ARG(int, zero) = 0;  // ZeRO stage along dp: 0 (DDP), 1, 2 or 3
   TORCH_ARG(TpPlan, tp_plan) = {};
   TORCH_ARG(tp::ParallelizeOptions, tp_options) = {};
+  // Schedule, micro-batches (also without a pipeline: gradient accumulation),
+  // virtual stages, split points, tied parameters of built stages.
   TORCH_ARG(pp::PipelineOptions, pipeline) = {};
+  TORCH_ARG(dp::DistributedDataParallelOptions, ddp) = {};  // ZeRO 0
   TORCH_ARG(zero::ZeroOptions, zero_options) = {};  // ZeRO-1/2 (the stage comes from zero)
+  // Mixed precision: the dtype to compute and communicate in (at::kBFloat16);
+  // the optimizer steps float32. The loss function gets the output in it.
+  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
+  // ZeRO-3: units (their paths in the chunk: "embed", "blocks.0") that stay
+  // gathered through the step, as FullyShardOptions::reshard_after_forward(false):
+  // a module whose weight another reads outside its own forward.
+  TORCH_ARG(std::vector<std::string>, keep_gathered) = {};
   // Clip the global gradient norm, every element counted once across the
   // layout (train/clip.h), as torch::nn::utils::clip_grad_norm_ on one
-  // process; 0: neither measured nor clipped.
+  // process; 0: not clipped.
   TORCH_ARG(double, clip_grad_norm) = 0;
+  // Measure the global gradient norm every step (last_grad_norm) even when not
+  // clipping: one small all-reduce over the world per step.
+  TORCH_ARG(bool, measure_grad_norm) = false;
 };
 
 class Trainer {
@@ -77,22 +100,52 @@ class Trainer {
   // Every rank passes the same model (same values: build it after the same seed).
   Trainer(torch::nn::Sequential model, const mesh::DeviceMesh& mesh, Loss loss, MakeOptimizer make_optimizer,
           TrainerOptions options = {});
+  // The stages this rank builds: my_stages[k] is stage pp_rank + k * pp of
+  // pp x virtual_stages (one without a pipeline), as pp::Pipeline's second
+  // constructor takes them; parameters shared across stages are declared in
+  // options.pipeline().tied(). tp_plan does not apply.
+  Trainer(std::vector<pp::StageModule> my_stages, const mesh::DeviceMesh& mesh, Loss loss,
+          MakeOptimizer make_optimizer, TrainerOptions options = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
   // One optimizer step on this dp rank's samples (the ranks of one pp x tp
-  // group pass the same ones). Returns the mean loss over the dp ranks' batches,
-  // on every rank.
+  // group pass the same ones; a pipeline reads the inputs on its first stage,
+  // the targets on its last). Returns the mean loss over the dp ranks'
+  // batches, on every rank (averaged over a communicator of its own, so the
+  // axes' traffic is the training's alone).
   double step(const at::Tensor& inputs, const at::Tensor& targets);
+  // Every optimizer uses `lr` from the next step on.
+  void set_learning_rate(double lr);
 
-  // The last step's global gradient norm before clipping (0 without clip_grad_norm).
+  // The last step's global gradient norm before clipping (0 when neither
+  // clipped nor measured).
   double last_grad_norm() const;
   // This rank's part of the model (its pipeline stage, or the whole model).
   const std::shared_ptr<torch::nn::Module>& module() const;
   // This rank's parameters at full size along dp, by the model's names (tp
-  // slices stay sliced); under ZeRO-1/2 on dp rank 0 only. Every rank calls it.
+  // slices stay sliced; mixed precision: the float32 masters), on dp rank 0
+  // (the others get none). Every rank calls it.
   std::map<std::string, at::Tensor> parameters_over_dp();
+  // The whole model's parameters (tp slices joined, every stage), on world
+  // rank 0 (the others get none). Every rank calls it.
+  std::map<std::string, at::Tensor> full_parameters();
+
+  // Checkpoints (train/checkpoint.h): this rank's share of the parameters and
+  // optimizer state (replicas written once, shards by their holders), and
+  // loading it back under any layout.
+  RankState checkpoint_state();
+  void load_checkpoint(CheckpointReader& reader);
+
+  // Figures: bytes of training state this rank holds; traffic by mesh axis
+  // ("dp", "pp", "tp") since the last reset; the pipeline's last timeline and
+  // the most activations it held.
+  StateBytes held_bytes() const;
+  std::map<std::string, comm::Traffic> traffic_by_axis() const;
+  void reset_traffic();
+  std::vector<pp::TraceEvent> last_trace() const;
+  int max_activations_in_flight() const;
 
  private:
   struct State;
