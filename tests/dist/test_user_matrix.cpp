@@ -180,7 +180,9 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
                                      meshtrain::mesh::MeshLayout(c.world(), c.dp, c.pp, c.tp));
     const auto me = mesh.coord();
     auto setup = meshtrain::train::TrainerOptions().zero(c.zero).tp_plan(block_plan())
-                       .pipeline(pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp).virtual_stages(c.virtual_stages()))
+                       // Without a pipeline, 2 micro-batches: gradients accumulate, reduced on the last (ZeRO-2/3: each).
+                       .pipeline(pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp > 1 ? c.pp : 2)
+                                     .virtual_stages(c.virtual_stages()))
                        .zero_options(zero::ZeroOptions().bucket_cap_mb(0.001))  // several buckets
                        .clip_grad_norm(kMaxNorm);
     meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, setup);
