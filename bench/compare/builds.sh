@@ -2,7 +2,7 @@
 # The trainer in two builds side by side (runs alternated): median step time,
 # bytes sent per step by rank 0, and the largest loss difference, for a set of
 # layouts (SET=zero: the ZeRO-3 layouts; SET=tp: tensor and sequence
-# parallelism). How the 'before and after' tables in docs/BENCHMARKS.md were
+# parallelism; SET=dp: DDP and ZeRO-1/2, accumulating over micro-batches). How the 'before and after' tables in docs/BENCHMARKS.md were
 # measured:
 #   git worktree add /tmp/old REV && (cd /tmp/old && cmake -S . -B build -DCMAKE_BUILD_TYPE=Release &&
 #     make -C build -j2 meshrun meshtrain_cli)
@@ -19,7 +19,10 @@ case "$SET" in
                  "dp2pp2il_fp32:4:--zero 3 --dp 2 --pp 2 --microbatches 4 --schedule interleaved --virtual-stages 2") ;;
   tp) LAYOUTS=("tp2:2:--tp 2" "tp2_sp:2:--tp 2 --sequence-parallel" "tp4_sp:4:--tp 4 --sequence-parallel"
                "dp2tp2_zero3:4:--dp 2 --tp 2 --zero 3" "pp2tp2_bf16:4:--pp 2 --tp 2 --microbatches 4 --precision bf16-mixed") ;;
-  *) echo "SET must be zero or tp"; exit 2 ;;
+  dp) LAYOUTS=("ddp2_accum:2:--micro-batch 4" "ddp2_bf16_accum:2:--micro-batch 4 --precision bf16-mixed"
+               "zero1_accum:2:--zero 1 --micro-batch 4" "zero2_accum:2:--zero 2 --micro-batch 4"
+               "ddp3:3:--global-batch 18") ;;
+  *) echo "SET must be zero, tp or dp"; exit 2 ;;
 esac
 run() {  # run NAME RANKS BIN FLAGS...
   local name=$1 n=$2 bin=$3; shift 3
