@@ -10,15 +10,18 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <unistd.h>
 
 #include "harness.h"
 #include "meshtrain/dp/params.h"
 #include "meshtrain/dp/replicate.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/pp/pipeline.h"
+#include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/module_trainer.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/zero/fully_shard.h"
@@ -168,6 +171,15 @@ std::vector<Case> cases() {
   return out;
 }
 
+meshtrain::train::TrainerOptions trainer_options(const Case& c) {
+  return meshtrain::train::TrainerOptions().zero(c.zero).tp_plan(block_plan())
+      // Without a pipeline, 2 micro-batches: gradients accumulate, reduced on the last (ZeRO-2/3: each).
+      .pipeline(pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp > 1 ? c.pp : 2)
+                    .virtual_stages(c.virtual_stages()))
+      .zero_options(zero::ZeroOptions().bucket_cap_mb(0.001))  // several buckets
+      .clip_grad_norm(kMaxNorm);
+}
+
 class UserMatrix : public ::testing::TestWithParam<Case> {};
 
 TEST_P(UserMatrix, TrainsLikeOneProcess) {
@@ -179,13 +191,7 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
     meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
                                      meshtrain::mesh::MeshLayout(c.world(), c.dp, c.pp, c.tp));
     const auto me = mesh.coord();
-    auto setup = meshtrain::train::TrainerOptions().zero(c.zero).tp_plan(block_plan())
-                       // Without a pipeline, 2 micro-batches: gradients accumulate, reduced on the last (ZeRO-2/3: each).
-                       .pipeline(pp::PipelineOptions().schedule(c.schedule).microbatches(c.pp > 1 ? c.pp : 2)
-                                     .virtual_stages(c.virtual_stages()))
-                       .zero_options(zero::ZeroOptions().bucket_cap_mb(0.001))  // several buckets
-                       .clip_grad_norm(kMaxNorm);
-    meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, setup);
+    meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, trainer_options(c));
     const std::string where = "rank " + std::to_string(comm.rank());
     for (int step = 0; step < kSteps; ++step) {
       const auto x = tokens(step).chunk(c.dp, 0)[me.dp], y = next_tokens(x);
@@ -235,6 +241,51 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
     // leave while another group still runs (the others would see it die).
     comm.barrier();
   }, options);
+}
+
+// A user's checkpoint (Trainer::checkpoint_state, train::save_checkpoint)
+// loads under another layout: saved after one step on dp 2 x pp 2 under
+// ZeRO-3 (the tied weight on its owner stage only), loaded on dp 2 x tp 2
+// under ZeRO-1, whose next steps (SGD's momentum included) and final
+// parameters match one process's.
+TEST(UserTrainer, CheckpointLoadsUnderAnotherLayout) {
+  const Reference ref = one_process();
+  // The body reruns in each rank: the path comes from the parent's pid, which the ranks see as their parent's.
+  const bool rank = meshtrain::testing::in_rank_process();
+  const std::string dir = "/tmp/meshtrain-user-checkpoint-" + std::to_string(rank ? getppid() : getpid());
+  if (!rank) std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str());
+  meshtrain::testing::RankOptions options;
+  options.time_limit = std::chrono::seconds(90);
+  auto train = [&](const Case& c, int first_step, int end_step) {
+    run_ranks(c.world(), [&](Communicator& comm) {
+      meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
+                                       meshtrain::mesh::MeshLayout(c.world(), c.dp, c.pp, c.tp));
+      meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, trainer_options(c));
+      if (first_step > 0) {
+        meshtrain::train::CheckpointReader reader(meshtrain::train::latest_checkpoint(dir));
+        ASSERT_EQ(reader.step(), first_step);
+        trainer.load_checkpoint(reader);
+      }
+      for (int step = first_step; step < end_step; ++step) {
+        const auto x = tokens(step).chunk(c.dp, 0)[mesh.coord().dp];
+        EXPECT_NEAR(trainer.step(x, next_tokens(x)), ref.losses[step], 1e-5 * (1 + ref.losses[step])) << "step " << step;
+      }
+      if (first_step == 0) {
+        meshtrain::train::save_checkpoint(dir, end_step, trainer.checkpoint_state(), comm, "{}");
+      } else {
+        const auto whole = trainer.full_parameters();
+        for (const auto& kv : comm.rank() == 0 ? ref.params : std::map<std::string, torch::Tensor>{}) {
+          if (kv.first == "7.weight") continue;  // the embedding's (tied)
+          ASSERT_TRUE(whole.count(kv.first)) << kv.first;
+          EXPECT_TRUE(torch::allclose(whole.at(kv.first), kv.second, 1e-4, 1e-6)) << kv.first;
+        }
+      }
+      comm.barrier();  // the registries hold communicators to the end of the process (as above)
+    }, options);
+  };
+  train({2, 2, 1, 3, "1f1b"}, 0, 1);
+  train({2, 1, 2, 1, "1f1b"}, 1, kSteps);
+  if (!rank) std::system(("rm -rf " + dir).c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, UserMatrix, ::testing::ValuesIn(cases()), [](const auto& info) {
