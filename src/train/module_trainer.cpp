@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <set>
 
 #include "chunk.h"
 #include "meshtrain/dp/gradient_sync.h"
@@ -74,9 +75,27 @@ struct Trainer::State {
   void wrap_data_axis() {
     std::vector<std::shared_ptr<torch::nn::Module>> units{root};
     if (pipeline && pipeline_options.virtual_stages() > 1) units = pipeline->chunks();
+    refuse_shared_across_chunks(units);
     std::set<const void*> stepped;
     for (size_t k = 0; k < units.size(); ++k)
       chunks.push_back(make_chunk_trainer(options, make_optimizer, units[k], chunk_dp(k), stepped));
+  }
+
+  // ZeRO-3 shards each chunk apart: a parameter two of this rank's chunks
+  // share (a tied embedding and head with pp 1 and virtual stages) cannot be
+  // in both (fully_shard would refuse it, naming a call the user never made).
+  void refuse_shared_across_chunks(const std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
+    if (options.zero() != 3 || units.size() < 2) return;
+    std::map<const void*, std::pair<size_t, std::string>> first_use;
+    for (size_t k = 0; k < units.size(); ++k) {
+      for (const auto& p : units[k]->named_parameters()) {
+        auto it = first_use.emplace(p.value().unsafeGetTensorImpl(), std::make_pair(k, p.key())).first;
+        MESHTRAIN_CHECK(it->second.first == k, "train::Trainer: parameter '", p.key(), "' of chunk ", k, " is '",
+                        it->second.second, "' of chunk ", it->second.first, " on the same rank (tied), and ZeRO-3 "
+                        "shards each chunk apart; place the tied children on different pipeline ranks (pp > 1) or "
+                        "train without virtual stages");
+      }
+    }
   }
 
   // ZeRO-3 settles every unit over its communicator at the end of each

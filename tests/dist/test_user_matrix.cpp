@@ -288,6 +288,22 @@ TEST(UserTrainer, CheckpointLoadsUnderAnotherLayout) {
   if (!rank) std::system(("rm -rf " + dir).c_str());
 }
 
+// Under ZeRO-3 each chunk is sharded apart: a tie between two chunks of one
+// rank (pp 1, virtual stages) is refused when the trainer is made, naming it.
+TEST(UserTrainer, TieBetweenChunksOfOneRankUnderZero3IsRefused) {
+  run_ranks(2, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}), meshtrain::mesh::MeshLayout(2, 2, 1, 1));
+    try {
+      meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, trainer_options({2, 1, 1, 3, "interleaved"}));
+      ADD_FAILURE() << "a tie between chunks was accepted under ZeRO-3";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("parameter '7.weight' of chunk 1 is '0.weight' of chunk 0"), std::string::npos)
+          << e.what();
+    }
+    comm.barrier();
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, UserMatrix, ::testing::ValuesIn(cases()), [](const auto& info) {
   const Case& c = info.param;
   return "dp" + std::to_string(c.dp) + "_pp" + std::to_string(c.pp) + "_tp" + std::to_string(c.tp) + "_zero" +
