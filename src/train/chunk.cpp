@@ -140,9 +140,16 @@ class WholeChunk : public ChunkTrainer {
   WholeChunk(const TrainerOptions& o, const Trainer::MakeOptimizer& make_optimizer,
              std::shared_ptr<torch::nn::Module> module, comm::CommPtr dp, std::set<const void*>& stepped_elsewhere)
       : ChunkTrainer(std::move(module)) {
-    if (o.param_dtype()) masters_.emplace(*module_, *o.param_dtype());
-    for (const auto& p : masters_ ? masters_->masters() : dp::unique_parameters(*module_)) {
+    for (const auto& p : dp::unique_parameters(*module_)) {
       if (stepped_elsewhere.insert(p.tensor.unsafeGetTensorImpl()).second) stepped_.push_back(p);
+      // Each chunk's masters would step their own copy and write it back last-wins.
+      else MESHTRAIN_CHECK(!o.param_dtype(), "train::Trainer: parameter '", p.name, "' is shared with an earlier "
+                           "chunk of this rank (tied), and mixed precision keeps float32 masters per chunk; place "
+                           "the tied children on different pipeline ranks (pp > 1) or train without virtual stages");
+    }
+    if (o.param_dtype()) {
+      masters_.emplace(*module_, *o.param_dtype());
+      stepped_ = masters_->masters();
     }
     if (dp->size() > 1) {
       reduce_dtype_ = o.ddp().reduce_dtype();
@@ -280,7 +287,10 @@ class FsdpChunk : public ChunkTrainer {
       const bool keep = std::count(o.keep_gathered().begin(), o.keep_gathered().end(), unit.first) > 0;
       zero::fully_shard(*unit.second, dp_, options.reshard_after_forward(!keep));
     }
-    if (!sharing.empty()) zero::fully_shard(*module_, dp_, options.reshard_after_forward(false));
+    // What is left (children sharing a parameter, the chunk's own parameters,
+    // a chunk that is one layer) is the chunk's unit, gathered through the step.
+    if (!sharing.empty() || !module_->named_parameters(/*recurse=*/false).is_empty())
+      zero::fully_shard(*module_, dp_, options.reshard_after_forward(false));
     params_ = zero::original_parameters(*module_);
     opt_ = make_optimizer(zero::sharded_parameters(*module_));
   }

@@ -47,8 +47,11 @@ struct Trainer::State {
                     " is not a ZeRO stage; use 0 (DDP), 1, 2 or 3");
     pipelined = mesh.pp()->size() > 1 || o.pipeline().virtual_stages() > 1;
     pipeline_options = o.pipeline();
+    MESHTRAIN_CHECK(!o.zero_options().param_dtype(), "train::Trainer: set TrainerOptions::param_dtype, not "
+                    "zero_options().param_dtype: it applies to every ZeRO stage, keeps float32 masters in "
+                    "checkpoints and casts float inputs");
     // ZeRO-2/3 keep shards, not full gradients, through the step.
-    pipeline_options.reduce_every_microbatch(o.zero() >= 2);
+    pipeline_options.reduce_every_microbatch(o.pipeline().reduce_every_microbatch() || o.zero() >= 2);
     const int given = pipeline_options.microbatches();
     microbatches = given > 0 ? given : (pipelined ? mesh.pp()->size() : 1);
     // The loss's average over dp goes on a communicator of its own: the axes' traffic stays the training's.
@@ -68,7 +71,7 @@ struct Trainer::State {
   std::shared_ptr<torch::nn::Module> root;  // this rank's stage or the whole model
   std::function<at::Tensor(const at::Tensor&)> forward;  // without a pipeline
   std::vector<std::unique_ptr<ChunkTrainer>> chunks;
-  std::vector<comm::CommPtr> chunk_dps;  // ZeRO-3 under virtual stages: chunks after the first
+  std::vector<comm::CommPtr> chunk_dps;  // ZeRO-3: each chunk's communicator over the dp ranks
 
   // The wrappers along dp, one per chunk: the module the pipeline pauses
   // gradient reduction on (each chunk under virtual stages), or the model.
@@ -104,8 +107,10 @@ struct Trainer::State {
   // further chunk gets its own communicator over the same dp ranks, or every
   // backward would also reduce the other chunks' units (a third more bytes on
   // dp 2 x pp 2).
+  // Chunk 0's too: fully_shard's registry keeps a unit to the end of the
+  // process, so a later trainer on the same mesh would settle this one's.
   comm::CommPtr chunk_dp(size_t chunk) {
-    if (chunk == 0 || options.zero() != 3) return mesh.dp();
+    if (options.zero() != 3) return mesh.dp();
     chunk_dps.push_back(mesh.dp()->split(0, mesh.dp()->rank(), "dp-chunk" + std::to_string(chunk)));
     return chunk_dps.back();
   }
@@ -186,13 +191,18 @@ Trainer::Trainer(std::vector<pp::StageModule> my_stages, const mesh::DeviceMesh&
 }
 
 Trainer::~Trainer() = default;
+Trainer::Trainer(Trainer&&) noexcept = default;
+Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
 double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
-  // Every rank checks, so a batch the micro-batches do not divide fails on all of them, never half the pipeline.
+  // Checked before any communication, so a batch the micro-batches do not
+  // divide fails on the ranks holding it, never half-way through a pipeline.
   const int64_t M = s_->microbatches;
-  MESHTRAIN_CHECK(!inputs.defined() || inputs.size(0) % M == 0, "train::Trainer: a batch of ", inputs.size(0),
-                  " samples does not divide into ", M, " micro-batches; pass a multiple of ", M,
-                  " per data-parallel rank");
+  for (const at::Tensor* t : {&inputs, &targets}) {
+    MESHTRAIN_CHECK(!t->defined() || (t->dim() >= 1 && t->size(0) % M == 0), "train::Trainer: a batch of ",
+                    t->dim() >= 1 ? t->size(0) : 0, " samples does not divide into ", M, " micro-batches; pass a "
+                    "multiple of ", M, " per data-parallel rank");
+  }
   for (auto& chunk : s_->chunks) chunk->zero_grad();
   const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
   const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;

@@ -304,6 +304,48 @@ TEST(UserTrainer, TieBetweenChunksOfOneRankUnderZero3IsRefused) {
   });
 }
 
+// A stage the caller built that is one layer (its parameters its own, no
+// children) is ZeRO-3's unit itself: trained, reduced and stepped like one
+// process over 2 micro-batches.
+TEST(UserTrainer, BuiltStageThatIsOneLayerTrainsUnderZero3) {
+  auto make = [] {
+    torch::manual_seed(5);
+    return torch::nn::Linear(6, 3);
+  };
+  torch::manual_seed(6);
+  const torch::Tensor x = torch::randn({8, 6}), y = torch::randn({8, 3});
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
+  auto ref = make();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<double> ref_losses;
+  for (int step = 0; step < 3; ++step) {
+    ref_opt.zero_grad();
+    auto loss = mse(ref->forward(x), y);
+    loss.backward();
+    ref_opt.step();
+    ref_losses.push_back(loss.item<double>());
+  }
+  run_ranks(2, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}), meshtrain::mesh::MeshLayout(2, 2, 1, 1));
+    auto sgd = [](std::vector<torch::Tensor> p) {
+      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
+    };
+    meshtrain::train::Trainer trainer({pp::stage_module(make())}, mesh, mse, sgd,
+                                      meshtrain::train::TrainerOptions().zero(3).pipeline(pp::PipelineOptions().microbatches(2)));
+    for (int step = 0; step < 3; ++step) {
+      const double loss = trainer.step(x.chunk(2, 0)[comm.rank()], y.chunk(2, 0)[comm.rank()]);
+      EXPECT_NEAR(loss, ref_losses[step], 1e-6) << "step " << step;
+    }
+    const auto got = trainer.parameters_over_dp();
+    if (comm.rank() == 0) {
+      ASSERT_EQ(got.size(), 2u);
+      EXPECT_TRUE(torch::allclose(got.at("weight"), ref->weight, 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(got.at("bias"), ref->bias, 1e-5, 1e-6));
+    }
+    comm.barrier();
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, UserMatrix, ::testing::ValuesIn(cases()), [](const auto& info) {
   const Case& c = info.param;
   return "dp" + std::to_string(c.dp) + "_pp" + std::to_string(c.pp) + "_tp" + std::to_string(c.tp) + "_zero" +

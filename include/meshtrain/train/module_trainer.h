@@ -29,9 +29,8 @@
 //             child with parameters (a ModuleDict's or ModuleList's children
 //             each), then on the chunk when children share a parameter (a
 //             tied embedding and head: one unit, kept gathered through the
-//             step). Under ZeRO-3 with virtual stages each chunk has its own
-//             communicator over the dp ranks, so a chunk's backward settles
-//             its own units only
+//             step). Under ZeRO-3 each chunk has its own communicator over
+//             the dp ranks, so a chunk's backward settles its own units only
 //   precision param_dtype (at::kBFloat16): compute in it, step float32: DDP
 //             through fp32 master weights (train/mixed_precision.h), ZeRO and
 //             fully_shard through their param_dtype; float inputs enter in it
@@ -81,7 +80,8 @@ struct TrainerOptions {
   TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
   // ZeRO-3: units (their paths in the chunk: "embed", "blocks.0") that stay
   // gathered through the step, as FullyShardOptions::reshard_after_forward(false):
-  // a module whose weight another reads outside its own forward.
+  // a module whose weight another reads outside its own forward. A path this
+  // rank's chunks lack is ignored (another pipeline rank holds it).
   TORCH_ARG(std::vector<std::string>, keep_gathered) = {};
   // Clip the global gradient norm, every element counted once across the
   // layout (train/clip.h), as torch::nn::utils::clip_grad_norm_ on one
@@ -109,6 +109,8 @@ class Trainer {
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
+  Trainer(Trainer&&) noexcept;
+  Trainer& operator=(Trainer&&) noexcept;
 
   // One optimizer step on this dp rank's samples (the ranks of one pp x tp
   // group pass the same ones; a pipeline reads the inputs on its first stage,
