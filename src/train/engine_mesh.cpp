@@ -55,7 +55,7 @@ TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
   if (mixed) options.param_dtype(at::kBFloat16);
   // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
   // weight, on this stage or, through the copy the pipeline sends, on the last.
-  if (c.model.kind == "gpt" && c.model.tie_embeddings) options.keep_gathered({"embed"});
+  if (c.zero == 3 && c.model.kind == "gpt" && c.model.tie_embeddings) options.keep_gathered({"embed"});
   return options;
 }
 

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <optional>
 #include <set>
 
@@ -79,6 +80,7 @@ struct Trainer::State {
     std::vector<std::shared_ptr<torch::nn::Module>> units{root};
     if (pipeline && pipeline_options.virtual_stages() > 1) units = pipeline->chunks();
     refuse_shared_across_chunks(units);
+    check_keep_gathered(units);
     std::set<const void*> stepped;
     for (size_t k = 0; k < units.size(); ++k)
       chunks.push_back(make_chunk_trainer(options, make_optimizer, units[k], chunk_dp(k), stepped));
@@ -87,17 +89,43 @@ struct Trainer::State {
   // ZeRO-3 shards each chunk apart: a parameter two of this rank's chunks
   // share (a tied embedding and head with pp 1 and virtual stages) cannot be
   // in both (fully_shard would refuse it, naming a call the user never made).
+  // Under the other stages the wrappers each chunk gets (any along dp > 1,
+  // ZeRO-1/2 always) would each reduce it (pp::Pipeline refuses it too, at
+  // the first step): refused here, when the trainer is made.
   void refuse_shared_across_chunks(const std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
-    if (options.zero() != 3 || units.size() < 2) return;
+    const bool wrapped = options.zero() > 0 || mesh.dp()->size() > 1;
+    if (!wrapped || units.size() < 2) return;
     std::map<const void*, std::pair<size_t, std::string>> first_use;
     for (size_t k = 0; k < units.size(); ++k) {
       for (const auto& p : units[k]->named_parameters()) {
         auto it = first_use.emplace(p.value().unsafeGetTensorImpl(), std::make_pair(k, p.key())).first;
         MESHTRAIN_CHECK(it->second.first == k, "train::Trainer: parameter '", p.key(), "' of chunk ", k, " is '",
-                        it->second.second, "' of chunk ", it->second.first, " on the same rank (tied), and ZeRO-3 "
-                        "shards each chunk apart; place the tied children on different pipeline ranks (pp > 1) or "
-                        "train without virtual stages");
+                        it->second.second, "' of chunk ", it->second.first, " on the same rank (tied), and the "
+                        "data-parallel wrapper of each chunk (ZeRO ", options.zero(), ", dp ", mesh.dp()->size(),
+                        ") would each reduce or shard it; place the tied children on different pipeline ranks "
+                        "(pp > 1) or train without virtual stages");
       }
+    }
+  }
+
+  // A keep_gathered path no rank of the pipeline holds is a typo that would
+  // quietly re-gather the unit every use: refused on every rank alike (one
+  // exchange over pp at construction, only when paths are given).
+  void check_keep_gathered(const std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
+    if (options.keep_gathered().empty()) return;
+    MESHTRAIN_CHECK(options.zero() == 3, "train::Trainer: keep_gathered applies to ZeRO-3 (zero is ",
+                    options.zero(), "); leave it empty");
+    std::string found;
+    for (const std::string& path : options.keep_gathered())
+      for (const auto& unit : units)
+        if (unit->named_modules().contains(path)) found += path + "\n";
+    const std::vector<std::string> all = comm::all_gather_strings(*mesh.pp(), found);
+    for (const std::string& path : options.keep_gathered()) {
+      const bool held = std::any_of(all.begin(), all.end(), [&](const std::string& f) {
+        return f.find(path + "\n") == 0 || f.find("\n" + path + "\n") != std::string::npos;
+      });
+      MESHTRAIN_CHECK(held, "train::Trainer: keep_gathered path '", path, "' is no module of any pipeline stage; "
+                      "give a child's path in its stage (\"embed\", \"blocks.0\")");
     }
   }
 

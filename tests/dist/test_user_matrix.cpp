@@ -288,18 +288,25 @@ TEST(UserTrainer, CheckpointLoadsUnderAnotherLayout) {
   if (!rank) std::system(("rm -rf " + dir).c_str());
 }
 
-// Under ZeRO-3 each chunk is sharded apart: a tie between two chunks of one
-// rank (pp 1, virtual stages) is refused when the trainer is made, naming it.
-TEST(UserTrainer, TieBetweenChunksOfOneRankUnderZero3IsRefused) {
+// Each chunk gets its own wrapper along dp: a tie between two chunks of one
+// rank (pp 1, virtual stages) is refused when the trainer is made, naming it,
+// under ZeRO-3 and under DDP alike; so is a keep_gathered path no stage holds.
+TEST(UserTrainer, WhatItCannotDoIsRefusedWhenMade) {
   run_ranks(2, [&](Communicator& comm) {
     meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}), meshtrain::mesh::MeshLayout(2, 2, 1, 1));
-    try {
-      meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, trainer_options({2, 1, 1, 3, "interleaved"}));
-      ADD_FAILURE() << "a tie between chunks was accepted under ZeRO-3";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("parameter '7.weight' of chunk 1 is '0.weight' of chunk 0"), std::string::npos)
-          << e.what();
+    auto refused = [&](meshtrain::train::TrainerOptions options, const std::string& message) {
+      try {
+        meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, options);
+        ADD_FAILURE() << "accepted; expected: " << message;
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+      }
+    };
+    for (int z : {0, 3}) {
+      refused(trainer_options({2, 1, 1, z, "interleaved"}), "parameter '7.weight' of chunk 1 is '0.weight' of chunk 0");
     }
+    refused(trainer_options({2, 1, 1, 3, "1f1b"}).keep_gathered({"7.weigth"}), "keep_gathered path '7.weigth'");
+    refused(trainer_options({2, 1, 1, 1, "1f1b"}).keep_gathered({"0"}), "keep_gathered applies to ZeRO-3");
     comm.barrier();
   });
 }

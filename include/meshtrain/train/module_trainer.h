@@ -80,8 +80,8 @@ struct TrainerOptions {
   TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
   // ZeRO-3: units (their paths in the chunk: "embed", "blocks.0") that stay
   // gathered through the step, as FullyShardOptions::reshard_after_forward(false):
-  // a module whose weight another reads outside its own forward. A path this
-  // rank's chunks lack is ignored (another pipeline rank holds it).
+  // a module whose weight another reads outside its own forward. A path that
+  // no pipeline stage holds is refused.
   TORCH_ARG(std::vector<std::string>, keep_gathered) = {};
   // Clip the global gradient norm, every element counted once across the
   // layout (train/clip.h), as torch::nn::utils::clip_grad_norm_ on one
