@@ -190,6 +190,7 @@ Pipeline::Pipeline(std::vector<StageModule> my_stages, comm::CommPtr pp, Pipelin
 
 void Pipeline::start(std::vector<StageFn> fns, const std::vector<TiedGroup>& groups) {
   const int ranks = pp_->size();
+  stage_fns_ = fns;
   executor_ = std::make_unique<PipelineExecutor>(
       pp_, ScheduleSpec{options_.schedule(), ranks, options_.microbatches(), options_.virtual_stages()}, std::move(fns));
   int tag = kTiedTagBase;  // two per group (value, gradient), alike on every rank
@@ -305,6 +306,33 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   last_.max_in_flight = std::max(last_.max_in_flight, r.max_in_flight);
   at::Tensor loss = at::tensor({r.loss_sum}, at::kDouble);
   pp_->broadcast(loss, pp_->size() - 1);
+  return loss.item<double>();
+}
+
+double Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  MESHTRAIN_CHECK(!is_first() || inputs.defined(), "pp::Pipeline::evaluate: the first stage needs the inputs");
+  MESHTRAIN_CHECK(!is_last() || targets.defined(), "pp::Pipeline::evaluate: the last stage needs the targets");
+  sync_tied();
+  at::NoGradGuard no_grad;
+  const int ranks = pp_->size(), last_stage = ranks * options_.virtual_stages() - 1;
+  std::vector<comm::WorkPtr> sends;
+  std::vector<at::Tensor> sent;  // alive until their sends complete
+  at::Tensor x, loss = at::zeros({1}, at::kDouble);
+  for (const StageFn& fn : stage_fns_) {  // this rank's stages, in order
+    const int s = fn.stage;
+    // The previous stage's output: the batch on stage 0, kept on this rank when
+    // the previous stage is here too (pp 1 with virtual stages), else received.
+    if (s == 0) x = inputs;
+    else if ((s - 1) % ranks != pp_->rank()) x = pp_->recv_any((s - 1) % ranks, user_tag(kEvalTag));
+    x = fn.forward(x, 0);
+    if (s == last_stage) loss.fill_(loss_(x, targets).item<double>());
+    else if ((s + 1) % ranks != pp_->rank()) {
+      sent.push_back(x.contiguous());
+      sends.push_back(pp_->isend(sent.back(), (s + 1) % ranks, user_tag(kEvalTag)));
+    }
+  }
+  for (auto& w : sends) w->wait();
+  pp_->broadcast(loss, ranks - 1);
   return loss.item<double>();
 }
 

@@ -174,6 +174,13 @@ struct Trainer::State {
     return sum;
   }
 
+  double mean_over_dp(double loss) const {
+    if (!loss_dp) return loss;
+    at::Tensor mean = at::tensor({loss}, at::kDouble);
+    loss_dp->all_reduce(mean, comm::ReduceOp::kAvg);
+    return mean.item<double>();
+  }
+
   std::vector<GradPart> gradient_parts() {
     std::vector<GradPart> parts;
     for (auto& chunk : chunks) {
@@ -239,10 +246,20 @@ double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
   if (s_->options.clip_grad_norm() > 0 || s_->options.measure_grad_norm())
     s_->grad_norm = clip_grad_norm(s_->gradient_parts(), s_->options.clip_grad_norm(), *s_->mesh.world());
   for (auto& chunk : s_->chunks) chunk->step();
-  if (!s_->loss_dp) return loss;
-  at::Tensor mean = at::tensor({loss}, at::kDouble);
-  s_->loss_dp->all_reduce(mean, comm::ReduceOp::kAvg);
-  return mean.item<double>();
+  return s_->mean_over_dp(loss);
+}
+
+double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
+  const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
+  double loss = 0;
+  if (s_->pipeline) {
+    loss = s_->pipeline->evaluate(x, targets);
+  } else {
+    at::NoGradGuard no_grad;
+    loss = s_->loss(s_->forward(x), targets).item<double>();
+  }
+  return s_->mean_over_dp(loss);
 }
 
 void Trainer::set_learning_rate(double lr) {

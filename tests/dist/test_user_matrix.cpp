@@ -117,6 +117,7 @@ std::unique_ptr<torch::optim::Optimizer> sgd(const torch::nn::Module& m) {
 
 struct Reference {
   std::vector<double> losses, grad_norms;
+  double held_out_loss = 0;  // the trained model's loss on a batch it never saw
   std::map<std::string, torch::Tensor> params;
 };
 
@@ -140,6 +141,8 @@ Reference one_process() {
     r.losses.push_back(loss.item<double>());
   }
   for (const auto& kv : model->named_parameters()) r.params[kv.key()] = kv.value().detach().clone();
+  const auto held_out = tokens(99);
+  r.held_out_loss = cross_entropy(model->forward(held_out), next_tokens(held_out)).item<double>();
   return r;
 }
 
@@ -199,6 +202,9 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
       EXPECT_NEAR(loss, ref.losses[step], 1e-5 * (1 + ref.losses[step])) << where << " step " << step;
       EXPECT_NEAR(trainer.last_grad_norm(), ref.grad_norms[step], 1e-5 * ref.grad_norms[step]) << where << " step " << step;
     }
+    const auto held_out = tokens(99).chunk(c.dp, 0)[me.dp];
+    EXPECT_NEAR(trainer.evaluate(held_out, next_tokens(held_out)), ref.held_out_loss, 1e-5 * (1 + ref.held_out_loss))
+        << where << " evaluate";
     const auto got = trainer.parameters_over_dp();
     for (const auto& kv : got) {
       ASSERT_TRUE(ref.params.count(kv.first)) << where << ": " << kv.first << " is not a parameter of the model";

@@ -31,7 +31,8 @@
 // zero::fully_shard) reduces the sum. Between steps, read the owner's value,
 // or call sync_tied() on every pipeline rank to bring the copies up to date
 // (after the last step, or after loading a checkpoint into the owner).
-// Its messages use pp::user_tag ids from kTiedTagBase on: keep clear of them.
+// Its messages use pp::user_tag ids from kEvalTag (kTiedTagBase - 1) on: keep
+// clear of them.
 //
 // Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2, or
 // zero::fully_shard its children) along the data axis, and step() pauses
@@ -140,6 +141,12 @@ class Pipeline {
   // undefined tensors). Returns the batch loss on every rank of the pipeline.
   double step(const at::Tensor& inputs, const at::Tensor& targets);
 
+  // The loss of the whole batch, forward only (no gradients, no micro-batches:
+  // one forward through the stages in order, so pass a batch that fits), on
+  // every rank of the pipeline; the tied copies take their owner's value
+  // first. For validation between steps.
+  double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
+
   // The copies of tied parameters take their owner's value (every rank of the
   // pipeline calls it; step() does it as it starts).
   void sync_tied();
@@ -147,6 +154,7 @@ class Pipeline {
   const std::vector<TraceEvent>& last_trace() const { return last_.events; }
   int max_activations_in_flight() const { return last_.max_in_flight; }
   static constexpr int kTiedTagBase = 1 << 20;
+  static constexpr int kEvalTag = kTiedTagBase - 1;
 
  private:
   // Note [Tied parameters across stages] (src/pp/pipeline.cpp).
@@ -168,6 +176,7 @@ class Pipeline {
   std::shared_ptr<torch::nn::Module> stage_;
   std::vector<std::shared_ptr<torch::nn::Module>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
+  std::vector<StageFn> stage_fns_;  // this rank's, in stage order (evaluate)
   std::vector<Tied> tied_;
   StepResult last_;
   bool shared_by_chunks_ = false;  // a parameter sits in two of this rank's chunks

@@ -118,6 +118,10 @@ class Trainer {
   // batches, on every rank (averaged over a communicator of its own, so the
   // axes' traffic is the training's alone).
   double step(const at::Tensor& inputs, const at::Tensor& targets);
+  // The mean loss over the dp ranks' batches without training (no gradients,
+  // no step), on every rank: a validation loss. One forward of the whole
+  // batch (through the pipeline's stages in order): pass one that fits.
+  double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
   // Every optimizer uses `lr` from the next step on.
   void set_learning_rate(double lr);
 
