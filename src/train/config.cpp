@@ -94,6 +94,8 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--digits", "D", "operand digits of the built-in task (default 1)", c.digits),
         store("--eval-problems", "N", "held-out problems for the final accuracy (0: skip)", c.eval_problems),
         store("--log-every", "N", "progress line every N steps (default 1)", c.log_every),
+        store("--eval-every", "N", "loss on a fixed held-out batch every N steps and at the end (default 0: never)",
+              c.eval_every),
         store("--metrics-out", "FILE", "JSON: losses, times, memory and traffic per rank", c.metrics_out),
         store("--plot", "FILE.svg", "the loss curve", c.plot),
         store("--trace", "FILE", "the last step's pipeline timeline (Chrome trace JSON + SVG)", c.trace)}},
@@ -193,6 +195,7 @@ void check_values(const TrainConfig& c) {
   MESHTRAIN_CHECK(c.bucket_cap_mb > 0, "--bucket-cap-mb ", c.bucket_cap_mb, " must be positive (default 25)");
   MESHTRAIN_CHECK(c.eval_problems >= 0, "--eval-problems ", c.eval_problems, " must be >= 0 (0: no evaluation)");
   MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");
+  MESHTRAIN_CHECK(c.eval_every >= 0, "--eval-every ", c.eval_every, " must be >= 0 (0: no held-out loss)");
   MESHTRAIN_CHECK(c.backend.empty() || c.backend == "auto" || c.backend == "shm" || c.backend == "gloo" ||
                       c.backend == "mpi",
                   "--backend '", c.backend, "' is not a backend; use auto, shm, gloo or mpi");
@@ -320,7 +323,7 @@ std::string to_json(const TrainConfig& c) {
       .str("reduce_dtype", c.precision == "fp32" ? "fp32" : c.reduce_dtype)
       .num("clip_grad_norm", c.clip_grad_norm).str("activation_checkpointing", c.activation_checkpointing)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
-      .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap)
+      .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap).integer("eval_every", c.eval_every)
       .str("backend", c.backend.empty() ? "auto" : c.backend);
   return o.str();
 }

@@ -90,6 +90,15 @@ class MasterDpEngine : public Engine {
     return comm_->rank() == 0 ? clone_all(stepped_) : std::map<std::string, at::Tensor>{};
   }
 
+  // The master holds the model it steps: it evaluates alone.
+  double evaluate(int64_t first, int64_t count) override {
+    if (comm_->rank() != 0) return 0.0;
+    at::NoGradGuard no_grad;
+    const Batch b = data_->samples(first, count);
+    const at::Tensor x = mixed_ && b.inputs.is_floating_point() ? b.inputs.to(at::kBFloat16) : b.inputs;
+    return models::loss(c_.model, model_->forward(x).to(at::kFloat), b.targets).item<double>();
+  }
+
   double last_grad_norm() const override { return grad_norm_; }
 
   void set_learning_rate(double lr) override {

@@ -103,6 +103,14 @@ class MeshEngine : public Engine {
     return mesh_.world()->rank() == 0 ? loss : 0.0;
   }
 
+  double evaluate(int64_t first, int64_t count) override {
+    const int64_t local = count / c_.dp;
+    Batch b = c_.pp * c_.virtual_stages == 1 || first_ || last_ ? data_->samples(first + mesh_.coord().dp * local, local)
+                                                                : Batch{};
+    const double loss = trainer_->evaluate(b.inputs, b.targets);
+    return mesh_.world()->rank() == 0 ? loss : 0.0;
+  }
+
   void set_learning_rate(double lr) override { trainer_->set_learning_rate(lr); }
   double last_grad_norm() const override { return trainer_->last_grad_norm(); }
   std::map<std::string, at::Tensor> full_parameters() override { return trainer_->full_parameters(); }

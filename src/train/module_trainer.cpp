@@ -73,6 +73,7 @@ struct Trainer::State {
   std::function<at::Tensor(const at::Tensor&)> forward;  // without a pipeline
   std::vector<std::unique_ptr<ChunkTrainer>> chunks;
   std::vector<comm::CommPtr> chunk_dps;  // ZeRO-3: each chunk's communicator over the dp ranks
+  mutable std::map<std::string, comm::Traffic> evaluation_traffic;  // since reset_traffic, by axis
 
   // The wrappers along dp, one per chunk: the module the pipeline pauses
   // gradient reduction on (each chunk under virtual stages), or the model.
@@ -174,6 +175,13 @@ struct Trainer::State {
     return sum;
   }
 
+  // The axes' counters, evaluation included.
+  std::map<std::string, comm::Traffic> raw_traffic() const {
+    comm::Traffic dp = mesh.dp()->traffic();
+    for (const auto& c : chunk_dps) dp = dp + c->traffic();
+    return {{"dp", dp}, {"pp", mesh.pp()->traffic()}, {"tp", mesh.tp()->traffic()}};
+  }
+
   double mean_over_dp(double loss) const {
     if (!loss_dp) return loss;
     at::Tensor mean = at::tensor({loss}, at::kDouble);
@@ -250,6 +258,7 @@ double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
 }
 
 double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  const std::map<std::string, comm::Traffic> before = s_->raw_traffic();
   const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
   const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
   double loss = 0;
@@ -259,6 +268,8 @@ double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
     at::NoGradGuard no_grad;
     loss = s_->loss(s_->forward(x), targets).item<double>();
   }
+  // Not training traffic: left out of traffic_by_axis.
+  for (const auto& kv : s_->raw_traffic()) s_->evaluation_traffic[kv.first] = s_->evaluation_traffic[kv.first] + (kv.second - before.at(kv.first));
   return s_->mean_over_dp(loss);
 }
 
@@ -320,12 +331,13 @@ StateBytes Trainer::held_bytes() const {
 }
 
 std::map<std::string, comm::Traffic> Trainer::traffic_by_axis() const {
-  comm::Traffic dp = s_->mesh.dp()->traffic();
-  for (const auto& c : s_->chunk_dps) dp = dp + c->traffic();
-  return {{"dp", dp}, {"pp", s_->mesh.pp()->traffic()}, {"tp", s_->mesh.tp()->traffic()}};
+  std::map<std::string, comm::Traffic> out = s_->raw_traffic();
+  for (auto& kv : out) kv.second = kv.second - s_->evaluation_traffic[kv.first];
+  return out;
 }
 
 void Trainer::reset_traffic() {
+  s_->evaluation_traffic.clear();
   for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp}) s_->mesh.axis(axis)->reset_traffic();
   for (auto& c : s_->chunk_dps) c->reset_traffic();
 }

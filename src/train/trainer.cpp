@@ -83,6 +83,17 @@ bool arm_test_kill(int64_t step) {
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
 
+// --eval-every: the loss of a fixed held-out global batch, from sample 2^40 on
+// (far from any training index; token shards wrap around their windows).
+void record_held_out_loss(const TrainConfig& c, int64_t step, Engine& engine, comm::Communicator& metrics, bool print,
+                          TrainResult& result) {
+  at::Tensor loss = at::tensor({engine.evaluate(int64_t{1} << 40, c.global_batch)}, at::kDouble);
+  metrics.all_reduce(loss);  // the sum of the ranks' contributions, as for the training loss
+  result.eval_steps.push_back(step + 1);
+  result.eval_losses.push_back(loss.item<double>());
+  if (print) std::printf("held-out loss after step %lld: %8.4f\n", static_cast<long long>(step + 1), result.eval_losses.back());
+}
+
 // After a restart, meshrun passes the wall-clock time it detected the failure.
 void report_restart_time() {
   const char* failed = std::getenv("MESHTRAIN_FAILURE_TIME_NS");
@@ -127,6 +138,8 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
       print_progress(c, step, result.losses.back(), result.grad_norms.back(), seconds,
                      std::chrono::duration<double>(Clock::now() - started).count(), step + 1 - resumed.first_step);
     }
+    if (c.eval_every > 0 && ((step + 1) % c.eval_every == 0 || step + 1 == c.steps))
+      record_held_out_loss(c, step, *engine, *metrics, chief && options.verbose, result);
     const bool saved = saver.after_step(step, *engine);
     if (saved && step + 1 < c.steps && regroup_requested(*metrics)) {
       saver.finish();

@@ -135,6 +135,7 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
       auto out = r.full_parameters;
       out["__losses__"] = torch::tensor(r.losses, torch::kDouble);
       out["__grad_norms__"] = torch::tensor(r.grad_norms, torch::kDouble);
+      out["__eval_losses__"] = torch::tensor(r.eval_losses, torch::kDouble);
       save_tensors(shared_dir() + "/result.bin", out);
     }
   }, options);
@@ -160,6 +161,16 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
     const double a = losses[s].item<double>(), b = ref.losses[s];
     EXPECT_LE(std::abs(a - b), tol.loss_atol + tol.loss_rtol * std::abs(b))
         << "step " << s << ": loss " << a << " on " << world << " ranks vs " << b << " in one process";
+  }
+  // --eval-every: the held-out loss, forward only, as one process computes it.
+  at::Tensor evals = got.at("__eval_losses__");
+  got.erase("__eval_losses__");
+  ASSERT_EQ(evals.numel(), static_cast<int64_t>(ref.eval_losses.size()));
+  for (size_t e = 0; e < ref.eval_losses.size(); ++e) {
+    const double a = evals[e].item<double>(), b = ref.eval_losses[e];
+    EXPECT_LE(std::abs(a - b), tol.loss_atol + tol.loss_rtol * std::abs(b))
+        << "held-out loss after step " << ref.eval_steps[e] << ": " << a << " on " << world << " ranks vs " << b
+        << " in one process";
   }
   // The global gradient norm (before clipping) counts every element once on any layout.
   at::Tensor norms = got.at("__grad_norms__");

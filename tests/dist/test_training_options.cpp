@@ -31,6 +31,7 @@ TEST(TrainingOptions, TiedEmbeddingAcrossStagesIsCountedOnce) {
   c.activation_checkpointing = "every-2";
   c.optimizer = "sgd";  // the update is proportional to the clipping coefficient
   c.momentum = 0.9;
+  c.eval_every = 1;  // the held-out loss reads the head's copy, refreshed from the owner after each step
   expect_trains_like_one_process(c, 2);
 }
 
@@ -45,6 +46,7 @@ TEST(TrainingOptions, AccumulationAndMasterDpClipTheWholeStepsGradient) {
   m.strategy = "dp";
   m.clip_grad_norm = 0.5;
   m.optimizer = "sgd";
+  m.eval_every = 2;  // the master evaluates alone
   expect_trains_like_one_process(m, 3);
 }
 
@@ -67,11 +69,58 @@ TEST(TrainingOptions, MetricsReportTheNormOfEveryStep) {
   auto c = tiny_gpt();
   c.dp = 2;
   c.clip_grad_norm = 0.5;
+  c.eval_every = 4;
   const auto m = metrics_on_ranks(c, 2);
   if (::testing::Test::HasFailure() || m.type == meshtrain::json::Value::Type::kNull) return;
   ASSERT_EQ(m["grad_norms"].items.size(), static_cast<size_t>(c.steps));
   for (const auto& n : m["grad_norms"].items) EXPECT_GT(n.number, 0.5);  // clipped: the norm before clipping
   EXPECT_EQ(m["config"]["clip_grad_norm"].number, 0.5);
+  // --eval-every 4: after step 4, 8, ... and the last.
+  std::vector<double> expected;
+  for (int s = 4; s <= c.steps; s += 4) expected.push_back(s);
+  if (c.steps % 4 != 0) expected.push_back(c.steps);
+  ASSERT_EQ(m["eval_steps"].items.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(m["eval_steps"].items[i].number, expected[i]);
+    EXPECT_TRUE(std::isfinite(m["eval_losses"].items[i].number) && m["eval_losses"].items[i].number > 0);
+  }
+}
+
+// The held-out loss is not training: its messages (activations between
+// stages, the tied copy's refresh, ZeRO-3's gathers) stay out of the traffic
+// the metrics report. Under ZeRO-1 the steps' traffic is the same to the
+// byte; under ZeRO-3 a unit kept gathered (the tied embedding) that the
+// evaluation gathered after the last update is not gathered again by the
+// next step: never more than without it.
+TEST(TrainingOptions, HeldOutLossLeavesTheTrainingTrafficAlone) {
+  for (int zero : {1, 3}) {
+    auto c = tiny_gpt();
+    c.dp = 2;
+    c.pp = 2;
+    c.zero = zero;
+    c.microbatches = 2;
+    const auto plain = metrics_on_ranks(c, 4);
+    c.eval_every = 1;
+    const auto evaluated = metrics_on_ranks(c, 4);
+    // (In a rank process both are null: go on to the next run's call.)
+    if (::testing::Test::HasFailure() || plain.type == meshtrain::json::Value::Type::kNull) continue;
+    ASSERT_EQ(evaluated["eval_losses"].items.size(), static_cast<size_t>(c.steps));
+    ASSERT_EQ(plain["ranks"].items.size(), evaluated["ranks"].items.size());
+    for (size_t r = 0; r < plain["ranks"].items.size(); ++r) {
+      for (const char* axis : {"dp", "pp"}) {
+        const auto& a = plain["ranks"].items[r]["traffic_by_axis"][axis]["total"];
+        const auto& b = evaluated["ranks"].items[r]["traffic_by_axis"][axis]["total"];
+        const std::string where = "ZeRO-" + std::to_string(zero) + " rank " + std::to_string(r) + " " + axis;
+        EXPECT_GT(a["calls"].number, 0) << where;
+        if (zero == 1 || std::string(axis) == "pp") {
+          EXPECT_EQ(a["bytes_sent"].number, b["bytes_sent"].number) << where;
+          EXPECT_EQ(a["calls"].number, b["calls"].number) << where;
+        } else {
+          EXPECT_LE(b["bytes_sent"].number, a["bytes_sent"].number) << where;
+        }
+      }
+    }
+  }
 }
 
 // bf16-mixed against a one-process bf16-mixed run. The layouts differ from one

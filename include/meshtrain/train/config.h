@@ -52,6 +52,9 @@ struct TrainConfig {
   std::string activation_checkpointing = "none";
   uint64_t seed = 1234;
   int log_every = 1;
+  // The loss on a fixed held-out global batch (samples from index 2^40 on)
+  // every N steps and after the last, forward only (0: never).
+  int eval_every = 0;
   std::string data;         // text file (byte tokens); empty: built-in synthetic task
   int digits = 1;           // operand digits of the built-in arithmetic task
   std::string metrics_out;  // JSON file

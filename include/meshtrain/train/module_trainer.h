@@ -145,8 +145,8 @@ class Trainer {
   void load_checkpoint(CheckpointReader& reader);
 
   // Figures: bytes of training state this rank holds; traffic by mesh axis
-  // ("dp", "pp", "tp") since the last reset; the pipeline's last timeline and
-  // the most activations it held.
+  // ("dp", "pp", "tp") since the last reset, evaluate's left out; the
+  // pipeline's last timeline and the most activations it held.
   StateBytes held_bytes() const;
   std::map<std::string, comm::Traffic> traffic_by_axis() const;
   void reset_traffic();

@@ -28,6 +28,9 @@ struct TrainResult {
   std::vector<double> losses;      // global-batch loss of steps first_step, first_step + 1, ... (every rank)
   std::vector<double> step_times;  // seconds
   std::vector<double> grad_norms;  // global gradient norm of each step, before clipping
+  // --eval-every: the held-out batch's loss after steps eval_steps (1-based), every rank.
+  std::vector<int64_t> eval_steps;
+  std::vector<double> eval_losses;
   double accuracy = std::numeric_limits<double>::quiet_NaN();
   // The full, unsharded parameters under the single-process model's names (rank 0).
   std::map<std::string, at::Tensor> full_parameters;
