@@ -248,12 +248,12 @@ bool is_container(const torch::nn::Module& m) {
 
 // ZeRO-3's units: the chunk's children holding parameters, by path; a
 // ModuleDict's or ModuleList's children each (a model's blocks).
-void collect_units(const std::shared_ptr<torch::nn::Module>& parent, const std::string& prefix,
+void collect_units(const torch::nn::Module& parent, const std::string& prefix,
                    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& out) {
-  for (const auto& child : parent->named_children()) {
+  for (const auto& child : parent.named_children()) {
     if (child.value()->parameters().empty()) continue;
     const std::string path = prefix + child.key();
-    if (is_container(*child.value())) collect_units(child.value(), path + ".", out);
+    if (is_container(*child.value())) collect_units(*child.value(), path + ".", out);
     else out.emplace_back(path, child.value());
   }
 }
@@ -280,7 +280,7 @@ class FsdpChunk : public ChunkTrainer {
       : ChunkTrainer(std::move(module)), dp_(std::move(dp)) {
     auto options = zero::FullyShardOptions().param_dtype(o.param_dtype());
     std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> units;
-    collect_units(module_, "", units);
+    collect_units(*module_, "", units);
     const auto sharing = sharing_units(units);
     for (const auto& unit : units) {
       if (sharing.count(unit.second.get())) continue;
@@ -329,6 +329,14 @@ class FsdpChunk : public ChunkTrainer {
 };
 
 }  // namespace
+
+std::vector<std::string> shard_unit_paths(const torch::nn::Module& chunk) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> units;
+  collect_units(chunk, "", units);
+  std::vector<std::string> paths;
+  for (const auto& unit : units) paths.push_back(unit.first);
+  return paths;
+}
 
 std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainerOptions& options,
                                                  const Trainer::MakeOptimizer& make_optimizer,

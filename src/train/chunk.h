@@ -62,6 +62,10 @@ class ChunkTrainer {
   std::shared_ptr<torch::nn::Module> module_;
 };
 
+// ZeRO-3's units in a chunk, by path: its children holding parameters (a
+// ModuleDict's or ModuleList's children each).
+std::vector<std::string> shard_unit_paths(const torch::nn::Module& chunk);
+
 // `stepped_elsewhere`: parameters an earlier chunk of this rank steps (a tied
 // weight two chunks share, without a wrapper along dp); the new chunk adds its own.
 std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainerOptions& options,

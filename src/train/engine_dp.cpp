@@ -90,13 +90,19 @@ class MasterDpEngine : public Engine {
     return comm_->rank() == 0 ? clone_all(stepped_) : std::map<std::string, at::Tensor>{};
   }
 
-  // The master holds the model it steps: it evaluates alone.
+  // The master holds the model it steps: it evaluates alone, in the chunks
+  // it reads training batches in.
   double evaluate(int64_t first, int64_t count) override {
     if (comm_->rank() != 0) return 0.0;
     at::NoGradGuard no_grad;
-    const Batch b = data_->samples(first, count);
-    const at::Tensor x = mixed_ && b.inputs.is_floating_point() ? b.inputs.to(at::kBFloat16) : b.inputs;
-    return models::loss(c_.model, model_->forward(x).to(at::kFloat), b.targets).item<double>();
+    const int64_t chunk = c_.dp * c_.micro_batch, chunks = count / chunk;
+    double loss = 0;
+    for (int64_t j = 0; j < chunks; ++j) {
+      const Batch b = data_->samples(first + j * chunk, chunk);
+      const at::Tensor x = mixed_ && b.inputs.is_floating_point() ? b.inputs.to(at::kBFloat16) : b.inputs;
+      loss += models::loss(c_.model, model_->forward(x).to(at::kFloat), b.targets).item<double>() / chunks;
+    }
+    return loss;
   }
 
   double last_grad_norm() const override { return grad_norm_; }

@@ -27,6 +27,19 @@ std::vector<int64_t> balanced_split(torch::nn::SequentialImpl& model, int stages
   return std::vector<int64_t>(bounds.begin() + 1, bounds.end() - 1);
 }
 
+// Modules in eval mode for an evaluation, as they were after it.
+class EvalMode {
+ public:
+  explicit EvalMode(std::shared_ptr<torch::nn::Module> m) : module_(std::move(m)), was_training_(module_->is_training()) {
+    module_->eval();
+  }
+  ~EvalMode() { module_->train(was_training_); }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  bool was_training_;
+};
+
 // Gradient reduction off for the micro-batches that only accumulate; back on
 // however the step ends.
 class SyncOnLast {
@@ -80,8 +93,8 @@ struct Trainer::State {
   void wrap_data_axis() {
     std::vector<std::shared_ptr<torch::nn::Module>> units{root};
     if (pipeline && pipeline_options.virtual_stages() > 1) units = pipeline->chunks();
+    check_keep_gathered(units);  // collective over pp: before any refusal one rank alone could raise
     refuse_shared_across_chunks(units);
-    check_keep_gathered(units);
     std::set<const void*> stepped;
     for (size_t k = 0; k < units.size(); ++k)
       chunks.push_back(make_chunk_trainer(options, make_optimizer, units[k], chunk_dp(k), stepped));
@@ -118,15 +131,18 @@ struct Trainer::State {
                     options.zero(), "); leave it empty");
     std::string found;
     for (const std::string& path : options.keep_gathered())
-      for (const auto& unit : units)
-        if (unit->named_modules().contains(path)) found += path + "\n";
+      for (const auto& unit : units) {
+        const std::vector<std::string> paths = shard_unit_paths(*unit);
+        if (std::count(paths.begin(), paths.end(), path)) found += path + "\n";
+      }
     const std::vector<std::string> all = comm::all_gather_strings(*mesh.pp(), found);
     for (const std::string& path : options.keep_gathered()) {
       const bool held = std::any_of(all.begin(), all.end(), [&](const std::string& f) {
         return f.find(path + "\n") == 0 || f.find("\n" + path + "\n") != std::string::npos;
       });
-      MESHTRAIN_CHECK(held, "train::Trainer: keep_gathered path '", path, "' is no module of any pipeline stage; "
-                      "give a child's path in its stage (\"embed\", \"blocks.0\")");
+      MESHTRAIN_CHECK(held, "train::Trainer: keep_gathered path '", path, "' is no ZeRO-3 unit of any pipeline "
+                      "stage; give the path of a child with parameters in its stage (\"embed\", \"blocks.0\": a "
+                      "ModuleDict's or ModuleList's children, not the container)");
     }
   }
 
@@ -173,6 +189,16 @@ struct Trainer::State {
       sum += l.item<double>();
     }
     return sum;
+  }
+
+  // Checked before any communication, so a batch the micro-batches do not
+  // divide fails on the ranks holding it, never half-way through a pipeline.
+  void check_divides(const at::Tensor& inputs, const at::Tensor& targets) const {
+    for (const at::Tensor* t : {&inputs, &targets}) {
+      MESHTRAIN_CHECK(!t->defined() || (t->dim() >= 1 && t->size(0) % microbatches == 0), "train::Trainer: a batch "
+                      "of ", t->dim() >= 1 ? t->size(0) : 0, " samples does not divide into ", microbatches,
+                      " micro-batches; pass a multiple of ", microbatches, " per data-parallel rank");
+    }
   }
 
   // The axes' counters, evaluation included.
@@ -238,14 +264,7 @@ Trainer::Trainer(Trainer&&) noexcept = default;
 Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
 double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
-  // Checked before any communication, so a batch the micro-batches do not
-  // divide fails on the ranks holding it, never half-way through a pipeline.
-  const int64_t M = s_->microbatches;
-  for (const at::Tensor* t : {&inputs, &targets}) {
-    MESHTRAIN_CHECK(!t->defined() || (t->dim() >= 1 && t->size(0) % M == 0), "train::Trainer: a batch of ",
-                    t->dim() >= 1 ? t->size(0) : 0, " samples does not divide into ", M, " micro-batches; pass a "
-                    "multiple of ", M, " per data-parallel rank");
-  }
+  s_->check_divides(inputs, targets);
   for (auto& chunk : s_->chunks) chunk->zero_grad();
   const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
   const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
@@ -258,15 +277,22 @@ double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
 }
 
 double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  const int64_t M = s_->microbatches;
+  s_->check_divides(inputs, targets);
   const std::map<std::string, comm::Traffic> before = s_->raw_traffic();
   const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
   const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
+  EvalMode eval_mode(s_->root);  // Dropout off, BatchNorm's running statistics read, not updated
+  // The micro-batches one at a time, as training holds them (the mean of equal parts' means).
+  auto part = [M](const at::Tensor& t, int64_t j) { return t.defined() ? t.chunk(M, 0)[j] : t; };
   double loss = 0;
-  if (s_->pipeline) {
-    loss = s_->pipeline->evaluate(x, targets);
-  } else {
-    at::NoGradGuard no_grad;
-    loss = s_->loss(s_->forward(x), targets).item<double>();
+  for (int64_t j = 0; j < M; ++j) {
+    if (s_->pipeline) {
+      loss += s_->pipeline->evaluate(part(x, j), part(targets, j)) / M;
+    } else {
+      at::NoGradGuard no_grad;
+      loss += s_->loss(s_->forward(part(x, j)), part(targets, j)).item<double>() / M;
+    }
   }
   // Not training traffic: left out of traffic_by_axis.
   for (const auto& kv : s_->raw_traffic()) s_->evaluation_traffic[kv.first] = s_->evaluation_traffic[kv.first] + (kv.second - before.at(kv.first));

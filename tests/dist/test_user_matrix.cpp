@@ -312,7 +312,34 @@ TEST(UserTrainer, WhatItCannotDoIsRefusedWhenMade) {
       refused(trainer_options({2, 1, 1, z, "interleaved"}), "parameter '7.weight' of chunk 1 is '0.weight' of chunk 0");
     }
     refused(trainer_options({2, 1, 1, 3, "1f1b"}).keep_gathered({"7.weigth"}), "keep_gathered path '7.weigth'");
+    // A module inside a unit is no unit: keeping it gathered would do nothing.
+    refused(trainer_options({2, 1, 1, 3, "1f1b"}).keep_gathered({"1.fc1"}), "keep_gathered path '1.fc1'");
     refused(trainer_options({2, 1, 1, 1, "1f1b"}).keep_gathered({"0"}), "keep_gathered applies to ZeRO-3");
+    comm.barrier();
+  });
+}
+
+// evaluate puts the model in eval mode (Dropout off) and back: the held-out
+// loss is one process's in eval mode, and training goes on in training mode.
+TEST(UserTrainer, EvaluateRunsInEvalMode) {
+  auto make = [] {
+    torch::manual_seed(8);
+    return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Dropout(0.5), torch::nn::Linear(16, 3));
+  };
+  torch::manual_seed(9);
+  const torch::Tensor x = torch::randn({8, 6}), y = torch::randn({8, 3});
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
+  auto ref = make();
+  ref->eval();
+  const double expected = mse(ref->forward(x), y).item<double>();
+  run_ranks(2, [&](Communicator& comm) {
+    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}), meshtrain::mesh::MeshLayout(2, 2, 1, 1));
+    auto sgd = [](std::vector<torch::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, 0.1); };
+    meshtrain::train::Trainer trainer(make(), mesh, mse, sgd, meshtrain::train::TrainerOptions().pipeline(
+                                                                   pp::PipelineOptions().microbatches(2)));
+    const double got = trainer.evaluate(x.chunk(2, 0)[comm.rank()], y.chunk(2, 0)[comm.rank()]);
+    EXPECT_NEAR(got, expected, 1e-6);
+    EXPECT_TRUE(trainer.module()->is_training()) << "evaluate left the model in eval mode";
     comm.barrier();
   });
 }

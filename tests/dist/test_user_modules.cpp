@@ -972,7 +972,9 @@ TEST(UserModules, PipelineOfStagesEachRankBuiltMatchesOneProcess) {
     EXPECT_EQ(params.size(), whole_name.size()) << where;
     for (const auto& kv : whole_name)
       EXPECT_TRUE(torch::allclose(params[kv.first], ref.params.at(kv.second), 1e-5, 1e-6)) << where << " " << kv.first;
-    if (head) EXPECT_TRUE(torch::allclose(head->weight, ref.params.at("4.weight"), 1e-5, 1e-6)) << "the copy after sync_tied";
+    if (head) {
+      EXPECT_TRUE(torch::allclose(head->weight, ref.params.at("4.weight"), 1e-5, 1e-6)) << "the copy after sync_tied";
+    }
   });
   run_ranks(2, [&](Communicator& comm) {
     torch::nn::Sequential mine(torch::nn::Linear(8, 8));

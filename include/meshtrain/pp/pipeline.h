@@ -31,8 +31,7 @@
 // zero::fully_shard) reduces the sum. Between steps, read the owner's value,
 // or call sync_tied() on every pipeline rank to bring the copies up to date
 // (after the last step, or after loading a checkpoint into the owner).
-// Its messages use pp::user_tag ids from kEvalTag (kTiedTagBase - 1) on: keep
-// clear of them.
+// Its messages use pp::user_tag ids from kTiedTagBase on: keep clear of them.
 //
 // Composes without hooks: wrap the stage with dp::replicate (or ZeRO 1/2, or
 // zero::fully_shard its children) along the data axis, and step() pauses
@@ -141,10 +140,11 @@ class Pipeline {
   // undefined tensors). Returns the batch loss on every rank of the pipeline.
   double step(const at::Tensor& inputs, const at::Tensor& targets);
 
-  // The loss of the whole batch, forward only (no gradients, no micro-batches:
-  // one forward through the stages in order, so pass a batch that fits), on
-  // every rank of the pipeline; the tied copies take their owner's value
-  // first. For validation between steps.
+  // The loss of the batch, forward only (no gradients, no micro-batches: one
+  // forward through the stages in order, so pass a batch that fits), on every
+  // rank of the pipeline; the tied copies take their owner's value first. For
+  // validation between steps (put the modules in eval mode for Dropout and
+  // BatchNorm: train::Trainer::evaluate does).
   double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
 
   // The copies of tied parameters take their owner's value (every rank of the
@@ -154,7 +154,7 @@ class Pipeline {
   const std::vector<TraceEvent>& last_trace() const { return last_.events; }
   int max_activations_in_flight() const { return last_.max_in_flight; }
   static constexpr int kTiedTagBase = 1 << 20;
-  static constexpr int kEvalTag = kTiedTagBase - 1;
+  static constexpr int kEvalTag = kTiedTagBase;  // the tied groups' tags start after it
 
  private:
   // Note [Tied parameters across stages] (src/pp/pipeline.cpp).

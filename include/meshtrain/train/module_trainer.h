@@ -119,8 +119,10 @@ class Trainer {
   // axes' traffic is the training's alone).
   double step(const at::Tensor& inputs, const at::Tensor& targets);
   // The mean loss over the dp ranks' batches without training (no gradients,
-  // no step), on every rank: a validation loss. One forward of the whole
-  // batch (through the pipeline's stages in order): pass one that fits.
+  // no step), on every rank: a validation loss. The modules are in eval mode
+  // meanwhile (Dropout off, BatchNorm's running statistics read); the batch
+  // goes through in the micro-batches, one at a time (through a pipeline's
+  // stages in order, pp::Pipeline::evaluate).
   double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
   // Every optimizer uses `lr` from the next step on.
   void set_learning_rate(double lr);
@@ -145,8 +147,10 @@ class Trainer {
   void load_checkpoint(CheckpointReader& reader);
 
   // Figures: bytes of training state this rank holds; traffic by mesh axis
-  // ("dp", "pp", "tp") since the last reset, evaluate's left out; the
-  // pipeline's last timeline and the most activations it held.
+  // ("dp", "pp", "tp") since reset_traffic (reset through it, not the
+  // communicators), evaluate's left out (under ZeRO-3 a unit it leaves
+  // gathered saves the next step its gather); the pipeline's last timeline
+  // and the most activations it held.
   StateBytes held_bytes() const;
   std::map<std::string, comm::Traffic> traffic_by_axis() const;
   void reset_traffic();
