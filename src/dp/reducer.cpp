@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <set>
 
 #include "meshtrain/dp/buckets.h"
@@ -105,6 +106,11 @@ void Reducer::launch_full_buckets_in_order() {
 
 void Reducer::mark_unused_from_graph(const std::vector<at::Tensor>& outputs) {
   if (!options_.find_unused_parameters() || !sync_) return;
+  // Outputs without a graph (a forward under NoGradGuard or InferenceMode: an
+  // evaluation) have no backward to come: marking every parameter unused
+  // would start reductions no other rank's backward matches.
+  if (std::none_of(outputs.begin(), outputs.end(), [](const at::Tensor& o) { return o.defined() && o.grad_fn(); }))
+    return;
   // Walk the graph from the outputs; a parameter whose AccumulateGrad node is
   // not reached gets no gradient this iteration.
   std::set<torch::autograd::Node*> seen;

@@ -139,6 +139,10 @@ TEST(DataParallel, UnusedAndTiedParametersMatchOneProcess) {
         return y.pow(2).mean() / micro;
       };
       for (int step = 0; step < 6; ++step) {
+        {  // an evaluation between steps: no graph, so no backward follows and nothing is reduced
+          at::NoGradGuard no_grad;
+          ddp.forward([&] { return model->forward(batch_of(comm.rank(), 99), uses_maybe(comm.rank(), step)); });
+        }
         opt.zero_grad();
         for (int k = 0; k < micro - 1; ++k) {
           auto guard = wrapped.no_sync();

@@ -72,7 +72,8 @@ class DistributedDataParallel {
   // Runs fn (the module's forward), then post_forward() on its outputs. Needed
   // only with find_unused_parameters, to reduce unused parameters' buckets
   // early and to let a rank whose backward reaches no parameter take part;
-  // otherwise call the module's forward directly.
+  // otherwise call the module's forward directly. Outputs without a graph (an
+  // evaluation under NoGradGuard) are left alone: no backward follows them.
   template <typename Fn>
   auto forward(Fn&& fn) -> decltype(fn()) {
     auto out = fn();
