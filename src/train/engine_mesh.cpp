@@ -92,21 +92,15 @@ class MeshEngine : public Engine {
                                          trainer_options(c, tied && !(first_ && last_)));
   }
 
+  // The trainer returns the global-batch loss on every rank; rank 0 contributes it.
   double step(int64_t step) override {
-    const int64_t local = c_.global_batch / c_.dp;
-    const int64_t first = step * c_.global_batch + mesh_.coord().dp * local;
-    // A pipeline reads the inputs on its first stage and the targets on its last.
-    const bool pipelined = c_.pp * c_.virtual_stages > 1;
-    Batch b = !pipelined || first_ || last_ ? data_->samples(first, local) : Batch{};
+    const Batch b = my_samples(step * c_.global_batch, c_.global_batch);
     const double loss = trainer_->step(b.inputs, b.targets);
-    // The trainer returns the global-batch loss on every rank; rank 0 contributes it.
     return mesh_.world()->rank() == 0 ? loss : 0.0;
   }
 
   double evaluate(int64_t first, int64_t count) override {
-    const int64_t local = count / c_.dp;
-    Batch b = c_.pp * c_.virtual_stages == 1 || first_ || last_ ? data_->samples(first + mesh_.coord().dp * local, local)
-                                                                : Batch{};
+    const Batch b = my_samples(first, count);
     const double loss = trainer_->evaluate(b.inputs, b.targets);
     return mesh_.world()->rank() == 0 ? loss : 0.0;
   }
@@ -128,6 +122,14 @@ class MeshEngine : public Engine {
   void load_checkpoint(CheckpointReader& reader) override { trainer_->load_checkpoint(reader); }
 
  private:
+  // This dp rank's slice of global samples [first, first + count); a
+  // pipeline reads the inputs on its first stage and the targets on its last.
+  Batch my_samples(int64_t first, int64_t count) const {
+    const int64_t local = count / c_.dp;
+    const bool pipelined = c_.pp * c_.virtual_stages > 1;
+    return !pipelined || first_ || last_ ? data_->samples(first + mesh_.coord().dp * local, local) : Batch{};
+  }
+
   std::shared_ptr<models::GptHeadImpl> head() {
     const models::Stage& stage = stages_.at(c_.pp * c_.virtual_stages - 1);
     return std::dynamic_pointer_cast<models::GptHeadImpl>(stage->piece(stage->num_pieces() - 1));

@@ -41,15 +41,21 @@ class EvalMode {
 };
 
 // Gradient reduction off for the micro-batches that only accumulate; back on
-// however the step ends.
+// however the step ends (untouched when never set).
 class SyncOnLast {
  public:
   explicit SyncOnLast(const torch::nn::Module& module) : module_(module) {}
-  ~SyncOnLast() { dp::set_gradient_sync(module_, true); }
-  void set(bool on) { dp::set_gradient_sync(module_, on); }
+  ~SyncOnLast() {
+    if (set_) dp::set_gradient_sync(module_, true);
+  }
+  void set(bool on) {
+    set_ = true;
+    dp::set_gradient_sync(module_, on);
+  }
 
  private:
   const torch::nn::Module& module_;
+  bool set_ = false;
 };
 
 }  // namespace
@@ -170,21 +176,26 @@ struct Trainer::State {
     return p;
   }
 
+  // Float inputs enter in the compute dtype (mixed precision).
+  at::Tensor in_compute_dtype(const at::Tensor& inputs) const {
+    const c10::optional<at::ScalarType> dtype = options.param_dtype();
+    return dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
+  }
+
+  // Micro-batch j of a batch (undefined stays undefined: a pipeline rank without inputs or targets).
+  at::Tensor micro_batch(const at::Tensor& t, int64_t j) const {
+    return t.defined() ? t.chunk(microbatches, 0)[j] : t;
+  }
+
   // Without a pipeline: the micro-batches' gradients accumulate, reduced on
   // the last (ZeRO-2/3: every one). Returns the batch's mean loss.
   double accumulate(const at::Tensor& inputs, const at::Tensor& targets) {
     const int64_t M = microbatches;
-    if (M == 1) {
-      at::Tensor l = loss(forward(inputs), targets);
-      l.backward();
-      return l.item<double>();
-    }
-    const std::vector<at::Tensor> xs = inputs.split(inputs.size(0) / M), ts = targets.split(targets.size(0) / M);
     SyncOnLast sync(*root);
     double sum = 0;
     for (int64_t j = 0; j < M; ++j) {
-      sync.set(pipeline_options.reduce_every_microbatch() || j + 1 == M);
-      at::Tensor l = loss(forward(xs[j]), ts[j]) / M;
+      if (M > 1) sync.set(pipeline_options.reduce_every_microbatch() || j + 1 == M);
+      at::Tensor l = loss(forward(micro_batch(inputs, j)), micro_batch(targets, j)) / M;
       l.backward();
       sum += l.item<double>();
     }
@@ -266,8 +277,7 @@ Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
   s_->check_divides(inputs, targets);
   for (auto& chunk : s_->chunks) chunk->zero_grad();
-  const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
-  const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
+  const at::Tensor x = s_->in_compute_dtype(inputs);
   double loss = s_->pipeline ? s_->pipeline->step(x, targets) : s_->accumulate(x, targets);
   for (auto& chunk : s_->chunks) chunk->finish_gradients();
   if (s_->options.clip_grad_norm() > 0 || s_->options.measure_grad_norm())
@@ -280,22 +290,24 @@ double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
   const int64_t M = s_->microbatches;
   s_->check_divides(inputs, targets);
   const std::map<std::string, comm::Traffic> before = s_->raw_traffic();
-  const c10::optional<at::ScalarType> dtype = s_->options.param_dtype();
-  const at::Tensor x = dtype && inputs.defined() && inputs.is_floating_point() ? inputs.to(*dtype) : inputs;
+  const at::Tensor x = s_->in_compute_dtype(inputs);
   EvalMode eval_mode(s_->root);  // Dropout off, BatchNorm's running statistics read, not updated
   // The micro-batches one at a time, as training holds them (the mean of equal parts' means).
-  auto part = [M](const at::Tensor& t, int64_t j) { return t.defined() ? t.chunk(M, 0)[j] : t; };
   double loss = 0;
   for (int64_t j = 0; j < M; ++j) {
+    const at::Tensor xj = s_->micro_batch(x, j), tj = s_->micro_batch(targets, j);
     if (s_->pipeline) {
-      loss += s_->pipeline->evaluate(part(x, j), part(targets, j)) / M;
+      loss += s_->pipeline->evaluate(xj, tj) / M;
     } else {
       at::NoGradGuard no_grad;
-      loss += s_->loss(s_->forward(part(x, j)), part(targets, j)).item<double>() / M;
+      loss += s_->loss(s_->forward(xj), tj).item<double>() / M;
     }
   }
   // Not training traffic: left out of traffic_by_axis.
-  for (const auto& kv : s_->raw_traffic()) s_->evaluation_traffic[kv.first] = s_->evaluation_traffic[kv.first] + (kv.second - before.at(kv.first));
+  for (const auto& kv : s_->raw_traffic()) {
+    comm::Traffic& excluded = s_->evaluation_traffic[kv.first];
+    excluded = excluded + (kv.second - before.at(kv.first));
+  }
   return s_->mean_over_dp(loss);
 }
 
