@@ -65,7 +65,20 @@ void validate(const ModelConfig& c, int tp_size, bool sequence_parallel) {
   check_tp(c, tp_size, sequence_parallel);
 }
 
-int64_t num_pieces(const ModelConfig& c) { return c.kind == "gpt" ? c.layers + 2 : c.layers; }
+int64_t num_pieces(const ModelConfig& c) { return is_language_model(c) ? c.layers + 2 : c.layers; }
+
+bool is_language_model(const ModelConfig& c) { return c.kind != "mlp"; }
+
+int64_t padded_vocab(const ModelConfig& c) { return c.kind == "gpt2" ? (c.vocab + 127) / 128 * 128 : c.vocab; }
+
+int64_t kv_heads(const ModelConfig& c) { return c.kv_heads > 0 ? c.kv_heads : c.heads; }
+
+int64_t ffn_hidden(const ModelConfig& c) {
+  if (c.ffn_hidden > 0) return c.ffn_hidden;
+  if (c.kind != "llama") return 4 * c.hidden;
+  const int64_t two_thirds = 2 * (4 * c.hidden) / 3;  // Meta's SwiGLU size, rounded up to a multiple of 32 (llama2.c's multiple_of)
+  return (two_thirds + 31) / 32 * 32;
+}
 
 namespace {
 

@@ -23,14 +23,20 @@ namespace meshtrain {
 namespace models {
 
 struct ModelConfig {
-  std::string kind = "gpt";  // "gpt" or "mlp"
-  // GPT
-  int64_t vocab = 128;
-  int64_t seq_len = 32;
+  // "gpt" (the small built-in GPT), "gpt2" (GPT-2 as llm.c and Hugging Face's
+  // GPT2LMHeadModel), "llama" (Hugging Face's LlamaForCausalLM) or "mlp".
+  std::string kind = "gpt";
+  // Language models
+  int64_t vocab = 128;     // tokens the model predicts (gpt2: the embedding is padded_vocab rows)
+  int64_t seq_len = 32;    // the longest sequence (gpt, gpt2: rows of the position table)
   int64_t hidden = 64;
   int64_t heads = 4;
+  int64_t kv_heads = 0;    // llama: key/value heads (grouped-query attention); 0: heads
+  int64_t ffn_hidden = 0;  // the MLP's inner size; 0: 4 x hidden (gpt, gpt2), Meta's 8/3 x hidden rounded up to 32 (llama)
   int64_t layers = 2;
   bool tie_embeddings = true;
+  double rope_theta = 10000.0;  // llama: rotary base
+  double norm_eps = 1e-5;       // LayerNorm (gpt, gpt2) and RMSNorm (llama) epsilon
   // MLP: `layers` linear layers in -> hidden -> ... -> classes
   int64_t features = 32;
   int64_t classes = 8;
@@ -68,6 +74,15 @@ at::Tensor loss(const ModelConfig& config, const at::Tensor& output, const at::T
 std::map<std::string, tp::Style> tp_plan(const ModelConfig& config, torch::nn::Module& stage, bool sequence_parallel);
 // Parameter count of the whole (unsharded) model.
 int64_t parameter_count(const ModelConfig& config);
+// Whether the model reads token ids and predicts the next token (gpt, gpt2, llama).
+bool is_language_model(const ModelConfig& config);
+// Rows of the token embedding (and of a tied head): gpt2 pads the vocabulary to
+// a multiple of 128 as llm.c does (50257 -> 50304); the padded rows are never
+// predicted (the loss's softmax runs over the first `vocab`). Others: vocab.
+int64_t padded_vocab(const ModelConfig& config);
+// kv_heads and ffn_hidden with their defaults applied.
+int64_t kv_heads(const ModelConfig& config);
+int64_t ffn_hidden(const ModelConfig& config);
 
 // ---- GPT pieces (exposed for users who assemble their own models).
 
