@@ -114,7 +114,7 @@ bool is_checkpointed_piece(const ModelConfig& c, const std::string& policy, int6
   const int period = checkpointing_period(policy);
   if (period == 0) return false;
   int64_t block = piece;  // MLP: every layer is a block
-  if (c.kind == "gpt") {
+  if (is_language_model(c)) {
     if (piece == 0 || piece == num_pieces(c) - 1) return false;  // embedding, head
     block = piece - 1;
   }

@@ -154,7 +154,9 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
     at::Tensor local_target = targets - start;
     at::Tensor mine = (local_target >= 0) & (local_target < local_v);
     at::Tensor safe = local_target.clamp(0, local_v - 1);
-    at::Tensor target_logit = x.gather(1, safe.unsqueeze(1)).squeeze(1) * mine.to(x.scalar_type());
+    // where, not a product with the mask: another rank's -inf logit (a padded
+    // vocabulary row, models::predicted_logits) times 0 would be NaN.
+    at::Tensor target_logit = at::where(mine, x.gather(1, safe.unsqueeze(1)).squeeze(1), at::zeros_like(max));
     tp.all_reduce(target_logit);
     at::Tensor loss = (sum.log() - target_logit).mean();
     at::Tensor grad = exp / sum.unsqueeze(1);

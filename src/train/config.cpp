@@ -38,15 +38,24 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
   };
   return {
       {"model",
-       {store("--model", "gpt|mlp", "the built-in model (default gpt)", m.kind),
-        store("--layers", "N", "GPT blocks / MLP hidden layers", m.layers),
+       {store("--model", "gpt|gpt2|llama|mlp", "the built-in model: a small GPT, GPT-2 (as llm.c), Llama (as Hugging "
+              "Face's), an MLP (default gpt)", m.kind),
+        store("--layers", "N", "blocks (language models) / layers (mlp)", m.layers),
         store("--hidden", "H", "hidden size", m.hidden),
-        store("--heads", "A", "attention heads (gpt)", m.heads),
-        store("--vocab", "V", "vocabulary (gpt)", m.vocab),
-        store("--seq-len", "T", "sequence length (gpt)", m.seq_len),
+        store("--heads", "A", "attention heads", m.heads),
+        store("--kv-heads", "K", "llama: key/value heads, grouped-query attention (default: --heads)", m.kv_heads),
+        store("--ffn-hidden", "F", "the MLP's inner size (default: 4 x hidden; llama: 8/3 x hidden rounded up to 32)",
+              m.ffn_hidden),
+        store("--vocab", "V", "vocabulary (default: from the data's shards, else 128)", m.vocab),
+        store("--seq-len", "T", "tokens per sample", m.seq_len),
+        store("--max-positions", "P", "positions the model takes (default: --seq-len)", m.max_positions),
+        store("--rope-theta", "R", "llama: rotary base (Llama 2: 10000, Llama 3: 500000)", m.rope_theta),
         store("--features", "F", "input features (mlp)", m.features),
         store("--classes", "C", "classes (mlp)", m.classes),
-        turn("--untied", "the GPT head gets its own weight (default: tied to the embedding)", m.tie_embeddings, false)}},
+        Flag{"--untied", "", "the LM head gets its own weight (default for llama)",
+             [&c](const std::string&, const std::string&) { c.tie = "untied"; }},
+        Flag{"--tied", "", "the LM head is the token embedding (default for gpt and gpt2)",
+             [&c](const std::string&, const std::string&) { c.tie = "tied"; }}}},
       {"layout",
        {store("--dp", "D", "data-parallel degree (default: world / (pp x tp))", c.dp),
         store("--pp", "P", "pipeline stages (default 1)", c.pp),
@@ -156,7 +165,8 @@ namespace {
 // Each flag's value on its own: known names, ranges.
 void check_values(const TrainConfig& c) {
   const auto& m = c.model;
-  MESHTRAIN_CHECK(m.kind == "gpt" || m.kind == "mlp", "--model '", m.kind, "' is unknown; use gpt or mlp");
+  MESHTRAIN_CHECK(m.kind == "gpt" || m.kind == "gpt2" || m.kind == "llama" || m.kind == "mlp", "--model '", m.kind,
+                  "' is unknown; use gpt, gpt2, llama or mlp");
   MESHTRAIN_CHECK(c.strategy == "ddp" || c.strategy == "dp", "--strategy '", c.strategy,
                   "' is unknown; use ddp (DistributedDataParallel) or dp (the article's master DP)");
   MESHTRAIN_CHECK(c.zero >= 0 && c.zero <= 3, "--zero ", c.zero, " must be 0, 1, 2 or 3");
@@ -237,7 +247,7 @@ void resolve_batches(TrainConfig& c) {
     pp::validate(pp::ScheduleSpec{c.schedule, c.pp, c.microbatches, c.virtual_stages});
     if (!c.stage_boundaries.empty()) pp::partition_explicit(c.stage_boundaries, models::num_pieces(m), c.pp * c.virtual_stages);
     MESHTRAIN_CHECK(models::num_pieces(m) >= c.pp * c.virtual_stages, "the model has ", models::num_pieces(m),
-                    " pieces (", m.kind == "gpt" ? "embedding, blocks, head" : "layers", "), fewer than pp x virtual "
+                    " pieces (", models::is_language_model(m) ? "embedding, blocks, head" : "layers", "), fewer than pp x virtual "
                     "stages = ", c.pp * c.virtual_stages, "; use more --layers or fewer stages");
   } else {
     if (c.micro_batch == 0) c.micro_batch = local;
@@ -257,7 +267,8 @@ void resolve_batches(TrainConfig& c) {
 void resolve_data(TrainConfig& c) {
   if (c.data.empty()) return;
   if (data_is_token_shards(c.data)) {
-    MESHTRAIN_CHECK(c.model.kind == "gpt", "--data ", c.data, ": token shards need --model gpt");
+    MESHTRAIN_CHECK(models::is_language_model(c.model), "--data ", c.data, ": token shards need a language model "
+                    "(--model gpt, gpt2 or llama)");
     return check_token_shards(expand_data_paths(c.data), c.model.vocab, c.model.seq_len);
   }
   MESHTRAIN_CHECK(files::exists(c.data), "--data ", c.data,
@@ -266,14 +277,17 @@ void resolve_data(TrainConfig& c) {
   struct stat st{};
   MESHTRAIN_CHECK(::stat(c.data.c_str(), &st) == 0 && S_ISREG(st.st_mode), "--data ", c.data,
                   " is not a regular file (a directory or a device); give a text file, or shards as 'dir/*.bin'");
-  if (c.model.kind == "gpt") c.model.vocab = std::max<int64_t>(c.model.vocab, 256);  // byte tokens
+  if (models::is_language_model(c.model)) c.model.vocab = std::max<int64_t>(c.model.vocab, 256);  // byte tokens
 }
 
 // The model against the layout, and the data.
 void resolve_model(TrainConfig& c) {
+  MESHTRAIN_CHECK(c.tie.empty() || models::is_language_model(c.model), "--", c.tie, " is for language models "
+                  "(--model gpt, gpt2 or llama)");
+  c.model.tie_embeddings = c.tie.empty() ? c.model.kind != "llama" : c.tie == "tied";
   resolve_data(c);
   // The built-in task's text is ASCII digits, '+', '=' and newlines: byte tokens below 64.
-  MESHTRAIN_CHECK(!c.data.empty() || c.model.kind != "gpt" || c.model.vocab >= 64, "--vocab ", c.model.vocab,
+  MESHTRAIN_CHECK(!c.data.empty() || !models::is_language_model(c.model) || c.model.vocab >= 64, "--vocab ", c.model.vocab,
                   " is too small for the built-in task's byte tokens (up to 63); give --vocab 64 or more");
   c.model.seed = c.seed;
   models::validate(c.model, c.tp, c.sequence_parallel);
@@ -302,9 +316,12 @@ int64_t accumulation_steps(const TrainConfig& c) { return c.global_batch / c.dp 
 std::string to_json(const TrainConfig& c) {
   json::Object model;
   model.str("kind", c.model.kind).integer("layers", c.model.layers).integer("hidden", c.model.hidden);
-  if (c.model.kind == "gpt") {
-    model.integer("heads", c.model.heads).integer("vocab", c.model.vocab).integer("seq_len", c.model.seq_len)
-        .boolean("tie_embeddings", c.model.tie_embeddings);
+  if (models::is_language_model(c.model)) {
+    const models::ModelConfig& m = c.model;
+    model.integer("heads", m.heads).integer("kv_heads", models::kv_heads(m)).integer("ffn_hidden", models::ffn_hidden(m))
+        .integer("vocab", m.vocab).integer("seq_len", m.seq_len).integer("max_positions", models::max_positions(m))
+        .boolean("tie_embeddings", m.tie_embeddings).num("norm_eps", m.norm_eps);
+    if (m.kind == "llama") model.num("rope_theta", m.rope_theta);
   } else {
     model.integer("features", c.model.features).integer("classes", c.model.classes);
   }

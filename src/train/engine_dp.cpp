@@ -174,7 +174,7 @@ std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
     if (data_is_token_shards(c.data)) return make_token_shard_dataset(expand_data_paths(c.data), c.model.seq_len);
     return make_text_dataset(c.data, c.seed, c.model.seq_len);
   }
-  if (c.model.kind == "gpt") return make_arithmetic_dataset(c.seed, c.model.seq_len, c.digits);
+  if (models::is_language_model(c.model)) return make_arithmetic_dataset(c.seed, c.model.seq_len, c.digits);
   return make_classification_dataset(c.seed, c.model.features, c.model.classes);
 }
 

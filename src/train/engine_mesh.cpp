@@ -33,7 +33,7 @@ std::vector<int64_t> piece_costs(const models::ModelConfig& m) {
   for (int64_t i = 0; i < models::num_pieces(m); ++i) {
     int64_t n = 0;
     for (const auto& p : models::build_stage(m, i, i + 1)->parameters()) n += p.numel();
-    if (m.kind == "gpt" && m.tie_embeddings && i == models::num_pieces(m) - 1) n += m.vocab * m.hidden;
+    if (models::is_language_model(m) && m.tie_embeddings && i == models::num_pieces(m) - 1) n += models::padded_vocab(m) * m.hidden;
     costs.push_back(n);
   }
   return costs;
@@ -55,7 +55,7 @@ TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
   if (mixed) options.param_dtype(at::kBFloat16);
   // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
   // weight, on this stage or, through the copy the pipeline sends, on the last.
-  if (c.zero == 3 && c.model.kind == "gpt" && c.model.tie_embeddings) options.keep_gathered({"embed"});
+  if (c.zero == 3 && models::is_language_model(c.model) && c.model.tie_embeddings) options.keep_gathered({"embed"});
   return options;
 }
 
@@ -70,7 +70,7 @@ class MeshEngine : public Engine {
     const std::vector<int64_t> bounds =
         c.stage_boundaries.empty() ? pp::partition_balanced(piece_costs(c.model), S)
                                    : pp::partition_explicit(c.stage_boundaries, models::num_pieces(c.model), S);
-    const bool gpt_tied = c.model.kind == "gpt" && c.model.tie_embeddings;
+    const bool gpt_tied = models::is_language_model(c.model) && c.model.tie_embeddings;
     first_ = me.pp == 0;  // stage 0 is chunk 0 of pp rank 0
     last_ = me.pp == c.pp - 1;
     const bool tied = gpt_tied && S > 1;
@@ -130,12 +130,12 @@ class MeshEngine : public Engine {
     return !pipelined || first_ || last_ ? data_->samples(first + mesh_.coord().dp * local, local) : Batch{};
   }
 
-  std::shared_ptr<models::GptHeadImpl> head() {
+  std::shared_ptr<models::LmHeadImpl> head() {
     const models::Stage& stage = stages_.at(c_.pp * c_.virtual_stages - 1);
-    return std::dynamic_pointer_cast<models::GptHeadImpl>(stage->piece(stage->num_pieces() - 1));
+    return std::dynamic_pointer_cast<models::LmHeadImpl>(stage->piece(stage->num_pieces() - 1));
   }
   at::Tensor embedding_weight() {
-    return std::dynamic_pointer_cast<models::GptEmbeddingImpl>(stages_.at(0)->piece(0))->tok->weight;
+    return std::dynamic_pointer_cast<models::TokenEmbeddingImpl>(stages_.at(0)->piece(0))->tok->weight;
   }
 
   TrainConfig c_;

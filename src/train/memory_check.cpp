@@ -67,7 +67,7 @@ std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t
 
 plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_memory) {
   plan::PlanInput in;
-  if (c.model.kind == "gpt") {
+  if (models::is_language_model(c.model)) {
     in.gpt = plan::GptShape{c.model.layers, c.model.hidden, c.model.heads, c.model.vocab, c.model.seq_len,
                             c.model.tie_embeddings};
   }

@@ -103,7 +103,7 @@ std::string run_json(const TrainConfig& c, const TrainResult& result, int world_
       .raw("step_times_s", json::numbers(result.step_times))
       .num("step_time_s", step_time)
       .num("samples_per_s", samples)
-      .num("tokens_per_s", c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0)
+      .num("tokens_per_s", models::is_language_model(c.model) ? samples * c.model.seq_len : 0.0)
       .num("accuracy", result.accuracy)
       .raw("pipeline", pipeline_json.empty() ? "null" : pipeline_json)
       .integer("first_step", result.first_step)
@@ -116,7 +116,7 @@ void print_summary(const TrainConfig& c, const TrainResult& result) {
   std::printf("\nloss per step (global batch):\n%s", ascii_plot(result.losses).c_str());
   if (!std::isnan(result.accuracy)) {
     std::printf("task accuracy: %.1f%% (%s)\n", 100 * result.accuracy,
-                c.model.kind == "gpt" ? "exact answers to held-out a+b= problems" : "held-out classification");
+                models::is_language_model(c.model) ? "exact answers to held-out a+b= problems" : "held-out classification");
   }
   if (!c.plot.empty()) {
     write_svg_plot(c.plot, result.losses, "meshtrain: loss per step");

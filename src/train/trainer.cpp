@@ -45,7 +45,7 @@ std::string duration_text(double seconds) {
 void print_progress(const TrainConfig& c, int64_t step, double loss, double grad_norm, double seconds, double elapsed,
                     int64_t done) {
   const double samples = c.global_batch / seconds;
-  const double tokens = c.model.kind == "gpt" ? samples * c.model.seq_len : 0.0;
+  const double tokens = models::is_language_model(c.model) ? samples * c.model.seq_len : 0.0;
   const double eta = elapsed / std::max<int64_t>(1, done) * (c.steps - step - 1);
   std::printf("step %4lld/%d | loss %8.4f | grad norm %8.4f%s | %9.1f samples/s | %10.0f tokens/s | %7.3f s/step | "
               "rss %5.0f MiB | %s elapsed, ETA %s\n",

@@ -1,6 +1,8 @@
 // The equivalence matrix: every layout dp x pp x tp of 2, 4 and 8 ranks, times
-// ZeRO stages, pipeline schedules and sequence parallelism, trains like one
-// process, with gradient clipping active on every step (the global norm must
+// ZeRO stages, pipeline schedules and sequence parallelism, and the built-in
+// language models (the small GPT; GPT-2 with a padded vocabulary, tied head;
+// Llama with grouped-query attention, rotary positions, untied head), trains
+// like one process, with gradient clipping active on every step (the global norm must
 // count every element once) and activation checkpointing rotating over the
 // cases (none, blocks, every-2) against a reference that keeps activations. Built twice: into dist_tests with a representative sample (every
 // layout once, the other dimensions rotating), and into matrix_full_tests
@@ -20,6 +22,7 @@ struct Case {
   int virtual_stages;
   bool sp;
   std::string checkpointing = "none";
+  std::string model = "gpt";
   int world() const { return dp * pp * tp; }
 };
 
@@ -33,6 +36,17 @@ meshtrain::train::TrainConfig matrix_gpt() {
   // Its gradient norms in one process are 6.49, 1.64, 1.44: this clips every step.
   c.clip_grad_norm = 1.0;
   c.eval_every = 2;  // the held-out loss after steps 2 and 3, forward only, against one process's
+  return c;
+}
+
+// The same shapes as GPT-2 (a vocabulary of 200 padded to 256: the padded
+// logits are masked on the last tp ranks) or Llama (4 key/value heads for 8
+// query heads, 8 where tp is 8, which must divide them).
+meshtrain::train::TrainConfig matrix_model(const std::string& kind, int tp) {
+  auto c = matrix_gpt();
+  c.model.kind = kind;
+  if (kind == "gpt2") c.model.vocab = 200;
+  if (kind == "llama") c.model.kv_heads = tp == 8 ? 8 : 4;
   return c;
 }
 
@@ -64,10 +78,33 @@ std::vector<Case> with_checkpointing_rotating(std::vector<Case> cases) {
   return cases;
 }
 
+// Every layout once more for each of GPT-2 and Llama, the other dimensions rotating.
+std::vector<Case> every_layout_with_each_model(const std::vector<Case>& all) {
+  std::vector<Case> out;
+  for (const char* model : {"gpt2", "llama"}) {
+    int index = 0;
+    for (const auto& c : all) {
+      bool seen = false;
+      for (const auto& o : out) seen = seen || (o.model == model && o.dp == c.dp && o.pp == c.pp && o.tp == c.tp);
+      if (seen) continue;
+      std::vector<Case> variants;
+      for (const auto& v : all)
+        if (v.dp == c.dp && v.pp == c.pp && v.tp == c.tp) variants.push_back(v);
+      Case pick = variants[(index * 7 + (model[0] == 'l' ? 3 : 0)) % variants.size()];
+      pick.model = model;
+      out.push_back(pick);
+      ++index;
+    }
+  }
+  return out;
+}
+
 std::vector<Case> cases() {
   std::vector<Case> all = all_cases();
 #ifdef MESHTRAIN_FULL_MATRIX
-  return with_checkpointing_rotating(all);
+  std::vector<Case> full = with_checkpointing_rotating(all);
+  for (const Case& c : with_checkpointing_rotating(every_layout_with_each_model(all))) full.push_back(c);
+  return full;
 #else
   // Every layout once; ZeRO stage, schedule and SP rotate with the layout's index.
   std::vector<Case> sample;
@@ -85,6 +122,9 @@ std::vector<Case> cases() {
   // The layout the README and docs/composition.md show: dp 2 x pp 2 x tp 2, ZeRO-1, 1F1B.
   for (auto& s : sample)
     if (s.dp == 2 && s.pp == 2 && s.tp == 2) s = Case{2, 2, 2, 1, "1f1b", 1, false};
+  // The models rotate too: each trains on a third of the layouts here, on all in the full matrix.
+  const char* models[] = {"gpt", "gpt2", "llama"};
+  for (size_t i = 0; i < sample.size(); ++i) sample[i].model = models[(i / 2) % 3];  // not in step with checkpointing
   return with_checkpointing_rotating(sample);
 #endif
 }
@@ -93,7 +133,7 @@ class EquivalenceMatrix : public ::testing::TestWithParam<Case> {};
 
 TEST_P(EquivalenceMatrix, TrainsLikeOneProcess) {
   const Case& p = GetParam();
-  auto c = matrix_gpt();
+  auto c = matrix_model(p.model, p.tp);
   c.dp = p.dp;
   c.pp = p.pp;
   c.tp = p.tp;
@@ -108,7 +148,7 @@ TEST_P(EquivalenceMatrix, TrainsLikeOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EquivalenceMatrix, ::testing::ValuesIn(cases()), [](const auto& info) {
   const Case& c = info.param;
-  std::string name = "dp" + std::to_string(c.dp) + "_pp" + std::to_string(c.pp) + "_tp" + std::to_string(c.tp) +
+  std::string name = (c.model == "gpt" ? "" : c.model + "_") + "dp" + std::to_string(c.dp) + "_pp" + std::to_string(c.pp) + "_tp" + std::to_string(c.tp) +
                      "_zero" + std::to_string(c.zero);
   if (c.pp > 1) name += "_" + c.schedule + (c.virtual_stages > 1 ? "_v" + std::to_string(c.virtual_stages) : "");
   if (c.sp) name += "_sp";

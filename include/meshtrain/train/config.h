@@ -16,6 +16,10 @@ namespace train {
 
 struct TrainConfig {
   models::ModelConfig model;
+  // The LM head: "tied" to the token embedding, "untied", or "" (the model's
+  // default: tied for gpt and gpt2, untied for llama); resolve() sets
+  // model.tie_embeddings from it.
+  std::string tie;
   // Layout: degrees of the mesh axes (0 = derive dp from the world size).
   int dp = 0, pp = 1, tp = 1;
   std::string strategy = "ddp";  // data axis: ddp | dp (the article's master DP)

@@ -1,0 +1,93 @@
+#pragma once
+// The pieces of the built-in decoders, exposed for users who assemble their
+// own models: a token embedding (with a learned position table for GPT and
+// GPT-2), the GPT / GPT-2 block (pre-LayerNorm, causal multi-head attention
+// with biases, an MLP with GELU) and the language-model head (a final norm and
+// the projection to the vocabulary, tied to the token embedding or not).
+// The Llama block is in llama.h. Every piece is plain torch::nn layers, cut for
+// tensor parallelism by tp::parallelize with models::tp_plan.
+
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <string>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/models/layers.h"
+#include "meshtrain/util/init.h"
+
+namespace meshtrain {
+namespace models {
+
+struct ModelConfig;
+struct BuildContext;
+
+// A block of a decoder that can run on new positions only, reading and
+// extending a cache of the earlier positions' keys and values (generation).
+class CachedBlock {
+ public:
+  virtual ~CachedBlock() = default;
+  // x [B, Tnew, H] at positions cache.length() .. + Tnew - 1 -> [B, Tnew, H].
+  virtual at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) = 0;
+};
+
+struct TokenEmbeddingImpl : torch::nn::Module {
+  // GPT and GPT-2: token and learned position embeddings ("tok", "pos");
+  // Llama: tokens only (positions are rotary, inside attention).
+  TokenEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx);
+  // [B, T] int64 -> [B, T, H] ([B, T/tp, H] under sequence parallelism)
+  at::Tensor forward(const at::Tensor& tokens);
+  // Tokens at positions start .. start + T - 1 (generation; no tensor parallelism).
+  at::Tensor forward_at(const at::Tensor& tokens, int64_t start);
+  torch::nn::Embedding tok{nullptr};
+  at::Tensor pos;  // [max_positions, hidden], replicated; undefined for Llama
+  comm::CommPtr tp;  // under sequence parallelism: this rank's positions
+  bool sequence_parallel = false;
+};
+TORCH_MODULE(TokenEmbedding);
+using GptEmbeddingImpl = TokenEmbeddingImpl;
+using GptEmbedding = TokenEmbedding;
+
+struct GptBlockImpl : torch::nn::Module, CachedBlock {
+  GptBlockImpl(const ModelConfig& c, int64_t index);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
+  at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
+  int64_t head_dim;
+  bool gelu_tanh;  // GPT-2's GELU (the tanh approximation, "gelu_new"); the built-in GPT's is exact
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+
+ private:
+  at::Tensor attention(const at::Tensor& x, KVCache* cache);
+  at::Tensor block(const at::Tensor& x, KVCache* cache);
+};
+TORCH_MODULE(GptBlock);
+
+struct LmHeadImpl : torch::nn::Module {
+  // The final norm (GPT: LayerNorm "ln"; Llama: RMSNorm "norm") and the
+  // projection to the vocabulary. Untied: the head owns its weight ("out").
+  // Tied (GPT's default) to `tied`, the embedding's weight, when both live on
+  // this rank; when the embedding lives on another pipeline rank
+  // (ctx.tied_head_copy) "out" holds a copy (Note [Tied embeddings across
+  // pipeline stages] in src/train/engine_mesh.cpp).
+  LmHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied);
+  // [B, T, H] -> logits [B, T, padded_vocab/tp] (this rank's vocabulary rows)
+  at::Tensor forward(const at::Tensor& x);
+  void set_tied(at::Tensor w) { tied = std::move(w); }
+  torch::nn::AnyModule norm;
+  torch::nn::Linear out{nullptr};  // [vocab/tp, H] once cut
+  at::Tensor tied;    // not registered: the embedding owns it
+};
+TORCH_MODULE(LmHead);
+using GptHeadImpl = LmHeadImpl;
+using GptHead = LmHead;
+
+// A plain Linear whose values derive from seed + name (the layer's path), the
+// same on every rank, so that tp::parallelize's slices agree.
+torch::nn::Linear seeded_linear(int64_t in, int64_t out, bool bias, uint64_t seed, const std::string& name,
+                                const InitSpec& weight_init, const InitSpec& bias_init = InitSpec::constant(0));
+
+}  // namespace models
+}  // namespace meshtrain

@@ -1,0 +1,142 @@
+// The decoder pieces GPT, GPT-2 and Llama share (token embedding, LM head) and
+// the GPT / GPT-2 block.
+#include "meshtrain/models/gpt.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "meshtrain/models/models.h"
+#include "meshtrain/tp/ops.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace models {
+
+torch::nn::Linear seeded_linear(int64_t in, int64_t out, bool bias, uint64_t seed, const std::string& name,
+                                const InitSpec& weight_init, const InitSpec& bias_init) {
+  torch::nn::Linear layer(torch::nn::LinearOptions(in, out).bias(bias));
+  at::NoGradGuard no_grad;
+  layer->weight.copy_(init_full(seed, name + ".weight", weight_init, {out, in}));
+  if (bias) layer->bias.copy_(init_full(seed, name + ".bias", bias_init, {out}));
+  return layer;
+}
+
+namespace {
+
+// The token embedding's values (a head tied to it starts from them too). GPT-2's
+// padded rows start at zero, as llm.c's checkpoints hold them: nothing reads
+// them and nothing moves them (their logits are never predicted).
+at::Tensor token_embedding_values(const ModelConfig& c) {
+  at::Tensor w = init_full(c.seed, "embed.tok.weight", InitSpec::normal(0, 0.02), {padded_vocab(c), c.hidden});
+  if (padded_vocab(c) > c.vocab) w.narrow(0, c.vocab, padded_vocab(c) - c.vocab).zero_();
+  return w;
+}
+
+torch::nn::LayerNorm layer_norm(int64_t h, double eps) {
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(eps));  // weight 1, bias 0: deterministic
+}
+
+}  // namespace
+
+TokenEmbeddingImpl::TokenEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx)
+    : tp(ctx.tp), sequence_parallel(ctx.sequence_parallel) {
+  tok = register_module("tok", torch::nn::Embedding(torch::nn::EmbeddingOptions(padded_vocab(c), c.hidden)
+                                                        ._weight(token_embedding_values(c))));
+  if (c.kind == "llama") return;  // rotary positions, inside attention
+  const double std = c.kind == "gpt2" ? 0.02 : 0.01;  // GPT-2's initializer range for every table
+  pos = register_parameter("pos", init_full(c.seed, "embed.pos", InitSpec::normal(0, std), {max_positions(c), c.hidden}));
+}
+
+at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& tokens) {
+  MESHTRAIN_CHECK(tokens.dim() == 2 && (!pos.defined() || tokens.size(1) <= pos.size(0)),
+                  "the model's input must be [batch, seq", pos.defined() ? " <= " + std::to_string(pos.size(0)) : "",
+                  "] token ids; got ", tokens.sizes());
+  at::Tensor x = tok->forward(tokens);  // [B, T/tp, H] under sequence parallelism (tp::parallelize)
+  if (!pos.defined()) return x;
+  if (sequence_parallel && tp::tp_size(tp) > 1) {
+    // This rank holds positions [r*T/tp, (r+1)*T/tp) and adds those rows, so
+    // each rank's gradient covers its rows only: copy_to_tp (before slicing)
+    // sums them into the full gradient on every rank.
+    const int64_t part = x.size(1);
+    return x + tp::copy_to_tp(pos, tp).narrow(0, part * tp::tp_rank(tp), part);
+  }
+  return x + pos.narrow(0, 0, tokens.size(1));
+}
+
+at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t start) {
+  MESHTRAIN_CHECK(tp::tp_size(tp) == 1, "TokenEmbedding::forward_at: decoding runs without tensor parallelism");
+  at::Tensor x = tok->forward(tokens);
+  if (!pos.defined()) return x;
+  MESHTRAIN_CHECK(start + tokens.size(1) <= pos.size(0), "position ", start + tokens.size(1) - 1,
+                  " is beyond the model's ", pos.size(0), " positions");
+  return x + pos.narrow(0, start, tokens.size(1));
+}
+
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index) : gelu_tanh(c.kind == "gpt2") {
+  const std::string p = "blocks." + std::to_string(index) + ".";
+  head_dim = c.hidden / c.heads;
+  const InitSpec normal = InitSpec::normal(0, 0.02);
+  // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
+  const InitSpec residual = InitSpec::normal(0, 0.02 / std::sqrt(2.0 * c.layers));
+  const int64_t h = c.hidden, f = ffn_hidden(c);
+  ln1 = register_module("ln1", layer_norm(h, c.norm_eps));
+  q = register_module("q", seeded_linear(h, h, true, c.seed, p + "q", normal));
+  k = register_module("k", seeded_linear(h, h, true, c.seed, p + "k", normal));
+  v = register_module("v", seeded_linear(h, h, true, c.seed, p + "v", normal));
+  proj = register_module("proj", seeded_linear(h, h, true, c.seed, p + "proj", residual));
+  ln2 = register_module("ln2", layer_norm(h, c.norm_eps));
+  fc1 = register_module("fc1", seeded_linear(h, f, true, c.seed, p + "fc1", normal));
+  fc2 = register_module("fc2", seeded_linear(f, h, true, c.seed, p + "fc2", residual));
+}
+
+at::Tensor GptBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
+  // Sizes from q's output: under tensor parallelism it holds this rank's heads,
+  // under sequence parallelism the whole sequence (x holds a part).
+  const at::Tensor q_out = q->forward(x);
+  const int64_t B = q_out.size(0), T = q_out.size(1), local_heads = q_out.size(2) / head_dim;
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
+  at::Tensor kh = heads(k->forward(x)), vh = heads(v->forward(x));
+  if (cache) std::tie(kh, vh) = cache->append(kh, vh);
+  const at::Tensor y = causal_attention(heads(q_out), kh, vh);  // [B, heads, T, head_dim]
+  return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
+}
+
+at::Tensor GptBlockImpl::block(const at::Tensor& x, KVCache* cache) {
+  at::Tensor h = x + attention(ln1->forward(x), cache);
+  const at::Tensor inner = fc1->forward(ln2->forward(h));
+  return h + fc2->forward(gelu_tanh ? at::gelu(inner, "tanh") : at::gelu(inner));
+}
+
+at::Tensor GptBlockImpl::forward(const at::Tensor& x) { return block(x, nullptr); }
+
+at::Tensor GptBlockImpl::forward_cached(const at::Tensor& x, KVCache& cache) { return block(x, &cache); }
+
+LmHeadImpl::LmHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied_weight)
+    : tied(std::move(tied_weight)) {
+  if (c.kind == "llama") {
+    norm = torch::nn::AnyModule(register_module("norm", RMSNorm(c.hidden, c.norm_eps)));
+  } else {
+    norm = torch::nn::AnyModule(register_module("ln", layer_norm(c.hidden, c.norm_eps)));
+  }
+  const int64_t rows = padded_vocab(c);
+  if (!c.tie_embeddings) {
+    out = register_module("out", seeded_linear(c.hidden, rows, false, c.seed, "head.out", InitSpec::normal(0, 0.02)));
+  } else if (ctx.tied_head_copy) {  // Note [Tied embeddings across pipeline stages]
+    out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, rows).bias(false)));
+    at::NoGradGuard no_grad;
+    out->weight.copy_(token_embedding_values(c));
+  }
+}
+
+at::Tensor LmHeadImpl::forward(const at::Tensor& x) {
+  // Logits of this rank's vocabulary rows under tensor parallelism (the loss is vocab-parallel).
+  at::Tensor h = norm.forward(x);
+  if (out) return out->forward(h);
+  MESHTRAIN_CHECK(tied.defined(), "LmHead: the head is tied to an embedding on another pipeline stage of this "
+                  "rank and has not been given its weight (set_tied)");
+  return at::matmul(h, tied.t());
+}
+
+}  // namespace models
+}  // namespace meshtrain

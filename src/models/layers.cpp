@@ -1,0 +1,72 @@
+#include "meshtrain/models/layers.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace models {
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double epsilon) : eps(epsilon) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const at::Tensor normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+Rotary::Rotary(int64_t head_dim, int64_t max_positions, double theta) {
+  MESHTRAIN_CHECK(head_dim % 2 == 0, "rotary embeddings need an even head dimension; got ", head_dim,
+                  " (--hidden / --heads)");
+  const int64_t half = head_dim / 2;
+  at::Tensor angles = at::empty({max_positions, head_dim}, at::kDouble);
+  auto a = angles.accessor<double, 2>();
+  for (int64_t pos = 0; pos < max_positions; ++pos) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(pos) * std::pow(theta, -2.0 * static_cast<double>(i) / head_dim);
+      a[pos][i] = a[pos][i + half] = angle;
+    }
+  }
+  cos_ = angles.cos().to(at::kFloat);
+  sin_ = angles.sin().to(at::kFloat);
+}
+
+at::Tensor Rotary::apply(const at::Tensor& x, int64_t start) const {
+  const int64_t T = x.size(2), half = x.size(3) / 2;
+  MESHTRAIN_CHECK(start + T <= cos_.size(0), "position ", start + T - 1, " is beyond the model's ", cos_.size(0),
+                  " positions (--seq-len)");
+  const at::Tensor cos = cos_.narrow(0, start, T).to(x.scalar_type());
+  const at::Tensor sin = sin_.narrow(0, start, T).to(x.scalar_type());
+  const at::Tensor rotated = at::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, 3);  // rotate_half
+  return x * cos + rotated * sin;
+}
+
+std::pair<at::Tensor, at::Tensor> KVCache::append(const at::Tensor& new_k, const at::Tensor& new_v) {
+  k = k.defined() ? at::cat({k, new_k}, 2) : new_k;
+  v = v.defined() ? at::cat({v, new_v}, 2) : new_v;
+  return {k, v};
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t heads = q.size(1), kv_heads = k.size(1), Tq = q.size(2), Tk = k.size(2), d = q.size(3);
+  MESHTRAIN_CHECK(heads % kv_heads == 0 && Tq <= Tk, "causal_attention: ", heads, " query heads over ", kv_heads,
+                  " key/value heads, ", Tq, " queries over ", Tk, " keys");
+  at::Tensor keys = k, values = v;
+  if (kv_heads != heads) {  // each key/value head serves heads / kv_heads consecutive query heads
+    keys = k.repeat_interleave(heads / kv_heads, 1);
+    values = v.repeat_interleave(heads / kv_heads, 1);
+  }
+  at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+  // Query i sits at position Tk - Tq + i and sees keys up to it.
+  const at::Tensor future = at::ones({Tq, Tk}, at::TensorOptions().dtype(at::kBool)).triu(Tk - Tq + 1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(scores, -1), values);
+}
+
+}  // namespace models
+}  // namespace meshtrain

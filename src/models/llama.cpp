@@ -1,0 +1,51 @@
+#include "meshtrain/models/llama.h"
+
+#include <ATen/ATen.h>
+
+#include "meshtrain/models/models.h"
+
+namespace meshtrain {
+namespace models {
+
+LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index)
+    : head_dim(c.hidden / c.heads), rotary_(c.hidden / c.heads, max_positions(c), c.rope_theta) {
+  const std::string p = "blocks." + std::to_string(index) + ".";
+  const InitSpec normal = InitSpec::normal(0, 0.02);  // Hugging Face's initializer_range
+  const int64_t h = c.hidden, kv = kv_heads(c) * head_dim, f = ffn_hidden(c);
+  attn_norm = register_module("attn_norm", RMSNorm(h, c.norm_eps));
+  q = register_module("q", seeded_linear(h, c.heads * head_dim, false, c.seed, p + "q", normal));
+  k = register_module("k", seeded_linear(h, kv, false, c.seed, p + "k", normal));
+  v = register_module("v", seeded_linear(h, kv, false, c.seed, p + "v", normal));
+  o = register_module("o", seeded_linear(c.heads * head_dim, h, false, c.seed, p + "o", normal));
+  mlp_norm = register_module("mlp_norm", RMSNorm(h, c.norm_eps));
+  gate = register_module("gate", seeded_linear(h, f, false, c.seed, p + "gate", normal));
+  up = register_module("up", seeded_linear(h, f, false, c.seed, p + "up", normal));
+  down = register_module("down", seeded_linear(f, h, false, c.seed, p + "down", normal));
+}
+
+at::Tensor LlamaBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
+  // Sizes from the outputs: under tensor parallelism they hold this rank's
+  // heads (q: heads/tp, k and v: kv_heads/tp, so query head j still reads key
+  // head j / (heads / kv_heads)), under sequence parallelism the whole sequence.
+  const at::Tensor q_out = q->forward(x), k_out = k->forward(x), v_out = v->forward(x);
+  const int64_t B = q_out.size(0), T = q_out.size(1);
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, t.size(2) / head_dim, head_dim}).transpose(1, 2); };
+  const int64_t start = cache ? cache->length() : 0;
+  at::Tensor qh = rotary_.apply(heads(q_out), start), kh = rotary_.apply(heads(k_out), start), vh = heads(v_out);
+  if (cache) std::tie(kh, vh) = cache->append(kh, vh);
+  const at::Tensor y = causal_attention(qh, kh, vh);  // [B, heads, T, head_dim]
+  return o->forward(y.transpose(1, 2).reshape({B, T, q_out.size(2)}));
+}
+
+at::Tensor LlamaBlockImpl::block(const at::Tensor& x, KVCache* cache) {
+  const at::Tensor h = x + attention(attn_norm->forward(x), cache);
+  const at::Tensor n = mlp_norm->forward(h);
+  return h + down->forward(at::silu(gate->forward(n)) * up->forward(n));
+}
+
+at::Tensor LlamaBlockImpl::forward(const at::Tensor& x) { return block(x, nullptr); }
+
+at::Tensor LlamaBlockImpl::forward_cached(const at::Tensor& x, KVCache& cache) { return block(x, &cache); }
+
+}  // namespace models
+}  // namespace meshtrain
