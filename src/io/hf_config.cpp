@@ -61,7 +61,7 @@ models::ModelConfig gpt2_config(const ConfigReader& r) {
   c.hidden = r.positive("n_embd");
   c.layers = r.positive("n_layer");
   c.heads = r.positive("n_head");
-  c.seq_len = r.positive("n_positions");
+  c.max_positions = c.seq_len = r.positive("n_positions");
   c.vocab = r.positive("vocab_size");
   c.norm_eps = r.number_or("layer_norm_epsilon", 1e-5);
   c.tie_embeddings = r.flag_or("tie_word_embeddings", true);
@@ -84,7 +84,7 @@ models::ModelConfig llama_config(const ConfigReader& r) {
   c.kv_heads = r.positive_or("num_key_value_heads", c.heads);
   c.layers = r.positive("num_hidden_layers");
   c.vocab = r.positive("vocab_size");
-  c.seq_len = r.positive("max_position_embeddings");
+  c.max_positions = c.seq_len = r.positive("max_position_embeddings");
   c.norm_eps = r.number_or("rms_norm_eps", 1e-6);
   c.rope_theta = r.number_or("rope_theta", 10000.0);
   c.tie_embeddings = r.flag_or("tie_word_embeddings", false);
@@ -114,7 +114,7 @@ nlohmann::json gpt2_json(const models::ModelConfig& c) {
           {"attn_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"resid_pdrop", 0.0},  // meshtrain's gpt2 has no dropout
           {"initializer_range", 0.02},
           {"layer_norm_epsilon", c.norm_eps},
-          {"n_ctx", c.seq_len}, {"n_positions", c.seq_len},
+          {"n_ctx", models::max_positions(c)}, {"n_positions", models::max_positions(c)},
           {"n_embd", c.hidden}, {"n_head", c.heads}, {"n_layer", c.layers},
           {"n_inner", ffn == 4 * c.hidden ? nlohmann::json(nullptr) : nlohmann::json(ffn)},
           {"reorder_and_upcast_attn", false},
@@ -133,7 +133,7 @@ nlohmann::json llama_json(const models::ModelConfig& c) {
           {"hidden_size", c.hidden},
           {"initializer_range", 0.02},
           {"intermediate_size", models::ffn_hidden(c)},
-          {"max_position_embeddings", c.seq_len},
+          {"max_position_embeddings", models::max_positions(c)},
           {"num_attention_heads", c.heads},
           {"num_hidden_layers", c.layers},
           {"num_key_value_heads", models::kv_heads(c)},

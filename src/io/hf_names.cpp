@@ -104,7 +104,7 @@ std::map<std::string, at::Tensor> gpt2_from_hf(HfTensorTaker& hf, const models::
   std::map<std::string, at::Tensor> ours;
   const at::Tensor wte = hf.take(p + "wte.weight", {c.vocab, C});
   ours["embed.tok.weight"] = pad_rows(wte, Vp);
-  ours["embed.pos"] = hf.take(p + "wpe.weight", {c.seq_len, C});
+  ours["embed.pos"] = hf.take(p + "wpe.weight", {models::max_positions(c), C});
   for (int64_t i = 0; i < c.layers; ++i) {
     gpt2_block_from_hf(hf, c, p + "h." + std::to_string(i) + ".", "blocks." + std::to_string(i) + ".", ours);
   }

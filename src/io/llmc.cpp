@@ -83,7 +83,7 @@ models::ModelConfig config_of(const Header& h) {
   models::ModelConfig c;
   c.kind = "gpt2";
   c.vocab = h.V;
-  c.seq_len = h.maxT;
+  c.max_positions = c.seq_len = h.maxT;
   c.hidden = h.C;
   c.heads = h.NH;
   c.layers = h.L;
@@ -146,7 +146,7 @@ void save_llmc(const std::string& path, const models::ModelConfig& c, const std:
   check_parameters(c, ours, "llm.c checkpoint " + path);
   int32_t header[kLlmcHeaderInts] = {};
   const int32_t version = dtype == at::kFloat ? kLlmcVersionFloat32 : kLlmcVersionBFloat16;
-  const int64_t fields[] = {kLlmcMagic, version, c.seq_len, c.vocab, c.layers, c.heads, c.hidden, models::padded_vocab(c)};
+  const int64_t fields[] = {kLlmcMagic, version, models::max_positions(c), c.vocab, c.layers, c.heads, c.hidden, models::padded_vocab(c)};
   for (size_t i = 0; i < 8; ++i) header[i] = static_cast<int32_t>(fields[i]);
   detail::AtomicFile out(path);
   out.write(header, sizeof header);

@@ -19,7 +19,7 @@ void check_sizes(const models::ModelConfig& c) {
 
 Shapes gpt2_shapes(const models::ModelConfig& c) {
   const int64_t C = c.hidden, F = models::ffn_hidden(c), Vp = models::padded_vocab(c);
-  Shapes s{{"embed.tok.weight", {Vp, C}}, {"embed.pos", {c.seq_len, C}}};
+  Shapes s{{"embed.tok.weight", {Vp, C}}, {"embed.pos", {models::max_positions(c), C}}};
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string b = "blocks." + std::to_string(i) + ".";
     for (const char* vec : {"ln1.weight", "ln1.bias", "q.bias", "k.bias", "v.bias", "proj.bias", "ln2.weight",

@@ -34,7 +34,7 @@ std::vector<std::string> differences(const models::ModelConfig& w, const models:
     if (wanted != has) out.push_back(str_cat(flag, " ", wanted, " but ", source, " has ", has));
   };
   differ("--vocab", w.vocab, h.vocab);
-  differ("--seq-len", w.seq_len, h.seq_len);
+  differ("--max-positions", models::max_positions(w), models::max_positions(h));
   differ("--hidden", w.hidden, h.hidden);
   differ("--heads", w.heads, h.heads);
   differ("--kv-heads", models::kv_heads(w), models::kv_heads(h));

@@ -126,7 +126,7 @@ Generation generate(const ModelConfig& c, StageImpl& model, const std::vector<in
       break;
     }
     if (step + 1 == o.max_new_tokens()) break;
-    if (static_cast<int64_t>(seq.size()) >= max_positions(c)) {
+    if (static_cast<int64_t>(seq.size()) > max_positions(c)) {  // the new token would sit past the last position
       g.hit_max_positions = true;
       break;
     }

@@ -90,6 +90,13 @@ int64_t num_pieces(const ModelConfig& c) { return is_language_model(c) ? c.layer
 
 bool is_language_model(const ModelConfig& c) { return c.kind != "mlp"; }
 
+double training_flops_per_token(const ModelConfig& c) {
+  if (!is_language_model(c)) return 6.0 * static_cast<double>(parameter_count(c));
+  const int64_t positions = c.kind == "llama" ? 0 : max_positions(c) * c.hidden;
+  const double weights = static_cast<double>(parameter_count(c) - positions);
+  return 6.0 * weights + 12.0 * static_cast<double>(c.layers) * static_cast<double>(c.hidden) * c.seq_len;
+}
+
 int64_t padded_vocab(const ModelConfig& c) { return c.kind == "gpt2" ? (c.vocab + 127) / 128 * 128 : c.vocab; }
 
 int64_t kv_heads(const ModelConfig& c) { return c.kv_heads > 0 ? c.kv_heads : c.heads; }

@@ -10,6 +10,7 @@
 #include <map>
 #include <type_traits>
 
+#include "meshtrain/io/weights.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/train/token_shards.h"
@@ -55,7 +56,9 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
         Flag{"--untied", "", "the LM head gets its own weight (default for llama)",
              [&c](const std::string&, const std::string&) { c.tie = "untied"; }},
         Flag{"--tied", "", "the LM head is the token embedding (default for gpt and gpt2)",
-             [&c](const std::string&, const std::string&) { c.tie = "tied"; }}}},
+             [&c](const std::string&, const std::string&) { c.tie = "tied"; }},
+        store("--init-from", "PATH", "start from published weights: an llm.c GPT-2 checkpoint (.bin) or a Hugging "
+              "Face directory (gpt2, llama); the shape comes from them", c.init_from)}},
       {"layout",
        {store("--dp", "D", "data-parallel degree (default: world / (pp x tp))", c.dp),
         store("--pp", "P", "pipeline stages (default 1)", c.pp),
@@ -72,10 +75,22 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
   };
 }
 
+// Each model flag also records that it was given (TrainConfig::model_flags).
+void record_model_flags(flags::Group& model, TrainConfig& c) {
+  for (flags::Flag& f : model.flags) {
+    auto set = f.set;
+    f.set = [set, &c](const std::string& flag, const std::string& value) {
+      set(flag, value);
+      c.model_flags.insert(flag);
+    };
+  }
+}
+
 // The trainer's flags, setting fields of `c`. The usage text is generated from this table.
 std::vector<flags::Group> train_flags(TrainConfig& c) {
   auto seed = [&c](const std::string& f, const std::string& v) { c.model.seed = c.seed = flags::to_integer<uint64_t>(f, v); };
   std::vector<flags::Group> groups = model_and_layout_flags(c);
+  record_model_flags(groups.front(), c);
   std::vector<flags::Group> rest = {
       {"optimization",
        {store("--global-batch", "G", "samples per step (default 24)", c.global_batch),
@@ -105,7 +120,8 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--log-every", "N", "progress line every N steps (default 1)", c.log_every),
         store("--eval-every", "N", "loss on a fixed held-out batch every N steps and at the end (default 0: never)",
               c.eval_every),
-        store("--metrics-out", "FILE", "JSON: losses, times, memory and traffic per rank", c.metrics_out),
+        store("--metrics-out", "FILE", "JSON at the end: losses, times, memory and traffic per rank; each step as a JSON "
+              "line in FILE.steps.jsonl as it ends", c.metrics_out),
         store("--plot", "FILE.svg", "the loss curve", c.plot),
         store("--trace", "FILE", "the last step's pipeline timeline (Chrome trace JSON + SVG)", c.trace)}},
       {"checkpoints",
@@ -280,11 +296,43 @@ void resolve_data(TrainConfig& c) {
   if (models::is_language_model(c.model)) c.model.vocab = std::max<int64_t>(c.model.vocab, 256);  // byte tokens
 }
 
+// --init-from: the weights' shape, with the shape flags the user gave on top
+// (refused where they differ from the weights'); --seq-len may be shorter.
+models::ModelConfig shape_from_weights(const TrainConfig& c) {
+  const io::LoadedWeights w = io::load_weights(c.init_from);
+  models::ModelConfig wanted = w.config;
+  const models::ModelConfig& given = c.model;
+  const std::map<std::string, std::function<void()>> take = {
+      {"--model", [&] { wanted.kind = given.kind; }},
+      {"--layers", [&] { wanted.layers = given.layers; }},
+      {"--hidden", [&] { wanted.hidden = given.hidden; }},
+      {"--heads", [&] { wanted.heads = given.heads; }},
+      {"--kv-heads", [&] { wanted.kv_heads = given.kv_heads; }},
+      {"--ffn-hidden", [&] { wanted.ffn_hidden = given.ffn_hidden; }},
+      {"--vocab", [&] { wanted.vocab = given.vocab; }},
+      {"--max-positions", [&] { wanted.max_positions = given.max_positions; }},
+      {"--rope-theta", [&] { wanted.rope_theta = given.rope_theta; }},
+      {"--tied", [&] { wanted.tie_embeddings = c.tie == "tied"; }},
+      {"--untied", [&] { wanted.tie_embeddings = c.tie == "tied"; }}};
+  for (const std::string& flag : c.model_flags) {
+    if (take.count(flag)) take.at(flag)();
+  }
+  io::check_matches(wanted, w);
+  wanted.seed = given.seed;
+  wanted.max_positions = models::max_positions(w.config);
+  wanted.seq_len = c.model_flags.count("--seq-len") ? given.seq_len : wanted.max_positions;
+  return wanted;
+}
+
 // The model against the layout, and the data.
 void resolve_model(TrainConfig& c) {
   MESHTRAIN_CHECK(c.tie.empty() || models::is_language_model(c.model), "--", c.tie, " is for language models "
                   "(--model gpt, gpt2 or llama)");
-  c.model.tie_embeddings = c.tie.empty() ? c.model.kind != "llama" : c.tie == "tied";
+  if (c.init_from.empty()) {
+    c.model.tie_embeddings = c.tie.empty() ? c.model.kind != "llama" : c.tie == "tied";
+  } else {
+    c.model = shape_from_weights(c);
+  }
   resolve_data(c);
   // The built-in task's text is ASCII digits, '+', '=' and newlines: byte tokens below 64.
   MESHTRAIN_CHECK(!c.data.empty() || !models::is_language_model(c.model) || c.model.vocab >= 64, "--vocab ", c.model.vocab,
@@ -339,6 +387,7 @@ std::string to_json(const TrainConfig& c) {
       .str("precision", c.precision)
       .str("reduce_dtype", c.precision == "fp32" ? "fp32" : c.reduce_dtype)
       .num("clip_grad_norm", c.clip_grad_norm).str("activation_checkpointing", c.activation_checkpointing)
+      .str("init_from", c.init_from)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap).integer("eval_every", c.eval_every)
       .str("backend", c.backend.empty() ? "auto" : c.backend);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/io/weights.h"
 #include "meshtrain/pp/executor.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/config.h"
@@ -45,6 +46,17 @@ class Engine {
   // (under any layout: see checkpoint.h).
   virtual RankState checkpoint_state() = 0;
   virtual void load_checkpoint(CheckpointReader& reader) = 0;
+};
+
+// --init-from: the weights, read (memory-mapped) while the engine builds its
+// model, and dropped after; the build context points at them.
+class StartingWeights {
+ public:
+  explicit StartingWeights(const TrainConfig& config);
+  models::BuildContext context(models::BuildContext ctx = {}) const;
+
+ private:
+  std::unique_ptr<io::LoadedWeights> loaded_;
 };
 
 std::unique_ptr<Engine> make_engine(const TrainConfig& config, comm::CommPtr world);

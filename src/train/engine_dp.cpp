@@ -45,7 +45,8 @@ class MasterDpEngine : public Engine {
  public:
   MasterDpEngine(const TrainConfig& c, comm::CommPtr comm)
       : c_(c), comm_(std::move(comm)), data_(make_dataset(c)) {
-    model_ = models::build_stage(c.model, 0, models::num_pieces(c.model));
+    const StartingWeights weights(c);
+    model_ = models::build_stage(c.model, 0, models::num_pieces(c.model), weights.context());
     models::apply_checkpointing(*model_, c.model, c.activation_checkpointing, 0);
     const bool root = comm_->rank() == 0;
     mixed_ = c.precision == "bf16-mixed";
@@ -168,6 +169,15 @@ class MasterDpEngine : public Engine {
 };
 
 }  // namespace
+
+StartingWeights::StartingWeights(const TrainConfig& c) {
+  if (!c.init_from.empty()) loaded_ = std::make_unique<io::LoadedWeights>(io::load_weights(c.init_from));
+}
+
+models::BuildContext StartingWeights::context(models::BuildContext ctx) const {
+  if (loaded_) ctx.weights = &loaded_->tensors;
+  return ctx;
+}
 
 std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
   if (!c.data.empty()) {

@@ -74,10 +74,11 @@ class MeshEngine : public Engine {
     first_ = me.pp == 0;  // stage 0 is chunk 0 of pp rank 0
     last_ = me.pp == c.pp - 1;
     const bool tied = gpt_tied && S > 1;
+    const StartingWeights weights(c);
     std::vector<pp::StageModule> mine;
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
-      models::BuildContext ctx = ctx_;
+      models::BuildContext ctx = weights.context(ctx_);
       ctx.tied_head_copy = tied && s == S - 1 && !first_;  // Note [Tied embeddings across pipeline stages]
       stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx));
       models::apply_checkpointing(*stages_.at(s), c.model, c.activation_checkpointing, bounds[s]);

@@ -98,6 +98,8 @@ std::string run_json(const TrainConfig& c, const TrainResult& result, int world_
       .integer("world_size", world_size)
       .raw("losses", json::numbers(result.losses))
       .raw("grad_norms", json::numbers(result.grad_norms))
+      .raw("learning_rates", json::numbers(result.learning_rates))
+      .raw("mfu", json::numbers(result.mfu))
       .raw("eval_steps", json::numbers(std::vector<double>(result.eval_steps.begin(), result.eval_steps.end())))
       .raw("eval_losses", json::numbers(result.eval_losses))
       .raw("step_times_s", json::numbers(result.step_times))

@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "meshtrain/train/elastic.h"
 #include "meshtrain/train/metrics.h"
+#include "meshtrain/util/json.h"
 #include "meshtrain/util/error.h"
 #include "run_parts.h"
 
@@ -41,18 +42,67 @@ std::string duration_text(double seconds) {
   return buf;
 }
 
+// What one step did, for the progress line and the streamed metrics.
+struct StepFigures {
+  int64_t step = 0;  // 0-based
+  double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
+  double mfu = 0;  // model FLOPs / the ranks' measured matrix-product speed
+};
+
+double tokens_per_sample(const TrainConfig& c) {
+  return models::is_language_model(c.model) ? static_cast<double>(c.model.seq_len) : 1.0;
+}
+
 // `elapsed`: since this run's first step, over `done` steps of it.
-void print_progress(const TrainConfig& c, int64_t step, double loss, double grad_norm, double seconds, double elapsed,
-                    int64_t done) {
-  const double samples = c.global_batch / seconds;
-  const double tokens = models::is_language_model(c.model) ? samples * c.model.seq_len : 0.0;
-  const double eta = elapsed / std::max<int64_t>(1, done) * (c.steps - step - 1);
-  std::printf("step %4lld/%d | loss %8.4f | grad norm %8.4f%s | %9.1f samples/s | %10.0f tokens/s | %7.3f s/step | "
-              "rss %5.0f MiB | %s elapsed, ETA %s\n",
-              static_cast<long long>(step + 1), c.steps, loss, grad_norm,
-              c.clip_grad_norm > 0 && grad_norm > c.clip_grad_norm ? " (clipped)" : "", samples, tokens, seconds,
+void print_progress(const TrainConfig& c, const StepFigures& f, double elapsed, int64_t done) {
+  const double samples = c.global_batch / f.seconds;
+  const double eta = elapsed / std::max<int64_t>(1, done) * (c.steps - f.step - 1);
+  std::printf("step %4lld/%d | loss %8.4f | lr %.2e | grad norm %8.4f%s | %9.1f samples/s | %10.0f tokens/s | "
+              "MFU %5.1f%% | %7.3f s/step | rss %5.0f MiB | %s elapsed, ETA %s\n",
+              static_cast<long long>(f.step + 1), c.steps, f.loss, f.lr, f.grad_norm,
+              c.clip_grad_norm > 0 && f.grad_norm > c.clip_grad_norm ? " (clipped)" : "", samples,
+              models::is_language_model(c.model) ? samples * c.model.seq_len : 0.0, 100 * f.mfu, f.seconds,
               current_rss_bytes() / 1048576.0, duration_text(elapsed).c_str(), duration_text(eta).c_str());
   std::fflush(stdout);
+}
+
+// --metrics-out FILE: every step's figures as a JSON line in FILE.steps.jsonl
+// as the step ends (a killed run keeps them); the whole run's JSON goes to
+// FILE at the end. A resumed run appends.
+class StepLog {
+ public:
+  StepLog(const TrainConfig& c, bool chief, bool resumed) : c_(c) {
+    if (!chief || c.metrics_out.empty()) return;
+    file_ = std::fopen((c.metrics_out + ".steps.jsonl").c_str(), resumed ? "a" : "w");
+    MESHTRAIN_CHECK(file_, "--metrics-out ", c.metrics_out, ": cannot write ", c.metrics_out, ".steps.jsonl");
+  }
+  ~StepLog() {
+    if (file_) std::fclose(file_);
+  }
+  void write(const StepFigures& f) {
+    if (!file_) return;
+    const std::string line = json::Object()
+                                 .integer("step", f.step + 1).num("loss", f.loss).num("lr", f.lr)
+                                 .num("grad_norm", f.grad_norm).num("seconds", f.seconds)
+                                 .num("tokens_per_s", c_.global_batch * tokens_per_sample(c_) / f.seconds)
+                                 .num("mfu", f.mfu).str();
+    std::fprintf(file_, "%s\n", line.c_str());
+    std::fflush(file_);
+  }
+  StepLog(const StepLog&) = delete;
+  StepLog& operator=(const StepLog&) = delete;
+
+ private:
+  const TrainConfig& c_;
+  std::FILE* file_ = nullptr;
+};
+
+// The FLOP/s every rank's matrix products reach, measured by all at once (so
+// ranks sharing cores see their share), summed.
+double measured_world_flops(comm::Communicator& metrics) {
+  at::Tensor flops = at::tensor({measure_matmul_flops()}, at::kDouble);
+  metrics.all_reduce(flops);
+  return flops.item<double>();
 }
 
 // Test hook: MESHTRAIN_TEST_KILL_AT_STEP=k on rank MESHTRAIN_TEST_KILL_RANK (default 1),
@@ -119,10 +169,14 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
 
   TrainResult result;
   result.first_step = resumed.first_step;
+  StepLog step_log(c, chief, resumed.first_step > 0);
+  const double flops_per_step = models::training_flops_per_token(c.model) * tokens_per_sample(c) * c.global_batch;
+  const double world_flops = measured_world_flops(*metrics);
   const auto started = Clock::now();
   for (int64_t step = resumed.first_step; step < c.steps; ++step) {
     const bool killed_in_this_step = arm_test_kill(step);
-    engine->set_learning_rate(learning_rate(c, step));
+    const double lr = learning_rate(c, step);
+    engine->set_learning_rate(lr);
     const auto t0 = Clock::now();
     at::Tensor loss = at::tensor({engine->step(step)}, at::kDouble);
     if (killed_in_this_step) wait_for_test_kill();
@@ -134,9 +188,14 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     MESHTRAIN_CHECK(std::isfinite(result.grad_norms.back()), "step ", step + 1, ": the gradient norm is ",
                     result.grad_norms.back(), " (a gradient is not finite); lower --lr or clip with --clip-grad-norm");
     if (chief && options.verbose && step == resumed.first_step && step > 0) report_restart_time();
+    const StepFigures figures{step, result.losses.back(), result.grad_norms.back(), lr, seconds,
+                              flops_per_step / seconds / world_flops};
+    step_log.write(figures);
+    result.learning_rates.push_back(lr);
+    result.mfu.push_back(figures.mfu);
     if (chief && options.verbose && ((step + 1) % c.log_every == 0 || step + 1 == c.steps)) {
-      print_progress(c, step, result.losses.back(), result.grad_norms.back(), seconds,
-                     std::chrono::duration<double>(Clock::now() - started).count(), step + 1 - resumed.first_step);
+      print_progress(c, figures, std::chrono::duration<double>(Clock::now() - started).count(),
+                     step + 1 - resumed.first_step);
     }
     if (c.eval_every > 0 && ((step + 1) % c.eval_every == 0 || step + 1 == c.steps))
       record_held_out_loss(c, step, *engine, *metrics, chief && options.verbose, result);

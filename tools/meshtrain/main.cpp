@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <chrono>
 #include <iostream>
+#include <map>
 #include <thread>
 
 #include "meshtrain/comm/errors.h"
@@ -17,6 +18,8 @@
 #include "meshtrain/plan/planner.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/elastic.h"
+#include "meshtrain/train/export.h"
+#include "meshtrain/train/generate_command.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/train/trainer.h"
@@ -33,26 +36,47 @@ static void say_error(const std::string& message) {
   }
 }
 
+// The subcommands besides training (which takes flags only).
+using Command = int (*)(const std::vector<std::string>&, std::ostream&);
+static const std::map<std::string, Command> kCommands = {
+    {"plan", plan::run_plan},
+    {"data", train::run_data_command},
+    {"export", train::run_export_command},
+    {"generate", train::run_generate_command},
+};
+
+static int run_command(Command command, const std::vector<std::string>& args) {
+  try {
+    return command(args, std::cout);
+  } catch (const ConfigError& e) {
+    say_error(e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    say_error(std::string("meshtrain: ") + e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    say_error(std::string("meshtrain: ") + e.what());
+    return 1;
+  }
+}
+
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (!args.empty() && args[0] != "plan" && args[0] != "data" && train::asks_for_help(args)) {
+  if (!args.empty() && kCommands.count(args[0])) {
+    return run_command(kCommands.at(args[0]), std::vector<std::string>(args.begin() + 1, args.end()));
+  }
+  if (!args.empty() && args[0].rfind("-", 0) != 0) {
+    say_error("meshtrain: unknown command '" + args[0] + "'; meshtrain trains with flags (meshtrain --help), or runs "
+              "one of: plan, data, export, generate (meshtrain COMMAND --help)");
+    return 2;
+  }
+  if (train::asks_for_help(args)) {
     std::cout << train::train_usage();  // asked for: stdout, success
     return 0;
   }
   if (args.size() == 1 && args[0] == "--version") {
     std::cout << "meshtrain " << meshtrain::version() << " (libtorch " << TORCH_VERSION << ")" << std::endl;
     return 0;
-  }
-  if (!args.empty() && args[0] == "plan") {
-    return plan::run_plan(std::vector<std::string>(args.begin() + 1, args.end()), std::cout);
-  }
-  if (!args.empty() && args[0] == "data") {
-    try {
-      return train::run_data_command(std::vector<std::string>(args.begin() + 1, args.end()), std::cout);
-    } catch (const std::exception& e) {
-      std::cerr << e.what() << std::endl;
-      return 2;
-    }
   }
   try {
     train::TrainConfig config = train::parse_train_args(args);

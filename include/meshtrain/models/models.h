@@ -96,6 +96,10 @@ at::Tensor predicted_logits(const ModelConfig& config, const at::Tensor& logits,
 std::map<std::string, tp::Style> tp_plan(const ModelConfig& config, torch::nn::Module& stage, bool sequence_parallel);
 // Parameter count of the whole (unsharded) model.
 int64_t parameter_count(const ModelConfig& config);
+// Model FLOPs of one training step per token (per sample for the MLP):
+// forward and backward of every weight, 6 N (N without position tables),
+// plus attention's 12 L H Q T (PaLM's appendix B; nanoGPT's estimate_mfu).
+double training_flops_per_token(const ModelConfig& config);
 // Whether the model reads token ids and predicts the next token (gpt, gpt2, llama).
 bool is_language_model(const ModelConfig& config);
 // Rows of the token embedding (and of a tied head): gpt2 pads the vocabulary to

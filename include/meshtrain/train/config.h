@@ -3,6 +3,7 @@
 // resolved against the world size before any communication, so that bad flags
 // and impossible layouts fail with a message naming the value and the fix.
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,13 @@ struct TrainConfig {
   // default: tied for gpt and gpt2, untied for llama); resolve() sets
   // model.tie_embeddings from it.
   std::string tie;
+  // Start from published weights (io/weights.h: an llm.c checkpoint or a
+  // Hugging Face directory); the shape comes from them, and a shape flag
+  // given with a different value is refused (--seq-len may be shorter).
+  std::string init_from;
+  // The model flags given on the command line ("--hidden", ...), so that
+  // --init-from can tell a given flag from a default.
+  std::set<std::string> model_flags;
   // Layout: degrees of the mesh axes (0 = derive dp from the world size).
   int dp = 0, pp = 1, tp = 1;
   std::string strategy = "ddp";  // data axis: ddp | dp (the article's master DP)

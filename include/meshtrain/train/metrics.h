@@ -20,6 +20,10 @@ struct StateBytes {
 };
 
 int64_t peak_rss_bytes();
+// This process's float32 matrix-product speed (FLOP/s) with its intra-op
+// threads, measured now on a 256^3 product: the denominator of model FLOPs
+// utilisation, measured because these machines differ from host to host.
+double measure_matmul_flops();
 std::string state_bytes_json(const StateBytes& s);
 // Traffic per step: the counters divided by the number of steps.
 std::string traffic_json(const comm::Traffic& total, int steps);

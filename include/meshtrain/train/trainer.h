@@ -28,6 +28,8 @@ struct TrainResult {
   std::vector<double> losses;      // global-batch loss of steps first_step, first_step + 1, ... (every rank)
   std::vector<double> step_times;  // seconds
   std::vector<double> grad_norms;  // global gradient norm of each step, before clipping
+  std::vector<double> learning_rates;  // of each step (the schedule's)
+  std::vector<double> mfu;         // model FLOPs utilisation of each step (trainer.cpp)
   // --eval-every: the held-out batch's loss after steps eval_steps (1-based), every rank.
   std::vector<int64_t> eval_steps;
   std::vector<double> eval_losses;

@@ -1,0 +1,107 @@
+#include "meshtrain/train/export.h"
+
+#include <ATen/ATen.h>
+
+#include "meshtrain/io/weights.h"
+#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
+#include "meshtrain/util/flags.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// A step directory: the one given, or the newest complete one of a save directory.
+std::string step_directory(const std::string& path) {
+  MESHTRAIN_CHECK(files::exists(path), "--resume ", path, ": no such directory; give the trainer's --save-dir");
+  if (files::exists(path + "/manifest.json")) return path;
+  const std::vector<std::string> complete = complete_checkpoints(path);
+  MESHTRAIN_CHECK(!complete.empty(), "--resume ", path, ": no complete checkpoint in it (a step-NNNNNNNN directory "
+                  "with a manifest); train with --save-dir ", path, " --save-every N first");
+  const std::string latest = latest_checkpoint(path);
+  return latest.empty() ? complete.front() : latest;
+}
+
+}  // namespace
+
+models::ModelConfig model_config_from_json(const json::Value& m) {
+  models::ModelConfig c;
+  c.kind = m["kind"].str();
+  c.layers = m["layers"].i64();
+  c.hidden = m["hidden"].i64();
+  if (!models::is_language_model(c)) {
+    c.features = m["features"].i64();
+    c.classes = m["classes"].i64();
+    return c;
+  }
+  c.heads = m["heads"].i64();
+  c.vocab = m["vocab"].i64();
+  c.seq_len = m["seq_len"].i64();
+  c.tie_embeddings = m["tie_embeddings"].boolean;
+  // Written since GPT-2 and Llama (older checkpoints: the small GPT's defaults).
+  if (m.has("kv_heads")) c.kv_heads = m["kv_heads"].i64();
+  if (m.has("ffn_hidden")) c.ffn_hidden = m["ffn_hidden"].i64();
+  if (m.has("max_positions")) c.max_positions = m["max_positions"].i64();
+  if (m.has("norm_eps")) c.norm_eps = m["norm_eps"].num();
+  if (m.has("rope_theta")) c.rope_theta = m["rope_theta"].num();
+  return c;
+}
+
+CheckpointModel load_checkpoint_model(const std::string& path) {
+  CheckpointModel out;
+  out.step_dir = step_directory(path);
+  CheckpointReader reader(out.step_dir);
+  out.config = model_config_from_json(reader.config()["model"]);
+  // The names and shapes of the whole model, from the model itself.
+  models::Stage shape = models::build_stage(out.config, 0, models::num_pieces(out.config));
+  for (const auto& p : shape->named_parameters()) {
+    const at::Tensor full = reader.full(p.key(), "value");
+    MESHTRAIN_CHECK(full.defined(), "checkpoint ", out.step_dir, " has no value of '", p.key(), "'");
+    MESHTRAIN_CHECK(full.numel() == p.value().numel(), "checkpoint ", out.step_dir, ": '", p.key(), "' holds ",
+                    full.numel(), " values, the model's ", p.value().sizes(), " needs ", p.value().numel());
+    out.parameters[p.key()] = full.to(at::kFloat).reshape(p.value().sizes());
+  }
+  return out;
+}
+
+int run_export_command(const std::vector<std::string>& args, std::ostream& out) {
+  std::string resume, target, format, dtype = "float32";
+  flags::Parser parser(
+      "meshtrain export",
+      "usage: meshtrain export --resume SAVE_DIR --out PATH [--format hf|llmc] [--dtype float32|bfloat16]\n"
+      "Writes the model of a training checkpoint (saved on any layout) in a published format: a Hugging Face\n"
+      "directory (config.json + model.safetensors; gpt2, llama) or an llm.c GPT-2 checkpoint (.bin).\n",
+      {{"", {flags::store("--resume", "SAVE_DIR", "the trainer's --save-dir (its newest checkpoint) or a step "
+                          "directory", resume),
+             flags::store("--out", "PATH", "a directory (hf) or a file (llmc)", target),
+             flags::store("--format", "hf|llmc", "default: llmc for a PATH ending in .bin, else hf", format),
+             flags::store("--dtype", "float32|bfloat16", "the stored values (llm.c's CPU trainer reads float32)",
+                          dtype)}}});
+  if (parser.asks_for_help(args)) {
+    out << parser.usage();
+    return 0;
+  }
+  parser.parse(args);
+  MESHTRAIN_CHECK(!resume.empty() && !target.empty(), "meshtrain export: give --resume SAVE_DIR and --out PATH\n",
+                  parser.usage());
+  MESHTRAIN_CHECK(dtype == "float32" || dtype == "bfloat16", "--dtype '", dtype, "' is unknown; use float32 or bfloat16");
+  if (format.empty()) format = ends_with(target, ".bin") ? "llmc" : "hf";
+  const CheckpointModel model = load_checkpoint_model(resume);
+  MESHTRAIN_CHECK(model.config.kind == "gpt2" || model.config.kind == "llama", "meshtrain export: ", model.step_dir,
+                  " holds a --model ", model.config.kind, ", which no published format describes; export gpt2 or "
+                  "llama models");
+  io::save_weights(target, format, model.config, model.parameters, dtype == "float32" ? at::kFloat : at::kBFloat16);
+  out << "wrote " << target << " (" << (format == "hf" ? "Hugging Face directory" : "llm.c checkpoint") << ", "
+      << dtype << ") from " << model.step_dir << ": " << model.config.kind << ", "
+      << models::parameter_count(model.config) << " parameters\n";
+  return 0;
+}
+
+}  // namespace train
+}  // namespace meshtrain

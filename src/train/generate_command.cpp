@@ -1,0 +1,134 @@
+// `meshtrain generate`: text from a trained or published model, in one process.
+#include "meshtrain/train/generate_command.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "meshtrain/io/weights.h"
+#include "meshtrain/models/generate.h"
+#include "meshtrain/train/export.h"
+#include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
+#include "meshtrain/util/flags.h"
+#include "meshtrain/util/json.h"
+#include "meshtrain/util/strings.h"
+
+namespace meshtrain {
+namespace train {
+
+namespace {
+
+struct GenerateArgs {
+  std::string init_from, resume, prompt, prompt_ids, out;
+  models::GenerateOptions options;
+  int64_t max_new = 64;
+  double temperature = 1.0, top_p = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 1234;
+  bool no_cache = false;
+};
+
+flags::Parser generate_parser(GenerateArgs& a) {
+  using flags::store;
+  return flags::Parser(
+      "meshtrain generate",
+      "usage: meshtrain generate (--init-from PATH | --resume SAVE_DIR) (--prompt-ids 1,2,3 | --prompt TEXT)\n"
+      "                          [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+      "                          [--out FILE.json]\n"
+      "Generates from a built-in language model in one process, with a cache of keys and values (incremental\n"
+      "decoding): greedy with --temperature 0, else sampled; stops at the end-of-text token or the model's last\n"
+      "position.\n",
+      {{"model", {store("--init-from", "PATH", "published weights: an llm.c GPT-2 checkpoint or a Hugging Face "
+                        "directory", a.init_from),
+                  store("--resume", "SAVE_DIR", "a training checkpoint (the trainer's --save-dir, any layout)",
+                        a.resume)}},
+       {"prompt", {store("--prompt-ids", "1,2,3", "the prompt as token ids", a.prompt_ids),
+                   store("--prompt", "TEXT", "the prompt as text (byte tokens)", a.prompt)}},
+       {"sampling", {store("--max-new-tokens", "N", "default 64", a.max_new),
+                     store("--temperature", "T", "0: greedy (default 1)", a.temperature),
+                     store("--top-k", "K", "sample among the K most likely (default 0: all)", a.top_k),
+                     store("--top-p", "P", "nucleus sampling (default 1: all)", a.top_p),
+                     store("--seed", "S", "the draws' seed (default 1234)", a.seed),
+                     flags::turn("--no-cache", "recompute the whole sequence every step (slower; for comparison)",
+                                 a.no_cache)}},
+       {"output", {store("--out", "FILE.json", "{\"prompt_ids\", \"generated_ids\", \"text\"}", a.out)}}});
+}
+
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> ids;
+  for (const std::string& part : split(text, ',')) ids.push_back(flags::to_int64("--prompt-ids", trim(part)));
+  return ids;
+}
+
+struct LoadedModel {
+  models::ModelConfig config;
+  std::map<std::string, at::Tensor> parameters;
+  std::string source;
+};
+
+LoadedModel load_model(const GenerateArgs& a) {
+  MESHTRAIN_CHECK(a.init_from.empty() != a.resume.empty(), "meshtrain generate: give --init-from PATH (published "
+                  "weights) or --resume SAVE_DIR (a training checkpoint), one of them");
+  if (!a.init_from.empty()) {
+    io::LoadedWeights w = io::load_weights(a.init_from);
+    return {w.config, std::move(w.tensors), w.source};
+  }
+  CheckpointModel m = load_checkpoint_model(a.resume);
+  return {m.config, std::move(m.parameters), "checkpoint " + m.step_dir};
+}
+
+std::string bytes_text(const std::vector<int64_t>& ids) {
+  std::string text;
+  for (int64_t id : ids) text += id < 256 ? std::string(1, static_cast<char>(id)) : str_cat("<", id, ">");
+  return text;
+}
+
+void write_result(const std::string& path, const std::vector<int64_t>& prompt, const models::Generation& g,
+                  const std::string& text) {
+  auto numbers = [](const std::vector<int64_t>& ids) { return json::numbers(std::vector<double>(ids.begin(), ids.end())); };
+  files::write_durable(path, json::Object()
+                                 .raw("prompt_ids", numbers(prompt))
+                                 .raw("generated_ids", numbers(g.ids))
+                                 .str("text", text)
+                                 .boolean("stopped_at_end_of_text", g.stopped)
+                                 .num("prefill_seconds", g.prefill_seconds)
+                                 .num("decode_seconds", g.decode_seconds)
+                                 .str() + "\n");
+}
+
+}  // namespace
+
+int run_generate_command(const std::vector<std::string>& args, std::ostream& out) {
+  GenerateArgs a;
+  const flags::Parser parser = generate_parser(a);
+  if (parser.asks_for_help(args)) {
+    out << parser.usage();
+    return 0;
+  }
+  parser.parse(args);
+  MESHTRAIN_CHECK(a.prompt.empty() != a.prompt_ids.empty(), "meshtrain generate: give --prompt-ids 1,2,3 or --prompt "
+                  "TEXT, one of them");
+  const std::vector<int64_t> prompt = a.prompt_ids.empty() ? std::vector<int64_t>(a.prompt.begin(), a.prompt.end())
+                                                           : parse_ids(a.prompt_ids);
+  const LoadedModel loaded = load_model(a);
+  models::BuildContext ctx;
+  ctx.weights = &loaded.parameters;
+  models::Stage model = models::build_stage(loaded.config, 0, models::num_pieces(loaded.config), ctx);
+  const auto options = models::GenerateOptions().max_new_tokens(a.max_new).temperature(a.temperature).top_k(a.top_k)
+                           .top_p(a.top_p).seed(a.seed).use_cache(!a.no_cache);
+  const models::Generation g = models::generate(loaded.config, *model, prompt, options);
+  const std::string text = bytes_text(g.ids);
+  out << text << "\n";
+  std::fprintf(stderr, "meshtrain generate: %zu tokens from %s in %.3f s (%.1f tokens/s; the prompt's %zu tokens in "
+               "%.3f s)%s\n", g.ids.size(), loaded.source.c_str(), g.decode_seconds,
+               g.ids.size() / std::max(1e-9, g.prefill_seconds + g.decode_seconds), prompt.size(), g.prefill_seconds,
+               g.hit_max_positions ? "; stopped at the model's last position" : "");
+  if (!a.out.empty()) write_result(a.out, prompt, g, text);
+  return 0;
+}
+
+}  // namespace train
+}  // namespace meshtrain
