@@ -368,7 +368,8 @@ TEST(Examples, EachRunsUnderMeshrun) {
                                                {"tensor_parallel", 2, "step 60 loss"},
                                                {"mesh3d", 8, "step 100 loss"},
                                                {"gpt_mesh", 8, "step 150 loss"},
-                                               {"gpt_mesh --trainer", 8, "step 150 loss"}}) {
+                                               {"gpt_mesh --trainer", 8, "step 150 loss"},
+                                               {"llama", 8, "step 30 loss"}}) {
     Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(e.ranks) + " -- " + kBin + "/" + e.name);
     EXPECT_EQ(r.exit_code, 0) << e.name << "\n" << r.output;
     EXPECT_TRUE(contains(r.output, e.prints)) << e.name << "\n" << r.output;
