@@ -19,6 +19,7 @@
 #include "equivalence.h"
 #include "harness.h"
 #include "meshtrain/plan/model.h"
+#include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/json.h"
 
 namespace plan = meshtrain::plan;
@@ -105,8 +106,7 @@ TEST(PlanVsTrainer, PredictedModelStateMatchesEveryRankWithinFivePercent) {
   auto c = meshtrain::testing::tiny_gpt();  // fp32 AdamW: the prediction's 4 + 4 + 8 bytes per parameter
   c.steps = 1;
   c.bucket_cap_mb = 0.01;  // several buckets: ZeRO's shards are cut bucket by bucket
-  const plan::GptShape shape{c.model.layers, c.model.hidden, c.model.heads, c.model.vocab, c.model.seq_len,
-                             c.model.tie_embeddings};
+  const plan::DecoderShape shape = meshtrain::train::decoder_shape(c.model);
   std::vector<Row> rows;
   double worst = 0;
   // fp32 (4 + 4 + 8 bytes per parameter) and bf16-mixed (2 + 2 + 12).
