@@ -14,71 +14,50 @@ namespace {
 constexpr int64_t kBucketCapBytes = 25 * 1024 * 1024;
 
 // b*s*h values: one micro-batch's activation between two blocks.
-int64_t hidden_state_values(const GptShape& s, int64_t micro_batch) { return micro_batch * s.seq_len * s.hidden; }
+int64_t hidden_state_values(const DecoderShape& s, int64_t micro_batch) { return micro_batch * s.seq_len * s.hidden; }
 
 // Parameters one rank of `stage` holds before ZeRO: the stage's share for a
-// GPT, the whole count when only --params is known (then pp = tp = 1).
+// known shape, the whole count when only --params is known (then pp = tp = 1).
 int64_t stage_params(const PlanInput& in, const Layout& l, int stage) {
-  return in.gpt ? stage_parameter_count(*in.gpt, l.pp, l.tp, stage) : in.params;
+  return in.shape ? stage_parameter_count(*in.shape, l.pp, l.tp, stage) : in.params;
 }
 
 }  // namespace
-
-int64_t stage_activation_bytes(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
-  if (!in.gpt) return 0;  // no shape, no activation estimate (reported as a note)
-  const GptShape& s = *in.gpt;
-  const int64_t blocks = blocks_on_stage(s, l.pp, stage);
-  const int64_t in_flight = microbatches_in_flight(l.pp, stage, microbatches);
-  const int64_t full_layer = layer_activation_bytes(s, in.micro_batch, l.tp, in.precision);
-  int64_t bytes = 0;
-  if (in.activation_checkpointing) {
-    // Layer inputs for every micro-batch in flight, plus one layer's full
-    // activations while it is recomputed during backward.
-    bytes =
-        blocks * in_flight * checkpointed_layer_bytes(s, in.micro_batch, in.precision) + (blocks > 0 ? full_layer : 0);
-  } else {
-    bytes = blocks * in_flight * full_layer;
-  }
-  // The last stage runs each micro-batch's backward right after its forward:
-  // one micro-batch of output-layer activations.
-  if (stage == l.pp - 1) bytes += output_layer_activation_bytes(s, in.micro_batch, l.tp, in.precision);
-  return bytes;
-}
 
 namespace {
 
 // Memory held for communication, beyond the model state.
 int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t psi) {
-  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum);
+  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   int64_t bytes = 0;
   if (l.dp > 1 && l.zero == 0) bytes += b.gradients * psi;  // DDP's buckets mirror the gradients (engine_dp.cpp)
   // Stage 1 reduce-scatters in place in its full gradient buffer: nothing extra.
   if (l.dp > 1 && l.zero == 2)
     bytes += std::min<int64_t>(2 * kBucketCapBytes, b.gradients * psi);  // filling + reducing
-  if (l.dp > 1 && l.zero == 3 && in.gpt) {
+  if (l.dp > 1 && l.zero == 3 && in.shape) {
     // The unit being used and the prefetched one, gathered; one unit's full gradient before its reduce-scatter.
-    const int64_t unit = largest_unit_parameter_count(*in.gpt, l.pp, l.tp, stage);
+    const int64_t unit = largest_unit_parameter_count(*in.shape, l.pp, l.tp, stage);
     bytes += (2 * b.parameters + b.gradients) * unit;
   }
-  if (in.gpt) {
+  if (in.shape) {
     // A head tied to an embedding on another stage receives its weight each step and sends back the gradient.
-    bytes += (b.parameters + b.gradients) * tied_weight_copy_count(*in.gpt, l.pp, l.tp, stage);
+    bytes += (b.parameters + b.gradients) * tied_weight_copy_count(*in.shape, l.pp, l.tp, stage);
   }
-  if (l.pp > 1 && in.gpt) {
+  if (l.pp > 1 && in.shape) {
     // One receive and one send buffer of b*s*h values.
-    bytes += 2 * hidden_state_values(*in.gpt, in.micro_batch) * activation_bytes_per_value(in.precision);
+    bytes += 2 * hidden_state_values(*in.shape, in.micro_batch) * activation_bytes_per_value(in.precision);
   }
   return bytes;
 }
 
 CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
-  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum);
+  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   CommBytes c;
   c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.dp, microbatches);
-  if (in.gpt) {
-    const int64_t blocks = blocks_on_stage(*in.gpt, l.pp, stage);
-    c.pp = pp_comm_bytes(*in.gpt, in.micro_batch, l.pp, stage, microbatches, in.precision);
-    c.tp = tp_comm_bytes(*in.gpt, in.micro_batch, l.tp, blocks, microbatches, in.precision);
+  if (in.shape) {
+    const int64_t blocks = blocks_on_stage(*in.shape, l.pp, stage);
+    c.pp = pp_comm_bytes(*in.shape, in.micro_batch, l.pp, stage, microbatches, in.precision);
+    c.tp = tp_comm_bytes(*in.shape, in.micro_batch, l.tp, blocks, microbatches, in.precision);
   }
   return c;
 }
@@ -98,39 +77,21 @@ CommSeconds comm_seconds(const PlanInput& in, const Layout& l, const CommBytes& 
 
 }  // namespace
 
-int64_t layer_activation_bytes(const GptShape& s, int64_t micro_batch, int tp, Precision precision) {
-  const double sbh = static_cast<double>(s.seq_len) * micro_batch * s.hidden;
-  const double per_value = 10.0 + 24.0 / tp + 5.0 * s.heads * s.seq_len / (static_cast<double>(s.hidden) * tp);
-  const double scale = activation_bytes_per_value(precision) / 2.0;  // the formula counts 16-bit values
-  return std::llround(sbh * per_value * scale);
-}
-
-int64_t checkpointed_layer_bytes(const GptShape& s, int64_t micro_batch, Precision precision) {
-  return hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
-}
-
-int64_t output_layer_activation_bytes(const GptShape& s, int64_t micro_batch, int tp, Precision precision) {
-  const double sbh = static_cast<double>(s.seq_len) * micro_batch * s.hidden;
-  const double scale = activation_bytes_per_value(precision) / 2.0;
-  return std::llround(4.0 * sbh * (1.0 + static_cast<double>(s.vocab) / s.hidden) / tp * scale);
-}
-
-double stage_flops_per_token(const GptShape& s, int pp, int tp, int stage, bool checkpointing) {
+double stage_flops_per_token(const DecoderShape& s, int pp, int tp, int stage, bool checkpointing,
+                             Attention attention) {
   const double per_weight = checkpointing ? 8.0 : 6.0;
   const double blocks = static_cast<double>(blocks_on_stage(s, pp, stage));
-  const double attention = blocks * s.seq_len * s.hidden / tp;
-  double weights = blocks * block_parameter_count(s.hidden, tp);
-  if (stage == pp - 1) weights += static_cast<double>(s.vocab / tp) * s.hidden;  // the LM head's matmul
-  return per_weight * weights + 2 * per_weight * attention;
+  const double scores = blocks * s.seq_len * s.hidden / tp;
+  // Forward 4 s h (twice with checkpointing), backward 8 s h, + 2 s h for
+  // flash attention's recomputed scores (FlashAttention's backward, Dao et al. 2022, §3.1).
+  const double per_score = 2 * per_weight + (attention == Attention::kFlash ? 2.0 : 0.0);
+  double weights = blocks * block_parameter_count(s, tp);
+  if (stage == pp - 1) weights += static_cast<double>(embedding_rows(s) / tp) * s.hidden;  // the LM head's matmul
+  return per_weight * weights + per_score * scores;
 }
 
 double pipeline_bubble_seconds(double compute_seconds, int pp, int64_t microbatches) {
   return compute_seconds * (pp - 1) / static_cast<double>(microbatches);
-}
-
-int64_t microbatches_in_flight(int pp, int stage, int64_t microbatches) {
-  if (pp == 1) return 1;
-  return std::min<int64_t>(pp - stage, microbatches);
 }
 
 int64_t ring_all_reduce_bytes(int64_t bytes, int n) {
@@ -146,13 +107,13 @@ int64_t dp_comm_bytes(int64_t psi, int value_bytes, int zero, int dp, int64_t mi
   return std::llround(passes * one_pass);
 }
 
-int64_t pp_comm_bytes(const GptShape& s, int64_t micro_batch, int pp, int stage, int64_t microbatches,
+int64_t pp_comm_bytes(const DecoderShape& s, int64_t micro_batch, int pp, int stage, int64_t microbatches,
                       Precision precision) {
   const int neighbours = (stage > 0 ? 1 : 0) + (stage < pp - 1 ? 1 : 0);
   return neighbours * microbatches * hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
 }
 
-int64_t tp_comm_bytes(const GptShape& s, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
+int64_t tp_comm_bytes(const DecoderShape& s, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
                       Precision precision) {
   const int64_t one = hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
   return 4 * blocks * microbatches * ring_all_reduce_bytes(one, tp);
@@ -163,14 +124,14 @@ std::vector<Layout> candidate_layouts(const PlanInput& in) {
   const int64_t micro_steps = global_batch_of(in) / in.micro_batch;
   // Without a shape only data parallelism can be estimated; with one, tp
   // divides the heads and pp is at most the number of pieces.
-  const int64_t max_tp = in.gpt ? std::min<int64_t>(in.devices, in.gpt->heads) : 1;
+  const int64_t max_tp = in.shape ? std::min<int64_t>(in.devices, in.shape->heads) : 1;
   for (int tp = 1; tp <= max_tp; ++tp) {
     if (in.devices % tp != 0) continue;
-    const int64_t max_pp = in.gpt ? std::min<int64_t>(in.devices / tp, num_pieces(*in.gpt)) : 1;
+    const int64_t max_pp = in.shape ? std::min<int64_t>(in.devices / tp, num_pieces(*in.shape)) : 1;
     for (int pp = 1; pp <= max_pp; ++pp) {
       if ((in.devices / tp) % pp != 0) continue;
       const int dp = in.devices / tp / pp;
-      if (in.gpt && !layout_problem(*in.gpt, Layout{dp, pp, tp, 0}).empty()) continue;
+      if (in.shape && !layout_problem(*in.shape, Layout{dp, pp, tp, 0}).empty()) continue;
       if (micro_steps % dp != 0) continue;
       for (int zero = 0; zero <= (dp > 1 ? 3 : 0); ++zero) layouts.push_back({dp, pp, tp, zero});
     }
@@ -181,7 +142,7 @@ std::vector<Layout> candidate_layouts(const PlanInput& in) {
 MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   const int64_t psi = stage_params(in, l, stage);
   const ModelStateBytes state =
-      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum), l.zero, l.dp);
+      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0), l.zero, l.dp);
   MemoryBytes m;
   m.parameters = state.parameters;
   m.gradients = state.gradients;
@@ -214,13 +175,14 @@ Estimate estimate_layout(const PlanInput& in, const Layout& l) {
       e.comm_stage = stage;
     }
   }
-  if (in.gpt) {
+  if (in.shape) {
     // Each dp replica processes its share of the step's tokens; its slowest
     // stage sets the pace. Without a shape the tokens are unknown.
-    const double tokens = static_cast<double>(global_batch_of(in)) * in.gpt->seq_len / l.dp;
+    const double tokens = static_cast<double>(global_batch_of(in)) * in.shape->seq_len / l.dp;
     double flops = 0;
     for (int stage = 0; stage < l.pp; ++stage)
-      flops = std::max(flops, tokens * stage_flops_per_token(*in.gpt, l.pp, l.tp, stage, in.activation_checkpointing));
+      flops = std::max(flops, tokens * stage_flops_per_token(*in.shape, l.pp, l.tp, stage, in.activation_checkpointing,
+                                                             in.attention));
     e.compute_seconds = flops / in.device_flops;
     e.bubble_seconds = pipeline_bubble_seconds(e.compute_seconds, l.pp, e.microbatches);
   }

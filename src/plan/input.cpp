@@ -17,18 +17,51 @@ namespace {
 // The flags as parsed, before they are assembled into a PlanInput.
 struct Draft {
   PlanInput input;
-  GptShape shape;
-  std::vector<std::string> shape_flags;  // the GPT-shape flags given, in order
+  DecoderShape shape;
+  std::string tie;                       // "tied", "untied", or "" (the model's default)
+  std::vector<std::string> shape_flags;  // the shape flags given, in order
   bool params_given = false;
 };
 
 using Setter = std::function<void(const std::string& flag, const std::string& value)>;
 
-Setter shape_field(Draft& d, int64_t GptShape::*field) {
+Setter shape_field(Draft& d, int64_t DecoderShape::*field) {
   return [&d, field](const std::string& flag, const std::string& value) {
     d.shape.*field = parse_positive_int(flag, value);
     d.shape_flags.push_back(flag);
   };
+}
+
+// The trainer's --model, less the MLP (no sequence: nothing to plan but its parameters).
+ModelKind parse_model_kind(const std::string& flag, const std::string& value) {
+  if (value == "gpt") return ModelKind::kGpt;
+  if (value == "gpt2") return ModelKind::kGpt2;
+  if (value == "llama") return ModelKind::kLlama;
+  MESHTRAIN_CHECK(value != "mlp", flag, " mlp: the planner models the language models (gpt, gpt2, llama); for "
+                  "the MLP give its parameter count, --params COUNT");
+  throw ConfigError(str_cat(flag, " '", value, "': expected gpt, gpt2 or llama, as the trainer takes"));
+}
+
+// The model flags: --model, the sizes, the head's tie; each marks the shape as given.
+Setter kind_field(Draft& d) {
+  return [&d](const std::string& flag, const std::string& value) {
+    d.shape.kind = parse_model_kind(flag, value);
+    d.shape_flags.push_back(flag);
+  };
+}
+
+Setter tie_field(Draft& d, const std::string& tie) {
+  return [&d, tie](const std::string& flag, const std::string&) {
+    d.tie = tie;
+    d.shape_flags.push_back(flag);
+  };
+}
+
+Attention parse_attention(const std::string& flag, const std::string& value) {
+  if (value == "eager") return Attention::kEager;
+  if (value == "flash") return Attention::kFlash;
+  throw ConfigError(str_cat(flag, " '", value, "': expected eager (the T x T softmax kept, as meshtrain's models ",
+                            "run) or flash (memory-efficient: linear in T)"));
 }
 
 int as_int(const std::string& flag, const std::string& value) {
@@ -52,12 +85,12 @@ OptimizerKind parse_optimizer(const std::string& value) {
 }
 
 // The trainer's --momentum M: a buffer is kept when M > 0.
-bool parse_momentum(const std::string& flag, const std::string& value) {
+double parse_momentum(const std::string& flag, const std::string& value) {
   char* end = nullptr;
   const double m = std::strtod(value.c_str(), &end);
   MESHTRAIN_CHECK(!value.empty() && *end == '\0' && m >= 0 && m < 1, flag, " ", value,
                   ": expected the momentum factor in [0, 1), as the trainer takes (e.g. 0.9)");
-  return m > 0;
+  return m;
 }
 
 // The trainer's policies: none, blocks, every-N. The planner models none and
@@ -92,26 +125,38 @@ double parse_tflops(const std::string& flag, const std::string& value) {
   return v * 1e12;
 }
 
+// The model's flags: the trainer's names, each marking the shape as given; or --params.
+flags::Group model_flags(Draft& d) {
+  auto params = [&d](const std::string& f, const std::string& v) {
+    d.input.params = parse_count(f, v);
+    d.params_given = true;
+  };
+  return {"model (the shape of one of meshtrain's models, as the trainer's flags, or a parameter count)",
+          {{"--model", "gpt|gpt2|llama", "the trainer's built-in model (default gpt)", kind_field(d)},
+           {"--layers", "N", "transformer blocks", shape_field(d, &DecoderShape::layers)},
+           {"--hidden", "H", "hidden size", shape_field(d, &DecoderShape::hidden)},
+           {"--heads", "A", "attention heads", shape_field(d, &DecoderShape::heads)},
+           {"--kv-heads", "K", "llama: key/value heads, grouped-query attention (default: --heads)",
+            shape_field(d, &DecoderShape::kv_heads)},
+           {"--ffn-hidden", "F", "the MLP's inner size (default: 4 x hidden; llama: 8/3 x hidden rounded up to 32)",
+            shape_field(d, &DecoderShape::ffn_hidden)},
+           {"--vocab", "V", "vocabulary", shape_field(d, &DecoderShape::vocab)},
+           {"--seq-len", "T", "sequence length", shape_field(d, &DecoderShape::seq_len)},
+           {"--max-positions", "P", "positions the model takes (default: --seq-len)",
+            shape_field(d, &DecoderShape::max_positions)},
+           {"--untied", "", "the LM head has its own weight (default for llama)", tie_field(d, "untied")},
+           {"--tied", "", "the LM head is the token embedding (default for gpt and gpt2)", tie_field(d, "tied")},
+           {"--params", "COUNT", "instead of a shape: 7.5e9, 7.5B, 350M (data parallel only, no command)", params}}};
+}
+
 // The planner's flags, setting fields of `d`; the usage is generated from them.
 flags::Parser plan_parser(Draft& d) {
   PlanInput& in = d.input;
   auto set = [](auto& field, auto parse) {
     return [&field, parse](const std::string& f, const std::string& v) { field = parse(f, v); };
   };
-  auto params = [&d](const std::string& f, const std::string& v) {
-    d.input.params = parse_count(f, v);
-    d.params_given = true;
-  };
   std::vector<flags::Group> groups = {
-      {"model (a GPT shape, as meshtrain's GPT, or a parameter count)",
-       {{"--layers", "N", "transformer blocks", shape_field(d, &GptShape::layers)},
-        {"--hidden", "H", "hidden size", shape_field(d, &GptShape::hidden)},
-        {"--heads", "A", "attention heads", shape_field(d, &GptShape::heads)},
-        {"--vocab", "V", "vocabulary", shape_field(d, &GptShape::vocab)},
-        {"--seq-len", "T", "sequence length", shape_field(d, &GptShape::seq_len)},
-        flags::turn("--untied", "the LM head has its own weight (default: tied to the embedding)",
-                    d.shape.tie_embeddings, false),
-        {"--params", "COUNT", "instead of a shape: 7.5e9, 7.5B, 350M (data parallel only)", params}}},
+      model_flags(d),
       {"training",
        {{"--micro-batch", "B", "sequences per micro-batch (default 1)", set(in.micro_batch, parse_positive_int)},
         {"--global-batch", "G", "sequences per step (default: micro-batch x devices)",
@@ -124,7 +169,10 @@ flags::Parser plan_parser(Draft& d) {
          set(in.momentum, parse_momentum)},
         {"--activation-checkpointing", "none|blocks",
          "blocks: keep only each block's input, recompute the rest (default none)",
-         set(in.activation_checkpointing, parse_checkpointing)}}},
+         set(in.activation_checkpointing, parse_checkpointing)},
+        {"--attention", "eager|flash",
+         "eager keeps the T x T softmax (meshtrain's models); flash only a log-sum-exp per row (default eager)",
+         set(in.attention, parse_attention)}}},
       {"cluster",
        {{"--devices", "N", "number of devices (required)", set(in.devices, as_int)},
         {"--device-memory", "SIZE", "memory per device, e.g. 80GB or 80GiB (required)",
@@ -147,25 +195,26 @@ flags::Parser plan_parser(Draft& d) {
                        "bandwidths: the same followed by /s. See docs/plan.md for the formulas.\n");
 }
 
-// Turns the flags into a PlanInput: a GPT shape needs all five of its sizes.
+// Turns the flags into a PlanInput: a shape needs all five of its sizes; the
+// head is tied as the trainer ties it by default (untied for llama).
 PlanInput assemble(const Draft& d) {
   PlanInput in = d.input;
-  MESHTRAIN_CHECK(!(d.params_given && !d.shape_flags.empty()),
-                  "give either --params or the GPT shape, not both (got --params and ", d.shape_flags.front(), ")");
-  if (!d.shape_flags.empty()) {
-    const std::pair<const char*, int64_t> sizes[] = {{"--layers", d.shape.layers},
-                                                     {"--hidden", d.shape.hidden},
-                                                     {"--heads", d.shape.heads},
-                                                     {"--vocab", d.shape.vocab},
-                                                     {"--seq-len", d.shape.seq_len}};
-    for (const auto& size : sizes)
-      MESHTRAIN_CHECK(size.second > 0, size.first, " is missing: the GPT shape needs --layers, --hidden, --heads, ",
-                      "--vocab and --seq-len (or give --params instead)");
-    check_gpt_shape(d.shape);
-    in.gpt = d.shape;
-    in.params = gpt_parameter_count(d.shape);
-  }
-  MESHTRAIN_CHECK(d.shape.tie_embeddings || in.gpt, "--untied describes the GPT shape; give the shape or drop it");
+  MESHTRAIN_CHECK(!(d.params_given && !d.shape_flags.empty()), "give either --params or the model's shape, not both ",
+                  "(got --params and ", d.shape_flags.front(), ")");
+  if (d.shape_flags.empty()) return in;
+  const std::pair<const char*, int64_t> sizes[] = {{"--layers", d.shape.layers},
+                                                   {"--hidden", d.shape.hidden},
+                                                   {"--heads", d.shape.heads},
+                                                   {"--vocab", d.shape.vocab},
+                                                   {"--seq-len", d.shape.seq_len}};
+  for (const auto& size : sizes)
+    MESHTRAIN_CHECK(size.second > 0, size.first, " is missing: the model's shape needs --layers, --hidden, --heads, ",
+                    "--vocab and --seq-len (or give --params instead)");
+  DecoderShape shape = d.shape;
+  shape.tie_embeddings = d.tie.empty() ? shape.kind != ModelKind::kLlama : d.tie == "tied";
+  check_shape(shape);
+  in.shape = shape;
+  in.params = parameter_count(shape);
   return in;
 }
 
@@ -185,8 +234,8 @@ std::string plan_usage() {
 }
 
 void check_plan_input(const PlanInput& in) {
-  MESHTRAIN_CHECK(in.params > 0, "no model given: pass the GPT shape (--layers --hidden --heads --vocab --seq-len) ",
-                  "or a parameter count (--params 7.5B)");
+  MESHTRAIN_CHECK(in.params > 0, "no model given: pass the model's shape (--model gpt|gpt2|llama --layers --hidden ",
+                  "--heads --vocab --seq-len) or a parameter count (--params 7.5B)");
   MESHTRAIN_CHECK(in.devices > 0, "--devices is missing: how many devices (GPUs) the cluster has, e.g. --devices 8");
   MESHTRAIN_CHECK(in.device_memory > 0,
                   "--device-memory is missing: the memory of one device, e.g. --device-memory 80GB");
@@ -196,7 +245,7 @@ void check_plan_input(const PlanInput& in) {
   MESHTRAIN_CHECK(in.global_batch == 0 || in.global_batch % in.micro_batch == 0, "--global-batch ", in.global_batch,
                   " is not a multiple of --micro-batch ", in.micro_batch, "; e.g. --global-batch ",
                   std::max(in.micro_batch, in.global_batch / in.micro_batch * in.micro_batch));
-  MESHTRAIN_CHECK(!in.momentum || in.optimizer == OptimizerKind::kSgd,
+  MESHTRAIN_CHECK(in.momentum == 0 || in.optimizer == OptimizerKind::kSgd,
                   "--momentum applies to --optimizer sgd (Adam always keeps two moments)");
 }
 
@@ -213,6 +262,8 @@ std::string precision_name(Precision p) {
 }
 
 std::string optimizer_name(OptimizerKind o) { return o == OptimizerKind::kAdam ? "adam" : "sgd"; }
+
+std::string attention_name(Attention a) { return a == Attention::kEager ? "eager" : "flash"; }
 
 }  // namespace plan
 }  // namespace meshtrain

@@ -1,12 +1,11 @@
 #include "meshtrain/plan/model.h"
 
-#include "meshtrain/pp/schedule.h"
-
 #include <algorithm>
 #include <climits>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "meshtrain/plan/units.h"
 #include "meshtrain/pp/schedule.h"
@@ -38,95 +37,137 @@ StateBytesPerParam state_bytes_per_param(Precision precision, OptimizerKind opti
 
 int activation_bytes_per_value(Precision precision) { return precision == Precision::kFp32 ? 4 : 2; }
 
-void check_gpt_shape(const GptShape& s) {
+std::string model_kind_name(ModelKind kind) {
+  return kind == ModelKind::kGpt ? "gpt" : kind == ModelKind::kGpt2 ? "gpt2" : "llama";
+}
+
+int64_t kv_heads_of(const DecoderShape& s) { return s.kv_heads > 0 ? s.kv_heads : s.heads; }
+
+int64_t ffn_hidden_of(const DecoderShape& s) {
+  if (s.ffn_hidden > 0) return s.ffn_hidden;
+  if (s.kind != ModelKind::kLlama) return 4 * s.hidden;
+  return (2 * (4 * s.hidden) / 3 + 31) / 32 * 32;  // Meta's SwiGLU size, as models::ffn_hidden
+}
+
+int64_t max_positions_of(const DecoderShape& s) { return s.max_positions > 0 ? s.max_positions : s.seq_len; }
+
+int64_t embedding_rows(const DecoderShape& s) {
+  return s.kind == ModelKind::kGpt2 ? (s.vocab + 127) / 128 * 128 : s.vocab;
+}
+
+void check_shape(const DecoderShape& s) {
   MESHTRAIN_CHECK(s.layers >= 1 && s.hidden >= 1 && s.heads >= 1,
-                  "the GPT shape needs --layers, --hidden and --heads >= 1");
+                  "the model's shape needs --layers, --hidden and --heads >= 1");
   MESHTRAIN_CHECK(s.hidden % s.heads == 0, "--hidden ", s.hidden, " is not a multiple of --heads ", s.heads,
                   "; choose --heads among the divisors of ", s.hidden, ": ", divisors_of(s.hidden));
   MESHTRAIN_CHECK(s.vocab >= 2 && s.seq_len >= 2, "--vocab ", s.vocab, " and --seq-len ", s.seq_len,
-                  " must be at least 2 (meshtrain's GPT rejects smaller ones)");
+                  " must be at least 2 (meshtrain's models reject smaller ones)");
+  MESHTRAIN_CHECK(s.max_positions == 0 || s.seq_len <= s.max_positions, "--seq-len ", s.seq_len,
+                  " is longer than --max-positions ", s.max_positions, "; use --seq-len ", s.max_positions,
+                  " or less, or more positions");
+  MESHTRAIN_CHECK(s.kind == ModelKind::kLlama || s.kv_heads == 0 || s.kv_heads == s.heads, "--kv-heads ", s.kv_heads,
+                  " (grouped-query attention) is for --model llama; ", model_kind_name(s.kind),
+                  " has one key/value head per query head: drop --kv-heads or use --model llama");
+  if (s.kind != ModelKind::kLlama) return;
+  MESHTRAIN_CHECK(s.heads % kv_heads_of(s) == 0, "--kv-heads ", kv_heads_of(s), " must divide --heads ", s.heads,
+                  " (each key/value head serves heads / kv-heads query heads); choose one of ", divisors_of(s.heads));
+  MESHTRAIN_CHECK((s.hidden / s.heads) % 2 == 0, "rotary embeddings need an even head dimension; --hidden ", s.hidden,
+                  " / --heads ", s.heads, " = ", s.hidden / s.heads, "; choose --heads so that the quotient is even");
 }
 
-std::string layout_problem(const GptShape& s, const Layout& l) {
+std::string layout_problem(const DecoderShape& s, const Layout& l) {
   if (l.dp < 1 || l.pp < 1 || l.tp < 1) return "dp, pp and tp must be >= 1";
   if (l.zero < 0 || l.zero > 3) return str_cat("ZeRO stage ", l.zero, " does not exist; use 0, 1, 2 or 3");
-  if (s.heads % l.tp != 0)
-    return str_cat("tp ", l.tp, " does not divide --heads ", s.heads, "; choose tp in ", divisors_of(s.heads));
-  if (s.vocab % l.tp != 0)
-    return str_cat("tp ", l.tp, " does not divide --vocab ", s.vocab,
-                   " (the embedding is split by rows); choose tp in ", divisors_of(s.vocab));
+  // What tp splits (models::validate): query heads, key/value heads, the MLP's inner size, the embedding's rows.
+  const std::string rows = embedding_rows(s) == s.vocab ? "--vocab " : "the padded vocabulary ";
+  const std::pair<std::string, int64_t> split[] = {{"--heads ", s.heads},
+                                                   {"--kv-heads ", kv_heads_of(s)},
+                                                   {"the MLP's inner size (--ffn-hidden) ", ffn_hidden_of(s)},
+                                                   {rows, embedding_rows(s)}};
+  for (const auto& [what, n] : split)
+    if (n % l.tp != 0) return str_cat("tp ", l.tp, " does not divide ", what, n, "; choose tp in ", divisors_of(n));
   if (l.pp > num_pieces(s))
-    return str_cat("pp ", l.pp, " is more than the ", num_pieces(s), " pieces of the GPT (embedding, ", s.layers,
+    return str_cat("pp ", l.pp, " is more than the ", num_pieces(s), " pieces of the model (embedding, ", s.layers,
                    " blocks, head); choose pp <= ", num_pieces(s));
   return "";
 }
 
-int64_t gpt_parameter_count(const GptShape& s) {
-  const int64_t h = s.hidden;
-  const int64_t embeddings = s.vocab * h + s.seq_len * h;
-  const int64_t head = 2 * h + (s.tie_embeddings ? 0 : s.vocab * h);
-  return embeddings + s.layers * block_parameter_count(h, 1) + head;
+int64_t parameter_count(const DecoderShape& s) {
+  int64_t n = 0;
+  for (int64_t piece = 0; piece < num_pieces(s); ++piece) n += piece_parameter_count(s, 1, piece);
+  return n;
 }
 
-int64_t block_parameter_count(int64_t h, int tp) {
+int64_t block_parameter_count(const DecoderShape& s, int tp) {
+  const int64_t h = s.hidden, f = ffn_hidden_of(s);
+  if (s.kind == ModelKind::kLlama) {
+    const int64_t kv = kv_heads_of(s) * (h / s.heads);  // rows of k and of v
+    const int64_t norms = 2 * h;                         // RMSNorm: a weight, no bias
+    const int64_t attention = (h * h + 2 * kv * h) / tp + h * h / tp;  // q, k, v column-, o row-parallel
+    const int64_t mlp = 3 * f * h / tp;                                // gate, up column-, down row-parallel
+    return norms + attention + mlp;
+  }
   const int64_t layer_norms = 2 * 2 * h;
-  const int64_t qkv = 3 * (h * h / tp + h / tp);    // column-parallel: weight and bias split
-  const int64_t proj = h * h / tp + h;              // row-parallel: bias replicated
-  const int64_t fc1 = 4 * h * h / tp + 4 * h / tp;  // column-parallel
-  const int64_t fc2 = 4 * h * h / tp + h;           // row-parallel
+  const int64_t qkv = 3 * (h * h / tp + h / tp);  // column-parallel: weight and bias split
+  const int64_t proj = h * h / tp + h;            // row-parallel: bias replicated
+  const int64_t fc1 = f * h / tp + f / tp;        // column-parallel
+  const int64_t fc2 = f * h / tp + h;             // row-parallel
   return layer_norms + qkv + proj + fc1 + fc2;
 }
 
-int64_t num_pieces(const GptShape& s) { return s.layers + 2; }
+int64_t num_pieces(const DecoderShape& s) { return s.layers + 2; }
 
-int64_t piece_parameter_count(const GptShape& s, int tp, int64_t piece) {
-  const int64_t h = s.hidden;
-  if (piece == 0) return s.vocab / tp * h + s.seq_len * h;
-  if (piece <= s.layers) return block_parameter_count(h, tp);
-  return 2 * h + (s.tie_embeddings ? 0 : s.vocab / tp * h);
+int64_t piece_parameter_count(const DecoderShape& s, int tp, int64_t piece) {
+  const int64_t h = s.hidden, rows = embedding_rows(s);
+  const bool llama = s.kind == ModelKind::kLlama;
+  if (piece == 0) return rows / tp * h + (llama ? 0 : max_positions_of(s) * h);  // rotary: no position table
+  if (piece <= s.layers) return block_parameter_count(s, tp);
+  const int64_t norm = llama ? h : 2 * h;  // RMSNorm: weight; LayerNorm: weight and bias
+  return norm + (s.tie_embeddings ? 0 : rows / tp * h);
 }
 
-std::vector<int64_t> piece_costs(const GptShape& s) {
+std::vector<int64_t> piece_costs(const DecoderShape& s) {
   std::vector<int64_t> costs;
   for (int64_t i = 0; i < num_pieces(s); ++i) costs.push_back(piece_parameter_count(s, 1, i));
-  if (s.tie_embeddings) costs.back() += s.vocab * s.hidden;
+  if (s.tie_embeddings) costs.back() += embedding_rows(s) * s.hidden;
   return costs;
 }
 
 // The stages are cut exactly as the trainer cuts them (pp::partition_balanced
 // over the same piece costs): a stage that differed would make every
 // per-stage estimate wrong.
-const std::vector<int64_t>& stage_bounds(const GptShape& s, int pp) {
+const std::vector<int64_t>& stage_bounds(const DecoderShape& s, int pp) {
   MESHTRAIN_CHECK(pp >= 1 && pp <= num_pieces(s), "pp ", pp, " is more than the ", num_pieces(s),
-                  " pieces of the GPT (embedding, ", s.layers, " blocks, head)");
+                  " pieces of the model (embedding, ", s.layers, " blocks, head); choose pp <= ", num_pieces(s));
   // The planner asks for the same few partitions for every layout and cluster
   // size it tries: remember them (the dynamic program is O(pp * pieces^2)).
   // Entries are never erased, so the references handed out stay valid.
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int>;
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int>;
   static std::mutex mutex;
   static std::map<Key, std::vector<int64_t>> cache;
-  const Key key{s.layers, s.hidden, s.vocab, s.seq_len, s.tie_embeddings, pp};
+  const Key key{static_cast<int>(s.kind), s.layers,    s.hidden,           s.heads,          kv_heads_of(s),
+                ffn_hidden_of(s),         s.vocab,     max_positions_of(s), s.tie_embeddings, pp};
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it == cache.end()) it = cache.emplace(key, pp::partition_balanced(piece_costs(s), pp)).first;
   return it->second;
 }
 
-int64_t blocks_on_stage(const GptShape& s, int pp, int stage) {
+int64_t blocks_on_stage(const DecoderShape& s, int pp, int stage) {
   const std::vector<int64_t>& b = stage_bounds(s, pp);
   // Blocks are pieces 1..layers.
   const int64_t first = std::max<int64_t>(b[stage], 1), last = std::min<int64_t>(b[stage + 1], s.layers + 1);
   return std::max<int64_t>(0, last - first);
 }
 
-int64_t stage_parameter_count(const GptShape& s, int pp, int tp, int stage) {
+int64_t stage_parameter_count(const DecoderShape& s, int pp, int tp, int stage) {
   const std::vector<int64_t>& b = stage_bounds(s, pp);
   int64_t n = 0;
   for (int64_t piece = b[stage]; piece < b[stage + 1]; ++piece) n += piece_parameter_count(s, tp, piece);
   return n;
 }
 
-int64_t largest_unit_parameter_count(const GptShape& s, int pp, int tp, int stage) {
+int64_t largest_unit_parameter_count(const DecoderShape& s, int pp, int tp, int stage) {
   const std::vector<int64_t>& b = stage_bounds(s, pp);
   int64_t unit = 0;
   for (int64_t piece = b[stage]; piece < b[stage + 1]; ++piece)
@@ -134,17 +175,19 @@ int64_t largest_unit_parameter_count(const GptShape& s, int pp, int tp, int stag
   return unit;
 }
 
-int64_t tied_weight_copy_count(const GptShape& s, int pp, int tp, int stage) {
-  return s.tie_embeddings && pp > 1 && stage == pp - 1 ? s.vocab / tp * s.hidden : 0;
+int64_t tied_weight_copy_count(const DecoderShape& s, int pp, int tp, int stage) {
+  return s.tie_embeddings && pp > 1 && stage == pp - 1 ? embedding_rows(s) / tp * s.hidden : 0;
 }
 
-TensorShape largest_tensor(const GptShape& s) {
-  const TensorShape embedding{"embedding", s.vocab, s.hidden};
-  const TensorShape fc1{"MLP fc1 weight", 4 * s.hidden, s.hidden};
-  const TensorShape position{"position embedding", s.seq_len, s.hidden};
-  TensorShape largest = embedding;
-  if (fc1.numel() > largest.numel()) largest = fc1;
-  if (position.numel() > largest.numel()) largest = position;
+TensorShape largest_tensor(const DecoderShape& s) {
+  const bool llama = s.kind == ModelKind::kLlama;
+  const TensorShape candidates[] = {
+      {"embedding", embedding_rows(s), s.hidden},
+      {llama ? "MLP gate weight" : "MLP fc1 weight", ffn_hidden_of(s), s.hidden},
+      {"position embedding", llama ? 0 : max_positions_of(s), s.hidden}};
+  TensorShape largest = candidates[0];
+  for (const TensorShape& t : candidates)
+    if (t.numel() > largest.numel()) largest = t;
   return largest;
 }
 
@@ -168,9 +211,9 @@ ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& b, int z
   return m;
 }
 
-ModelStateBytes predict_rank_state_bytes(const GptShape& shape, const Layout& layout, int stage, int tp_rank,
+ModelStateBytes predict_rank_state_bytes(const DecoderShape& shape, const Layout& layout, int stage, int tp_rank,
                                          int dp_rank, Precision precision) {
-  check_gpt_shape(shape);
+  check_shape(shape);
   const std::string problem = layout_problem(shape, layout);
   MESHTRAIN_CHECK(problem.empty(), problem);
   MESHTRAIN_CHECK(stage >= 0 && stage < layout.pp, "stage ", stage, " is outside [0, ", layout.pp, ")");

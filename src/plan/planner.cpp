@@ -4,6 +4,7 @@
 #include <climits>
 #include <cmath>
 
+#include "meshtrain/plan/command.h"
 #include "meshtrain/plan/units.h"
 #include "meshtrain/util/error.h"
 
@@ -26,7 +27,8 @@ std::string usable_of(const PlanInput& in) {
 
 // "fp32 Adam", "bf16-mixed SGD with momentum".
 std::string training_name(const PlanInput& in) {
-  const std::string opt = in.optimizer == OptimizerKind::kAdam ? "Adam" : (in.momentum ? "SGD with momentum" : "SGD");
+  const std::string opt =
+      in.optimizer == OptimizerKind::kAdam ? "Adam" : (in.momentum > 0 ? "SGD with momentum" : "SGD");
   return precision_name(in.precision) + " " + opt;
 }
 
@@ -61,9 +63,11 @@ std::string no_fit_message(const Plan& plan) {
   if (plan.candidates.empty()) {
     msg = str_cat("no layout of ", in.devices, " devices suits this model and batch: dp must divide the ",
                   global_batch_of(in) / in.micro_batch, " micro-batches of a step (global batch / micro-batch)",
-                  in.gpt ? str_cat(", tp must divide --heads ", in.gpt->heads, " and --vocab ", in.gpt->vocab,
-                                   ", pp at most --layers + 2 = ", in.gpt->layers + 2)
-                         : std::string(", and pp = tp = 1 without a GPT shape"),
+                  in.shape ? str_cat(", tp must divide --heads ", in.shape->heads, ", --kv-heads ",
+                                     kv_heads_of(*in.shape), ", --ffn-hidden ", ffn_hidden_of(*in.shape),
+                                     " and the vocabulary's ", embedding_rows(*in.shape),
+                                     " rows, pp at most --layers + 2 = ", in.shape->layers + 2)
+                           : std::string(", and pp = tp = 1 without the model's shape"),
                   ".");
   } else {
     const Estimate& least =
@@ -89,25 +93,71 @@ std::string no_fit_message(const Plan& plan) {
                    devices_per_node_of(in), ") fits", why, "; try a smaller --micro-batch, ",
                    "--activation-checkpointing blocks, or devices with more memory.");
   }
-  if (!in.activation_checkpointing && in.gpt) msg += checkpointing_hint(in);
+  if (!in.activation_checkpointing && in.shape) msg += checkpointing_hint(in);
   return msg;
 }
 
 std::vector<std::string> notes_for(const PlanInput& in) {
   std::vector<std::string> notes;
-  if (!in.gpt)
+  if (!in.shape)
     notes.push_back(
         "only the parameter count is known: activations, pipeline and tensor parallel layouts and "
-        "ZeRO-3's gathered units are not estimated; give the GPT shape for them");
-  if (in.gpt && in.precision == Precision::kFp32)
+        "ZeRO-3's gathered units are not estimated; give the model's shape for them");
+  if (in.shape && in.shape->kind != ModelKind::kLlama && in.precision == Precision::kFp32)
     notes.push_back("fp32 activations are estimated as twice Megatron's 16-bit figures (an upper bound)");
+  if (in.shape && in.attention == Attention::kFlash)
+    notes.push_back("--attention flash: meshtrain's models run eager attention; the flash figures are for a "
+                    "memory-efficient kernel that never stores the T x T scores");
   notes.push_back(
       "step times add compute (at --device-tflops), the 1F1B pipeline bubble and communication at full link "
       "bandwidth, with no overlap: a rough ranking, not a prediction");
-  if (!in.gpt) notes.push_back("without the GPT shape the tokens per step are unknown: compute time is not estimated");
+  if (!in.shape)
+    notes.push_back("without the model's shape the tokens per step are unknown: compute time is not estimated");
   notes.push_back(
       "memory excludes the framework's own use (CUDA context, allocator fragmentation): the margin covers it");
   return notes;
+}
+
+// The busiest device's activations in the recommended layout under each
+// attention: what flash attention would save at this sequence length.
+void compare_attention(const PlanInput& in, Recommendation& r) {
+  if (!in.shape) return;
+  PlanInput eager = in, flash = in;
+  eager.attention = Attention::kEager;
+  flash.attention = Attention::kFlash;
+  r.eager_activation_bytes = estimate_layout(eager, r.estimate.layout).memory.activations;
+  r.flash_activation_bytes = estimate_layout(flash, r.estimate.layout).memory.activations;
+}
+
+// What running the printed command needs beyond it: each node's rank and
+// node 0's address, the data, and (planned with flash attention) the memory
+// meshtrain's eager attention takes.
+std::string command_note(const PlanInput& in, const Estimate& e) {
+  const int nodes = in.devices / devices_per_node_of(in);
+  std::string note = nodes == 1 ? "" : str_cat("run it on each of the ", nodes, " nodes with NODE_RANK 0 to ",
+                                               nodes - 1, ", MASTER_ADDR node 0's address and the same ",
+                                               "MESHTRAIN_RDZV_TOKEN (docs/comm.md); ");
+  note += "without --data it trains the built-in arithmetic task: add --data FILE (text or token shards) and "
+          "--steps N";
+  if (in.attention == Attention::kFlash) {
+    PlanInput eager = in;
+    eager.attention = Attention::kEager;
+    const Estimate as_run = estimate_layout(eager, e.layout);
+    note += str_cat("; meshtrain's models run eager attention, with which this layout needs ",
+                    gigabytes(as_run.memory.total()), " GB per device",
+                    as_run.fits ? " (it fits)" : str_cat(", more than ", usable_of(in)));
+  }
+  return note;
+}
+
+void add_command(Plan& plan) {
+  const std::string problem = command_problem(plan.input);
+  if (!problem.empty()) {
+    plan.command_note = "no command: " + problem;
+    return;
+  }
+  plan.command = train_command(plan.input, plan.recommendation->estimate);
+  plan.command_note = command_note(plan.input, plan.recommendation->estimate);
 }
 
 }  // namespace
@@ -123,21 +173,21 @@ Scenario classify_scenario(const PlanInput& in) {
   const int64_t state = one.parameters + one.gradients + one.optimizer;
   const double usable = usable_memory(in);
   if (state + one.activations <= usable) {
-    const std::string activations = in.gpt ? str_cat(" and ", gigabytes(one.activations), " GB of activations")
-                                           : std::string(" (activations unknown without the GPT shape)");
+    const std::string activations = in.shape ? str_cat(" and ", gigabytes(one.activations), " GB of activations")
+                                           : std::string(" (activations unknown without the model's shape)");
     return {1, str_cat("the whole model (", with_commas(in.params), " parameters) needs ", gigabytes(state),
                        " GB of state with ", training_name(in), activations, " per device with DDP: it fits ",
                        usable_of(in), ": scenario 1, data parallel (DDP or ZeRO)")};
   }
   const std::string too_big = str_cat("the model needs ", gigabytes(state + one.activations),
                                       " GB per device with DDP (state and activations), more than ", usable_of(in));
-  if (!in.gpt) {
+  if (!in.shape) {
     return {2, too_big +
-                   ": scenario 2 (without the GPT shape the largest tensor is unknown: give the shape to rule "
+                   ": scenario 2 (without the model's shape the largest tensor is unknown: give the shape to rule "
                    "out scenario 3)"};
   }
-  const TensorShape largest = largest_tensor(*in.gpt);
-  const int per_param = state_bytes_per_param(in.precision, in.optimizer, in.momentum).total();
+  const TensorShape largest = largest_tensor(*in.shape);
+  const int per_param = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0).total();
   const double tensor_bytes = static_cast<double>(largest.numel()) * per_param;
   if (tensor_bytes > usable) {
     return {3, str_cat("the largest single tensor, ", tensor_name(largest), ", needs ", gigabytes(tensor_bytes),
@@ -178,11 +228,11 @@ std::optional<Recommendation> recommend(const PlanInput& in, const std::vector<E
 }
 
 int64_t activation_floor_bytes(const PlanInput& in) {
-  if (!in.gpt) return 0;
+  if (!in.shape) return 0;
   int64_t floor = INT64_MAX;
-  for (int tp = 1; tp <= in.gpt->heads; ++tp) {
-    if (!layout_problem(*in.gpt, Layout{1, 1, tp, 0}).empty()) continue;
-    for (int pp = 1; pp <= num_pieces(*in.gpt); ++pp) {
+  for (int tp = 1; tp <= in.shape->heads; ++tp) {
+    if (!layout_problem(*in.shape, Layout{1, 1, tp, 0}).empty()) continue;
+    for (int pp = 1; pp <= num_pieces(*in.shape); ++pp) {
       // With the default global batch (micro-batch x devices) a step has
       // devices / dp = pp * tp micro-batches; a given batch allows as few as 1.
       const int64_t microbatches = in.global_batch == 0 ? static_cast<int64_t>(pp) * tp : 1;
@@ -200,11 +250,11 @@ std::optional<ClusterSize> find_smallest_cluster(const PlanInput& in) {
   if (static_cast<double>(activation_floor_bytes(in)) > usable_memory(in)) return std::nullopt;
   const int per_node = devices_per_node_of(in);
   // No layout exists beyond (micro-batches) x (max tp) x (max pp) devices.
-  const int64_t max_model_splits = in.gpt ? in.gpt->heads * num_pieces(*in.gpt) : 1;
+  const int64_t max_model_splits = in.shape ? in.shape->heads * num_pieces(*in.shape) : 1;
   // Every parameter's state is held at least once across the cluster, so
   // fewer devices than state / usable memory cannot fit.
   const double state =
-      static_cast<double>(in.params) * state_bytes_per_param(in.precision, in.optimizer, in.momentum).total();
+      static_cast<double>(in.params) * state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0).total();
   const int64_t least_nodes = static_cast<int64_t>(std::ceil(state / usable_memory(in) / per_node));
   for (int64_t devices = std::max<int64_t>(1, least_nodes) * per_node; devices <= kMaxSearchDevices;
        devices += per_node) {
@@ -230,7 +280,10 @@ Plan make_plan(const PlanInput& in) {
         "; ZeRO shards the largest tensor's state over the dp ranks instead of splitting "
         "it with tp";
   }
-  if (!plan.recommendation) {
+  if (plan.recommendation) {
+    compare_attention(in, *plan.recommendation);
+    add_command(plan);
+  } else {
     plan.smallest_cluster = find_smallest_cluster(in);
     plan.no_fit_message = no_fit_message(plan);
   }

@@ -20,22 +20,33 @@ bool same_layout(const Layout& a, const Layout& b) {
 }
 
 std::string model_line(const PlanInput& in) {
-  if (!in.gpt) return str_cat(with_commas(in.params), " parameters (--params)");
-  const GptShape& s = *in.gpt;
-  return str_cat("GPT, ", s.layers, " layers, hidden ", with_commas(s.hidden), ", ", s.heads, " heads, vocab ",
-                 with_commas(s.vocab), ", seq-len ", with_commas(s.seq_len), s.tie_embeddings ? ", tied" : ", untied",
-                 " head: ", with_commas(in.params), " parameters");
+  if (!in.shape) return str_cat(with_commas(in.params), " parameters (--params)");
+  const DecoderShape& s = *in.shape;
+  const char* names[] = {"GPT", "GPT-2", "Llama"};
+  const bool llama = s.kind == ModelKind::kLlama;
+  const std::string kv = llama ? str_cat(" (", kv_heads_of(s), " key/value)") : "";
+  const std::string ffn = llama || ffn_hidden_of(s) != 4 * s.hidden
+                              ? str_cat(", ", llama ? "SwiGLU " : "MLP ", with_commas(ffn_hidden_of(s)))
+                              : "";
+  const std::string rows =
+      embedding_rows(s) != s.vocab ? str_cat(" (", with_commas(embedding_rows(s)), " rows)") : "";
+  return str_cat(names[static_cast<int>(s.kind)], ", ", s.layers, " layers, hidden ", with_commas(s.hidden), ", ",
+                 s.heads, " heads", kv, ffn, ", vocab ", with_commas(s.vocab), rows, ", seq-len ",
+                 with_commas(s.seq_len), s.tie_embeddings ? ", tied" : ", untied", " head: ", with_commas(in.params),
+                 " parameters");
 }
 
 std::string header(const PlanInput& in) {
-  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum);
+  const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   const int per_node = devices_per_node_of(in);
   std::ostringstream os;
   os << "model     " << model_line(in) << "\n"
      << "training  " << precision_name(in.precision) << " " << optimizer_name(in.optimizer)
-     << (in.momentum ? " with momentum" : "") << " (" << b.parameters << " + " << b.gradients << " + " << b.optimizer
+     << (in.momentum > 0 ? " with momentum" : "") << " (" << b.parameters << " + " << b.gradients << " + "
+     << b.optimizer
      << " bytes per parameter), micro-batch " << in.micro_batch << ", global batch " << global_batch_of(in)
-     << ", activation checkpointing " << (in.activation_checkpointing ? "on" : "off") << "\n"
+     << ", activation checkpointing " << (in.activation_checkpointing ? "on" : "off")
+     << (in.shape ? ", " + attention_name(in.attention) + " attention" : "") << "\n"
      << "cluster   " << in.devices << " devices in " << in.devices / per_node << " node(s) of " << per_node << ", "
      << gigabytes(static_cast<double>(in.device_memory)) << " GB each (" << gigabytes(usable_memory(in))
      << " GB usable, margin " << in.memory_margin * 100 << "%); links " << gigabytes(in.intra_node_bandwidth)
@@ -114,21 +125,27 @@ std::string estimate_json(const Estimate& e) {
 
 std::string input_json(const PlanInput& in) {
   json::Object o;
-  if (in.gpt) {
-    const GptShape& s = *in.gpt;
-    o.raw("gpt", json::Object()
-                     .integer("layers", s.layers)
-                     .integer("hidden", s.hidden)
-                     .integer("heads", s.heads)
-                     .integer("vocab", s.vocab)
-                     .integer("seq_len", s.seq_len)
-                     .boolean("tied", s.tie_embeddings)
-                     .str());
+  if (in.shape) {
+    const DecoderShape& s = *in.shape;
+    o.raw("model", json::Object()
+                       .str("kind", model_kind_name(s.kind))
+                       .integer("layers", s.layers)
+                       .integer("hidden", s.hidden)
+                       .integer("heads", s.heads)
+                       .integer("kv_heads", kv_heads_of(s))
+                       .integer("ffn_hidden", ffn_hidden_of(s))
+                       .integer("vocab", s.vocab)
+                       .integer("embedding_rows", embedding_rows(s))
+                       .integer("seq_len", s.seq_len)
+                       .integer("max_positions", max_positions_of(s))
+                       .boolean("tied", s.tie_embeddings)
+                       .str());
+    o.str("attention", attention_name(in.attention));
   }
   return o.integer("parameters", in.params)
       .str("precision", precision_name(in.precision))
       .str("optimizer", optimizer_name(in.optimizer))
-      .boolean("momentum", in.momentum)
+      .num("momentum", in.momentum)
       .integer("micro_batch", in.micro_batch)
       .integer("global_batch", global_batch_of(in))
       .boolean("activation_checkpointing", in.activation_checkpointing)
@@ -142,12 +159,30 @@ std::string input_json(const PlanInput& in) {
       .str();
 }
 
+// The recommended layout's activations with eager and with flash attention.
+std::string attention_lines(const Plan& plan) {
+  const Recommendation& r = *plan.recommendation;
+  const auto gb = [](int64_t bytes) { return gigabytes(static_cast<double>(bytes), 2) + " GB"; };
+  const auto planned = [&](Attention a) { return plan.input.attention == a ? " (planned)" : ""; };
+  char eager[64], flash[64];
+  std::snprintf(eager, sizeof eager, "  eager %9s  ", gb(r.eager_activation_bytes).c_str());
+  std::snprintf(flash, sizeof flash, "  flash %9s  ", gb(r.flash_activation_bytes).c_str());
+  return str_cat("attention: activations of the busiest device in this layout at seq-len ",
+                 with_commas(plan.input.shape->seq_len), "\n", eager,
+                 "the T x T softmax kept, as meshtrain's models run", planned(Attention::kEager), "\n", flash,
+                 "a log-sum-exp per row, linear in T", planned(Attention::kFlash), ": saves ",
+                 gb(r.eager_activation_bytes - r.flash_activation_bytes), "\n");
+}
+
 }  // namespace
 
 std::string format_plan_text(const Plan& plan) {
   std::string out = header(plan.input) + "\nscenario " + std::to_string(plan.scenario.number) + ": " +
                     plan.scenario.reason + "\n\n" + table(plan) + "\n";
   if (plan.recommendation) out += "recommended (*): " + plan.recommendation->reason + "\n";
+  if (plan.recommendation && plan.input.shape) out += "\n" + attention_lines(plan) + "\n";
+  if (plan.command) out += "command:\n  " + *plan.command + "\n  (" + plan.command_note + ")\n";
+  if (!plan.command && !plan.command_note.empty()) out += "\n" + plan.command_note + "\n";
   if (!plan.no_fit_message.empty()) out += plan.no_fit_message + "\n";
   out += "\nnotes:\n";
   for (const std::string& note : plan.notes) out += "  - " + note + "\n";
@@ -163,13 +198,18 @@ std::string format_plan_json(const Plan& plan) {
       .raw("scenario", json::Object().integer("number", plan.scenario.number).str("reason", plan.scenario.reason).str())
       .raw("candidates", json::array(candidates));
   if (plan.recommendation) {
-    o.raw("recommendation", json::Object()
-                                .raw("estimate", estimate_json(plan.recommendation->estimate))
-                                .str("reason", plan.recommendation->reason)
-                                .str());
+    const Recommendation& r = *plan.recommendation;
+    json::Object rec;
+    rec.raw("estimate", estimate_json(r.estimate)).str("reason", r.reason);
+    if (plan.input.shape) {
+      rec.integer("eager_activation_bytes", r.eager_activation_bytes)
+          .integer("flash_activation_bytes", r.flash_activation_bytes);
+    }
+    o.raw("recommendation", rec.str());
   } else {
     o.raw("recommendation", "null");
   }
+  o.raw("command", plan.command ? json::quote(*plan.command) : "null").str("command_note", plan.command_note);
   if (plan.smallest_cluster) {
     const ClusterSize& c = *plan.smallest_cluster;
     o.raw("smallest_cluster", json::Object()

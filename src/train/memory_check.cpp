@@ -65,18 +65,35 @@ std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t
 
 }  // namespace
 
+plan::DecoderShape decoder_shape(const models::ModelConfig& m) {
+  MESHTRAIN_CHECK(models::is_language_model(m), "the planner's shapes are the language models' (gpt, gpt2, llama); ",
+                  "--model ", m.kind, " has none: plan it with --params ", models::parameter_count(m));
+  plan::DecoderShape s;
+  s.kind = m.kind == "llama"  ? plan::ModelKind::kLlama
+           : m.kind == "gpt2" ? plan::ModelKind::kGpt2
+                              : plan::ModelKind::kGpt;
+  s.layers = m.layers;
+  s.hidden = m.hidden;
+  s.heads = m.heads;
+  s.kv_heads = models::kv_heads(m);
+  s.ffn_hidden = models::ffn_hidden(m);
+  s.vocab = m.vocab;
+  s.seq_len = m.seq_len;
+  s.max_positions = models::max_positions(m);
+  s.tie_embeddings = m.tie_embeddings;
+  return s;
+}
+
 plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_memory) {
   plan::PlanInput in;
-  if (models::is_language_model(c.model)) {
-    in.gpt = plan::GptShape{c.model.layers, c.model.hidden, c.model.heads, c.model.vocab, c.model.seq_len,
-                            c.model.tie_embeddings};
-  }
+  if (models::is_language_model(c.model)) in.shape = decoder_shape(c.model);
+  in.attention = plan::Attention::kEager;  // what meshtrain's models run (models::causal_attention)
   in.params = models::parameter_count(c.model);
   in.micro_batch = c.micro_batch;
   in.global_batch = c.global_batch;
   in.precision = c.precision == "bf16-mixed" ? plan::Precision::kBf16Mixed : plan::Precision::kFp32;
   in.optimizer = c.optimizer == "sgd" ? plan::OptimizerKind::kSgd : plan::OptimizerKind::kAdam;
-  in.momentum = c.optimizer == "sgd" && c.momentum > 0;
+  in.momentum = c.optimizer == "sgd" ? c.momentum : 0;
   in.activation_checkpointing = c.activation_checkpointing != "none";  // every-N: between none and blocks
   in.devices = devices;
   in.devices_per_node = devices;
@@ -100,7 +117,7 @@ int64_t available_memory_bytes() {
 
 int64_t estimated_rank_bytes(const TrainConfig& c) {
   const plan::PlanInput in = planner_input(c, c.dp * c.pp * c.tp, std::numeric_limits<int64_t>::max() / 4);
-  if (in.gpt) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero}).memory.total();
+  if (in.shape) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero}).memory.total();
   // The MLP: no shape the planner knows; its model state, shared by the stages and tp slices.
   const plan::Estimate e = plan::estimate_layout(in, plan::Layout{c.dp, 1, 1, c.zero});
   return (e.memory.parameters + e.memory.gradients + e.memory.optimizer) / (c.pp * c.tp);

@@ -86,7 +86,8 @@ TEST(Fuzz, FlagParsersGiveAConfigOrAConfigError) {
       "--keep-last", "--resume", "--untied", "--bogus", "-h"};
   const std::vector<std::string> plan_flags = {"--layers", "--hidden", "--heads", "--vocab", "--seq-len", "--params",
                                                "--devices", "--device-memory", "--margin", "--json", "--precision",
-                                               "--global-batch", "--micro-batch", "--device-tflops", "--momentum"};
+                                               "--global-batch", "--micro-batch", "--device-tflops", "--momentum",
+                                               "--model", "--kv-heads", "--ffn-hidden", "--attention", "--tied"};
   const std::vector<std::string> launch_flags = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-port",
                                                  "--rdzv-endpoint", "--standalone", "--grace-seconds", "--",
                                                  "--max-restarts", "--rdzv-timeout", "--quiet", "prog"};

@@ -37,8 +37,8 @@ std::vector<std::string> split_args(const std::string& line) {
 }
 
 // A tiny GPT whose parameters are counted by hand below.
-GptShape tiny_gpt() {
-  GptShape s;
+DecoderShape tiny_gpt() {
+  DecoderShape s;
   s.layers = 2;
   s.hidden = 8;
   s.heads = 2;
@@ -84,7 +84,7 @@ TEST(Plan, ZeroPaperNumbersThroughThePlanner) {
 TEST(Plan, ArticleEmbeddingIsScenarioThree) {
   // The article: a 128,000-token vocabulary, hidden 8,192: 1.05B parameters,
   // 16 bytes each with fp32 Adam = 16.8 GB, more than a 16 GB device.
-  GptShape s;
+  DecoderShape s;
   s.layers = 1, s.hidden = 8192, s.heads = 64, s.vocab = 128000, s.seq_len = 2048;
   const TensorShape largest = largest_tensor(s);
   EXPECT_EQ(largest.numel(), 1'048'576'000);
@@ -118,18 +118,18 @@ TEST(Plan, GptParameterCountByHand) {
   //              block                              =   872, x 2 = 1744
   //   final LayerNorm 2 * 8                         =    16
   //   tied: 80 + 32 + 1744 + 16                     =  1872; untied + 10*8 = 1952
-  GptShape s = tiny_gpt();
-  EXPECT_EQ(block_parameter_count(8, 1), 872);
-  EXPECT_EQ(gpt_parameter_count(s), 1872);
+  DecoderShape s = tiny_gpt();
+  EXPECT_EQ(block_parameter_count(s, 1), 872);
+  EXPECT_EQ(parameter_count(s), 1872);
   s.tie_embeddings = false;
-  EXPECT_EQ(gpt_parameter_count(s), 1952);
+  EXPECT_EQ(parameter_count(s), 1952);
 }
 
 TEST(Plan, StageParametersUnderPipelineAndTensorParallel) {
-  const GptShape s = tiny_gpt();
+  const DecoderShape s = tiny_gpt();
   // tp = 2, one block: LayerNorms 32 (replicated) + q,k,v 3 * (64/2 + 8/2) = 108
   //   + proj 64/2 + 8 (bias replicated) = 40 + fc1 256/2 + 32/2 = 144 + fc2 256/2 + 8 = 136  -> 460
-  EXPECT_EQ(block_parameter_count(8, 2), 460);
+  EXPECT_EQ(block_parameter_count(s, 2), 460);
   // Pieces and the trainer's balancing costs: embeddings 80 + 32 = 112, two
   // blocks of 872, the tied head 16 (+ 80 for the weight it multiplies by).
   EXPECT_EQ(piece_costs(s), (std::vector<int64_t>{112, 872, 872, 96}));
@@ -142,26 +142,26 @@ TEST(Plan, StageParametersUnderPipelineAndTensorParallel) {
   EXPECT_EQ(stage_parameter_count(s, 2, 1, 1), 888);
   EXPECT_EQ(tied_weight_copy_count(s, 2, 1, 1), 80);
   EXPECT_EQ(tied_weight_copy_count(s, 2, 1, 0), 0);
-  EXPECT_EQ(stage_parameter_count(s, 2, 1, 0) + stage_parameter_count(s, 2, 1, 1), gpt_parameter_count(s));
+  EXPECT_EQ(stage_parameter_count(s, 2, 1, 0) + stage_parameter_count(s, 2, 1, 1), parameter_count(s));
   // pp = 3: [embed | block | block, head] (largest 968) beats [embed, block | block | head] (984).
   EXPECT_EQ(stage_bounds(s, 3), (std::vector<int64_t>{0, 1, 2, 4}));
   EXPECT_EQ(blocks_on_stage(s, 3, 0), 0);
   EXPECT_EQ(blocks_on_stage(s, 3, 1), 1);
   EXPECT_EQ(blocks_on_stage(s, 3, 2), 1);
   // pp = 1 holds the whole model, the tied head without a copy.
-  EXPECT_EQ(stage_parameter_count(s, 1, 1, 0), gpt_parameter_count(s));
+  EXPECT_EQ(stage_parameter_count(s, 1, 1, 0), parameter_count(s));
   EXPECT_EQ(tied_weight_copy_count(s, 1, 1, 0), 0);
   // pp = 2, tp = 2, stage 0: 460 + vocab 10/2 * 8 = 40 + positions 32 = 532.
   EXPECT_EQ(stage_parameter_count(s, 2, 2, 0), 532);
   // An untied head owns its [V/tp, H] weight wherever it is.
-  GptShape untied = s;
+  DecoderShape untied = s;
   untied.tie_embeddings = false;
   EXPECT_EQ(stage_parameter_count(untied, 2, 1, 1), 872 + 16 + 80);
   EXPECT_EQ(tied_weight_copy_count(untied, 2, 1, 1), 0);
 }
 
 TEST(Plan, PredictedRankStateBytesFp32Adam) {
-  const GptShape s = tiny_gpt();
+  const DecoderShape s = tiny_gpt();
   // dp 2, pp 2, tp 2, ZeRO-1, stage 0: psi = 532; parameters 4 * 532, gradients
   // 4 * 532, Adam's two moments 8 bytes on this rank's 266.
   ModelStateBytes m = predict_rank_state_bytes(s, Layout{2, 2, 2, 1}, 0, 1);
@@ -183,7 +183,7 @@ TEST(Plan, PredictedRankStateBytesFp32Adam) {
 }
 
 TEST(Plan, ActivationAndCommunicationFormulas) {
-  GptShape s;
+  DecoderShape s;
   s.layers = 1, s.hidden = 1024, s.heads = 16, s.vocab = 1000, s.seq_len = 2048;
   const double sbh = 2048.0 * 2 * 1024;
   // Megatron: s*b*h*(34 + 5*a*s/h) in 16-bit; with tp: 10 + 24/t + 5as/(ht).
@@ -250,8 +250,8 @@ TEST(Plan, ParsesFlagsInBothForms) {
       "--layers=2 --hidden 8 --heads=2 --vocab 10 --seq-len=4 --untied --micro-batch 2 --global-batch=16 "
       "--precision bf16-mixed --optimizer=sgd --momentum 0.9 --devices=8 --device-memory 80GiB --devices-per-node 4 "
       "--intra-node-bandwidth 600GB/s --inter-node-bandwidth=50GB/s --activation-checkpointing blocks --margin 20% --json"));
-  ASSERT_TRUE(in.gpt);
-  EXPECT_FALSE(in.gpt->tie_embeddings);
+  ASSERT_TRUE(in.shape);
+  EXPECT_FALSE(in.shape->tie_embeddings);
   EXPECT_EQ(in.params, 1952);
   EXPECT_EQ(in.micro_batch, 2);
   EXPECT_EQ(global_batch_of(in), 16);
@@ -281,7 +281,7 @@ TEST(Plan, RejectsBadInputWithClearMessages) {
       {"--layers 2 --hidden 100 --heads 3 --vocab 10 --seq-len 4 " + cluster,
        "--hidden 100 is not a multiple of --heads 3"},
       {"--layers 2 --hidden 8 --heads 2 --vocab 10 " + cluster, "--seq-len is missing"},
-      {shape + "--params 7B " + cluster, "either --params or the GPT shape"},
+      {shape + "--params 7B " + cluster, "either --params or the model's shape"},
       {shape + "--device-memory 80GB", "--devices is missing"},
       {shape + "--devices 8", "--device-memory is missing"},
       {shape + cluster + "--precision fp8", "--precision 'fp8': expected fp32, bf16-mixed or fp16-mixed"},

@@ -50,22 +50,33 @@ struct Estimate {
 };
 
 // ---- Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation
-// in Large Transformer Models", §4).
+// in Large Transformer Models", §4), in src/plan/activations.cpp.
 
-// One transformer layer, one micro-batch, 16-bit activations, tensor parallel
-// without sequence parallelism (§4.2.2): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes;
-// t = 1 gives §4.1's s*b*h*(34 + 5*a*s/h). For fp32 every value doubles
-// (an over-estimate: the paper's 1-byte dropout masks are counted as 2 bytes,
-// and meshtrain's GPT has no dropout at all).
-int64_t layer_activation_bytes(const GptShape& shape, int64_t micro_batch, int tp, Precision precision);
+// One transformer layer, one micro-batch, tensor parallel without sequence
+// parallelism (§4.2.2), in bytes.
+//   gpt, gpt2  the paper's s*b*h*(10 + (8 + 4F/h)/t) in 16-bit (F = 4h gives
+//              10 + 24/t, and t = 1 §4.1's 34), plus attention's
+//              eager  5*a*s^2*b/t (softmax output 2, its dropout mask 1 and
+//                     output 2 bytes per score),
+//              flash  the log-sum-exp of each row, a*s*b/t fp32 values;
+//              fp32 doubles the 16-bit figures (an over-estimate: the paper's
+//              1-byte dropout masks count as 2, and meshtrain's GPT has no
+//              dropout).
+//   llama      every tensor meshtrain's Llama block keeps for backward (the
+//              list is in activations.cpp): the norms, the rotary q and k, v,
+//              attention's output, SwiGLU's 4*s*b*F/t, plus
+//              eager  the softmax a*s^2*b/t (k, v repeated to every query head),
+//              flash  k, v at kv_heads and the fp32 log-sum-exp a*s*b/t.
+int64_t layer_activation_bytes(const DecoderShape& shape, int64_t micro_batch, int tp, Precision precision,
+                               Attention attention = Attention::kEager);
 
 // With full activation checkpointing a layer keeps only its input, s*b*h
 // values (2*s*b*h bytes in 16-bit, §5), replicated over tp.
-int64_t checkpointed_layer_bytes(const GptShape& shape, int64_t micro_batch, Precision precision);
+int64_t checkpointed_layer_bytes(const DecoderShape& shape, int64_t micro_batch, Precision precision);
 
-// The final LayerNorm, output projection and cross-entropy on the last stage,
-// 4*s*b*h*(1 + v/h)/t bytes in 16-bit (§4.3), doubled for fp32.
-int64_t output_layer_activation_bytes(const GptShape& shape, int64_t micro_batch, int tp, Precision precision);
+// The final norm, output projection and cross-entropy on the last stage,
+// 4*s*b*h*(1 + v/h)/t bytes in 16-bit (§4.3; v the embedding's rows), doubled for fp32.
+int64_t output_layer_activation_bytes(const DecoderShape& shape, int64_t micro_batch, int tp, Precision precision);
 
 // Micro-batches whose activations stage `stage` holds at once under 1F1B
 // (Narayanan et al. 2021, PipeDream-Flush): pp - stage on stage `stage`, at
@@ -75,7 +86,7 @@ int64_t microbatches_in_flight(int pp, int stage, int64_t microbatches);
 // Activations stage `stage` of layout `l` holds at its peak: its blocks times
 // the micro-batches in flight (layer inputs only, plus one layer being
 // recomputed, with checkpointing), and on the last stage the output layer's.
-// 0 without a GPT shape.
+// 0 without a shape.
 int64_t stage_activation_bytes(const PlanInput& input, const Layout& l, int stage, int64_t microbatches);
 
 // ---- Communication per device per step.
@@ -96,13 +107,13 @@ int64_t dp_comm_bytes(int64_t psi, int value_bytes, int zero, int dp, int64_t mi
 // The pipeline axis: per micro-batch, the activation (forward) and its
 // gradient (backward), b*s*h values, cross each stage boundary; a stage sends
 // one to each neighbour it has.
-int64_t pp_comm_bytes(const GptShape& shape, int64_t micro_batch, int pp, int stage, int64_t microbatches,
+int64_t pp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int pp, int stage, int64_t microbatches,
                       Precision precision);
 
 // The tensor axis (Megatron-LM, Shoeybi et al. 2019, §3): per block and
 // micro-batch 4 all-reduces of b*s*h values (2 forward: attention and MLP
 // outputs; 2 backward: their inputs' gradients), ring volume 2 (t-1)/t each.
-int64_t tp_comm_bytes(const GptShape& shape, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
+int64_t tp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
                       Precision precision);
 
 // ---- Compute time.
@@ -112,8 +123,10 @@ int64_t tp_comm_bytes(const GptShape& shape, int64_t micro_batch, int tp, int64_
 // §2.1) — each block's matrices, and the head's [V/tp, H] weight, tied or
 // not; the embedding lookup is free — plus attention's scores and weighted
 // sum, 12 * s * h / tp per block (4 s h forward, twice that backward). With
-// activation checkpointing the forward runs twice: 8 instead of 6, 16 instead of 12.
-double stage_flops_per_token(const GptShape& shape, int pp, int tp, int stage, bool checkpointing);
+// activation checkpointing the forward runs twice: 8 instead of 6, 16 instead
+// of 12. Flash attention recomputes the scores in backward: 2 s h more.
+double stage_flops_per_token(const DecoderShape& shape, int pp, int tp, int stage, bool checkpointing,
+                             Attention attention = Attention::kEager);
 
 // 1F1B keeps pp - 1 of its m + pp - 1 micro-batch slots idle on every stage
 // (Narayanan et al. 2021, §2.2): bubble = compute * (pp - 1) / m.
@@ -122,8 +135,9 @@ double pipeline_bubble_seconds(double compute_seconds, int pp, int64_t microbatc
 // ---- Putting it together.
 
 // Every layout of input.devices ranks meshtrain could run: dp * pp * tp =
-// devices, tp dividing heads and vocabulary, pp <= layers + 2 (pieces), dp dividing the
-// micro-batches of a step; ZeRO 0-3 when dp > 1. Only dp when the shape is unknown.
+// devices, tp dividing what it splits (layout_problem), pp <= layers + 2
+// (pieces), dp dividing the micro-batches of a step; ZeRO 0-3 when dp > 1.
+// Only dp when the shape is unknown.
 std::vector<Layout> candidate_layouts(const PlanInput& input);
 
 // The per-device estimate of one layout (the worst stage for memory and for time).

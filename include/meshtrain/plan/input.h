@@ -1,6 +1,6 @@
 #pragma once
-// What `meshtrain plan` is asked: a model (meshtrain's GPT shape, or a bare
-// parameter count), how it is trained (precision, optimizer, batch) and the
+// What `meshtrain plan` is asked: a model (the shape of one of meshtrain's
+// decoders, or a bare parameter count), how it is trained (precision, optimizer, batch) and the
 // cluster (devices, memory, nodes, links). Parsed from command-line flags,
 // checked as a whole: every error names the flag, the value and the fix.
 
@@ -15,17 +15,19 @@ namespace meshtrain {
 namespace plan {
 
 struct PlanInput {
-  // The model: a GPT shape, or only a parameter count (then the planner knows
-  // no tensor sizes: no activations, no pipeline or tensor parallel layouts).
-  std::optional<GptShape> gpt;
-  int64_t params = 0;  // --params; with a shape, gpt_parameter_count(*gpt)
+  // The model: a decoder's shape, or only a parameter count (then the planner
+  // knows no tensor sizes: no activations, no pipeline or tensor parallel
+  // layouts, no command to run).
+  std::optional<DecoderShape> shape;
+  int64_t params = 0;  // --params; with a shape, parameter_count(*shape)
+  Attention attention = Attention::kEager;  // how attention keeps its activations
 
   // Training.
   int64_t micro_batch = 1;
   int64_t global_batch = 0;  // 0: micro_batch * devices (see global_batch_of)
   Precision precision = Precision::kFp32;
   OptimizerKind optimizer = OptimizerKind::kAdam;
-  bool momentum = false;  // SGD only
+  double momentum = 0;  // SGD's momentum factor, as the trainer's --momentum; > 0 keeps a buffer
   bool activation_checkpointing = false;
 
   // The cluster. Bandwidths are per device and direction.
@@ -56,6 +58,7 @@ double usable_memory(const PlanInput& input);
 
 std::string precision_name(Precision precision);
 std::string optimizer_name(OptimizerKind optimizer);
+std::string attention_name(Attention attention);  // "eager", "flash"
 
 }  // namespace plan
 }  // namespace meshtrain

@@ -1,7 +1,8 @@
 #pragma once
-// What the planner knows about a model: meshtrain's GPT (models/models.h),
-// counted parameter by parameter, how a layout cuts it, and the ZeRO paper's
-// model-state arithmetic. Pure functions, no libtorch.
+// What the planner knows about a model: one of meshtrain's decoders
+// (models/models.h: gpt, gpt2, llama), counted parameter by parameter, how a
+// layout cuts it, and the ZeRO paper's model-state arithmetic. Pure
+// functions, no libtorch (tests check the counts against models::parameter_count).
 //
 //   state bytes per parameter = parameters + gradients + optimizer (2 + 2 + K
 //   in the ZeRO paper's notation; K = 12 for mixed-precision Adam)
@@ -16,15 +17,43 @@ namespace plan {
 enum class Precision { kFp32, kBf16Mixed, kFp16Mixed };
 enum class OptimizerKind { kAdam, kSgd };
 
-// The shape of meshtrain's GPT (models::ModelConfig with kind "gpt").
-struct GptShape {
+// meshtrain's built-in decoders (models::ModelConfig::kind):
+//   kGpt    token + position embeddings, LayerNorm blocks with biases, a GELU MLP
+//   kGpt2   the same, with the embedding's rows padded to a multiple of 128
+//   kLlama  RMSNorm, rotary positions, grouped-query attention, SwiGLU, no biases
+enum class ModelKind { kGpt, kGpt2, kLlama };
+
+// How attention keeps its activations for backward:
+//   kEager  the softmax of the T x T scores, as meshtrain's models run today
+//   kFlash  memory-efficient (FlashAttention, Dao et al. 2022): the scores are
+//           recomputed in backward from Q, K, V, the output and each row's
+//           log-sum-exp; memory linear in T
+enum class Attention { kEager, kFlash };
+
+// The shape of a decoder, as models::ModelConfig holds it. Zero fields take the
+// model's defaults (kv_heads_of, ffn_hidden_of, max_positions_of).
+struct DecoderShape {
+  ModelKind kind = ModelKind::kGpt;
   int64_t layers = 0;
   int64_t hidden = 0;
   int64_t heads = 0;
-  int64_t vocab = 0;
-  int64_t seq_len = 0;
-  bool tie_embeddings = true;  // the LM head reuses the token embedding
+  int64_t kv_heads = 0;       // llama's key/value heads (grouped-query attention); 0: heads
+  int64_t ffn_hidden = 0;     // the MLP's inner size; 0: 4H (gpt, gpt2), 8/3 H rounded up to 32 (llama)
+  int64_t vocab = 0;          // tokens predicted
+  int64_t seq_len = 0;        // tokens per sample
+  int64_t max_positions = 0;  // gpt, gpt2: rows of the position table; 0: seq_len
+  bool tie_embeddings = true;  // the LM head reuses the token embedding (meshtrain's default for gpt, gpt2)
 };
+
+// "gpt", "gpt2", "llama" (the trainer's --model).
+std::string model_kind_name(ModelKind kind);
+
+// The defaults applied, exactly as models::kv_heads, ffn_hidden, max_positions
+// and padded_vocab (embedding_rows: gpt2 pads to a multiple of 128).
+int64_t kv_heads_of(const DecoderShape& shape);
+int64_t ffn_hidden_of(const DecoderShape& shape);
+int64_t max_positions_of(const DecoderShape& shape);
+int64_t embedding_rows(const DecoderShape& shape);
 
 // A layout of world_size = dp * pp * tp ranks, with ZeRO stage `zero` (0 = DDP)
 // on the data axis. Ranks follow the grid arange(world).view(dp, pp, tp): tp is
@@ -33,9 +62,11 @@ struct Layout {
   int dp = 1, pp = 1, tp = 1, zero = 0;
 };
 
-// Why meshtrain cannot cut `shape` this way (tp must divide heads and the
-// vocabulary, pp at most the number of pieces, zero in 0..3), or "" when it can.
-std::string layout_problem(const GptShape& shape, const Layout& layout);
+// Why meshtrain cannot cut `shape` this way (tp must divide the heads, the
+// key/value heads, the MLP's inner size and the embedding's rows, as
+// models::validate checks; pp at most the number of pieces; zero in 0..3), or
+// "" when it can.
+std::string layout_problem(const DecoderShape& shape, const Layout& layout);
 
 // Bytes each parameter costs, by kind of state.
 struct StateBytesPerParam {
@@ -54,63 +85,72 @@ StateBytesPerParam state_bytes_per_param(Precision precision, OptimizerKind opti
 // Bytes of one activation value: 2 for the mixed precisions, 4 for fp32.
 int activation_bytes_per_value(Precision precision);
 
-// Rejects shapes meshtrain's GPT cannot build (heads not dividing hidden, ...).
-void check_gpt_shape(const GptShape& shape);
+// Rejects shapes meshtrain's models cannot build, as models::validate does
+// (heads not dividing hidden, kv_heads not dividing heads, ...): a ConfigError
+// naming the flag, the value and the choices.
+void check_shape(const DecoderShape& shape);
 
-// meshtrain's GPT, parameter by parameter (models::parameter_count):
-//   token embedding V*H + position embedding T*H
-//   + layers * (2 LayerNorms 2*2H + q, k, v, proj 4*(H*H + H)
-//               + fc1 (H*4H + 4H) + fc2 (4H*H + H))
-//   + final LayerNorm 2H + (untied head: V*H, no bias)
-int64_t gpt_parameter_count(const GptShape& shape);
+// The whole model, parameter by parameter, exactly models::parameter_count
+// (V the embedding's rows, F the MLP's inner size, P the positions):
+//   gpt, gpt2  token embedding V*H + position embedding P*H
+//              + layers * (2 LayerNorms 2*2H + q, k, v, proj 4*(H*H + H)
+//                          + fc1 (H*F + F) + fc2 (F*H + H))
+//              + final LayerNorm 2H + (untied head: V*H, no bias)
+//   llama      token embedding V*H
+//              + layers * (2 RMSNorms 2H + q, o 2*H*H + k, v 2*H*(K*H/A)
+//                          + gate, up, down 3*H*F)          (no biases)
+//              + final RMSNorm H + (untied head: V*H)
+int64_t parameter_count(const DecoderShape& shape);
 
-// Parameters of one block held by one tp rank (Megatron's split, tp/layers.h):
-// q, k, v and fc1 are column-parallel (weight and bias divided by tp); proj and
-// fc2 are row-parallel (weight divided, bias replicated); LayerNorms replicated.
-int64_t block_parameter_count(int64_t hidden, int tp);
+// Parameters of one block held by one tp rank (Megatron's split, tp/layers.h;
+// models::tp_plan): q, k, v, fc1 (gate, up) column-parallel, weight and bias
+// divided by tp; proj (o) and fc2 (down) row-parallel, weight divided, bias
+// replicated; the norms replicated.
+int64_t block_parameter_count(const DecoderShape& shape, int tp);
 
-// The GPT as meshtrain's pipeline cuts it (models::num_pieces): piece 0 the
-// embeddings, pieces 1..layers the blocks, piece layers + 1 the final
-// LayerNorm and LM head.
-int64_t num_pieces(const GptShape& shape);
+// The model as meshtrain's pipeline cuts it (models::num_pieces): piece 0 the
+// embeddings, pieces 1..layers the blocks, piece layers + 1 the final norm
+// and LM head.
+int64_t num_pieces(const DecoderShape& shape);
 
 // Parameters of piece `piece` held by one tp rank: the embeddings split the
-// vocabulary and replicate the positions; the head holds its LayerNorm and,
-// when untied, a [V/tp, H] weight (a tied head uses the embedding's weight).
-int64_t piece_parameter_count(const GptShape& shape, int tp, int64_t piece);
+// vocabulary and replicate the positions (gpt, gpt2); the head holds its norm
+// and, when untied, a [V/tp, H] weight (a tied head uses the embedding's weight).
+int64_t piece_parameter_count(const DecoderShape& shape, int tp, int64_t piece);
 
 // What meshtrain's trainer balances its stages by (engine_mesh.cpp,
 // piece_costs): each piece's full parameter count, a tied head counted with
 // the V*H weight it multiplies by.
-std::vector<int64_t> piece_costs(const GptShape& shape);
+std::vector<int64_t> piece_costs(const DecoderShape& shape);
 
 // The pieces of each of pp stages: pp + 1 boundaries, stage s holds pieces
 // [bounds[s], bounds[s+1]). The trainer's own partition (pp::partition_balanced).
-const std::vector<int64_t>& stage_bounds(const GptShape& shape, int pp);
+const std::vector<int64_t>& stage_bounds(const DecoderShape& shape, int pp);
 
 // Blocks (transformer layers) on pipeline stage `stage` of `pp`.
-int64_t blocks_on_stage(const GptShape& shape, int pp, int stage);
+int64_t blocks_on_stage(const DecoderShape& shape, int pp, int stage);
 
 // Parameters one tp rank of pipeline stage `stage` holds: its pieces'.
-int64_t stage_parameter_count(const GptShape& shape, int pp, int tp, int stage);
+int64_t stage_parameter_count(const DecoderShape& shape, int pp, int tp, int stage);
 
 // Parameters of the largest unit ZeRO-3 gathers at once on this stage (one
 // piece: a block, the embeddings or the head), per tp rank.
-int64_t largest_unit_parameter_count(const GptShape& shape, int pp, int tp, int stage);
+int64_t largest_unit_parameter_count(const DecoderShape& shape, int pp, int tp, int stage);
 
 // Values of the embedding weight the last stage receives every step when the
 // head is tied to an embedding on another stage (Note [Tied embeddings across
 // pipeline stages], engine_mesh.cpp): a [V/tp, H] copy and its gradient, held
 // as buffers, not as parameters. 0 elsewhere.
-int64_t tied_weight_copy_count(const GptShape& shape, int pp, int tp, int stage);
+int64_t tied_weight_copy_count(const DecoderShape& shape, int pp, int tp, int stage);
 
-// The model's largest single tensor (the token embedding, or fc1 when 4H > V).
+// The model's largest single tensor (the token embedding, or an MLP matrix
+// when F > V, or the position table).
 struct TensorShape {
   std::string name;
   int64_t rows = 0, cols = 0;
   int64_t numel() const { return rows * cols; }
 };
-TensorShape largest_tensor(const GptShape& shape);
+TensorShape largest_tensor(const DecoderShape& shape);
 
 // Bytes of model state one rank holds.
 struct ModelStateBytes {
@@ -129,11 +169,11 @@ struct ModelStateBytes {
 ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& bytes, int zero, int dp_size, int dp_rank = 0);
 
 // Predicted model state (parameters, gradients, optimizer) of one rank of a
-// GPT trained with Adam in `layout` (fp32: 4 + 4 + 8; bf16-mixed: 2 + 2 + 12), for comparison with what meshtrain
+// decoder trained with Adam in `layout` (fp32: 4 + 4 + 8; bf16-mixed: 2 + 2 + 12), for comparison with what meshtrain
 // measures (train::StateBytes). Assumes ZeRO shards the stage's parameters as
 // one flat buffer; meshtrain shards bucket by bucket, so a shard may differ by
 // up to one element per bucket (x 4 or 8 bytes) — calibrate against measurements.
-ModelStateBytes predict_rank_state_bytes(const GptShape& shape, const Layout& layout, int stage, int tp_rank,
+ModelStateBytes predict_rank_state_bytes(const DecoderShape& shape, const Layout& layout, int stage, int tp_rank,
                                          int dp_rank = 0, Precision precision = Precision::kFp32);
 
 }  // namespace plan

@@ -29,6 +29,10 @@ struct Scenario {
 struct Recommendation {
   Estimate estimate;
   std::string reason;
+  // The busiest device's activations in this layout with each attention
+  // (estimate_layout with input.attention set), to show what flash would save.
+  int64_t eager_activation_bytes = 0;
+  int64_t flash_activation_bytes = 0;
 };
 
 // The smallest cluster (whole nodes of the same devices) on which some layout fits.
@@ -45,7 +49,12 @@ struct Plan {
   std::optional<Recommendation> recommendation;  // absent when nothing fits
   std::optional<ClusterSize> smallest_cluster;   // searched only when nothing fits
   std::string no_fit_message;                    // non-empty when nothing fits
-  std::vector<std::string> notes;                // what the estimate leaves out
+  // The line that runs the recommendation with meshtrain's trainer
+  // (train_command, command.h); absent without a recommendation or when
+  // command_problem() names why (said in command_note).
+  std::optional<std::string> command;
+  std::string command_note;        // how to run it (nodes, data), or why there is no command
+  std::vector<std::string> notes;  // what the estimate leaves out
 };
 
 // Largest cluster the "smallest cluster" search tries.

@@ -20,6 +20,10 @@ int64_t available_memory_bytes();
 // figure every rank of a node reads alike, for choosing a layout.
 int64_t total_memory_bytes();
 
+// The planner's shape of a language model (gpt, gpt2, llama), its defaults
+// applied; ConfigError for the MLP.
+plan::DecoderShape decoder_shape(const models::ModelConfig& model);
+
 // What the planner needs to know of the configuration, on `devices` devices
 // of `device_memory` bytes each.
 plan::PlanInput planner_input(const TrainConfig& config, int devices, int64_t device_memory);
