@@ -79,7 +79,7 @@ std::vector<Case> with_checkpointing_rotating(std::vector<Case> cases) {
 }
 
 // Every layout once more for each of GPT-2 and Llama, the other dimensions rotating.
-std::vector<Case> every_layout_with_each_model(const std::vector<Case>& all) {
+[[maybe_unused]] std::vector<Case> every_layout_with_each_model(const std::vector<Case>& all) {
   std::vector<Case> out;
   for (const char* model : {"gpt2", "llama"}) {
     int index = 0;
