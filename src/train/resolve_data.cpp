@@ -86,8 +86,9 @@ void resolve_token_shards(TrainConfig& c) {
                   "(--model gpt), not --model ", c.model.kind);
   MESHTRAIN_CHECK(!c.val_data.empty() || c.eval_every == 0, "--eval-every ", c.eval_every, ": token shards need "
                   "--val-data for a held-out loss: samples from index 2^40 on (the held-out batch of text files and "
-                  "the built-in task) wrap back into the training windows of shards; ", kSplitHint,
-                  ", then give --val-data 'PREFIX_val_*.bin'");
+                  "the built-in task) wrap back into the training windows of shards. Write a held-out split with "
+                  "`meshtrain data --val-fraction 0.05 --out PREFIX ...` and give --data 'PREFIX_train_*.bin' "
+                  "--val-data 'PREFIX_val_*.bin'");
   MESHTRAIN_CHECK(c.val_data.empty() || data_is_token_shards(c.val_data), "--val-data ", c.val_data,
                   " is a text file (byte tokens) but --data ", c.data, " is token shards; write the held-out text "
                   "as shards with the same tokenizer (", kSplitHint, ")");
