@@ -169,7 +169,8 @@ std::string train_sentencepiece(const std::vector<std::string>& text_files, int 
       " --allow_whitespace_only_pieces=true --max_sentence_length=65536 --num_threads=1 --minloglevel=1");
   std::string error;
   MESHTRAIN_CHECK(plugin().train(flags.c_str(), append_bytes, &error) == 0, "--train-tokenizer ", vocab_size,
-                  ": libsentencepiece's trainer failed: ", error);
+                  ": libsentencepiece's trainer failed (a vocabulary must hold the 256 byte pieces, the 3 specials and "
+                  "the characters kept: when it says so, give a larger --train-tokenizer): ", error);
   return out_prefix + ".model";
 }
 
