@@ -110,7 +110,7 @@ void resolve_token_shards(TrainConfig& c) {
 
 void check_regular_file(const std::string& path, const std::string& flag) {
   MESHTRAIN_CHECK(files::exists(path), flag, " ", path, ": no such file; give a text file or token shards to train "
-                  "on", flag == "--data" ? ", or leave --data out for the built-in task" : "");
+                  "on, or leave --data out for the built-in task");
   struct stat st{};
   MESHTRAIN_CHECK(::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode), flag, " ", path, " is not a regular file "
                   "(a directory or a device); give a text file, or shards as 'dir/*.bin'");
@@ -135,6 +135,10 @@ void resolve_text_file(TrainConfig& c) {
 
 void resolve_data(TrainConfig& c) {
   MESHTRAIN_CHECK(c.val_batches >= 1, "--val-batches ", c.val_batches, " must be at least 1");
+  const bool val_is_glob = c.val_data.find_first_of("*?[") != std::string::npos;
+  MESHTRAIN_CHECK(c.val_data.empty() || val_is_glob || files::exists(c.val_data), "--val-data ", c.val_data,
+                  ": no such file; give held-out token shards (a file or a glob such as 'PREFIX_val_*.bin') or, with "
+                  "a text file as --data, a held-out text file");
   if (c.data.empty()) {
     MESHTRAIN_CHECK(c.val_data.empty(), "--val-data ", c.val_data, " needs --data: the built-in task holds out "
                     "samples of its own (--eval-every alone)");

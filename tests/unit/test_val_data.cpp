@@ -94,5 +94,6 @@ TEST(ValData, MismatchedOrTooSmallHeldOutSetsAreRefused) {
                        "is a text file (byte tokens) but --data " + train + " is token shards"));
   EXPECT_TRUE(contains(refusal({"--data", dir + "/t.txt", "--val-data", val}), "is token shards but --data"));
   EXPECT_TRUE(contains(refusal({"--val-data", val}), "needs --data"));
+  EXPECT_TRUE(contains(refusal({"--data", train, "--val-data", dir + "/none.txt"}), "none.txt: no such file"));
   EXPECT_TRUE(contains(refusal({"--data", dir + "/t.txt", "--no-shuffle"}), "--no-shuffle applies to token shards"));
 }
