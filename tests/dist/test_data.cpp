@@ -27,16 +27,20 @@ using meshtrain::train::TrainConfig;
 
 namespace {
 
-// A directory per test, made by the parent (the ranks see it as their parent's).
-std::string data_dir(const std::string& test) {
-  const int parent = in_rank_process() ? getppid() : getpid();
-  const std::string dir = "/tmp/meshtrain-data-" + std::to_string(parent) + "-" + test;
-  if (!in_rank_process()) {
-    meshtrain::files::remove_tree(dir);
-    meshtrain::files::make_directories(dir);
+// A directory per test, made by the parent (the ranks see it as their
+// parent's) and removed by the parent when the test ends.
+struct DataDir {
+  explicit DataDir(const std::string& test)
+      : path("/tmp/meshtrain-data-" + std::to_string(in_rank_process() ? getppid() : getpid()) + "-" + test) {
+    if (in_rank_process()) return;
+    meshtrain::files::remove_tree(path);
+    meshtrain::files::make_directories(path);
   }
-  return dir;
-}
+  ~DataDir() {
+    if (!in_rank_process()) meshtrain::files::remove_tree(path);
+  }
+  std::string path;
+};
 
 // Byte-level shards of arithmetic lines ("17+25=42\n": bytes below 64), one
 // document per line, the last fifth held out: dir/p_train_*.bin, dir/p_val_*.bin.
@@ -97,7 +101,8 @@ double held_out_loss(const TrainConfig& c, const std::map<std::string, at::Tenso
 // weights: one permutation of all windows, then each rank's slice. And the
 // shuffle is on: file order trains on other windows, to other losses.
 TEST(Data, ShuffledTokenShardsTrainLikeOneProcess) {
-  const std::string dir = data_dir("shuffle");
+  const DataDir scratch("shuffle");
+  const std::string& dir = scratch.path;
   write_corpus(dir);
   TrainConfig c = on_shards(dir);
   c.dp = 2;
@@ -112,7 +117,8 @@ TEST(Data, ShuffledTokenShardsTrainLikeOneProcess) {
 // and on pp 2, and equals the loss of the final weights on the first
 // --val-batches x --global-batch held-out windows, computed independently.
 TEST(Data, HeldOutLossOfValDataMatchesAnIndependentComputation) {
-  const std::string dir = data_dir("held-out");
+  const DataDir scratch("held-out");
+  const std::string& dir = scratch.path;
   write_corpus(dir);
   TrainConfig c = on_shards(dir);
   c.val_data = dir + "/p_val_*.bin";
