@@ -11,6 +11,8 @@ install(TARGETS meshtrain EXPORT meshtrainTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# libmeshtrain finds its SentencePiece plugin beside itself.
+install(TARGETS meshtrain_sentencepiece LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 # The tools find the library next to them, wherever the prefix is.
 set_target_properties(meshrun meshtrain_cli PROPERTIES INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR}")
 install(TARGETS meshrun meshtrain_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

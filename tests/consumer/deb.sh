@@ -13,7 +13,7 @@ deb=$(ls "$work"/meshtrain_*.deb)
 echo "package: $(basename "$deb")"
 depends=$(dpkg-deb -f "$deb" Depends)
 echo "Depends: $depends"
-for needed in libtorch libopenblas0-pthread libgloo; do
+for needed in libtorch libopenblas0-pthread libgloo libsentencepiece0 libpcre2-8-0; do
   [[ "$depends" == *"$needed"* ]] || { echo "Depends lacks $needed"; exit 1; }
 done
 dpkg-deb -x "$deb" "$work/root"
@@ -21,3 +21,6 @@ dpkg-deb -x "$deb" "$work/root"
 "$work/root/usr/bin/meshtrain" --version
 test -f "$work/root/usr/lib/cmake/meshtrain/meshtrainConfig.cmake"
 test -f "$work/root/usr/include/meshtrain/dp/replicate.h"
+# The SentencePiece plugin ships beside the library and loads from there.
+"$work/root/usr/bin/meshtrain" data --train-tokenizer 400 --out "$work/tok/lic" /usr/share/common-licenses/GPL-3 \
+  | grep -q "vocabulary 400"

@@ -24,3 +24,7 @@ g++ "$src/version_check.cpp" $(pkg-config --cflags --libs meshtrain) -Wl,-rpath,
 "$work/prefix/bin/meshrun" --version
 "$work/prefix/bin/meshtrain" --version
 "$work/prefix/bin/meshrun" --nproc-per-node 2 -- "$work/build/consumer"
+# The installed libmeshtrain finds its SentencePiece plugin beside itself (a
+# model trained and used through it by the installed tool).
+"$work/prefix/bin/meshtrain" data --train-tokenizer 400 --out "$work/tok/lic" /usr/share/common-licenses/GPL-3 \
+  | grep -q "vocabulary 400"

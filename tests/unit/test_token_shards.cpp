@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "meshtrain/data/sampler.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/util/error.h"
@@ -75,7 +76,7 @@ TEST(TokenShards, DataCommandWritesLlmcShards) {
   EXPECT_EQ(first, static_cast<uint16_t>('g'));  // token 16 of the text
 }
 
-// Windows of T + 1 tokens with stride T inside each shard, in path order,
+// Unshuffled: windows of T + 1 tokens with stride T inside each shard, in path order,
 // wrapping after the last: shards of 16, 16 and 4 tokens at T = 5 hold 3, 3
 // and 0 windows.
 TEST(TokenShards, SamplesAreTheWindowsInOrder) {
@@ -86,7 +87,7 @@ TEST(TokenShards, SamplesAreTheWindowsInOrder) {
   ASSERT_EQ(paths.size(), 3u);
   ASSERT_EQ(expand_data_paths(dir + "/p_*.bin"), paths);
   const int64_t T = 5;
-  auto data = make_token_shard_dataset(paths, T);
+  auto data = make_token_shard_dataset(paths, T, WindowOrder().shuffle(false));  // llm.c's order (--no-shuffle)
   const Batch b = data->samples(0, 7);  // windows 0..5, then window 0 again
   const int64_t starts[7] = {0, 5, 10, 16, 21, 26, 0};
   for (int s = 0; s < 7; ++s) {
@@ -96,6 +97,38 @@ TEST(TokenShards, SamplesAreTheWindowsInOrder) {
     }
   }
   EXPECT_TRUE(torch::equal(data->samples(4, 2).inputs, b.inputs.narrow(0, 4, 2)));  // any slice, same samples
+}
+
+// Shuffled (the default): each epoch reads every window exactly once, in the
+// order of data::Permutation(W, seed, epoch), and another epoch or seed
+// reads them in another order.
+TEST(TokenShards, ShuffledSamplesVisitEveryWindowOncePerEpoch) {
+  const Scratch dir("shuffle");
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += static_cast<char>(i);
+  const auto paths = write_token_shards({write_text(dir, text)}, dir + "/p", 64);  // 64, 64, 64, 8 tokens
+  const int64_t T = 4;
+  const int64_t W = 3 * 15 + 1;  // (64 - 1) / 4 = 15 windows per full shard, (8 - 1) / 4 = 1 in the last
+  auto data = make_token_shard_dataset(paths, T, WindowOrder().seed(1234));
+  auto ordered = make_token_shard_dataset(paths, T, WindowOrder().shuffle(false));
+  const Batch all = ordered->samples(0, W);
+  std::vector<int64_t> epoch0, epoch1;
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    const Batch b = data->samples(epoch * W, W);
+    std::vector<bool> seen(W, false);
+    for (int64_t s = 0; s < W; ++s) {
+      const int64_t w = meshtrain::data::Permutation(W, 1234, epoch)(s);
+      EXPECT_TRUE(torch::equal(b.inputs[s], all.inputs[w])) << "epoch " << epoch << " sample " << s;
+      EXPECT_TRUE(torch::equal(b.targets[s], all.targets[w]));
+      EXPECT_FALSE(seen[w]);
+      seen[w] = true;
+      (epoch == 0 ? epoch0 : epoch1).push_back(w);
+    }
+  }
+  EXPECT_NE(epoch0, epoch1);
+  EXPECT_FALSE(torch::equal(data->samples(0, W).inputs, all.inputs));
+  auto other_seed = make_token_shard_dataset(paths, T, WindowOrder().seed(1235));
+  EXPECT_FALSE(torch::equal(other_seed->samples(0, W).inputs, data->samples(0, W).inputs));
 }
 
 TEST(TokenShards, BadFilesAreNamedWithTheFix) {

@@ -64,10 +64,18 @@ struct TrainConfig {
   std::string activation_checkpointing = "none";
   uint64_t seed = 1234;
   int log_every = 1;
-  // The loss on a fixed held-out global batch (samples from index 2^40 on)
-  // every N steps and after the last, forward only (0: never).
+  // The held-out loss every N steps and after the last, forward only (0:
+  // never): over the first val_batches global batches of --val-data's
+  // windows in file order; without --val-data (text files and the built-in
+  // tasks only) over one global batch of samples from index 2^40 on.
   int eval_every = 0;
-  std::string data;         // text file (byte tokens); empty: built-in synthetic task
+  std::string data;         // text file (byte tokens) or token shards (a glob); empty: built-in synthetic task
+  std::string val_data;     // held-out token shards (or a text file, with a text --data) for eval_every
+  int val_batches = 8;      // global batches of val_data per held-out loss
+  bool shuffle = true;      // token shards: a seeded permutation of the windows per epoch; off: file order
+  // --vocab was given: the token shards' recorded vocabulary then only checks
+  // it (a smaller one is refused); otherwise the recorded one is the model's.
+  bool vocab_given = false;
   int digits = 1;           // operand digits of the built-in arithmetic task
   std::string metrics_out;  // JSON file
   double bucket_cap_mb = 25.0;

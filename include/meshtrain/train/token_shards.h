@@ -4,21 +4,27 @@
 //
 // File format (llm.c, dev/data/data_common.py write_datafile, version 1):
 //   header  256 little-endian int32: [0] magic 20240520, [1] version 1,
-//           [2] number of tokens N, [3..255] zero
+//           [2] number of tokens N, [3] the vocabulary size (written by
+//           `meshtrain data`; 0 in llm.c's own shards), [4..255] zero
 //   body    N little-endian uint16 token ids
 // so a shard is exactly 1024 + 2 N bytes.
 //
 // Samples: the shards, in path order, are cut into windows of seq_len + 1
 // tokens with stride seq_len (llm.c's loader; a window never crosses a
-// shard). Sample i is window i mod W of the W windows: the global batch of
-// step k is samples [kG, (k+1)G) on every layout, so the position in the data
-// is the step number (a checkpoint's step), and resuming, on any layout,
-// continues at the same sample. After W samples the data repeats (an epoch).
+// shard). Sample i of the run is window data::sample_at(i, W, seed, shuffle)
+// of the W windows (data/sampler.h): by default a new seeded permutation of
+// all windows every epoch, the same on every layout and rank; in order
+// (window i mod W, llm.c's unshuffled loader) with --no-shuffle. The global
+// batch of step k is samples [kG, (k+1)G) on every layout, so the position in
+// the data is the step number (a checkpoint's step), and resuming, on any
+// layout, continues at the same sample.
 
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <torch/arg.h>
 
 #include "meshtrain/train/data.h"
 
@@ -30,8 +36,8 @@ constexpr int32_t kTokenShardVersion = 1;
 constexpr int64_t kTokenShardHeaderInts = 256;
 
 // The files `pattern` names: itself, or a glob's matches, sorted. ConfigError
-// when a glob matches nothing.
-std::vector<std::string> expand_data_paths(const std::string& pattern);
+// (starting with `flag`) when a glob matches nothing.
+std::vector<std::string> expand_data_paths(const std::string& pattern, const std::string& flag = "--data");
 
 // Whether `path` starts with the token-shard magic number.
 bool is_token_shard(const std::string& path);
@@ -42,19 +48,36 @@ bool data_is_token_shards(const std::string& data);
 
 // Checks every shard (header, size, every token id below `vocab`, enough
 // tokens for one window); ConfigError naming the file, what is wrong and the
-// fix. Runs before any communication.
-void check_token_shards(const std::vector<std::string>& paths, int64_t vocab, int64_t seq_len);
+// fix, prefixed by `flag` (--data, --val-data). Runs before any communication.
+// Returns the number of windows of seq_len + 1 tokens.
+int64_t check_token_shards(const std::vector<std::string>& paths, int64_t vocab, int64_t seq_len,
+                           const std::string& flag = "--data");
+
+// The vocabulary the shards' headers record (int [3], `meshtrain data`
+// writes it): the largest, 0 when none records one (llm.c's shards).
+int64_t token_shards_vocab(const std::vector<std::string>& paths);
+
+// The order samples read the windows in.
+struct WindowOrder {
+  // A seeded permutation of all windows per epoch; off: file order.
+  TORCH_ARG(bool, shuffle) = true;
+  TORCH_ARG(uint64_t, seed) = 0;
+};
 
 // The dataset over checked shards.
-std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>& paths, int64_t seq_len);
+std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>& paths, int64_t seq_len,
+                                                  WindowOrder order = WindowOrder());
 
-// Writes `texts` (byte-level tokens: each byte is a token, vocabulary 256) as
-// shards `<prefix>_000000.bin`, ... of at most `tokens_per_shard` tokens;
-// returns their paths (`meshtrain data`).
+// Writes `text_paths` (concatenated, byte-level tokens: each byte is a token,
+// vocabulary 256) as shards `<prefix>_000000.bin`, ... of at most
+// `tokens_per_shard` tokens; returns their paths. data::write_token_shards
+// (data/shard_writer.h) takes any tokenizer and a held-out split.
 std::vector<std::string> write_token_shards(const std::vector<std::string>& text_paths, const std::string& prefix,
                                             int64_t tokens_per_shard);
 
-// `meshtrain data [--out PREFIX] [--shard-tokens N] FILE...`; returns the exit code.
+// `meshtrain data --out PREFIX [--tokenizer SPEC | --train-tokenizer N]
+// [--per-line] [--val-fraction F] [--shard-tokens N] FILE...` (data_command.cpp);
+// returns the exit code.
 int run_data_command(const std::vector<std::string>& args, std::ostream& out);
 
 }  // namespace train
