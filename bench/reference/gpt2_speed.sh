@@ -5,6 +5,10 @@
 #   llm.c's train_gpt2 (CPU, OpenMP, 2 threads) when LLMC_BIN is given;
 #   an eager PyTorch GPT-2 (bench/reference/torch_gpt2.py, python3-torch);
 #   meshtrain generate with and without its key/value cache.
+# meshtrain keeps freed memory for reuse (src/util/memory.cpp); the eager
+# PyTorch peer is run with the same glibc settings through its environment
+# (without them it spends most of a step in page faults), and meshtrain once
+# with MESHTRAIN_MALLOC=system to show what the setting is worth.
 # Everything starts from the same llm.c checkpoint of random weights written by
 # tests/fixtures/make_reference_models.py --gpt2-124m.
 #   LLMC_BIN=/path/to/train_gpt2 ROUNDS=2 bench/reference/gpt2_speed.sh
@@ -28,8 +32,9 @@ for r in $(seq 1 "$ROUNDS"); do
     (cd "$OUT" && OMP_NUM_THREADS=2 "$LLMC_BIN") > "$OUT/llmc_$r.txt"
   fi
   $TRAIN --metrics-out "$OUT/fp32_$r.json" > /dev/null
+  MESHTRAIN_MALLOC=system $TRAIN --metrics-out "$OUT/fp32sys_$r.json" > /dev/null
   $TRAIN --precision bf16-mixed --metrics-out "$OUT/bf16_$r.json" > /dev/null
-  /usr/bin/python3 bench/reference/torch_gpt2.py "$CKPT" "$SHARD" --steps "$STEPS" > "$OUT/torch_$r.json"
+  MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864 /usr/bin/python3 bench/reference/torch_gpt2.py "$CKPT" "$SHARD" --steps "$STEPS" > "$OUT/torch_$r.json"
   build/bin/meshrun --master-port 0 --quiet --nproc-per-node 2 -- $TRAIN --dp 2 --metrics-out "$OUT/ddp2_$r.json" > /dev/null
   for cache in cache no-cache; do
     flag=""; [ "$cache" = no-cache ] && flag="--no-cache"
@@ -51,9 +56,10 @@ def steps(kind, r):  # seconds of steps after the first (allocation, first touch
     j = json.load(open(p + ".json"))
     return (j["step_seconds"] if kind == "torch" else j["step_times_s"])[1:]
 rows = []
-for kind, name in [("fp32", "meshtrain, 1 process, fp32"), ("bf16", "meshtrain, 1 process, bf16-mixed"),
+for kind, name in [("fp32", "meshtrain, 1 process, fp32"),
+                   ("fp32sys", "meshtrain, 1 process, fp32, MESHTRAIN_MALLOC=system"), ("bf16", "meshtrain, 1 process, bf16-mixed"),
                    ("ddp2", "meshtrain, DDP on 2 ranks, fp32"), ("llmc", "llm.c train_gpt2 (OpenMP, 2 threads)"),
-                   ("torch", "eager PyTorch (2 threads)")]:
+                   ("torch", "eager PyTorch (2 threads, same malloc settings)")]:
     per_round = [steps(kind, r) for r in range(1, rounds + 1)]
     if any(s is None for s in per_round):
         continue

@@ -15,6 +15,7 @@
 #include "process.h"
 #include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/memory.h"
 #include "meshtrain/util/strings.h"
 #include "socket.h"
 
@@ -280,6 +281,7 @@ CommPtr init_from_env(CommOptions options) {
                   "(OMPI_COMM_WORLD_RANK is not set, the launcher is '", e.source, "'); start the job with "
                   "mpirun -np <ranks> <program>, or use MESHTRAIN_BACKEND=auto, shm or gloo");
   apply_thread_settings(e);
+  keep_freed_memory_for_reuse();  // Note [Freed memory kept for reuse]
   if (kind == BackendKind::kMpi || (kind == BackendKind::kAuto && under_mpirun)) {
     return mpi_backend::make_world(std::move(options));
   }

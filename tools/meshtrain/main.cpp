@@ -24,6 +24,7 @@
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/memory.h"
 #include "meshtrain/version.h"
 
 using namespace meshtrain;
@@ -61,6 +62,7 @@ static int run_command(Command command, const std::vector<std::string>& args) {
 }
 
 int main(int argc, char** argv) {
+  keep_freed_memory_for_reuse();  // before libtorch's first large tensors (Note [Freed memory kept for reuse])
   std::vector<std::string> args(argv + 1, argv + argc);
   if (!args.empty() && kCommands.count(args[0])) {
     return run_command(kCommands.at(args[0]), std::vector<std::string>(args.begin() + 1, args.end()));
