@@ -43,7 +43,7 @@ import json, sys
 out = sys.argv[1]
 print(open(f"{out}/data.txt").read().strip().splitlines()[-2])
 print("| order | train loss (mean of the last 20 steps) | held-out loss at " +
-      " / ".join(str(s) for s in json.load(open(f"{out}/shuffled.json"))["eval_steps"]) + " |")
+      " / ".join(str(int(s)) for s in json.load(open(f"{out}/shuffled.json"))["eval_steps"]) + " |")
 print("|---|---|---|")
 for name, what in [("shuffled", "token shards, shuffled (default)"), ("file_order", "token shards, --no-shuffle"),
                    ("text_file", "one text file, random windows")]:

@@ -102,6 +102,9 @@ std::vector<std::string> Parser::parse(const std::vector<std::string>& args) con
       value = args[i].substr(eq + 1);
     } else {
       MESHTRAIN_CHECK(i + 1 < args.size(), prefix, name, " needs a value, e.g. ", name, " ", f->value);
+      const std::string& next = args[i + 1];
+      MESHTRAIN_CHECK(next.rfind("--", 0) != 0 || !find(next.substr(0, next.find('='))), prefix, name,
+                      " needs a value before the next flag ", next, ", e.g. ", name, " ", f->value);
       value = args[++i];
     }
     try {

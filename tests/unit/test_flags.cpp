@@ -53,6 +53,7 @@ TEST(Flags, BadInputIsNamedWithTheTool) {
   EXPECT_EQ(error_of({"--lr", "nan"}), "tool: --lr 'nan' is not a finite number");
   EXPECT_EQ(error_of({"--quiet=yes"}), "tool: --quiet takes no value; write just --quiet");
   EXPECT_EQ(error_of({"--steps"}), "tool: --steps needs a value, e.g. --steps S");
+  EXPECT_EQ(error_of({"--name", "--steps", "3"}), "tool: --name needs a value before the next flag --steps, e.g. --name NAME");
   EXPECT_EQ(error_of({"stray"}).rfind("tool: unexpected argument 'stray'", 0), 0u);
   const std::string unknown = error_of({"--bogus", "1"});
   EXPECT_EQ(unknown.rfind("tool: unknown flag '--bogus'\nusage: tool [flags]", 0), 0u) << unknown;
