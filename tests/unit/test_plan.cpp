@@ -12,8 +12,10 @@
 #include "meshtrain/plan/units.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/json.h"
+#include "split_args.h"
 
 using namespace meshtrain;
+using meshtrain::testing::split_args;
 using namespace meshtrain::plan;
 
 namespace {
@@ -27,13 +29,6 @@ std::string error_of(Fn&& fn) {
     return e.what();
   }
   return "";
-}
-
-std::vector<std::string> split_args(const std::string& line) {
-  std::istringstream is(line);
-  std::vector<std::string> args;
-  for (std::string word; is >> word;) args.push_back(word);
-  return args;
 }
 
 // A tiny GPT whose parameters are counted by hand below.

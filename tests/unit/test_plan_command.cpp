@@ -12,18 +12,13 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/json.h"
+#include "split_args.h"
 
 using namespace meshtrain;
+using meshtrain::testing::split_args;
 using namespace meshtrain::plan;
 
 namespace {
-
-std::vector<std::string> split_args(const std::string& line) {
-  std::istringstream is(line);
-  std::vector<std::string> args;
-  for (std::string word; is >> word;) args.push_back(word);
-  return args;
-}
 
 // The printed command as the shell would run it on node `node_rank`.
 std::vector<std::string> shell_words(const std::string& line, int node_rank) {

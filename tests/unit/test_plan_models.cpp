@@ -16,27 +16,16 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/error.h"
+#include "config_error.h"
+#include "split_args.h"
 
 using namespace meshtrain;
+using meshtrain::testing::split_args;
 using namespace meshtrain::plan;
 
 namespace {
 
-std::vector<std::string> split_args(const std::string& line) {
-  std::istringstream is(line);
-  std::vector<std::string> args;
-  for (std::string word; is >> word;) args.push_back(word);
-  return args;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string error_of(const std::function<void()>& fn) { return meshtrain::testing::config_error_of(fn); }
 
 models::ModelConfig config(const std::string& kind, int64_t vocab, int64_t kv_heads, int64_t ffn_hidden, bool tied) {
   models::ModelConfig c;
