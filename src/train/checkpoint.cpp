@@ -189,6 +189,11 @@ SaveStats save_checkpoint(const std::string& dir, int64_t step, const RankState&
   std::string commit_error;  // rank 0's, said to every rank
   if (rank == 0) {
     try {
+      for (int r = 0; r < comm.size(); ++r) {  // a rank writing to a directory rank 0 does not see
+        const std::string path = step_dir + "/" + shard_name(r);
+        MESHTRAIN_CHECK(files::exists(path), "rank ", r, " wrote its shard but rank 0 does not find ", path,
+                        ": --save-dir must be one directory every node sees (a shared file system)");
+      }
       commit_manifest(dir, step, json::Object()
                                      .str("format", "meshtrain-checkpoint/1")
                                      .integer("step", step)

@@ -14,6 +14,7 @@
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/files.h"
 #include "meshtrain/util/flags.h"
 #include "meshtrain/util/json.h"
 #include "meshtrain/util/strings.h"
@@ -142,7 +143,9 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--keep-last", "N", "keep the newest N checkpoints, removing older ones after each commit "
               "(default 0: keep all)", c.keep_last),
         turn("--async-save", "snapshot each checkpoint at the step boundary and write it in the background",
-             c.async_save)}},
+             c.async_save),
+        turn("--overwrite", "without --resume: replace the checkpoints another run left in --save-dir (refused "
+             "otherwise)", c.overwrite)}},
       {"communication",
        {store("--backend", "auto|shm|gloo|mpi",
               "default: MESHTRAIN_BACKEND, else auto (shared memory inside a host, hierarchical across hosts, MPI "
@@ -220,6 +223,8 @@ void check_values(const TrainConfig& c) {
                   c.resume_fallback ? "--resume-fallback" : "--allow-config-change", " applies to --resume; add it");
   MESHTRAIN_CHECK(c.keep_last >= 0, "--keep-last ", c.keep_last, " must be >= 0 (0: keep every checkpoint)");
   MESHTRAIN_CHECK(c.keep_last == 0 || !c.save_dir.empty(), "--keep-last needs --save-dir");
+  MESHTRAIN_CHECK(!c.overwrite || !c.resume, "--overwrite replaces the checkpoints in --save-dir and --resume "
+                  "continues them; give one of the two");
   MESHTRAIN_CHECK(c.digits >= 1 && c.digits <= 6, "--digits ", c.digits, " must be in [1, 6]");
   MESHTRAIN_CHECK(c.momentum >= 0 && c.momentum < 1, "--momentum ", c.momentum, " must be in [0, 1) (e.g. 0.9)");
   MESHTRAIN_CHECK(c.weight_decay >= 0, "--weight-decay ", c.weight_decay, " must be >= 0");
@@ -440,8 +445,24 @@ std::string config_differences(const std::string& a_json, const std::string& b_j
   return what;
 }
 
+namespace {
+
+// What every rank must agree on beyond the training configuration: how it
+// checkpoints (a rank resuming alone, or saving elsewhere or at other steps,
+// would destroy the checkpoints or hang in a save the others never start).
+std::string startup_json(const TrainConfig& c) {
+  nlohmann::json j = nlohmann::json::parse(to_json(c));
+  j["checkpoints"] = {{"save_dir", c.save_dir.empty() ? "" : files::absolute_path(c.save_dir)},
+                      {"save_every", c.save_every}, {"resume", c.resume}, {"resume_fallback", c.resume_fallback},
+                      {"allow_config_change", c.allow_config_change}, {"overwrite", c.overwrite},
+                      {"async_save", c.async_save}, {"keep_last", c.keep_last}};
+  return j.dump();
+}
+
+}  // namespace
+
 void check_same_config(const TrainConfig& c, comm::Communicator& world) {
-  const std::vector<std::string> all = comm::all_gather_strings(world, to_json(c));
+  const std::vector<std::string> all = comm::all_gather_strings(world, startup_json(c));
   for (int r = 1; r < static_cast<int>(all.size()); ++r) {
     if (all[r] == all[0]) continue;
     throw ConfigError(str_cat("the ranks were started with different training configurations: ",

@@ -36,14 +36,17 @@ void restore_rng_state(CheckpointReader& reader, const comm::Communicator& world
   if (state.defined()) set_cpu_rng_state(state);
 }
 
-// A checkpoint saved from another model or optimizer is refused, unless
-// --allow-config-change (then the differences are said).
+// A checkpoint saved from another model or optimizer, or with another data
+// order (the position in the data is step x global batch of the seeded
+// permutation: another --global-batch or --seed would jump to other samples),
+// is refused, unless --allow-config-change (then the differences are said).
 void check_saved_config(const TrainConfig& c, const std::string& step_dir, bool chief) {
   const std::string saved = nlohmann::json::parse(files::read_all(step_dir + "/manifest.json"))["config"].dump();
-  const std::string differ = config_differences(saved, to_json(c), "in the checkpoint", "now", {"model", "optimizer"});
+  const std::string differ = config_differences(saved, to_json(c), "in the checkpoint", "now",
+                                                {"model", "optimizer", "global_batch", "seed", "shuffle"});
   if (differ.empty()) return;
-  MESHTRAIN_CHECK(c.allow_config_change, "--resume: ", step_dir, " was saved from another model or optimizer: ",
-                  differ, "; resume with the flags it was saved with, add --allow-config-change to change them ",
+  MESHTRAIN_CHECK(c.allow_config_change, "--resume: ", step_dir, " was saved from another model, optimizer or data "
+                  "order: ", differ, "; resume with the flags it was saved with, add --allow-config-change to change them ",
                   "deliberately, or use another --save-dir");
   if (chief) std::printf("resuming from %s with a changed configuration: %s\n", step_dir.c_str(), differ.c_str());
 }

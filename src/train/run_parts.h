@@ -16,6 +16,15 @@
 namespace meshtrain {
 namespace train {
 
+// Start-up checks (startup_checks.cpp), collectives over `world` raising
+// ConfigError on every rank. check_same_data: every rank's copy of each
+// --data / --val-data file has the same length and sampled content.
+// check_save_dir: with --save-every or --resume, every rank sees the files the
+// others write in --save-dir; without --resume a directory holding another
+// run's checkpoints is refused, or emptied of them with --overwrite.
+void check_same_data(const TrainConfig& c, comm::Communicator& world);
+void check_save_dir(const TrainConfig& c, comm::Communicator& world);
+
 // Where training starts: step 0, or the latest complete checkpoint under
 // --save-dir with --resume (loaded into `engine` under this run's layout).
 struct Resumed {

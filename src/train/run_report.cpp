@@ -160,10 +160,12 @@ void finish_run(const TrainConfig& c, Engine& engine, const comm::Communicator& 
   const TrainingFigures figures = figures_of(engine);
   result.full_parameters = engine.full_parameters();
   const bool chief = world.rank() == 0;
-  if (chief && options.evaluate && c.eval_problems > 0) result.accuracy = accuracy_of(c, result.full_parameters);
   const int64_t steps_run = std::max<int64_t>(1, c.steps - result.first_step);
   const std::vector<std::string> ranks = comm::all_gather_strings(metrics, rank_json(figures, world.rank(), steps_run));
   if (!chief) return;
+  // Rank 0 evaluates after the last collective: the others have finished and
+  // do not wait for it under the communication timeout.
+  if (options.evaluate && c.eval_problems > 0) result.accuracy = accuracy_of(c, result.full_parameters);
   result.metrics_json = run_json(c, result, world.size(), checkpoint_json, pipeline_json, ranks);
   if (!c.metrics_out.empty()) {
     std::ofstream out(c.metrics_out);

@@ -164,6 +164,8 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   // communicators' traffic is the training's alone.
   comm::CommPtr metrics = world->split(0, world->rank(), "metrics");
   check_same_config(c, *metrics);  // a rank started with another --lr or --seed would train silently apart
+  check_same_data(c, *metrics);    // the same path on another node may hold other bytes
+  check_save_dir(c, *metrics);     // before anything is read from it or written to it
   const bool chief = world->rank() == 0;
   std::unique_ptr<Engine> engine = make_engine(c, world);
   const HeldOut held_out = c.eval_every > 0 ? make_held_out(c) : HeldOut{};

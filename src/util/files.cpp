@@ -52,6 +52,16 @@ std::string directory_of(const std::string& path) {
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
 }
 
+std::string absolute_path(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  if (!p.empty() && p[0] == '/') return p;
+  char cwd[4096];
+  if (!::getcwd(cwd, sizeof cwd)) fail("cannot read the working directory for", path);
+  while (p.rfind("./", 0) == 0) p = p.substr(2);
+  return std::string(cwd) + (p.empty() || p == "." ? "" : "/" + p);
+}
+
 void rename_durable(const std::string& from, const std::string& to) {
   if (::rename(from.c_str(), to.c_str()) != 0) fail("cannot rename " + from + " to", to);
   fsync_directory(directory_of(to));

@@ -92,6 +92,7 @@ struct TrainConfig {
   int keep_last = 0;        // keep the newest N checkpoints, pruning older ones after each commit (0: all)
   bool resume_fallback = false;      // --resume: past a corrupt or incomplete newest checkpoint to the newest intact one
   bool allow_config_change = false;  // --resume: from a checkpoint of another model or optimizer configuration
+  bool overwrite = false;            // without --resume: replace the checkpoints of another run in --save-dir
   std::string trace;        // pipeline timeline (Chrome trace JSON + SVG)
 };
 
@@ -102,8 +103,10 @@ std::string train_usage();
 bool asks_for_help(const std::vector<std::string>& args);
 
 // Collective over `world`: every rank must train the same resolved
-// configuration. ConfigError on every rank naming each differing flag, its
-// values and the first rank that differs from rank 0 (before any training).
+// configuration and checkpoint alike (--resume, --save-dir as an absolute
+// path, --save-every, --async-save, --keep-last, --overwrite). ConfigError on
+// every rank naming each differing flag, its values and the first rank that
+// differs from rank 0 (before any training).
 void check_same_config(const TrainConfig& config, comm::Communicator& world);
 
 // The flags whose values differ between two configurations (to_json's text),

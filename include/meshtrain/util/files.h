@@ -16,6 +16,9 @@ void make_directories(const std::string& dir);
 bool exists(const std::string& path);
 std::string read_all(const std::string& path);
 std::string directory_of(const std::string& path);
+// `path` from the root: relative ones joined to the working directory (not
+// resolving links or "..", so two spellings of one directory may differ).
+std::string absolute_path(const std::string& path);
 // Removes a directory and everything in it (rm -r); nothing when it is absent.
 void remove_tree(const std::string& path);
 
