@@ -207,6 +207,17 @@ TEST(Cli, RanksStartedWithDifferentFlagsAreNamedBeforeTraining) {
   EXPECT_LT(r.seconds, 15.0) << r.output;
 }
 
+// Rank 0's final evaluation (here about 4 s of 6000 problems) runs after the
+// last collective: the other ranks used to wait for it in an all_gather under
+// the 1 s communication timeout and the run failed at its end.
+TEST(Cli, AFinalEvaluationLongerThanTheCommunicationTimeoutEndsWell) {
+  const Shell r = sh(kMeshrun + "--nproc-per-node 2 -- " + kBin + "/meshtrain" + kTiny +
+                     "--steps 2 --comm-timeout 1 --eval-problems 6000");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "task accuracy:")) << r.output;
+  EXPECT_GT(r.seconds, 2.0) << "the evaluation no longer outlasts the timeout; raise --eval-problems";
+}
+
 // `ranks` ranks training with --comm-timeout 3 and `flags`; `stopped` is SIGSTOPped two seconds in.
 Shell train_with_a_stopped_rank(int ranks, int stopped, const std::string& flags) {
   return sh(kMeshrun + "--nproc-per-node " + std::to_string(ranks) + " --grace-seconds 1 -- bash -c 'if [ $RANK = " +
