@@ -1,6 +1,7 @@
 #include "meshtrain/data/shard_writer.h"
 
 #include <glob.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -111,6 +112,9 @@ std::vector<std::string> read_documents(const std::vector<std::string>& text_fil
   std::vector<std::string> documents;
   for (const std::string& path : text_files) {
     MESHTRAIN_CHECK(files::exists(path), "meshtrain data: ", path, ": no such file");
+    struct stat st {};
+    MESHTRAIN_CHECK(::stat(path.c_str(), &st) == 0 && !S_ISDIR(st.st_mode), "meshtrain data: ", path,
+                    " is a directory; give the text files in it (e.g. ", path, "/*.txt)");
     std::string text = files::read_all(path);
     if (!per_line) {
       if (!text.empty()) documents.push_back(std::move(text));

@@ -69,6 +69,18 @@ std::string train_tokenizer(const std::vector<std::string>& documents, int64_t t
   }
 }
 
+// The run writes PREFIX_*.bin (and PREFIX.model) and removes an earlier run's
+// shards under those names: an input among them would be overwritten or removed.
+void check_inputs_are_not_outputs(const std::vector<std::string>& inputs, const std::string& prefix) {
+  const std::string out = files::absolute_path(prefix);
+  for (const std::string& input : inputs) {
+    const std::string in = files::absolute_path(input);
+    const bool shard_name = in.rfind(out + "_", 0) == 0 && in.size() > 4 && in.compare(in.size() - 4, 4, ".bin") == 0;
+    MESHTRAIN_CHECK(!shard_name && in != out + ".model", "meshtrain data: the input ", input, " is one of the files "
+                    "--out ", prefix, " writes or replaces (", prefix, "_*.bin, ", prefix, ".model); choose another --out");
+  }
+}
+
 void print_summary(const data::TokenShardSummary& s, const data::Tokenizer& tokenizer, int64_t input_files,
                    std::ostream& out) {
   for (const std::string& path : s.removed_stale) out << "removed " << path << " (an earlier run's shard)\n";
@@ -101,6 +113,7 @@ int run_data_command(const std::vector<std::string>& args, std::ostream& out) {
                   d.train_tokenizer, " trains ", d.prefix, ".model and uses it; it cannot be combined with --tokenizer ",
                   d.tokenizer, " (drop one)");
   MESHTRAIN_CHECK(d.train_tokenizer >= 0, "--train-tokenizer ", d.train_tokenizer, " must be a number of pieces");
+  check_inputs_are_not_outputs(inputs, d.prefix);
   // A tokenizer trained here is SentencePiece's, which has an end-of-text (eos).
   std::unique_ptr<data::Tokenizer> tokenizer = d.train_tokenizer > 0 ? nullptr : data::load_tokenizer(d.tokenizer);
   const bool keep_newlines = tokenizer && !tokenizer->end_of_text_id();

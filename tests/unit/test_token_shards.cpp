@@ -76,6 +76,22 @@ TEST(TokenShards, DataCommandWritesLlmcShards) {
   EXPECT_EQ(first, static_cast<uint16_t>('g'));  // token 16 of the text
 }
 
+// A directory given as input, and an input among the names --out writes or
+// replaces, are refused naming them; nothing is written.
+TEST(TokenShards, DataCommandRefusesADirectoryAndAnInputItWouldOverwrite) {
+  const Scratch dir("inputs");
+  const std::string text = write_text(dir, "some text for the shards");
+  std::ostringstream out;
+  EXPECT_EQ(error_of([&] { run_data_command({"--out", dir + "/x", dir.dir}, out); }),
+            "meshtrain data: " + dir.dir + " is a directory; give the text files in it (e.g. " + dir.dir + "/*.txt)");
+  ASSERT_EQ(run_data_command({"--out", dir + "/x", text}, out), 0);
+  const std::string shard = files::read_all(dir + "/x_000000.bin");
+  EXPECT_EQ(error_of([&] { run_data_command({"--out", dir + "/x", text, dir + "/x_000000.bin"}, out); }),
+            "meshtrain data: the input " + dir.dir + "/x_000000.bin is one of the files --out " + dir.dir +
+                "/x writes or replaces (" + dir.dir + "/x_*.bin, " + dir.dir + "/x.model); choose another --out");
+  EXPECT_EQ(files::read_all(dir + "/x_000000.bin"), shard);
+}
+
 // Unshuffled: windows of T + 1 tokens with stride T inside each shard, in path order,
 // wrapping after the last: shards of 16, 16 and 4 tokens at T = 5 hold 3, 3
 // and 0 windows.
