@@ -157,6 +157,14 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOpt
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   const auto& tp = options.tp();
   if (tp_size(tp) == 1) return at::embedding(weight, ids);
+  // Each rank masks the ids outside its range, so an id outside every range
+  // would become a zero row without a word: refused as at::embedding does.
+  if (ids.numel() > 0) {
+    const int64_t lowest = ids.min().item<int64_t>(), highest = ids.max().item<int64_t>();
+    MESHTRAIN_CHECK(lowest >= 0 && highest < options.num_embeddings(), "VocabParallelEmbedding '", options.name(),
+                    "': token id ", lowest < 0 ? lowest : highest, " is outside the vocabulary [0, ",
+                    options.num_embeddings(), ")");
+  }
   // Look up the ids in this rank's range; the others give zero rows; the sum
   // over tp is the full embedding.
   at::Tensor outside = (ids < vocab_start) | (ids >= vocab_end);

@@ -175,6 +175,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   if (trivial(tp)) return at::cross_entropy_loss(logits, targets);
   MESHTRAIN_CHECK(logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0),
                   "vocab_parallel_cross_entropy: logits must be [N, V/tp] and targets [N]");
+  if (targets.numel() > 0) {  // each rank masks the targets outside its columns: one outside all would be lost
+    const int64_t vocab = logits.size(1) * tp->size();
+    const int64_t lowest = targets.min().item<int64_t>(), highest = targets.max().item<int64_t>();
+    MESHTRAIN_CHECK(lowest >= 0 && highest < vocab, "vocab_parallel_cross_entropy: target ",
+                    lowest < 0 ? lowest : highest, " is outside the vocabulary [0, ", vocab, ")");
+  }
   return VocabParallelCrossEntropy::apply(logits, targets, handle(tp));
 }
 

@@ -183,7 +183,7 @@ std::unique_ptr<Dataset> make_dataset(const TrainConfig& c) {
   if (!c.data.empty()) {
     if (data_is_token_shards(c.data)) {
       return make_token_shard_dataset(expand_data_paths(c.data), c.model.seq_len,
-                                      WindowOrder().shuffle(c.shuffle).seed(c.seed));
+                                      WindowOrder().shuffle(c.shuffle).seed(c.seed).vocab(c.model.vocab));
     }
     return make_text_dataset(c.data, c.seed, c.model.seq_len);
   }

@@ -17,7 +17,7 @@ HeldOut make_held_out(const TrainConfig& c) {
   // The same windows on every layout and at every evaluation: file order, no shuffle.
   h.data = data_is_token_shards(c.val_data)
                ? make_token_shard_dataset(expand_data_paths(c.val_data, "--val-data"), c.model.seq_len,
-                                          WindowOrder().shuffle(false))
+                                          WindowOrder().shuffle(false).vocab(c.model.vocab))
                : make_text_dataset(c.val_data, c.seed, c.model.seq_len);
   return h;
 }

@@ -31,13 +31,24 @@ class MappedFile {
     MESHTRAIN_CHECK(fd >= 0, "--data ", path, ": cannot open it (", std::strerror(errno), ")");
     struct stat st{};
     ::fstat(fd, &st);
+    if (S_ISDIR(st.st_mode)) {
+      ::close(fd);
+      throw ConfigError(str_cat("--data ", path, " is a directory; give the shards in it (e.g. '", path, "/*.bin')"));
+    }
     size_ = static_cast<int64_t>(st.st_size);
     if (size_ > 0) data_ = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_SHARED, fd, 0);
-    ::close(fd);
+    fd_ = fd;
     MESHTRAIN_CHECK(data_ != MAP_FAILED, "--data ", path, ": cannot map it (", std::strerror(errno), ")");
   }
   ~MappedFile() {
     if (data_ && data_ != MAP_FAILED) ::munmap(data_, static_cast<size_t>(size_));
+    ::close(fd_);
+  }
+  // The file's size now: a file truncated under the map would raise SIGBUS on
+  // the first read past its new end.
+  int64_t current_size() const {
+    struct stat st{};
+    return ::fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
   }
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -47,6 +58,7 @@ class MappedFile {
  private:
   void* data_ = nullptr;
   int64_t size_ = 0;
+  int fd_ = -1;
 };
 
 int32_t header_int(const MappedFile& f, int i) {
@@ -100,8 +112,14 @@ class TokenShardDataset : public Dataset {
     for (int64_t s = 0; s < count; ++s) {
       const int64_t w = data::sample_at(first + s, windows(), order_.seed(), order_.shuffle());
       const size_t shard = std::upper_bound(starts_.begin(), starts_.end(), w) - starts_.begin() - 1;
+      check_unchanged(shard);
       const uint16_t* t = tokens_of(*shards_[shard]) + (w - starts_[shard]) * seq_len_;
-      for (int64_t j = 0; j <= seq_len_; ++j) acc[s][j] = t[j];
+      for (int64_t j = 0; j <= seq_len_; ++j) {
+        MESHTRAIN_CHECK(order_.vocab() == 0 || t[j] < order_.vocab(), "--data ", paths_[shard], ": token ", t[j],
+                        " at position ", (w - starts_[shard]) * seq_len_ + j, " is not below the vocabulary size ",
+                        order_.vocab(), ": the file changed while training (it was checked at start)");
+        acc[s][j] = t[j];
+      }
     }
     return {tokens.narrow(1, 0, seq_len_).contiguous(), tokens.narrow(1, 1, seq_len_).contiguous()};
   }
@@ -115,6 +133,12 @@ class TokenShardDataset : public Dataset {
 
  private:
   int64_t windows() const { return starts_.back(); }
+  void check_unchanged(size_t shard) const {
+    const int64_t now = shards_[shard]->current_size();
+    MESHTRAIN_CHECK(now == shards_[shard]->size(), "--data ", paths_[shard], " changed while training: ", now,
+                    " bytes now, ", shards_[shard]->size(), " at start; training data must not be rewritten under a "
+                    "running job (write new shards under another name)");
+  }
 
   std::vector<std::string> paths_;
   int64_t seq_len_;
@@ -135,6 +159,11 @@ std::vector<std::string> expand_data_paths(const std::string& pattern, const std
   if (rc == 0) paths.assign(g.gl_pathv, g.gl_pathv + g.gl_pathc);
   ::globfree(&g);
   MESHTRAIN_CHECK(!paths.empty(), flag, " ", pattern, ": the pattern matches no file");
+  for (const std::string& p : paths) {
+    struct stat st{};
+    MESHTRAIN_CHECK(::stat(p.c_str(), &st) != 0 || !S_ISDIR(st.st_mode), flag, " ", pattern, " matches the directory ",
+                    p, "; give a pattern that matches the shard files alone");
+  }
   std::sort(paths.begin(), paths.end());
   return paths;
 }

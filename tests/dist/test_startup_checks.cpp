@@ -150,3 +150,28 @@ TEST(StartupChecks, ResumeWithAnotherGlobalBatchOrSeedIsRefused) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "resuming from ck/step-00000010 with a changed configuration: --seed is 1234")) << r.output;
 }
+
+// A shard changed under a running job: truncated (a read past its new end was
+// a bus error), or rewritten with ids past the vocabulary (under tp 2 the
+// vocabulary-parallel layers masked them and the loss went on, wrong).
+TEST(DataGuards, AShardTruncatedOrRewrittenWhileTrainingIsNamed) {
+  TempDir t;
+  ASSERT_EQ(sh(kBin + "/meshtrain data --out " + t.path + "/s /usr/share/common-licenses/GPL-3 "
+               "/usr/share/common-licenses/Apache-2.0").exit_code, 0);
+  const std::string shard = t.path + "/s_000000.bin";
+  sh("cp " + shard + " " + t.path + "/original.bin");
+  const std::string train = kMeshrun + "--nproc-per-node 2 -- " + kBin + "/meshtrain" + kTiny +
+                            "--hidden 32 --seq-len 32 --steps 1000000 --data " + shard;
+  Shell r = sh("{ (sleep 3; truncate -s 5000 " + shard + ") & " + train + "; }");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "--data " + shard + " changed while training: 5000 bytes now")) << r.output;
+  EXPECT_FALSE(contains(r.output, "Bus error")) << r.output;
+
+  sh("cp " + t.path + "/original.bin " + shard);
+  // 30000 ids of 60000 from the first token on, the file's size unchanged.
+  r = sh("{ (sleep 3; /usr/bin/python3 -c \"f = open('" + shard + "', 'r+b'); f.seek(1024); "
+         "f.write(bytes([0x60, 0xea]) * 30000)\") & " + train + " --tp 2; }");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "--data " + shard + ": token 60000 at position")) << r.output;
+  EXPECT_TRUE(contains(r.output, "is not below the vocabulary size 256: the file changed while training")) << r.output;
+}

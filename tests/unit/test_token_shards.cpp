@@ -92,6 +92,17 @@ TEST(TokenShards, DataCommandRefusesADirectoryAndAnInputItWouldOverwrite) {
   EXPECT_EQ(files::read_all(dir + "/x_000000.bin"), shard);
 }
 
+// A directory matched by a --data glob (it used to be "cannot map it (No such device)").
+TEST(TokenShards, ADirectoryMatchedByTheGlobIsNamed) {
+  const Scratch dir("glob");
+  std::ostringstream out;
+  ASSERT_EQ(run_data_command({"--out", dir + "/s", write_text(dir, "text for one shard")}, out), 0);
+  files::make_directories(dir + "/old.bin");
+  EXPECT_EQ(error_of([&] { expand_data_paths(dir + "/*.bin"); }),
+            "--data " + dir.dir + "/*.bin matches the directory " + dir.dir + "/old.bin; give a pattern that matches "
+            "the shard files alone");
+}
+
 // Unshuffled: windows of T + 1 tokens with stride T inside each shard, in path order,
 // wrapping after the last: shards of 16, 16 and 4 tokens at T = 5 hold 3, 3
 // and 0 windows.

@@ -62,6 +62,10 @@ struct WindowOrder {
   // A seeded permutation of all windows per epoch; off: file order.
   TORCH_ARG(bool, shuffle) = true;
   TORCH_ARG(uint64_t, seed) = 0;
+  // Every token read is checked below it (0: not checked): a shard rewritten
+  // under a running job is an error naming it, never an id a vocabulary-parallel
+  // layer would silently mask.
+  TORCH_ARG(int64_t, vocab) = 0;
 };
 
 // The dataset over checked shards.
