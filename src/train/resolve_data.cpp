@@ -120,6 +120,9 @@ void resolve_text_file(TrainConfig& c) {
   check_regular_file(c.data, "--data");
   MESHTRAIN_CHECK(c.shuffle, "--no-shuffle applies to token shards; a text file (", c.data, ") is read at random "
                   "windows from (--seed, sample index)");
+  MESHTRAIN_CHECK(!models::is_language_model(c.model) || !c.vocab_given || !c.init_from.empty() ||
+                      c.model.vocab >= 256, "--vocab ", c.model.vocab, " is too small for --data ", c.data,
+                  ", a text file read as byte tokens (0-255): give --vocab 256 or more, or leave --vocab out");
   if (models::is_language_model(c.model) && c.init_from.empty()) c.model.vocab = std::max<int64_t>(c.model.vocab, 256);
   MESHTRAIN_CHECK(!models::is_language_model(c.model) || c.model.vocab >= 256, "--data ", c.data, " is a text file "
                   "(byte tokens 0-255) but the model of --init-from ", c.init_from, " predicts ", c.model.vocab,

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <climits>
+#include <random>
+
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
 
@@ -82,6 +85,48 @@ TEST(Schedules, IdealBubble) {
   EXPECT_DOUBLE_EQ(ideal_bubble({"1f1b", 4, 8, 1}), 3.0 / 11.0);
   EXPECT_DOUBLE_EQ(ideal_bubble({"interleaved", 4, 8, 2}), 3.0 / 11.0 / 2);
   EXPECT_DOUBLE_EQ(ideal_bubble({"naive", 4, 1, 1}), 0.75);
+}
+
+// The textbook O(parts x n^2) dynamic programme, scanning every last cut left
+// to right: the cuts partition_balanced must reproduce exactly (the trainer,
+// the planner and saved layouts all cut by it).
+std::vector<int64_t> reference_partition(const std::vector<int64_t>& costs, int parts) {
+  const int n = static_cast<int>(costs.size());
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  std::vector<std::vector<int64_t>> best(parts + 1, std::vector<int64_t>(n + 1, INT64_MAX));
+  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= parts; ++k)
+    for (int i = k; i <= n; ++i)
+      for (int j = k - 1; j < i; ++j) {
+        if (best[k - 1][j] == INT64_MAX) continue;
+        const int64_t v = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        if (v < best[k][i]) best[k][i] = v, cut[k][i] = j;
+      }
+  std::vector<int64_t> bounds(parts + 1);
+  bounds[parts] = n;
+  for (int k = parts, i = n; k > 0; --k) bounds[k - 1] = i = cut[k][i];
+  return bounds;
+}
+
+TEST(Partition, EqualsTheTextbookProgrammeOnRandomCostsAndIsFastOnDeepModels) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 40);
+    const int parts = 1 + static_cast<int>(rng() % n);
+    const int64_t spread = trial % 4 == 0 ? 2 : 1000;  // many ties, or few
+    std::vector<int64_t> costs(n);
+    for (auto& c : costs) c = static_cast<int64_t>(rng() % spread) + (trial % 8 == 1 ? 0 : 1) * (rng() % 2);
+    EXPECT_EQ(partition_balanced(costs, parts), reference_partition(costs, parts)) << "trial " << trial;
+  }
+  // 100,002 pieces (a 100,000-layer model) on 8 stages: the planner's case.
+  std::vector<int64_t> deep(100002, 5);
+  deep.front() = deep.back() = 40;
+  const auto bounds = partition_balanced(deep, 8);
+  EXPECT_EQ(bounds.front(), 0);
+  EXPECT_EQ(bounds.back(), 100002);
+  EXPECT_THROW(partition_balanced({1, -1}, 1), ConfigError);
 }
 
 TEST(Partition, BalancedContiguousStages) {

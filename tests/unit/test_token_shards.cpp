@@ -103,6 +103,17 @@ TEST(TokenShards, ADirectoryMatchedByTheGlobIsNamed) {
             "the shard files alone");
 }
 
+// A text file is byte tokens: an explicit --vocab below 256 used to be raised
+// to 256 without a word (and a later resume then said "256 now").
+TEST(TokenShards, AnExplicitVocabularyTooSmallForATextFileIsRefused) {
+  const Scratch dir("vocab");
+  const std::string text = write_text(dir, "a text file of more than a window of bytes");
+  EXPECT_EQ(error_of([&] { resolve(parse_train_args({"--data", text, "--seq-len", "8", "--vocab", "64"}), 1); }),
+            "--vocab 64 is too small for --data " + text + ", a text file read as byte tokens (0-255): give --vocab "
+            "256 or more, or leave --vocab out");
+  EXPECT_EQ(resolve(parse_train_args({"--data", text, "--seq-len", "8"}), 1).model.vocab, 256);
+}
+
 // Unshuffled: windows of T + 1 tokens with stride T inside each shard, in path order,
 // wrapping after the last: shards of 16, 16 and 4 tokens at T = 5 hold 3, 3
 // and 0 windows.
