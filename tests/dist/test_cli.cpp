@@ -324,6 +324,36 @@ sys.exit(0 if worst <= 1 else 1)
   EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
+// The converter answers each bad input in one line naming the file (it gave
+// Python tracebacks), and never follows a `latest` out of the save directory.
+TEST(Cli, CheckpointConverterAnswersBadInputInOneLine) {
+  TempDir dir;
+  ASSERT_EQ(sh(kBin + "/meshtrain" + kTiny + "--steps 2 --save-every 2 --save-dir " + dir.file("ck")).exit_code, 0);
+  const std::string convert = "/usr/bin/python3 " + kSource + "/tools/checkpoint_to_torch.py ";
+  const std::string step = dir.file("bad") + "/step-00000002";
+  struct Case {
+    std::string damage, expected;
+  };
+  for (const Case& c : {
+           Case{"rm " + step + "/rank-00000.bin", step + "/rank-00000.bin: missing (the manifest names it)"},
+           Case{"head -c 100 " + dir.file("ck") + "/step-00000002/manifest.json > " + step + "/manifest.json",
+                step + "/manifest.json: not valid JSON"},
+           Case{"echo step-00000099 > " + dir.file("bad") + "/latest",
+                dir.file("bad") + "/latest names " + dir.file("bad") + "/step-00000099, which has no manifest.json"},
+           Case{"echo ../ck/step-00000002 > " + dir.file("bad") + "/latest",
+                "holds '../ck/step-00000002', not a step directory name (step-NNNNNNNN) inside " + dir.file("bad")}}) {
+    sh("rm -rf " + dir.file("bad") + " && cp -r " + dir.file("ck") + " " + dir.file("bad") + " && " + c.damage);
+    const Shell r = sh(convert + dir.file("bad") + " " + dir.file("out.pt"));
+    EXPECT_EQ(r.exit_code, 1) << c.damage << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "checkpoint_to_torch: ") && contains(r.output, c.expected)) << c.damage << "\n"
+                                                                                                  << r.output;
+    EXPECT_FALSE(contains(r.output, "Traceback")) << r.output;
+  }
+  const Shell r = sh(convert + dir.file("ck") + " /proc/no-such-dir/out.pt");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "checkpoint_to_torch: /proc/no-such-dir/out.pt: cannot write it")) << r.output;
+}
+
 // The article's toy as two shell commands, with the tcp:// init method.
 TEST(Examples, SendRecvAsTwoShellCommands) {
   const std::string url = "tcp://127.0.0.1:" + std::to_string(free_port());
