@@ -1,6 +1,8 @@
 #pragma once
-// llm.c's GPT-2 checkpoint (train_gpt2.c's gpt2_build_from_checkpoint,
-// train_gpt2.py's write_model): a header of 256 int32 {magic 20240326,
+// The file format of llm.c's GPT-2 checkpoints (gpt2_124M.bin), described
+// here so meshtrain can read and write it; the reader and writer are our own
+// code (src/io/llmc.cpp), checked against what llm.c printed (fixtures under
+// tests/fixtures/reference/). A header of 256 int32 {magic 20240326,
 // version (3: float32, 5: bfloat16), maxT, V, L, NH, C, Vp, 0...}, then 16
 // tensors back to back: wte [Vp, C], wpe [maxT, C], ln1w [L, C], ln1b [L, C],
 // qkvw [L, 3C, C], qkvb [L, 3C], attprojw [L, C, C], attprojb [L, C],
