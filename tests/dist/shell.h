@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace meshtrain {
@@ -39,6 +40,21 @@ inline Shell sh(const std::string& cmd) {
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
+
+// A fresh directory under /tmp for one test, removed when it ends.
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/meshtrain-test-XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::system(("rm -rf " + path_).c_str()); }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
 
 inline bool contains(const std::string& s, const std::string& needle) { return s.find(needle) != std::string::npos; }
 

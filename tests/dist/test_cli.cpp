@@ -24,6 +24,7 @@ using meshtrain::testing::kMeshrun;
 using meshtrain::testing::kSource;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
+using meshtrain::testing::TempDir;
 
 namespace {
 
@@ -33,19 +34,6 @@ const std::string kTiny =
     " --lr 1e-2 --adam-eps 1e-6 --eval-problems 0 --log-every 100 ";
 // Float reassociation across layouts (equivalence.h's Tolerance for losses).
 constexpr double kLossRtol = 2e-6, kLossAtol = 1e-6;
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/meshtrain-cli-XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { std::system(("rm -rf " + path_).c_str()); }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // meshrun --nproc-per-node ranks -- meshtrain FLAGS --metrics-out FILE; the parsed metrics.
 Value train(int ranks, const std::string& flags, const std::string& metrics) {

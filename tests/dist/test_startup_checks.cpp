@@ -15,22 +15,13 @@ using meshtrain::testing::kBin;
 using meshtrain::testing::kMeshrun;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
+using meshtrain::testing::TempDir;
 
 namespace {
 
 const std::string kTiny =
     " --model gpt --layers 1 --hidden 16 --heads 2 --seq-len 8 --global-batch 4 --eval-problems 0 --log-every 100"
     " --comm-timeout 20 ";
-
-// A fresh directory for one test, removed when it ends.
-struct TempDir {
-  TempDir() {
-    char tmpl[] = "/tmp/meshtrain-startup-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { meshtrain::files::remove_tree(path); }
-  std::string path;
-};
 
 // Two ranks in `dir`; rank 1 gets `rank1_extra` after the common flags (and
 // runs in `rank1_dir` when given).
@@ -54,13 +45,13 @@ std::string read(const std::string& path) { return meshtrain::files::read_all(pa
 // rewrite the good checkpoints' manifests and move `latest` back.
 TEST(StartupChecks, ResumeOnOneRankIsRefusedBeforeAnythingIsWritten) {
   TempDir t;
-  ASSERT_EQ(one_process(t.path, "--steps 10 --save-dir ck --save-every 5").exit_code, 0);
-  const std::string manifest = read(t.path + "/ck/step-00000005/manifest.json"), latest = read(t.path + "/ck/latest");
-  const Shell r = two_ranks(t.path, "--steps 20 --save-dir ck --save-every 5", "--resume");
+  ASSERT_EQ(one_process(t.path(), "--steps 10 --save-dir ck --save-every 5").exit_code, 0);
+  const std::string manifest = read(t.path() + "/ck/step-00000005/manifest.json"), latest = read(t.path() + "/ck/latest");
+  const Shell r = two_ranks(t.path(), "--steps 20 --save-dir ck --save-every 5", "--resume");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--resume is false on rank 0 but true on rank 1")) << r.output;
-  EXPECT_EQ(read(t.path + "/ck/step-00000005/manifest.json"), manifest);
-  EXPECT_EQ(read(t.path + "/ck/latest"), latest);
+  EXPECT_EQ(read(t.path() + "/ck/step-00000005/manifest.json"), manifest);
+  EXPECT_EQ(read(t.path() + "/ck/latest"), latest);
   EXPECT_LT(r.seconds, 15.0) << r.output;
 }
 
@@ -72,12 +63,12 @@ TEST(StartupChecks, CheckpointFlagsThatDifferOnOneRankAreNamed) {
   for (const auto& c : {std::make_pair("--save-every 3", "--save-every is 5 on rank 0 but 3 on rank 1"),
                         std::make_pair("--async-save", "--async-save is false on rank 0 but true on rank 1"),
                         std::make_pair("--keep-last 1", "--keep-last is 0 on rank 0 but 1 on rank 1")}) {
-    const Shell r = two_ranks(t.path, flags, c.first);
+    const Shell r = two_ranks(t.path(), flags, c.first);
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_TRUE(contains(r.output, c.second)) << c.first << "\n" << r.output;
     EXPECT_LT(r.seconds, 15.0) << r.output;
   }
-  EXPECT_FALSE(meshtrain::files::exists(t.path + "/ck/latest"));
+  EXPECT_FALSE(meshtrain::files::exists(t.path() + "/ck/latest"));
 }
 
 // A relative --save-dir resolved in another working directory, and a save
@@ -85,14 +76,14 @@ TEST(StartupChecks, CheckpointFlagsThatDifferOnOneRankAreNamed) {
 // empty file system of its own mounted over it: another node's local disk).
 TEST(StartupChecks, ASaveDirectoryEveryRankDoesNotShareIsRefused) {
   TempDir t;
-  sh("mkdir -p " + t.path + "/elsewhere");
-  Shell r = two_ranks(t.path, "--steps 10 --save-dir ck --save-every 5", "", t.path + "/elsewhere");
+  sh("mkdir -p " + t.path() + "/elsewhere");
+  Shell r = two_ranks(t.path(), "--steps 10 --save-dir ck --save-every 5", "", t.path() + "/elsewhere");
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(contains(r.output, "--save-dir is \"" + t.path + "/ck\" on rank 0 but \"" + t.path +
+  EXPECT_TRUE(contains(r.output, "--save-dir is \"" + t.path() + "/ck\" on rank 0 but \"" + t.path() +
                                      "/elsewhere/ck\" on rank 1")) << r.output;
 
   if (sh("unshare --mount true").exit_code != 0) GTEST_SKIP() << "unshare --mount is not permitted here";
-  const std::string save = t.path + "/shared";
+  const std::string save = t.path() + "/shared";
   sh("mkdir -p " + save);
   r = sh(kMeshrun + "--nproc-per-node 2 -- bash -c 'if [ $RANK = 1 ]; then exec unshare --mount sh -c \"mount -t "
          "tmpfs none " + save + " && exec " + kBin + "/meshtrain" + kTiny + "--steps 10 --save-dir " + save +
@@ -108,9 +99,9 @@ TEST(StartupChecks, ASaveDirectoryEveryRankDoesNotShareIsRefused) {
 // used to train without a word: only the path was compared.
 TEST(StartupChecks, TheSameDataPathWithOtherBytesIsRefused) {
   TempDir t;
-  sh("mkdir -p " + t.path + "/a " + t.path + "/b && head -c 3000 /usr/share/common-licenses/GPL-3 > " + t.path +
-     "/a/text.txt && head -c 3000 /usr/share/common-licenses/GPL-3 | tr e a > " + t.path + "/b/text.txt");
-  const Shell r = two_ranks(t.path + "/a", "--steps 3 --data text.txt", "", t.path + "/b");
+  sh("mkdir -p " + t.path() + "/a " + t.path() + "/b && head -c 3000 /usr/share/common-licenses/GPL-3 > " + t.path() +
+     "/a/text.txt && head -c 3000 /usr/share/common-licenses/GPL-3 | tr e a > " + t.path() + "/b/text.txt");
+  const Shell r = two_ranks(t.path() + "/a", "--steps 3 --data text.txt", "", t.path() + "/b");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--data: rank 1 reads other bytes than rank 0 under the same name")) << r.output;
   EXPECT_TRUE(contains(r.output, "text.txt: 3000 bytes")) << r.output;
@@ -121,32 +112,32 @@ TEST(StartupChecks, TheSameDataPathWithOtherBytesIsRefused) {
 // with --keep-last mixed with it); now refused, or replaced with --overwrite.
 TEST(StartupChecks, ASaveDirectoryOfAnotherRunIsRefusedOrReplacedWithOverwrite) {
   TempDir t;
-  ASSERT_EQ(one_process(t.path, "--steps 20 --save-dir ck --save-every 5").exit_code, 0);
-  Shell r = two_ranks(t.path, "--steps 10 --save-dir ck --save-every 5 --keep-last 1");
+  ASSERT_EQ(one_process(t.path(), "--steps 20 --save-dir ck --save-every 5").exit_code, 0);
+  Shell r = two_ranks(t.path(), "--steps 10 --save-dir ck --save-every 5 --keep-last 1");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "--save-dir ck holds the checkpoints of another run (the newest: "
                                  "ck/step-00000020); add --resume to continue it, --overwrite to replace it"))
       << r.output;
-  EXPECT_EQ(read(t.path + "/ck/latest"), "step-00000020\n");
-  r = two_ranks(t.path, "--steps 10 --save-dir ck --save-every 5 --keep-last 1 --overwrite");
+  EXPECT_EQ(read(t.path() + "/ck/latest"), "step-00000020\n");
+  r = two_ranks(t.path(), "--steps 10 --save-dir ck --save-every 5 --keep-last 1 --overwrite");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--overwrite: removed the 4 checkpoints of the previous run")) << r.output;
-  EXPECT_EQ(sh("ls " + t.path + "/ck").output, "latest\nstep-00000010\n");
+  EXPECT_EQ(sh("ls " + t.path() + "/ck").output, "latest\nstep-00000010\n");
 }
 
 // The position in the data is step x global batch of the seed's permutation:
 // another --global-batch or --seed on resume read other samples, silently.
 TEST(StartupChecks, ResumeWithAnotherGlobalBatchOrSeedIsRefused) {
   TempDir t;
-  ASSERT_EQ(one_process(t.path, "--steps 10 --save-dir ck --save-every 5").exit_code, 0);
-  Shell r = one_process(t.path, "--steps 20 --save-dir ck --save-every 5 --resume --global-batch 8");
+  ASSERT_EQ(one_process(t.path(), "--steps 10 --save-dir ck --save-every 5").exit_code, 0);
+  Shell r = one_process(t.path(), "--steps 20 --save-dir ck --save-every 5 --resume --global-batch 8");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--global-batch is 4 in the checkpoint but 8 now")) << r.output;
-  r = one_process(t.path, "--steps 20 --save-dir ck --save-every 5 --resume --seed 7");
+  r = one_process(t.path(), "--steps 20 --save-dir ck --save-every 5 --resume --seed 7");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "--seed is 1234 in the checkpoint but 7 now")) << r.output;
   EXPECT_TRUE(contains(r.output, "add --allow-config-change")) << r.output;
-  r = one_process(t.path, "--steps 20 --save-dir ck --save-every 5 --resume --seed 7 --allow-config-change");
+  r = one_process(t.path(), "--steps 20 --save-dir ck --save-every 5 --resume --seed 7 --allow-config-change");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "resuming from ck/step-00000010 with a changed configuration: --seed is 1234")) << r.output;
 }
@@ -156,10 +147,10 @@ TEST(StartupChecks, ResumeWithAnotherGlobalBatchOrSeedIsRefused) {
 // vocabulary-parallel layers masked them and the loss went on, wrong).
 TEST(DataGuards, AShardTruncatedOrRewrittenWhileTrainingIsNamed) {
   TempDir t;
-  ASSERT_EQ(sh(kBin + "/meshtrain data --out " + t.path + "/s /usr/share/common-licenses/GPL-3 "
+  ASSERT_EQ(sh(kBin + "/meshtrain data --out " + t.path() + "/s /usr/share/common-licenses/GPL-3 "
                "/usr/share/common-licenses/Apache-2.0").exit_code, 0);
-  const std::string shard = t.path + "/s_000000.bin";
-  sh("cp " + shard + " " + t.path + "/original.bin");
+  const std::string shard = t.path() + "/s_000000.bin";
+  sh("cp " + shard + " " + t.path() + "/original.bin");
   const std::string train = kMeshrun + "--nproc-per-node 2 -- " + kBin + "/meshtrain" + kTiny +
                             "--hidden 32 --seq-len 32 --steps 1000000 --data " + shard;
   Shell r = sh("{ (sleep 3; truncate -s 5000 " + shard + ") & " + train + "; }");
@@ -167,7 +158,7 @@ TEST(DataGuards, AShardTruncatedOrRewrittenWhileTrainingIsNamed) {
   EXPECT_TRUE(contains(r.output, "--data " + shard + " changed while training: 5000 bytes now")) << r.output;
   EXPECT_FALSE(contains(r.output, "Bus error")) << r.output;
 
-  sh("cp " + t.path + "/original.bin " + shard);
+  sh("cp " + t.path() + "/original.bin " + shard);
   // 30000 ids of 60000 from the first token on, the file's size unchanged.
   r = sh("{ (sleep 3; /usr/bin/python3 -c \"f = open('" + shard + "', 'r+b'); f.seek(1024); "
          "f.write(bytes([0x60, 0xea]) * 30000)\") & " + train + " --tp 2; }");
