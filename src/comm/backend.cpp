@@ -68,11 +68,48 @@ const char* impl_name(Impl impl) {
   return "?";
 }
 
+namespace {
+
+const char* backend_name(BackendKind kind) {
+  switch (kind) {
+    case BackendKind::kAuto: return "auto";
+    case BackendKind::kGloo: return "gloo";
+    case BackendKind::kShm: return "shm";
+    case BackendKind::kMpi: return "mpi";
+  }
+  return "?";
+}
+
+// Note [Backends agreed]: members that ask for different backends would each
+// build their own transport and wait for peers that never come (a shared-memory
+// segment mapped by one side, a Gloo address published by the other) until the
+// communication timeout, naming neither. So every member publishes what it asked
+// for under the communicator's prefix and compares with the others' before any
+// transport exists: a mismatch is a ConfigError on every member, at once.
+void agree_on_backend(Process& process, const std::vector<int>& global_ranks, int rank, const std::string& prefix,
+                      BackendKind mine, const std::string& label) {
+  if (global_ranks.size() < 2) return;
+  const std::string key = prefix + "/backend/";
+  process.store()->set(key + std::to_string(rank), backend_name(mine));
+  for (size_t r = 0; r < global_ranks.size(); ++r) {
+    if (static_cast<int>(r) == rank) continue;
+    const std::string theirs = process.store()->get(key + std::to_string(r));
+    MESHTRAIN_CHECK(theirs == backend_name(mine), "communicator '", label, "': global rank ", global_ranks[r],
+                    " asked for backend '", theirs, "' and this rank (global rank ", global_ranks[rank], ") for '",
+                    backend_name(mine), "'; set the same MESHTRAIN_BACKEND (or --backend, CommOptions::backend) on ",
+                    "every rank and node, or none (auto)");
+  }
+}
+
+}  // namespace
+
 CommPtr make_communicator(std::shared_ptr<Process> process, std::vector<int> global_ranks, int rank,
                           const std::string& prefix, CommOptions options) {
   std::vector<std::string> hosts;
   for (int g : global_ranks) hosts.push_back(process->host_of(g));
-  switch (choose_impl(requested_backend(options), hosts, options.label)) {
+  const BackendKind kind = requested_backend(options);
+  agree_on_backend(*process, global_ranks, rank, prefix, kind, options.label);
+  switch (choose_impl(kind, hosts, options.label)) {
     case Impl::kShm:
       return std::make_shared<shm_backend::ShmCommunicator>(process, std::move(global_ranks), rank, prefix,
                                                             std::move(options));

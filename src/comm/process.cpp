@@ -37,6 +37,7 @@ Process::Process(ProcessConfig config, std::shared_ptr<TcpStore> store,
                   config_.rank, "; give each job its own port (meshrun --standalone or --master-port 0 picks a free one)");
   store_->hello(prefix + "r" + std::to_string(config_.rank));
   store_->set(prefix + "host/" + std::to_string(config_.rank), config_.host_id);
+  if (!store_->authenticated()) check_token_like_rank_0();
   // A rendezvous wait (exchanging addresses or segment names) also ends when a peer dies.
   store_->set_interrupt([this] {
     if (auto f = failure()) {
@@ -45,6 +46,22 @@ Process::Process(ProcessConfig config, std::shared_ptr<TcpStore> store,
                         rank_of_label(f->label));
     }
   });
+}
+
+// Note [Token mismatch] (src/launch/launcher.cpp), for ranks: with a store
+// that takes no token, a rank holding one would make its Gloo pairs prove it
+// (Note [Authenticated pairs]) to peers that do not, and both would wait until
+// the communication timeout. So every rank says whether it holds one, and a
+// rank that differs from rank 0 stops at once, naming the variable.
+void Process::check_token_like_rank_0() {
+  const std::string key = config_.group + "/has_token/";
+  const std::string mine = store_->token().empty() ? "none" : "one";
+  store_->set(key + std::to_string(config_.rank), mine);
+  if (config_.rank == 0) return;
+  const std::string rank0 = store_->get(key + "0");
+  MESHTRAIN_CHECK(rank0 == mine, "rank ", config_.rank, " has ", mine == "one" ? "a" : "no", " rendezvous token ",
+                  "(MESHTRAIN_RDZV_TOKEN) and rank 0 has ", rank0, ": set the same MESHTRAIN_RDZV_TOKEN for every ",
+                  "rank (meshrun does, from --rdzv-token-file: give every node's meshrun the same file), or none anywhere");
 }
 
 Process::~Process() {

@@ -100,6 +100,7 @@ class Process {
 
  private:
   void on_failure(const FailureReport& report);
+  void check_token_like_rank_0();
   // The end of the waits-for chain that starts at `peer`, and how the chain
   // goes on from `peer` (", which waits for global rank 2"; "" when it does not).
   std::pair<int, std::string> end_of_wait_chain(int peer);

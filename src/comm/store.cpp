@@ -28,11 +28,13 @@ void PrefixStore::wait(const std::vector<std::string>& keys) {
   base_->wait(prefixed);
 }
 
-TcpStore::TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout, const std::string& token)
+TcpStore::TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout, const std::string& token,
+                   const std::string& token_origin)
     : host_(host), port_(port), token_(token), timeout_(timeout) {
   fd_ = net::connect_to(host, port, Clock::now() + timeout, "the rendezvous store");
   try {
-    store_auth::prove(fd_, token_, Clock::now() + timeout, str_cat("the rendezvous store at ", host, ":", port));
+    authenticated_ = store_auth::prove(fd_, token_, Clock::now() + timeout,
+                                       str_cat("the rendezvous store at ", host, ":", port), token_origin);
   } catch (...) {
     ::close(fd_);
     throw;
@@ -111,7 +113,8 @@ FailureWatcher::FailureWatcher(const std::string& host, int port, const std::str
     : on_failure_(std::move(on_failure)) {
   fd_ = net::connect_to(host, port, Clock::now() + connect_timeout, "the rendezvous store");
   try {
-    store_auth::prove(fd_, token, Clock::now() + connect_timeout, str_cat("the rendezvous store at ", host, ":", port));
+    store_auth::prove(fd_, token, Clock::now() + connect_timeout, str_cat("the rendezvous store at ", host, ":", port),
+                      "MESHTRAIN_RDZV_TOKEN");
   } catch (...) {
     ::close(fd_);
     throw;

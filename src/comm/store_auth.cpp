@@ -52,22 +52,28 @@ bool same_mac(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-void prove(int fd, const std::string& token, net::Clock::time_point deadline, const std::string& where) {
+bool prove(int fd, const std::string& token, net::Clock::time_point deadline, const std::string& where,
+           const std::string& token_origin) {
   std::string frame;
   MESHTRAIN_CHECK(net::read_frame(fd, &frame, deadline), where, " closed the connection before greeting: is it a ",
                   "meshtrain store (MASTER_ADDR/MASTER_PORT), and of this version?");
   net::Reader greeting(frame);
   MESHTRAIN_CHECK(greeting.u8() == store_protocol::kGreeting, where, " did not greet as a meshtrain store");
   const std::string nonce = greeting.str();
-  if (nonce.empty()) return;  // a store without a token
-  MESHTRAIN_CHECK(!token.empty(), where, " requires a rendezvous token and this process has none: set ",
-                  "MESHTRAIN_RDZV_TOKEN (meshrun sets it for the ranks it starts; with several nodes give every ",
-                  "node's meshrun the same --rdzv-token-file)");
+  if (nonce.empty()) return false;  // a store without a token
+  if (token.empty()) {
+    net::write_frame(fd, net::Writer().u8(store_protocol::kDecline).bytes());
+    throw ConfigError(str_cat(where, " requires a rendezvous token and this process has none: set ",
+                              "MESHTRAIN_RDZV_TOKEN (meshrun sets it for the ranks it starts; with several nodes give "
+                              "every node's meshrun the same --rdzv-token-file)"));
+  }
   std::string reply;
   const bool answered = net::write_frame(fd, net::Writer().u8(store_protocol::kAuth).str(mac(token, nonce)).bytes()) &&
                         net::read_frame(fd, &reply, deadline);
   MESHTRAIN_CHECK(answered && !reply.empty() && static_cast<uint8_t>(reply[0]) == store_protocol::kOk, where,
-                  " refused this process's rendezvous token (MESHTRAIN_RDZV_TOKEN): it belongs to another job");
+                  " refused this process's rendezvous token (", token_origin, "): it is not the job's; give every "
+                  "node the same token (the same --rdzv-token-file, or MESHTRAIN_RDZV_TOKEN)");
+  return true;
 }
 
 }  // namespace store_auth

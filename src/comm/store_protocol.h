@@ -10,6 +10,14 @@
 // or no answer within a few seconds closes the connection, and the server says
 // so on stderr. The token itself never crosses the wire, and a recorded answer
 // is useless against the next nonce.
+//
+// A client without a token greeted with a nonce sends kDecline before it
+// closes, so that the store's side learns of the mismatch too: the server
+// records the first mismatch (a wrong MAC included) under kTokenMismatchKey,
+// where the launchers waiting for the other nodes find it and stop at once
+// (Note [Token mismatch] in src/launch/launcher.cpp). The opposite case, a
+// client with a token greeted without a nonce, is served (TcpStore::
+// authenticated() says so); meshrun and the ranks refuse it themselves.
 
 #include <cstdint>
 
@@ -27,6 +35,7 @@ constexpr uint8_t kBye = 7;     //                       -> kOk
 constexpr uint8_t kWatch = 8;   // prefix                -> kFailure label reason, pushed
 constexpr uint8_t kReport = 9;  // label, reason         -> kOk
 constexpr uint8_t kAuth = 10;   // mac                   -> kOk | kError and close
+constexpr uint8_t kDecline = 11;  //                     -> close (the client has no token)
 
 // Replies.
 constexpr uint8_t kOk = 100;

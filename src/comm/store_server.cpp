@@ -154,13 +154,26 @@ struct StoreServer::State {
     send(c, net::Writer().u8(store_protocol::kGreeting).str(c.nonce).bytes());
   }
 
+  // A client whose token is not the job's (`what` says how): refused, and the
+  // first such is recorded for the launchers (kTokenMismatchKey).
+  void token_mismatch(Client& c, const std::string& what) {
+    if (!kv.count(kTokenMismatchKey)) {
+      kv[kTokenMismatchKey] = str_cat("a process at ", c.peer, " ", what, "; every node's "
+                                      "meshrun needs the same token: the same --rdzv-token-file (or "
+                                      "MESHTRAIN_RDZV_TOKEN) on every node, or none anywhere");
+    }
+    refuse(c, what);
+  }
+
   // The first frame of a client that must prove it knows the token.
   void authenticate(Client& c, const std::string& frame) {
     net::Reader r(frame);
-    if (r.u8() != store_protocol::kAuth) return refuse(c, "it sent a request before proving it knows the job's token");
+    const uint8_t cmd = r.u8();
+    if (cmd == store_protocol::kDecline) return token_mismatch(c, "came with no rendezvous token, and this job has one");
+    if (cmd != store_protocol::kAuth) return refuse(c, "it sent a request before proving it knows the job's token");
     if (!store_auth::same_mac(r.str(), store_auth::mac(token, c.nonce))) {
       send(c, net::Writer().u8(store_protocol::kError).bytes());
-      return refuse(c, "wrong rendezvous token (another job's, or a stranger)");
+      return token_mismatch(c, "came with another rendezvous token than this job's");
     }
     c.nonce.clear();
     send(c, net::Writer().u8(store_protocol::kOk).bytes());

@@ -202,8 +202,13 @@ void ElasticRendezvous::close_round(int round) {
   store_.set(kRoundKey, std::to_string(round));
   const auto start = Clock::now();
   auto next_line = start + std::chrono::seconds(5);
+  std::string token_mismatch;  // Note [Token mismatch] in launcher.cpp: said once, and in the time-out
   while (true) {
     if (interrupted_()) throw std::runtime_error("interrupted");
+    if (token_mismatch.empty() && store_.check(comm::kTokenMismatchKey)) {
+      token_mismatch = "; refused: " + store_.get(comm::kTokenMismatchKey);
+      inform_(str_cat("round ", round, token_mismatch));
+    }
     const std::vector<NodeEntry> entries = joined_entries(round);
     const std::set<int> gone = dead();
     const std::vector<NodeEntry> members = choose_members(entries, gone, o_.nnodes, last_members_);
@@ -224,7 +229,7 @@ void ElasticRendezvous::close_round(int round) {
     }
     MESHTRAIN_CHECK(Clock::now() - start < o_.rendezvous_timeout, "meshrun: timed out in round ", round,
                     " waiting for --nnodes ", o_.min_nodes, ":", o_.nnodes, " (", state.joined, " of at least ",
-                    o_.min_nodes, " nodes joined); start meshrun on more nodes or lower MIN");
+                    o_.min_nodes, " nodes joined); start meshrun on more nodes or lower MIN", token_mismatch);
     if (Clock::now() > next_line) {
       next_line += std::chrono::seconds(10);
       inform_(str_cat("round ", round, ": ", state.joined, " nodes so far, waiting for ", o_.min_nodes, " to ",

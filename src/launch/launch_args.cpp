@@ -133,6 +133,7 @@ std::string resolve_rdzv_token(LaunchOptions& o) {
     MESHTRAIN_CHECK(o.rdzv_token.size() >= 16, "meshrun: --rdzv-token-file ", o.rdzv_token_file, " holds ",
                     o.rdzv_token.size(), " characters; a token needs at least 16 (e.g. openssl rand -hex 32 > ",
                     o.rdzv_token_file, ")");
+    o.rdzv_token_origin = "--rdzv-token-file " + o.rdzv_token_file;
     return "";
   }
   o.rdzv_token = comm::rdzv_token_from_env();

@@ -333,6 +333,18 @@ void stop_all(std::vector<std::unique_ptr<RankProcess>>& ranks, int sig, std::ch
   drain(ranks);
 }
 
+// Note [Token mismatch]
+// A node whose meshrun has another rendezvous token than node 0's (or none, or
+// one where node 0 has none) is refused by the store and says so itself. The
+// store records the first such refusal under comm::kTokenMismatchKey (see
+// store_protocol.h), and the nodes that got in find it while they wait for the
+// others: a fixed-size job stops on every node at once, naming the refused
+// process's address and the fix, instead of waiting out --rdzv-timeout and
+// blaming --nnodes. (An elastic job says it and goes on waiting: a node may
+// come back with the right token.) The price: any process that reaches the
+// store's port with a wrong token while the nodes meet stops the rendezvous,
+// which is what a port shared by two jobs by mistake needs anyway.
+
 // Waits until the integer at `key` reaches `target` (agents' barriers).
 void await_count(comm::TcpStore& store, const std::string& key, int target, std::chrono::milliseconds timeout,
                  const std::string& what) {
@@ -340,6 +352,10 @@ void await_count(comm::TcpStore& store, const std::string& key, int target, std:
   auto next_line = start + std::chrono::seconds(5);
   while (store.add(key, 0) < target) {
     if (g_signal) throw std::runtime_error("interrupted");
+    // Note [Token mismatch]
+    if (store.check(comm::kTokenMismatchKey)) {
+      throw ConfigError(str_cat("meshrun: stopped waiting for ", what, ": ", store.get(comm::kTokenMismatchKey)));
+    }
     if (Clock::now() > next_line) {  // say that it waits, and for whom
       next_line += std::chrono::seconds(10);
       const auto left = std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count();
@@ -353,6 +369,20 @@ void await_count(comm::TcpStore& store, const std::string& key, int target, std:
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+// Note [Token mismatch]: this node has a token and node 0's store takes none.
+void refuse_a_token_the_store_lacks(const LaunchOptions& o, comm::TcpStore& store) {
+  if (o.rdzv_token.empty() || store.authenticated()) return;
+  if (!store.check(comm::kTokenMismatchKey)) {
+    store.set(comm::kTokenMismatchKey, str_cat("node ", o.node_rank, "'s meshrun came with a rendezvous token (",
+                                               o.rdzv_token_origin, "), and this job has none; every node's meshrun "
+                                               "needs the same token: the same --rdzv-token-file (or "
+                                               "MESHTRAIN_RDZV_TOKEN) on every node, or none anywhere"));
+  }
+  throw ConfigError(str_cat("meshrun: the rendezvous store at ", o.master_addr, ":", store.port(), " (node 0's "
+                            "meshrun) takes no rendezvous token, and this node has one (", o.rdzv_token_origin,
+                            "): give every node the same token, node 0 too, or none anywhere"));
 }
 
 struct Outcome {
@@ -721,7 +751,8 @@ int run_launcher(const LaunchOptions& options) {
     server.reset(new comm::StoreServer(o.master_addr, o.master_port, o.rdzv_token));
     a.port = server->port();
   }
-  comm::TcpStore store(o.master_addr, a.port, o.rendezvous_timeout, o.rdzv_token);
+  comm::TcpStore store(o.master_addr, a.port, o.rendezvous_timeout, o.rdzv_token, o.rdzv_token_origin);
+  refuse_a_token_the_store_lacks(o, store);
   a.store = &store;
   a.base_env = process_environment();
   g_job_tag = std::to_string(getpid()) + "-" + comm::generate_rdzv_token().substr(0, 16);

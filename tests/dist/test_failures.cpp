@@ -386,3 +386,58 @@ TEST(GlooPairs, APairThatDoesNotKnowTheTokenIsRefused) {
     }
   }, o);
 }
+
+// Issue 31, item 5 (Note [Backends agreed] in src/comm/backend.cpp): members
+// asking for different backends used to build different transports and wait
+// for each other until the communication timeout, naming neither (a /dev/shm
+// segment left behind). Now both refuse at once, naming the backends.
+TEST(Rendezvous, MembersAskingForDifferentBackendsAreRefusedAtOnce) {
+  run_ranks(2, [](Communicator& world) {
+    meshtrain::comm::CommOptions o;
+    o.backend = world.rank() == 0 ? "shm" : "gloo";
+    o.timeout = std::chrono::seconds(60);
+    const auto start = Clock::now();
+    try {
+      meshtrain::comm::init_with_store("127.0.0.1", std::atoi(std::getenv("MESHTRAIN_HARNESS_PORT")), world.rank(), 2,
+                                       std::string(std::getenv("MESHTRAIN_HARNESS_GROUP")) + "-mixed", o);
+      ADD_FAILURE() << "a communicator of shm and gloo members was made";
+    } catch (const ConfigError& e) {
+      const std::string expected = world.rank() == 0
+                                       ? "global rank 1 asked for backend 'gloo' and this rank (global rank 0) for 'shm'"
+                                       : "global rank 0 asked for backend 'shm' and this rank (global rank 1) for 'gloo'";
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("set the same MESHTRAIN_BACKEND"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  });
+}
+
+// Issue 31, item 6, for ranks (Note [Token mismatch] in src/launch/launcher.cpp):
+// with a store that takes no token, a rank holding one would make its Gloo
+// pairs prove it to a peer that does not and both would wait until the
+// communication timeout. The rank that differs from rank 0 stops at once,
+// naming the variable; rank 0 learns that it left.
+TEST(Rendezvous, ARankWithATokenRank0LacksStopsAtOnce) {
+  run_ranks(2, [](Communicator& world) {
+    if (world.rank() == 1) setenv("MESHTRAIN_RDZV_TOKEN", "fedcba9876543210fedcba9876543210", 1);
+    meshtrain::comm::CommOptions o;
+    o.backend = "gloo";
+    o.timeout = std::chrono::seconds(60);
+    const auto start = Clock::now();
+    try {
+      meshtrain::comm::init_with_store("127.0.0.1", std::atoi(std::getenv("MESHTRAIN_HARNESS_PORT")), world.rank(), 2,
+                                       std::string(std::getenv("MESHTRAIN_HARNESS_GROUP")) + "-token", o);
+      ADD_FAILURE() << "a world of a rank with a token and one without was made";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(world.rank(), 1) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1 has a rendezvous token (MESHTRAIN_RDZV_TOKEN) and rank 0 has none"),
+                std::string::npos)
+          << e.what();
+    } catch (const PeerFailure& e) {
+      EXPECT_EQ(world.rank(), 0) << e.what();
+      EXPECT_EQ(e.rank(), 1) << e.what();
+    }
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+    unsetenv("MESHTRAIN_RDZV_TOKEN");
+  });
+}

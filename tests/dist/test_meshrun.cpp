@@ -17,6 +17,7 @@
 
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
+#include "meshtrain/util/error.h"
 #include "shell.h"
 
 using meshtrain::testing::contains;
@@ -25,6 +26,8 @@ using meshtrain::testing::kBin;
 using meshtrain::testing::kMeshrun;
 using meshtrain::testing::Shell;
 using meshtrain::testing::sh;
+using meshtrain::testing::TempDir;
+using meshtrain::str_cat;
 
 namespace {
 
@@ -187,6 +190,45 @@ TEST(Meshrun, TwoNodesOnLoopbackFormOneGroup) {
   for (int rank = 0; rank < 4; ++rank) {
     EXPECT_TRUE(contains(r.output, "[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " of 4 sum 10"))
         << r.output;
+  }
+}
+
+// Issue 31, item 6 (Note [Token mismatch]): nodes whose tokens differ, or where
+// only one has a token, stop at once on both nodes (node 0 used to wait out
+// --rdzv-timeout and blame --nnodes), each naming the token's file and the fix.
+TEST(Meshrun, NodesWithoutTheSameTokenStopAtOnceOnEveryNode) {
+  TempDir dir;
+  std::ofstream(dir.file("a")) << "0123456789abcdef0123456789abcdef\n";
+  std::ofstream(dir.file("b")) << "fedcba9876543210fedcba9876543210\n";
+  struct Case {
+    std::string node0, node1, says0, says1;
+  };
+  const std::vector<Case> cases = {
+      {"a", "b", "came with another rendezvous token than this job's",
+       "refused this process's rendezvous token (--rdzv-token-file " + dir.file("b") + ")"},
+      {"a", "", "came with no rendezvous token, and this job has one",
+       "requires a rendezvous token and this process has none"},
+      {"", "b", "node 1's meshrun came with a rendezvous token (--rdzv-token-file " + dir.file("b") + ")",
+       "takes no rendezvous token, and this node has one (--rdzv-token-file " + dir.file("b") + ")"},
+  };
+  for (const Case& c : cases) {
+    const std::string port = std::to_string(free_port());
+    const auto node = [&](int rank, const std::string& token) {
+      return str_cat("env -u MESHTRAIN_RDZV_TOKEN ", kBin, "/meshrun --nnodes 2 --node-rank ", rank,
+                     " --nproc-per-node 1 --master-addr 127.0.0.1 --master-port ", port, " --rdzv-timeout 60",
+                     token.empty() ? "" : " --rdzv-token-file " + dir.file(token), " -- true");
+    };
+    const std::string log1 = dir.file("node1-" + port + ".log");
+    Shell r = sh("(" + node(1, c.node1) + " > " + log1 + " 2>&1; echo node 1 exit $? >> " + log1 + ") & " +
+                 node(0, c.node0) + " 2>&1; echo node 0 exit $?; wait; cat " + log1);
+    EXPECT_TRUE(contains(r.output, "node 0 exit 2")) << r.output;
+    EXPECT_TRUE(contains(r.output, "node 1 exit 2")) << r.output;
+    EXPECT_TRUE(contains(r.output, "meshrun: stopped waiting for the other nodes: ")) << r.output;
+    EXPECT_TRUE(contains(r.output, c.says0)) << r.output;
+    EXPECT_TRUE(contains(r.output, c.says1)) << r.output;
+    EXPECT_TRUE(contains(r.output, "every node's meshrun needs the same token")) << r.output;
+    EXPECT_FALSE(contains(r.output, "timed out")) << r.output;
+    EXPECT_LT(r.seconds, 15.0) << r.output;
   }
 }
 

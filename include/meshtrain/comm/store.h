@@ -29,6 +29,11 @@ std::string rdzv_token_from_env();
 // 32 random bytes as hex, from OpenSSL's generator.
 std::string generate_rdzv_token();
 
+// Where a server records, for the launchers, the first process that came with
+// another rendezvous token, none, or one the job lacks: one line naming the
+// process's address and the fix.
+constexpr char kTokenMismatchKey[] = "meshtrain/token_mismatch";
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -65,9 +70,11 @@ class TcpStore : public Store {
  public:
   // Connects, retrying until `timeout` while the server is not up yet, and
   // proves it knows the job's token when the server asks. ConfigError when the
-  // server wants a token this process lacks or refuses the one it has.
+  // server wants a token this process lacks or refuses the one it has; the
+  // message names `token_origin` (the variable or file the token came from).
   TcpStore(const std::string& host, int port, std::chrono::milliseconds timeout,
-           const std::string& token = rdzv_token_from_env());
+           const std::string& token = rdzv_token_from_env(),
+           const std::string& token_origin = "MESHTRAIN_RDZV_TOKEN");
   ~TcpStore() override;
 
   void set(const std::string& key, const std::string& value) override;
@@ -89,12 +96,16 @@ class TcpStore : public Store {
   const std::string& host() const { return host_; }
   int port() const { return port_; }
   const std::string& token() const { return token_; }
+  // Whether the server asked for the token (false: it serves any client,
+  // whatever token this process has; see Note [Token mismatch]).
+  bool authenticated() const { return authenticated_; }
 
  private:
   std::string request(const std::string& frame);
   std::string host_;
   int port_;
   std::string token_;
+  bool authenticated_ = false;
   std::chrono::milliseconds timeout_;
   int fd_ = -1;
   std::mutex mutex_;

@@ -45,6 +45,7 @@ struct LaunchOptions {
   // (resolve_rdzv_token); handed to the ranks in their environment.
   std::string rdzv_token_file;
   std::string rdzv_token;
+  std::string rdzv_token_origin = "MESHTRAIN_RDZV_TOKEN";  // for messages: "--rdzv-token-file FILE" when from a file
   std::vector<std::string> command;
 };
 
