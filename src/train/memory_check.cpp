@@ -118,8 +118,10 @@ int64_t available_memory_bytes() {
 int64_t estimated_rank_bytes(const TrainConfig& c) {
   const plan::PlanInput in = planner_input(c, c.dp * c.pp * c.tp, std::numeric_limits<int64_t>::max() / 4);
   if (in.shape) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero}).memory.total();
-  // The MLP: no shape the planner knows; its model state, shared by the stages and tp slices.
-  const plan::Estimate e = plan::estimate_layout(in, plan::Layout{c.dp, 1, 1, c.zero});
+  // The MLP: no shape the planner knows; its model state, shared by the stages and tp slices
+  // (estimated as dp ranks of the whole model, then divided).
+  const plan::PlanInput whole = planner_input(c, c.dp, std::numeric_limits<int64_t>::max() / 4);
+  const plan::Estimate e = plan::estimate_layout(whole, plan::Layout{c.dp, 1, 1, c.zero});
   return (e.memory.parameters + e.memory.gradients + e.memory.optimizer) / (c.pp * c.tp);
 }
 

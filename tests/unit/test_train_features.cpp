@@ -244,6 +244,24 @@ TEST(Intercept, RolesApplyToTheSpanTheyWereMarkedOn) {
   EXPECT_TRUE(meshtrain::intercept::marks_of(old_storage_view).empty());
 }
 
+// The MLP has no shape the planner knows: its model state is estimated for the
+// dp ranks of the whole model, then shared by the stages and tp slices. It was
+// estimated as a dp x 1 x 1 layout of dp x pp x tp devices, a refusal of every
+// --tp or --pp MLP run ("layout dp=2 pp=1 tp=1 does not fit 4 devices").
+TEST(MemoryCheck, TheMlpWithPipelineOrTensorParallelismIsEstimated) {
+  using meshtrain::train::estimated_rank_bytes;
+  auto parse = [](const std::vector<std::string>& args, int world) {
+    return meshtrain::train::resolve(meshtrain::train::parse_train_args(args), world);
+  };
+  const auto whole = parse({"--model", "mlp", "--dp", "2"}, 2);
+  const auto tp = parse({"--model", "mlp", "--dp", "2", "--tp", "2"}, 4);
+  const auto pp = parse({"--model", "mlp", "--dp", "2", "--pp", "2"}, 4);
+  const int64_t per_rank = estimated_rank_bytes(whole);
+  EXPECT_GT(per_rank, 0);
+  EXPECT_EQ(estimated_rank_bytes(tp), per_rank / 2);
+  EXPECT_EQ(estimated_rank_bytes(pp), per_rank / 2);
+}
+
 // The trainer consults the planner before allocating: a model that cannot fit
 // the machine is refused with the estimate and a layout that would fit.
 TEST(MemoryCheck, RefusesWithTheEstimateAndALayoutThatFits) {
