@@ -23,8 +23,10 @@ namespace train {
 namespace {
 
 // A file's identity, cheap on any size: its length and the SHA-256 of its first
-// KiB (a shard's header) and of 64 blocks of 4 KiB spread evenly over it. Two
-// copies that differ anywhere in those bytes, or in length, differ here.
+// KiB (a shard's header) and of 64 blocks of 4 KiB spread evenly over it, which
+// cover the whole of a file up to 256 KiB. Two copies that differ in length,
+// or anywhere in those bytes, differ here; a larger copy that differs only
+// between the sampled blocks does not (docs/data.md says so).
 std::string file_identity(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MESHTRAIN_CHECK(fd >= 0, "cannot open ", path);
@@ -39,6 +41,7 @@ std::string file_identity(const std::string& path) {
     sampled += bytes.substr(0, got > 0 ? static_cast<size_t>(got) : 0);
   };
   read_at(0, std::min<int64_t>(size, 1024));
+  if (size <= kBlock) read_at(0, size);  // spread blocks would start before the file
   for (int64_t i = 0; size > kBlock && i < kBlocks; ++i) read_at(i * (size - kBlock) / (kBlocks - 1), kBlock);
   ::close(fd);
   return str_cat(size, " bytes, sampled SHA-256 ", sha256_hex(sampled).substr(0, 16));

@@ -99,8 +99,10 @@ TEST(StartupChecks, ASaveDirectoryEveryRankDoesNotShareIsRefused) {
 // used to train without a word: only the path was compared.
 TEST(StartupChecks, TheSameDataPathWithOtherBytesIsRefused) {
   TempDir t;
-  sh("mkdir -p " + t.path() + "/a " + t.path() + "/b && head -c 3000 /usr/share/common-licenses/GPL-3 > " + t.path() +
-     "/a/text.txt && head -c 3000 /usr/share/common-licenses/GPL-3 | tr e a > " + t.path() + "/b/text.txt");
+  // The copies differ only after their first KiB (a file under 4 KiB used to be compared by that KiB alone).
+  const std::string gpl = " /usr/share/common-licenses/GPL-3";
+  sh("mkdir -p " + t.path() + "/a " + t.path() + "/b && head -c 3000" + gpl + " > " + t.path() + "/a/text.txt && " +
+     "(head -c 2000" + gpl + "; head -c 3000" + gpl + " | tail -c 1000 | tr e a) > " + t.path() + "/b/text.txt");
   const Shell r = two_ranks(t.path() + "/a", "--steps 3 --data text.txt", "", t.path() + "/b");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--data: rank 1 reads other bytes than rank 0 under the same name")) << r.output;
