@@ -21,9 +21,17 @@ Faults:
                 on every rank with a clear error, `latest` names an intact checkpoint, no .tmp left
   elastic       two meshrun nodes under --nnodes 1:2; node 1 killed, node 0 goes on alone, node 1 comes
                 back and the job grows back (trial_elastic says what is measured)
+  desync-flag   one random rank started with another checkpoint, data or communication setting than the
+                others (DESYNC: --resume, --save-every, --save-dir, a relative --save-dir from another
+                directory, MESHTRAIN_BACKEND, the rendezvous token...), resuming a saved run: refused before
+                any write, naming the flag or variable; the saved run left as it was
+  changed-data  the data one rank reads differs from the others' under the same name (another copy,
+                truncated, a block or a token rewritten), or the shard every rank reads is truncated or
+                overwritten with out-of-vocabulary ids while the job trains: refused, naming the file;
+                every checkpoint saved before still whole (trial_changed_data says what is measured)
 A trial that hangs (no exit within 60 s) is reported as such: it is a bug.
 """
-import json, os, random, re, signal, socket, statistics, subprocess, sys, tempfile, threading, time
+import json, os, random, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, threading, time
 
 BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build", "bin")
 GPT = ["--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq-len", "16",
@@ -44,11 +52,11 @@ def free_port():
 class Job:
     """A meshrun process whose output lines are collected with their arrival times."""
 
-    def __init__(self, args, env=None):
+    def __init__(self, args, env=None, cwd=None):
         self.start = time.time()
         self.lines = []
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, start_new_session=True)
+                                     env=env, cwd=cwd, start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -328,6 +336,210 @@ def trial_elastic(layout, shm_before, workdir, reference):
                 said=None if equal else [line for _, line in node0.lines if line.startswith("meshrun")][-8:])
 
 
+# One rank differs from the others (wrapped by TARGET_WRAPPER): (name, what the target gets, what the refusal
+# must name: a flag, found in check_same_config's sentence, or a variable; what the others get instead of the
+# default). "env:" sets a variable, "unset:" removes one,
+# "cd:" starts the target in another directory; anything else is extra flags (the last value of a flag wins).
+DESYNC = [
+    ("--resume on one rank", "--resume", "--resume", "no-resume"),
+    ("--save-every", "--save-every 3", "--save-every", None),
+    ("--async-save", "--async-save", "--async-save", None),
+    ("--keep-last", "--keep-last 1", "--keep-last", None),
+    ("--save-dir", "--save-dir {workdir}/other", "--save-dir", None),
+    ("relative --save-dir, other cwd", "cd:{workdir}/elsewhere", "--save-dir", "relative"),
+    ("--resume-fallback", "--resume-fallback", "--resume-fallback", None),
+    ("--allow-config-change", "--allow-config-change", "--allow-config-change", None),
+    ("--global-batch", "--global-batch 16", "--global-batch", None),
+    ("--seed", "--seed 7", "--seed", None),
+    ("--lr", "--lr 2e-2", "--lr", None),
+    ("MESHTRAIN_BACKEND", "env:MESHTRAIN_BACKEND=gloo", "MESHTRAIN_BACKEND", None),
+    ("another token", "env:MESHTRAIN_RDZV_TOKEN=fedcba9876543210fedcba9876543210", "MESHTRAIN_RDZV_TOKEN", None),
+    ("no token", "unset:MESHTRAIN_RDZV_TOKEN", "MESHTRAIN_RDZV_TOKEN", None),
+]
+
+TARGET_WRAPPER = """#!/bin/sh
+# Runs the command as given, except on rank $TARGET_RANK: TARGET_CD, TARGET_ENV, TARGET_UNSET, TARGET_EXTRA.
+if [ "$RANK" = "$TARGET_RANK" ]; then
+  [ -n "$TARGET_CD" ] && cd "$TARGET_CD"
+  [ -n "$TARGET_ENV" ] && export "$TARGET_ENV"
+  [ -n "$TARGET_UNSET" ] && unset "$TARGET_UNSET"
+  exec "$@" $TARGET_EXTRA
+fi
+exec "$@"
+"""
+
+
+def file_hashes(directory, skip=("latest",)):
+    """relative path -> SHA-256 of every file under `directory` (what a refused run must leave as it was)."""
+    import hashlib
+    out = {}
+    for root, _, files in os.walk(directory):
+        for f in files:
+            path = os.path.join(root, f)
+            if os.path.relpath(path, directory) not in skip:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def lost_checkpoint_files(before, ckpt):
+    """Files of the checkpoints saved before the trial now missing or changed, plus 1 when `latest` no longer
+    names a checkpoint that loads whole (tools/checkpoint_to_torch.py --list)."""
+    after = file_hashes(ckpt)
+    lost = sum(1 for path, digest in before.items() if after.get(path) != digest)
+    loads = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "tools",
+                            "checkpoint_to_torch.py"), ckpt, "--list"], capture_output=True).returncode == 0
+    return lost + (0 if loads else 1)
+
+
+def target_env(target, spec, workdir):
+    env = dict(os.environ, TARGET_RANK=str(target))
+    spec = spec.format(workdir=workdir)
+    if spec.startswith("env:"):
+        env["TARGET_ENV"] = spec[4:]
+    elif spec.startswith("unset:"):
+        env["TARGET_UNSET"] = spec[6:]
+    elif spec.startswith("cd:"):
+        env["TARGET_CD"] = spec[3:]
+        os.makedirs(spec[3:], exist_ok=True)
+    else:
+        env["TARGET_EXTRA"] = spec
+    return env
+
+
+def saved_run(template, layout, extra, cwd):
+    """The checkpoints of a 10-step run (made once per layout and data, copied into each trial)."""
+    if not os.path.exists(template):
+        subprocess.run([os.path.join(BIN, "meshrun"), "--nproc-per-node", "4", "--master-port", "0", "--quiet", "--",
+                        os.path.join(BIN, "meshtrain")] + GPT + layout + extra +
+                       ["--steps", "10", "--save-dir", template, "--save-every", "5"],
+                       check=True, capture_output=True, cwd=cwd)
+    return template
+
+
+def wrapped_meshrun(port, layout, extra, workdir):
+    wrapper = os.path.join(workdir, "wrap.sh")
+    with open(wrapper, "w") as f:
+        f.write(TARGET_WRAPPER)
+    os.chmod(wrapper, 0o755)
+    args = meshrun(port, layout, extra)
+    at = args.index("--") + 1
+    return args[:at] + [wrapper] + args[at:]
+
+
+def refusal_result(job, finished, expected, t0, lost, shm_before, port):
+    t_end, _ = job.first_line(r"meshrun: .*failed")
+    text = job.text()
+    named = job.proc.returncode not in (0, None) and re.search(expected, text) is not None
+    orphans = len(job_processes(port))
+    for p, _ in job_processes(port):
+        os.kill(p, signal.SIGKILL)
+    return dict(hang=not finished, detection=(t_end - t0) if t_end else None, named=named, orphans=orphans,
+                leftovers=len(shm_segments() - shm_before), lost=lost,
+                said=None if named else [line for _, line in job.lines if "loss" not in line][-6:])
+
+
+def trial_desync(i, layout, shm_before, workdir, template):
+    """One rank of four gets DESYNC[i]; the others resume the saved run (--resume --save-every 5). Named: the job
+    failed and its output names the flag or variable; lost: files of the saved checkpoints changed or missing."""
+    name, spec, expected, base = DESYNC[(i // 2) % len(DESYNC)]  # each variant on both layouts in turn
+    if expected.startswith("--"):  # check_same_config's sentence: "--save-every is 5 on rank 0 but 3 on rank 2"
+        expected = re.escape(expected) + r" is .* on rank \d+ but "
+    ckpt = os.path.join(workdir, "ckpt")
+    shutil.copytree(template, ckpt)
+    before = file_hashes(ckpt)
+    save_dir = "ckpt" if base == "relative" else ckpt
+    extra = ["--steps", "30", "--save-dir", save_dir, "--save-every", "5"] + ([] if base == "no-resume" else ["--resume"])
+    port = free_port()
+    t0 = time.time()
+    job = Job(wrapped_meshrun(port, layout, extra, workdir), env=target_env(random.randrange(4), spec, workdir),
+              cwd=workdir)
+    finished = job.wait()
+    r = refusal_result(job, finished, expected, t0, lost_checkpoint_files(before, ckpt), shm_before, port)
+    r["variant"] = name
+    return r
+
+
+CHANGED_DATA = ["another copy", "truncated copy", "a block rewritten", "one token changed",
+                "truncated while training", "out-of-vocabulary ids written while training"]
+
+
+def token_text(seed, words=5000):
+    rnd = random.Random(seed)
+    vocab = ["the", "rank", "mesh", "train", "a", "of", "pipeline", "tensor", "shard", "step", "loss", "data"]
+    return " ".join(rnd.choice(vocab) for _ in range(words)) + "\n"
+
+
+def make_shards(directory, text):
+    os.makedirs(directory, exist_ok=True)
+    source = os.path.join(directory, "text.txt")
+    with open(source, "w") as f:
+        f.write(text)
+    subprocess.run([os.path.join(BIN, "meshtrain"), "data", "--out", os.path.join(directory, "d"), source],
+                   check=True, capture_output=True)
+    os.remove(source)
+    return os.path.join(directory, "d_000000.bin")
+
+
+def damage(path, how, rnd):
+    """Changes the shard at `path` in place: how = CHANGED_DATA's kinds (uint16 tokens after a 1 KiB header)."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if how.startswith("truncated"):
+            f.truncate(rnd.randrange(1024, size - 2, 2))
+        elif how == "a block rewritten":
+            f.seek(rnd.randrange(1024, size - 4096, 2))
+            f.write(bytes(rnd.randrange(256) & 0x3f if k % 2 == 0 else 0 for k in range(4096)))
+        elif how == "one token changed":
+            at = rnd.randrange(1024, size, 2)
+            f.seek(at)
+            old = int.from_bytes(f.read(2), "little")
+            f.seek(at)
+            f.write(((old + 1) % 256).to_bytes(2, "little"))
+        elif how.startswith("out-of-vocabulary"):
+            f.seek(rnd.randrange(1024, size - 512, 2))
+            f.write((60000).to_bytes(2, "little") * 256)
+
+
+def trial_changed_data(i, layout, shm_before, workdir, templates):
+    """CHANGED_DATA[i]. Before the start: one random rank runs in another directory whose d_000000.bin (the same
+    relative --data) is another copy (a second text of the same length), truncated, or has a 4 KiB block or one
+    token rewritten. While training: the shard every rank maps is truncated, or 512 bytes of it are overwritten
+    with token 60000, 1-2 s into the run (--steps 100000: every window is read again each epoch). Named: the job
+    failed and its output names d_000000.bin; lost: the saved checkpoints (resumed with --resume --save-every 5)
+    changed, or `latest` no longer loads."""
+    how = CHANGED_DATA[(i // 2) % len(CHANGED_DATA)]  # each kind on both layouts in turn
+    rnd = random.Random(i)
+    shared = os.path.join(workdir, "shared")
+    shard = make_shards(shared, token_text(1))
+    data_args = ["--vocab", "256", "--data", "d_*.bin"]
+    template = saved_run(templates + "-" + "-".join(layout), layout, data_args, shared)
+    ckpt = os.path.join(workdir, "ckpt")
+    shutil.copytree(template, ckpt)
+    before = file_hashes(ckpt)
+    during = how.endswith("while training")
+    env = dict(os.environ)
+    if not during:
+        copy = os.path.join(workdir, "elsewhere")
+        os.makedirs(copy)
+        theirs = make_shards(copy, token_text(2)) if how == "another copy" else shutil.copy(shard, copy + "/")
+        if how != "another copy":
+            damage(theirs, how, rnd)
+        env = target_env(rnd.randrange(4), "cd:" + copy, workdir)
+    port = free_port()
+    extra = data_args + ["--steps", "100000" if during else "30", "--save-dir", ckpt, "--save-every", "5", "--resume"]
+    t0 = time.time()
+    job = Job(wrapped_meshrun(port, layout, extra, workdir), env=env, cwd=shared)
+    if during:
+        wait_for_ranks(port, 4)
+        time.sleep(rnd.uniform(1.0, 2.0))
+        t0 = time.time()
+        damage(shard, how, rnd)
+    finished = job.wait()
+    r = refusal_result(job, finished, r"d_000000\.bin", t0, lost_checkpoint_files(before, ckpt), shm_before, port)
+    r["variant"] = how
+    return r
+
+
 def summary(name, results):
     det = [r["detection"] for r in results if r["detection"] is not None]
     row = {"fault": name, "trials": len(results), "hangs": sum(r["hang"] for r in results),
@@ -337,6 +549,8 @@ def summary(name, results):
         row.update(min=min(det), median=statistics.median(det), max=max(det))
     if "resumed" in results[0]:
         row["resumed_equal"] = sum(r["resumed"] for r in results)
+    if "lost" in results[0]:
+        row["lost"] = sum(r["lost"] for r in results)
     return row
 
 
@@ -346,7 +560,9 @@ def main():
     os.makedirs(out, exist_ok=True)
     random.seed(int(os.environ.get("SEED", "1")))
     shm_before = shm_segments()
-    faults = os.environ.get("FAULTS", "kill-rank,kill-in-save,stop-rank,kill-meshrun,kill-store,restart,disk-full,elastic").split(",")
+    faults = os.environ.get("FAULTS", "kill-rank,kill-in-save,stop-rank,kill-meshrun,kill-store,restart,disk-full,elastic,"
+                            "desync-flag,changed-data").split(",")
+    templates = tempfile.mkdtemp(prefix="meshtrain-faults-saved-")  # saved runs the trials resume
     for fault in faults:
         results = []
         references = {}  # layout -> the uninterrupted run's losses
@@ -375,6 +591,14 @@ def main():
                     r = trial_elastic(layout, shm_before, workdir, references[key])
                     if r is None:
                         continue
+                elif fault == "desync-flag":
+                    key = " ".join(layout)
+                    if key not in references:
+                        references[key] = saved_run(os.path.join(templates, "desync-" + "-".join(layout)), layout,
+                                                    [], templates)
+                    r = trial_desync(i, layout, shm_before, workdir, references[key])
+                elif fault == "changed-data":
+                    r = trial_changed_data(i, layout, shm_before, workdir, os.path.join(templates, "data"))
                 elif fault == "disk-full":
                     r = trial_disk_full(layout, shm_before, workdir)
                 elif fault == "kill-meshrun":
@@ -388,6 +612,7 @@ def main():
             print(fault, i, r, flush=True)
         with open(os.path.join(out, f"{fault}.json"), "w") as f:
             json.dump(results, f)
+    shutil.rmtree(templates, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,48 @@ sys.path.insert(0, os.path.dirname(__file__))
 from campaign import summary  # noqa: E402
 
 ORDER = ["kill-rank", "kill-in-save", "stop-rank", "kill-meshrun", "kill-store", "restart", "disk-full", "elastic"]
+REFUSALS = ["desync-flag", "changed-data"]  # their own section: refusals, not failures
+
+
+def refusal_section(a):
+    """The desync-flag and changed-data rows, with a line per variant."""
+    runs = {f: json.load(open(os.path.join(a.dir, f + ".json")))
+            for f in REFUSALS if os.path.exists(os.path.join(a.dir, f + ".json"))}
+    if not runs:
+        return
+    L = [a.header, "",
+         "4 ranks (dp 2 x pp 2 and dp 2 x tp 2, alternating), a tiny GPT resuming a saved 10-step run "
+         "(--resume --save-every 5). desync-flag: one random rank gets another setting than the others (the "
+         "variants below, each on both layouts in turn). changed-data: one random rank reads other bytes under the "
+         "same relative --data (it starts in another directory), or the shard every rank maps is changed 1-2 s into "
+         "training. Time = seconds from the start (changed while training: from the change) to meshrun's line "
+         "saying the job failed. Named = the job failed and its output names the flag or variable (a flag in the "
+         "start-up check's sentence \"--save-every is 5 on rank 0 but 3 on rank 2\") or the shard. Lost = files of "
+         "the saved checkpoints changed or missing afterwards, plus one when `latest` no longer names a checkpoint "
+         "that loads whole (tools/checkpoint_to_torch.py).", "",
+         "| fault | trials | hangs | time min / median / max (s) | named | orphans | leftovers | lost |",
+         "|---|---|---|---|---|---|---|---|"]
+    for f, results in runs.items():
+        r = summary(f, results)
+        det = f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}" if "median" in r else "-"
+        L.append(f"| {f} | {r['trials']} | {r['hangs']} | {det} | {r['named']} / {r['trials']} | {r['orphans']} | "
+                 f"{r['leftovers']} | {r['lost']} |")
+    L += ["", "| fault | variant | trials | named | hangs | lost |", "|---|---|---|---|---|---|"]
+    for f, results in runs.items():
+        for variant in dict.fromkeys(x["variant"] for x in results):
+            rows = [x for x in results if x["variant"] == variant]
+            L.append(f"| {f} | {variant} | {len(rows)} | {sum(bool(x['named']) for x in rows)} | "
+                     f"{sum(x['hang'] for x in rows)} | {sum(x['lost'] for x in rows)} |")
+    publish(L, a.doc, "faults-refusals", "Refusal campaign: desynchronised flags and changed data")
 
 
 def main():
     a = report_args(__doc__)
+    refusal_section(a)
     rows = [summary(f, json.load(open(os.path.join(a.dir, f + ".json"))))
             for f in ORDER if os.path.exists(os.path.join(a.dir, f + ".json"))]
+    if not rows:
+        return
     L = [a.header, "",
          "4 ranks (dp 2 x pp 2 and dp 2 x tp 2, alternating), a tiny GPT, one fault per trial at a random moment "
          "1-3 s into training. Detection = seconds from the fault to meshrun's first line naming a failure "
