@@ -221,6 +221,9 @@ std::string Process::describe(const FailureReport& f) {
   if (f.reason.rfind(kStuckReport, 0) == 0) {
     return str_cat("global rank ", rank, " stopped making progress (", f.reason.substr(sizeof kStuckReport - 1), ")");
   }
+  if (f.reason.rfind(kUnreachableReport, 0) == 0) {
+    return str_cat("global rank ", rank, " became unreachable (", f.reason.substr(sizeof kUnreachableReport - 1), ")");
+  }
   return str_cat("global rank ", rank, " died (", f.reason, ")");
 }
 

@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -94,6 +96,7 @@ int connect_to(const std::string& host, int port, Clock::time_point deadline,
       if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
         int on = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
+        watch_link(fd);
         return fd;
       }
       last_error = std::strerror(errno);
@@ -107,6 +110,39 @@ int connect_to(const std::string& host, int port, Clock::time_point deadline,
                              " before the timeout (last error: ", last_error,
                              "); check MASTER_ADDR/MASTER_PORT and that rank 0 or the "
                              "launcher is running"));
+}
+
+std::chrono::seconds link_timeout() {
+  static const std::chrono::seconds value = [] {
+    const char* v = std::getenv("MESHTRAIN_LINK_TIMEOUT_S");
+    if (!v || !*v) return std::chrono::seconds(8);
+    char* end = nullptr;
+    const long s = std::strtol(v, &end, 10);
+    MESHTRAIN_CHECK(end && *end == '\0' && s >= 2 && s <= 3600, "MESHTRAIN_LINK_TIMEOUT_S='", v,
+                    "' must be a whole number of seconds between 2 and 3600");
+    return std::chrono::seconds(s);
+  }();
+  return value;
+}
+
+void watch_link(int fd) {
+  const int total = static_cast<int>(link_timeout().count());
+  const int on = 1, idle = std::max(1, total / 4), interval = std::max(1, total / 8);
+  const int probes = std::max(1, (total - idle) / interval);
+  const unsigned user_timeout_ms = static_cast<unsigned>(total) * 1000u;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
+}
+
+bool link_went_silent(int error) { return error == ETIMEDOUT || error == EHOSTUNREACH || error == ENETUNREACH; }
+
+std::string silent_link_reason(const std::string& host) {
+  return str_cat("the link to ", host, " went silent: no TCP acknowledgement or keepalive reply for ",
+                 link_timeout().count(), " s; that host is down, or the network to it is cut "
+                 "(MESHTRAIN_LINK_TIMEOUT_S sets the wait)");
 }
 
 bool write_all(int fd, const void* data, size_t size) {

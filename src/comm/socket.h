@@ -21,6 +21,20 @@ int listen_on(const std::string& host, int port, int* bound_port);
 int connect_to(const std::string& host, int port, Clock::time_point deadline,
                const std::string& what);
 
+// Note [Silent links]
+// A host that goes down, or a link that is cut, closes no connection: the
+// kernel keeps an idle TCP connection open forever and retransmits unacknowledged
+// data for ~15 minutes. Every store connection (both ends) therefore has
+// keepalive probes and TCP_USER_TIMEOUT set so that a peer that stops answering
+// at the TCP level (the kernel's, not the process's: a stopped or busy process
+// still acknowledges) breaks the connection within link_timeout(); the error is
+// ETIMEDOUT (link_went_silent()), told apart from a closed connection.
+std::chrono::seconds link_timeout();  // MESHTRAIN_LINK_TIMEOUT_S, default 8
+void watch_link(int fd);
+bool link_went_silent(int error);  // errno after a failed recv/send
+// "the link to <host> went silent: no TCP acknowledgement or keepalive reply for 8 s (...)"
+std::string silent_link_reason(const std::string& host);
+
 // Writes all bytes (MSG_NOSIGNAL: a closed peer gives an error, not SIGPIPE).
 // Returns false when the connection is broken.
 bool write_all(int fd, const void* data, size_t size);

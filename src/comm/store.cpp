@@ -18,6 +18,20 @@ namespace comm {
 
 using net::Clock;
 
+namespace {
+
+// Why a store connection broke: the store's process went away (its kernel
+// closed the connection), or its host stopped answering (Note [Silent links]).
+std::string lost_store(const std::string& host, int port, int error) {
+  return net::link_went_silent(error)
+             ? str_cat("lost the connection to the rendezvous store at ", host, ":", port, ": ",
+                       net::silent_link_reason(host))
+             : str_cat("lost the connection to the rendezvous store at ", host, ":", port,
+                       " (the process hosting it, rank 0 or the launcher, exited)");
+}
+
+}  // namespace
+
 void PrefixStore::set(const std::string& key, const std::string& value) { base_->set(k(key), value); }
 std::string PrefixStore::get(const std::string& key) { return base_->get(k(key)); }
 int64_t PrefixStore::add(const std::string& key, int64_t delta) { return base_->add(k(key), delta); }
@@ -48,11 +62,15 @@ TcpStore::~TcpStore() {
 std::string TcpStore::request(const std::string& frame) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string reply;
+  if (!broken_.empty()) throw PeerFailure(broken_, -1);
   if (fd_ < 0 || !net::write_frame(fd_, frame) ||
       !net::read_frame(fd_, &reply, Clock::now() + timeout_)) {
-    throw PeerFailure(str_cat("lost the connection to the rendezvous store at ", host_, ":",
-                              port_, " (the process hosting it, rank 0 or the launcher, exited)"),
-                      -1);
+    // A send on a connection the kernel already gave up says EPIPE; why it gave up is in SO_ERROR.
+    int error = errno, pending = 0;
+    socklen_t len = sizeof pending;
+    if (fd_ >= 0 && ::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &pending, &len) == 0 && pending != 0) error = pending;
+    broken_ = lost_store(host_, port_, error);  // every later request says the same
+    throw PeerFailure(broken_, -1);
   }
   return reply;
 }
@@ -110,7 +128,7 @@ void TcpStore::report_failure(const std::string& label, const std::string& reaso
 FailureWatcher::FailureWatcher(const std::string& host, int port, const std::string& prefix,
                                std::chrono::milliseconds connect_timeout,
                                std::function<void(const FailureReport&)> on_failure, const std::string& token)
-    : on_failure_(std::move(on_failure)) {
+    : host_(host), port_(port), on_failure_(std::move(on_failure)) {
   fd_ = net::connect_to(host, port, Clock::now() + connect_timeout, "the rendezvous store");
   try {
     store_auth::prove(fd_, token, Clock::now() + connect_timeout, str_cat("the rendezvous store at ", host, ":", port),
@@ -137,12 +155,17 @@ void FailureWatcher::run() {
   std::string frame;
   while (true) {
     bool ok = false;
+    int error = 0;
     try {
       ok = net::read_frame(fd_, &frame, Clock::time_point::max());
+      error = errno;
     } catch (const std::exception&) {
       ok = false;
     }
-    if (!ok) break;
+    if (!ok) {
+      if (!stopping_) on_failure_({"<store>", lost_store(host_, port_, error)});
+      return;
+    }
     if (stopping_) return;
     net::Reader r(frame);
     if (r.u8() != store_protocol::kFailure) continue;
@@ -150,10 +173,6 @@ void FailureWatcher::run() {
     report.label = r.str();
     report.reason = r.str();
     on_failure_(report);
-  }
-  if (!stopping_) {
-    on_failure_({"<store>", "lost the connection to the rendezvous store (the process hosting "
-                            "it, rank 0 or the launcher, exited)"});
   }
 }
 

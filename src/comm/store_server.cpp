@@ -52,6 +52,7 @@ struct Client {
   bool reset = false;    // refused: closed with a reset, dropping what its socket still holds
   std::string label;
   bool said_bye = false;
+  bool went_silent = false;  // its host stopped answering (Note [Silent links] in socket.h)
   bool watching = false;
   std::string watch_prefix;
 };
@@ -121,6 +122,7 @@ struct StoreServer::State {
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
       if (n <= 0) {
+        c.went_silent = n < 0 && net::link_went_silent(errno);
         c.dropped = true;
         return;
       }
@@ -146,6 +148,7 @@ struct StoreServer::State {
       ::close(fd);
       return;
     }
+    net::watch_link(fd);
     Client& c = clients[fd];
     c.fd = fd;
     c.peer = peer_of(fd);
@@ -269,8 +272,10 @@ struct StoreServer::State {
   // Called when a client's connection closed. Caller holds mutex.
   void disconnected(Client& c) {
     if (!c.label.empty() && !c.said_bye) {
-      fail(c.label, "its connection to the store closed without a goodbye: the process died or "
-                    "was killed");
+      fail(c.label, c.went_silent ? str_cat(kUnreachableReport, net::silent_link_reason(
+                                                                    c.peer.substr(0, c.peer.rfind(':'))))
+                                  : "its connection to the store closed without a goodbye: the process died or "
+                                    "was killed");
     }
     if (c.reset) {  // a refused client gets no orderly goodbye, and its unread replies are freed now
       const linger abort_now{1, 0};
@@ -344,6 +349,7 @@ void StoreServer::run() {
       const ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
       if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
       if (n <= 0) {
+        c.went_silent = n < 0 && net::link_went_silent(errno);
         c.dropped = true;
         continue;
       }

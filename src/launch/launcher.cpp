@@ -390,6 +390,7 @@ struct Outcome {
   bool interrupted = false;
   bool regroup = false;  // the ranks stopped at a checkpoint to take a waiting node in
   std::string failure;  // who failed first and how
+  bool host_lost = false;   // a rank's host stopped answering (Note [Silent links] in src/comm/socket.h)
   int64_t detected_ns = 0;  // wall clock when the failure was seen (for the next attempt's report)
 };
 
@@ -408,11 +409,17 @@ class RemoteFailures {
     const std::string what = stuck ? str_cat("rank ", rank.substr(1), " stopped making progress (",
                                              r.reason.substr(sizeof comm::kStuckReport - 1), ")")
                              : rank.rfind("node", 0) == 0 ? str_cat("node ", rank.substr(4), ": ", r.reason)
+                             : r.label == "<store>"       ? r.reason
                                                           : str_cat("a failure was reported for ", r.label, ": ", r.reason);
     if (stuck && stuck_.empty()) stuck_ = what;
-    if (!stuck && rank[0] == 'r' && died_.empty()) {
+    const bool unreachable = r.reason.rfind(comm::kUnreachableReport, 0) == 0;
+    if (!stuck && rank[0] == 'r' && (died_.empty() || (unreachable && !unreachable_))) {
+      // A rank behind a silent link comes first: the others' time-outs are its consequence.
       died_rank_ = std::atoi(rank.c_str() + 1);
-      died_ = str_cat("rank ", died_rank_, " died (", r.reason, ")");
+      died_ = unreachable ? str_cat("rank ", died_rank_, " became unreachable (",
+                                    r.reason.substr(sizeof comm::kUnreachableReport - 1), ")")
+                          : str_cat("rank ", died_rank_, " died (", r.reason, ")");
+      unreachable_ = unreachable;
     }
     if (seen_) return;
     reason_ = what;
@@ -428,6 +435,11 @@ class RemoteFailures {
     std::lock_guard<std::mutex> lock(mutex_);
     return stuck_;
   }
+  // "rank 2 became unreachable (...)" when the store lost a rank's host, else "".
+  std::string unreachable() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return unreachable_ ? died_ : "";
+  }
   // "rank 2 died (...)" when the store saw a rank other than `rank` die, else "".
   std::string died_other_than(int rank) const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -438,12 +450,18 @@ class RemoteFailures {
   std::atomic<bool> seen_{false};
   mutable std::mutex mutex_;
   std::string reason_, stuck_, died_;
+  bool unreachable_ = false;
   int died_rank_ = -1;
 };
 
-// The failure to name: the rank reported stuck first, when there is one (the
-// ranks that gave up waiting for it exit first).
+// The failure to name: a rank whose host became unreachable, else the rank
+// reported stuck first, when there is one (the ranks that gave up waiting for
+// it exit first; behind a cut link, a healthy rank looks stuck).
 std::string blame(const std::string& failure, const RemoteFailures& remote) {
+  const std::string unreachable = remote.unreachable();
+  if (!unreachable.empty()) {
+    return failure.rfind(unreachable, 0) == 0 ? failure : unreachable + "; first to exit: " + failure;
+  }
   const std::string stuck = remote.stuck();
   if (stuck.empty() || failure.rfind(stuck, 0) == 0) return failure;
   return stuck + "; first to exit: " + failure;
@@ -594,6 +612,7 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
     return outcome;
   }
   if (outcome.ok) outcome = wait_for_every_node(o, gen, store, remote);
+  outcome.host_lost = !remote.unreachable().empty();
   watcher.stop();
   if (members_watcher) members_watcher->stop();
   if (outcome.ok) leave_together(o, gen, store);
@@ -642,6 +661,12 @@ int run_fixed(Agent& a) {
     if (outcome.interrupted) return 128 + (g_signal ? g_signal : SIGTERM);
     failed_at = Clock::now();
     remember_failure_time(a, outcome);
+    if (outcome.host_lost) {  // its meshrun cannot say it stopped, nor join a restart
+      say_failed(outcome, generation);
+      say("a job of a fixed number of nodes cannot go on without that host; --nnodes MIN:MAX (elastic) goes on "
+          "without it");
+      return 1;
+    }
     // Every node stops its ranks before anyone restarts.
     store.add(gen + "/nodes_stopped", 1);
     try {

@@ -106,6 +106,7 @@ class TcpStore : public Store {
   int port_;
   std::string token_;
   bool authenticated_ = false;
+  std::string broken_;  // why the connection broke, once it has
   std::chrono::milliseconds timeout_;
   int fd_ = -1;
   std::mutex mutex_;
@@ -120,6 +121,8 @@ struct FailureReport {
 // The reason of a report that a rank stopped making progress (rather than
 // died) starts with this (Note [Naming a stuck rank] in src/comm/process.cpp).
 constexpr char kStuckReport[] = "stuck: ";
+// ... and that its host stopped answering (Note [Silent links] in src/comm/socket.h).
+constexpr char kUnreachableReport[] = "unreachable: ";
 
 // Watches the server for failures of labels starting with `prefix`, on its own
 // connection and thread, and calls `on_failure` for each (from that thread).
@@ -136,6 +139,8 @@ class FailureWatcher {
 
  private:
   void run();
+  std::string host_;
+  int port_ = 0;
   int fd_ = -1;
   std::atomic<bool> stopping_{false};
   std::function<void(const FailureReport&)> on_failure_;
