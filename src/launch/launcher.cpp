@@ -667,12 +667,21 @@ int run_fixed(Agent& a) {
           "without it");
       return 1;
     }
-    // Every node stops its ranks before anyone restarts.
+    // Every node stops its ranks before anyone restarts. Without a restart to
+    // follow, the wait is only so that node 0's store outlives the others'
+    // last words: bounded by the grace period, not --rdzv-timeout (a frozen
+    // host's meshrun never says it stopped).
     store.add(gen + "/nodes_stopped", 1);
+    const bool last = generation >= o.max_restarts;
+    const auto stop_wait = last ? o.grace + std::chrono::seconds(5) : o.rendezvous_timeout;
     try {
-      await_count(store, gen + "/nodes_stopped", o.nnodes, o.rendezvous_timeout, "the other nodes to stop");
+      await_count(store, gen + "/nodes_stopped", o.nnodes, stop_wait, "the other nodes to stop");
     } catch (const std::exception& e) {
-      say(e.what());
+      say(last ? str_cat("not every node said it stopped within ", std::chrono::duration_cast<std::chrono::seconds>(
+                                                                         stop_wait).count(),
+                         " s (", store.add(gen + "/nodes_stopped", 0), " of ", o.nnodes,
+                         " did); a node that did not is frozen or cut off: look at it")
+               : e.what());
     }
     if (generation >= o.max_restarts) {
       say_failed(outcome, o.max_restarts);

@@ -6,6 +6,9 @@
 #   hosts.sh up NAME N [SUBNET]   hosts NAME0..NAME<N-1> at SUBNET.1.. (default 10.77.0), switch NAMEsw
 #   hosts.sh run NAME I CMD...    CMD on host I (hostname NAME<I>, its own /dev/shm)
 #   hosts.sh cut NAME I           host I's link goes down (on the switch's side: the host sees nothing)
+#   hosts.sh cut-in NAME I        nothing reaches host I any more; what it sends still arrives (a one-way cut:
+#                                 tbf with a bucket smaller than any packet drops them all; this kernel has
+#                                 no netem and no tc classifiers)
 #   hosts.sh shape NAME I RATE    host I's link shaped to RATE (tc tbf, e.g. 200mbit; this kernel has no netem)
 #   hosts.sh down NAME N          removes everything (the processes in the hosts first)
 set -eu
@@ -34,6 +37,8 @@ case $cmd in
       'mount -t tmpfs -o size=512m tmpfs /dev/shm && hostname "$0" && exec "$@"' "$name$i" "$@" ;;
   cut)
     ip -n "${name}sw" link set "${name}s$3" down ;;
+  cut-in)
+    ip netns exec "${name}sw" tc qdisc replace dev "${name}s$3" root tbf rate 8bit burst 16 limit 16 ;;
   shape)
     ip netns exec "${name}sw" tc qdisc replace dev "${name}s$3" root tbf rate "$4" burst 64kb latency 50ms ;;
   down)

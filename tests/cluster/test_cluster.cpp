@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <ostream>
 #include <string>
 
 #include "../dist/shell.h"
@@ -47,7 +48,9 @@ class Hosts {
   std::string address(int i) const { return str_cat(subnet_, ".", i + 1); }
   // The shell words that run the rest of a command on host i.
   std::string on(int i) const { return str_cat(kHosts, " run ", name_, " ", i, " "); }
-  std::string cut(int i) const { return str_cat(kHosts, " cut ", name_, " ", i); }
+  // hosts.sh's cut, cut-in (one way) on host i's link.
+  std::string action(const std::string& what, int i) const { return str_cat(kHosts, " ", what, " ", name_, " ", i); }
+  const std::string& name() const { return name_; }
   // Processes still running inside host i's network namespace.
   std::string processes(int i) const { return sh(str_cat("ip netns pids ", name_, i)).output; }
 
@@ -57,38 +60,90 @@ class Hosts {
   bool ok_ = false;
 };
 
-// meshrun on node `node` of 2, 2 ranks each, store on host 0.
-std::string node_command(const Hosts& h, int node, const std::string& token, const std::string& flags) {
-  return str_cat(h.on(node), kBin, "/meshrun --nnodes 2 --node-rank ", node, " --nproc-per-node 2 --master-addr ",
-                 h.address(0), " --master-port 29611 --rdzv-token-file ", token, " --grace-seconds 1 -- ", kBin,
-                 "/meshtrain", flags);
+// meshrun on node `node` of `nodes` (host `node`), `per_node` ranks each, store on host 0.
+std::string node_command(const Hosts& h, int node, const std::string& token, const std::string& flags, int nodes = 2,
+                         int per_node = 2) {
+  return str_cat(h.on(node), kBin, "/meshrun --nnodes ", nodes, " --node-rank ", node, " --nproc-per-node ", per_node,
+                 " --master-addr ", h.address(0), " --master-port 29611 --rdzv-token-file ", token,
+                 " --grace-seconds 1 -- ", kBin, "/meshtrain", flags);
+}
+
+// Runs the job on every host (node i on host i) and returns node 0's output
+// followed by the others' logs; "node 0 exit N" says how node 0 ended.
+Shell run_job(const Hosts& h, const TempDir& t, const std::string& flags, int nodes, int per_node) {
+  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
+  std::string cmd = "(", logs;
+  for (int node = 1; node < nodes; ++node) {
+    const std::string log = t.file(str_cat("n", node, ".log"));
+    cmd += str_cat(node_command(h, node, t.file("token"), flags, nodes, per_node), " > ", log, " 2>&1 & ");
+    logs += " " + log;
+  }
+  cmd += str_cat(node_command(h, 0, t.file("token"), flags, nodes, per_node), "; echo node 0 exit $?; wait); cat",
+                 logs);
+  return sh(cmd);
+}
+
+// Seconds between the times the output gives after `from` and after `to` (date +%s.%N).
+double seconds_between(const std::string& output, const std::string& from, const std::string& to) {
+  const size_t a = output.find(from), b = output.find(to);
+  if (a == std::string::npos || b == std::string::npos) return 1e9;
+  return std::stod(output.substr(b + to.size())) - std::stod(output.substr(a + from.size()));
+}
+
+void expect_losses_of_one_process(const std::string& got_path, const std::string& want_path, const std::string& what) {
+  const Value got = meshtrain::json::parse_file(got_path), want = meshtrain::json::parse_file(want_path);
+  ASSERT_EQ(got["losses"].size(), want["losses"].size()) << what;
+  for (size_t s = 0; s < want["losses"].size(); ++s) {
+    const double g = got["losses"][s].num(), w = want["losses"][s].num();
+    EXPECT_LE(std::abs(g - w), 1e-6 + 2e-6 * std::abs(w)) << what << ", step " << s << ": " << g << ", one process "
+                                                           << w;
+  }
 }
 
 }  // namespace
 
-// dp 2 x pp 2 across two hosts: each host holds one pipeline, the
-// hierarchical backend joins them (shared memory inside, Gloo between); the
-// losses are one process's.
-TEST(Cluster, TwoHostsTrainLikeOneProcess) {
-  Hosts hosts(2);
+// Strategies across hosts train like one process (the equivalence contract,
+// issue 30 item 1): 2 hosts of 2 ranks (the hierarchical backend: shared
+// memory inside a host, Gloo between) and 4 hosts of 1 rank (flat Gloo, tensor
+// parallelism across hosts). A sample that fits the test budget: DDP, ZeRO-3,
+// the pipeline schedules with ZeRO, tp within and across hosts (the whole
+// product runs on one host in the dist tests).
+struct Layout {
+  const char* name;
+  int hosts, per_host;
+  const char* flags;
+  const char* backend;
+};
+
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
+
+class AcrossHosts : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(AcrossHosts, TrainsLikeOneProcess) {
+  const Layout& l = GetParam();
+  Hosts hosts(l.hosts);
   if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
   TempDir t;
-  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
-  const std::string flags = kTiny + "--steps 10 --dp 2 --pp 2 --log-every 100 --metrics-out " + t.file("m.json");
-  Shell r = sh("(" + node_command(hosts, 1, t.file("token"), flags) + " > " + t.file("n1.log") + " 2>&1 &) ; " +
-               node_command(hosts, 0, t.file("token"), flags) + "; echo node 0 exit $?; sleep 1; cat " +
-               t.file("n1.log"));
+  const std::string common = kTiny + "--steps 8 --log-every 100 ";
+  Shell r = run_job(hosts, t, common + l.flags + " --metrics-out " + t.file("m.json"), l.hosts, l.per_host);
   ASSERT_TRUE(contains(r.output, "node 0 exit 0")) << r.output;
-  EXPECT_TRUE(contains(r.output, "communication backend hierarchical")) << r.output;
-  Shell one = sh(kBin + "/meshtrain" + kTiny + "--steps 10 --log-every 100 --metrics-out " + t.file("one.json"));
+  EXPECT_TRUE(contains(r.output, str_cat("communication backend ", l.backend, " (world of ", l.hosts * l.per_host)))
+      << r.output;
+  Shell one = sh(kBin + "/meshtrain" + common + "--metrics-out " + t.file("one.json"));
   ASSERT_EQ(one.exit_code, 0) << one.output;
-  const Value got = meshtrain::json::parse_file(t.file("m.json")), want = meshtrain::json::parse_file(t.file("one.json"));
-  ASSERT_EQ(got["losses"].size(), want["losses"].size());
-  for (size_t s = 0; s < want["losses"].size(); ++s) {
-    const double g = got["losses"][s].num(), w = want["losses"][s].num();
-    EXPECT_LE(std::abs(g - w), 1e-6 + 2e-6 * std::abs(w)) << "step " << s << ": " << g << ", one process " << w;
-  }
+  expect_losses_of_one_process(t.file("m.json"), t.file("one.json"), l.name);
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Cluster, AcrossHosts,
+    ::testing::Values(Layout{"ddp", 2, 2, "--dp 4", "hierarchical"},
+                      Layout{"zero3", 2, 2, "--dp 4 --zero 3", "hierarchical"},
+                      Layout{"dp2_pp2_gpipe_zero3", 2, 2, "--dp 2 --pp 2 --schedule gpipe --zero 3", "hierarchical"},
+                      Layout{"pp2_interleaved_dp2", 2, 2, "--dp 2 --pp 2 --schedule interleaved --virtual-stages 2",
+                             "hierarchical"},
+                      Layout{"dp2_tp2", 2, 2, "--dp 2 --tp 2", "hierarchical"},
+                      Layout{"tp2_pp2_across_4_hosts", 4, 1, "--pp 2 --tp 2 --zero 3", "gloo"}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // Issue 30: a link cut mid-training took 633 s to end the job, node 1's
 // meshrun blocked on the store over the dead connection and node 0 blaming a
@@ -96,7 +151,10 @@ TEST(Cluster, TwoHostsTrainLikeOneProcess) {
 // user time-out (Note [Silent links] in src/comm/socket.h): both nodes end
 // within MESHTRAIN_LINK_TIMEOUT_S (8 s) of the cut, well inside
 // --comm-timeout 60, node 0 naming the unreachable host, node 1 the store's.
-TEST(Cluster, ACutLinkEndsEveryNodeNamingTheUnreachableHost) {
+// (A one-way cut, hosts.sh cut-in, is not yet bounded this way: see issue 30.)
+class LinkCut : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(LinkCut, EndsEveryNodeNamingTheUnreachableHost) {
   Hosts hosts(2);
   if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
   TempDir t;
@@ -106,14 +164,12 @@ TEST(Cluster, ACutLinkEndsEveryNodeNamingTheUnreachableHost) {
   Shell r = sh("(" + node_command(hosts, 1, t.file("token"), flags) + " > " + n1 + " 2>&1; echo node 1 exit $? >> " +
                n1 + ") & (" + node_command(hosts, 0, t.file("token"), flags) + " > " + n0 +
                " 2>&1; echo node 0 exit $? >> " + n0 + ") & " +
-               "for i in $(seq 1 300); do grep -q 'step ' " + n0 + " && break; sleep 0.1; done; " + hosts.cut(1) +
-               "; echo cut at $(date +%s.%N); wait; echo ended at $(date +%s.%N)");
+               "for i in $(seq 1 300); do grep -q 'step ' " + n0 + " && break; sleep 0.1; done; " +
+               hosts.action(GetParam(), 1) + "; echo cut at $(date +%s.%N); wait; echo ended at $(date +%s.%N)");
   const std::string log0 = meshtrain::files::read_all(n0), log1 = meshtrain::files::read_all(n1);
   const std::string all = r.output + "\n--- node 0\n" + log0 + "\n--- node 1\n" + log1;
   ASSERT_TRUE(contains(log0, "step ")) << all;
-  const size_t cut = r.output.find("cut at "), end = r.output.find("ended at ");
-  ASSERT_TRUE(cut != std::string::npos && end != std::string::npos) << all;
-  const double seconds = std::stod(r.output.substr(end + 9)) - std::stod(r.output.substr(cut + 7));
+  const double seconds = seconds_between(r.output, "cut at ", "ended at ");
   EXPECT_LT(seconds, 8 + 7) << all;
   EXPECT_TRUE(contains(log0, "node 0 exit 1")) << all;
   EXPECT_TRUE(contains(log1, "node 1 exit 1")) << all;
@@ -129,4 +185,36 @@ TEST(Cluster, ACutLinkEndsEveryNodeNamingTheUnreachableHost) {
       << all;
   EXPECT_EQ(hosts.processes(0), "") << all;
   EXPECT_EQ(hosts.processes(1), "") << all;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cluster, LinkCut, ::testing::Values("cut"),
+                         [](const ::testing::TestParamInfo<const char*>&) { return std::string("BothWays"); });
+
+// A host whose every process is frozen (SIGSTOP) still answers at the TCP
+// level: no link times out, and the ranks waiting for it time out instead,
+// naming a rank of that host as stuck. Node 0 then waits for the frozen node's
+// meshrun to say it stopped only for the grace period and a few seconds (it
+// used to wait --rdzv-timeout, 5 minutes), and says so.
+TEST(Cluster, AFrozenHostIsNamedAndNode0EndsWithinTheCommunicationTimeout) {
+  Hosts hosts(2);
+  if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
+  TempDir t;
+  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
+  const std::string flags = kTiny + "--steps 1000000 --dp 2 --pp 2 --log-every 1 --comm-timeout 6";
+  const std::string n0 = t.file("n0.log"), n1 = t.file("n1.log");
+  Shell r = sh("(" + node_command(hosts, 1, t.file("token"), flags) + " > " + n1 + " 2>&1 &) ; (" +
+               node_command(hosts, 0, t.file("token"), flags) + " > " + n0 + " 2>&1; echo node 0 exit $? >> " + n0 +
+               ") & for i in $(seq 1 300); do grep -q 'step ' " + n0 + " && break; sleep 0.1; done; " +
+               "kill -STOP $(ip netns pids " + hosts.name() + "1); echo frozen at $(date +%s.%N); wait; " +
+               "echo ended at $(date +%s.%N)");
+  const std::string log0 = meshtrain::files::read_all(n0);
+  const std::string all = r.output + "\n--- node 0\n" + log0;
+  ASSERT_TRUE(contains(log0, "step ")) << all;
+  EXPECT_LT(seconds_between(r.output, "frozen at ", "ended at "), 6 + 1 + 5 + 6) << all;
+  EXPECT_TRUE(contains(log0, "node 0 exit 1")) << all;
+  EXPECT_TRUE(contains(log0, "meshrun: failed: rank 2 stopped making progress") ||
+              contains(log0, "meshrun: failed: rank 3 stopped making progress"))
+      << all;
+  EXPECT_TRUE(contains(log0, "not every node said it stopped within 6 s (1 of 2 did)")) << all;
+  EXPECT_EQ(hosts.processes(0), "") << all;
 }
