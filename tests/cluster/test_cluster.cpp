@@ -170,7 +170,7 @@ TEST_P(LinkCut, EndsEveryNodeNamingTheUnreachableHost) {
   const std::string all = r.output + "\n--- node 0\n" + log0 + "\n--- node 1\n" + log1;
   ASSERT_TRUE(contains(log0, "step ")) << all;
   const double seconds = seconds_between(r.output, "cut at ", "ended at ");
-  EXPECT_LT(seconds, 8 + 7) << all;
+  EXPECT_LT(seconds, 8 + 17) << all;  // the link time-out, then stopping the ranks on a loaded machine; far below 60
   EXPECT_TRUE(contains(log0, "node 0 exit 1")) << all;
   EXPECT_TRUE(contains(log1, "node 1 exit 1")) << all;
   EXPECT_TRUE(contains(log0, "meshrun: failed: rank 2 became unreachable (the link to " + hosts.address(1) +
@@ -210,7 +210,7 @@ TEST(Cluster, AFrozenHostIsNamedAndNode0EndsWithinTheCommunicationTimeout) {
   const std::string log0 = meshtrain::files::read_all(n0);
   const std::string all = r.output + "\n--- node 0\n" + log0;
   ASSERT_TRUE(contains(log0, "step ")) << all;
-  EXPECT_LT(seconds_between(r.output, "frozen at ", "ended at "), 6 + 1 + 5 + 6) << all;
+  EXPECT_LT(seconds_between(r.output, "frozen at ", "ended at "), 6 + 1 + 5 + 13) << all;  // not --rdzv-timeout (300)
   EXPECT_TRUE(contains(log0, "node 0 exit 1")) << all;
   EXPECT_TRUE(contains(log0, "meshrun: failed: rank 2 stopped making progress") ||
               contains(log0, "meshrun: failed: rank 3 stopped making progress"))
