@@ -5,11 +5,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <cmath>
 #include <fstream>
 #include <ostream>
 #include <string>
 
+#include "../dist/metrics.h"
 #include "../dist/shell.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
@@ -18,6 +18,7 @@
 using meshtrain::str_cat;
 using meshtrain::json::Value;
 using meshtrain::testing::contains;
+using meshtrain::testing::expect_same_losses;
 using meshtrain::testing::kBin;
 using meshtrain::testing::kSource;
 using meshtrain::testing::sh;
@@ -60,6 +61,12 @@ class Hosts {
   bool ok_ = false;
 };
 
+// The job's rendezvous token file in `t`.
+std::string token_file(const TempDir& t) {
+  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
+  return t.file("token");
+}
+
 // meshrun on node `node` of `nodes` (host `node`), `per_node` ranks each, store on host 0.
 std::string node_command(const Hosts& h, int node, const std::string& token, const std::string& flags, int nodes = 2,
                          int per_node = 2) {
@@ -71,16 +78,31 @@ std::string node_command(const Hosts& h, int node, const std::string& token, con
 // Runs the job on every host (node i on host i) and returns node 0's output
 // followed by the others' logs; "node 0 exit N" says how node 0 ended.
 Shell run_job(const Hosts& h, const TempDir& t, const std::string& flags, int nodes, int per_node) {
-  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
+  const std::string token = token_file(t);
   std::string cmd = "(", logs;
   for (int node = 1; node < nodes; ++node) {
     const std::string log = t.file(str_cat("n", node, ".log"));
-    cmd += str_cat(node_command(h, node, t.file("token"), flags, nodes, per_node), " > ", log, " 2>&1 & ");
+    cmd += str_cat(node_command(h, node, token, flags, nodes, per_node), " > ", log, " 2>&1 & ");
     logs += " " + log;
   }
-  cmd += str_cat(node_command(h, 0, t.file("token"), flags, nodes, per_node), "; echo node 0 exit $?; wait); cat",
-                 logs);
+  cmd += str_cat(node_command(h, 0, token, flags, nodes, per_node), "; echo node 0 exit $?; wait); cat", logs);
   return sh(cmd);
+}
+
+// Starts 2 nodes (logs n0.log, n1.log in `t`, each ending with "node N exit
+// CODE"), runs `fault` once node 0 trains, and waits for node 0 and, unless
+// `wait_for_node1` is false (a frozen node never exits), node 1. The output
+// says "fault at T" and "ended at T" (date +%s.%N).
+Shell run_with_fault(const Hosts& h, const TempDir& t, const std::string& flags, const std::string& fault,
+                     bool wait_for_node1) {
+  const std::string token = token_file(t), n0 = t.file("n0.log"), n1 = t.file("n1.log");
+  // Its shell holds nothing of sh()'s pipe: a frozen node 1 must not keep sh() reading.
+  const std::string node1 = "(" + node_command(h, 1, token, flags) + " > " + n1 + " 2>&1; echo node 1 exit $? >> " +
+                            n1 + ") > /dev/null 2>&1";
+  return sh((wait_for_node1 ? node1 + " & " : "(" + node1 + " &) ; ") + "(" + node_command(h, 0, token, flags) +
+            " > " + n0 + " 2>&1; echo node 0 exit $? >> " + n0 + ") & for i in $(seq 1 300); do grep -q 'step ' " +
+            n0 + " && break; sleep 0.1; done; " + fault + "; echo fault at $(date +%s.%N); wait; " +
+            "echo ended at $(date +%s.%N)");
 }
 
 // Seconds between the times the output gives after `from` and after `to` (date +%s.%N).
@@ -88,16 +110,6 @@ double seconds_between(const std::string& output, const std::string& from, const
   const size_t a = output.find(from), b = output.find(to);
   if (a == std::string::npos || b == std::string::npos) return 1e9;
   return std::stod(output.substr(b + to.size())) - std::stod(output.substr(a + from.size()));
-}
-
-void expect_losses_of_one_process(const std::string& got_path, const std::string& want_path, const std::string& what) {
-  const Value got = meshtrain::json::parse_file(got_path), want = meshtrain::json::parse_file(want_path);
-  ASSERT_EQ(got["losses"].size(), want["losses"].size()) << what;
-  for (size_t s = 0; s < want["losses"].size(); ++s) {
-    const double g = got["losses"][s].num(), w = want["losses"][s].num();
-    EXPECT_LE(std::abs(g - w), 1e-6 + 2e-6 * std::abs(w)) << what << ", step " << s << ": " << g << ", one process "
-                                                           << w;
-  }
 }
 
 }  // namespace
@@ -131,7 +143,8 @@ TEST_P(AcrossHosts, TrainsLikeOneProcess) {
       << r.output;
   Shell one = sh(kBin + "/meshtrain" + common + "--metrics-out " + t.file("one.json"));
   ASSERT_EQ(one.exit_code, 0) << one.output;
-  expect_losses_of_one_process(t.file("m.json"), t.file("one.json"), l.name);
+  expect_same_losses(meshtrain::json::parse_file(t.file("m.json")), meshtrain::json::parse_file(t.file("one.json")),
+                     l.name);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -158,18 +171,12 @@ TEST_P(LinkCut, EndsEveryNodeNamingTheUnreachableHost) {
   Hosts hosts(2);
   if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
   TempDir t;
-  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
   const std::string flags = kTiny + "--steps 1000000 --dp 2 --pp 2 --log-every 1 --comm-timeout 60";
-  const std::string n0 = t.file("n0.log"), n1 = t.file("n1.log");
-  Shell r = sh("(" + node_command(hosts, 1, t.file("token"), flags) + " > " + n1 + " 2>&1; echo node 1 exit $? >> " +
-               n1 + ") & (" + node_command(hosts, 0, t.file("token"), flags) + " > " + n0 +
-               " 2>&1; echo node 0 exit $? >> " + n0 + ") & " +
-               "for i in $(seq 1 300); do grep -q 'step ' " + n0 + " && break; sleep 0.1; done; " +
-               hosts.action(GetParam(), 1) + "; echo cut at $(date +%s.%N); wait; echo ended at $(date +%s.%N)");
-  const std::string log0 = meshtrain::files::read_all(n0), log1 = meshtrain::files::read_all(n1);
+  Shell r = run_with_fault(hosts, t, flags, hosts.action(GetParam(), 1), /*wait_for_node1=*/true);
+  const std::string log0 = meshtrain::files::read_all(t.file("n0.log")), log1 = meshtrain::files::read_all(t.file("n1.log"));
   const std::string all = r.output + "\n--- node 0\n" + log0 + "\n--- node 1\n" + log1;
   ASSERT_TRUE(contains(log0, "step ")) << all;
-  const double seconds = seconds_between(r.output, "cut at ", "ended at ");
+  const double seconds = seconds_between(r.output, "fault at ", "ended at ");
   EXPECT_LT(seconds, 8 + 17) << all;  // the link time-out, then stopping the ranks on a loaded machine; far below 60
   EXPECT_TRUE(contains(log0, "node 0 exit 1")) << all;
   EXPECT_TRUE(contains(log1, "node 1 exit 1")) << all;
@@ -199,18 +206,13 @@ TEST(Cluster, AFrozenHostIsNamedAndNode0EndsWithinTheCommunicationTimeout) {
   Hosts hosts(2);
   if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
   TempDir t;
-  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
   const std::string flags = kTiny + "--steps 1000000 --dp 2 --pp 2 --log-every 1 --comm-timeout 6";
-  const std::string n0 = t.file("n0.log"), n1 = t.file("n1.log");
-  Shell r = sh("(" + node_command(hosts, 1, t.file("token"), flags) + " > " + n1 + " 2>&1 &) ; (" +
-               node_command(hosts, 0, t.file("token"), flags) + " > " + n0 + " 2>&1; echo node 0 exit $? >> " + n0 +
-               ") & for i in $(seq 1 300); do grep -q 'step ' " + n0 + " && break; sleep 0.1; done; " +
-               "kill -STOP $(ip netns pids " + hosts.name() + "1); echo frozen at $(date +%s.%N); wait; " +
-               "echo ended at $(date +%s.%N)");
-  const std::string log0 = meshtrain::files::read_all(n0);
+  Shell r = run_with_fault(hosts, t, flags, "kill -STOP $(ip netns pids " + hosts.name() + "1)",
+                           /*wait_for_node1=*/false);
+  const std::string log0 = meshtrain::files::read_all(t.file("n0.log"));
   const std::string all = r.output + "\n--- node 0\n" + log0;
   ASSERT_TRUE(contains(log0, "step ")) << all;
-  EXPECT_LT(seconds_between(r.output, "frozen at ", "ended at "), 6 + 1 + 5 + 13) << all;  // not --rdzv-timeout (300)
+  EXPECT_LT(seconds_between(r.output, "fault at ", "ended at "), 6 + 1 + 5 + 13) << all;  // not --rdzv-timeout (300)
   EXPECT_TRUE(contains(log0, "node 0 exit 1")) << all;
   EXPECT_TRUE(contains(log0, "meshrun: failed: rank 2 stopped making progress") ||
               contains(log0, "meshrun: failed: rank 3 stopped making progress"))

@@ -14,10 +14,12 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
+#include "metrics.h"
 #include "shell.h"
 
 using meshtrain::json::Value;
 using meshtrain::testing::contains;
+using meshtrain::testing::expect_same_losses;
 using meshtrain::testing::free_port;
 using meshtrain::testing::kBin;
 using meshtrain::testing::kMeshrun;
@@ -32,8 +34,6 @@ namespace {
 const std::string kTiny =
     " --model gpt --layers 3 --hidden 32 --heads 4 --vocab 64 --seq-len 16 --global-batch 24 --steps 4"
     " --lr 1e-2 --adam-eps 1e-6 --eval-problems 0 --log-every 100 ";
-// Float reassociation across layouts (equivalence.h's Tolerance for losses).
-constexpr double kLossRtol = 2e-6, kLossAtol = 1e-6;
 
 // meshrun --nproc-per-node ranks -- meshtrain FLAGS --metrics-out FILE; the parsed metrics.
 Value train(int ranks, const std::string& flags, const std::string& metrics) {
@@ -42,16 +42,6 @@ Value train(int ranks, const std::string& flags, const std::string& metrics) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   if (r.exit_code != 0) return Value();
   return meshtrain::json::parse(meshtrain::files::read_all(metrics));
-}
-
-void expect_same_losses(const Value& got, const Value& want, const std::string& what) {
-  ASSERT_EQ(got.type, Value::Type::kObject) << what << ": no metrics";
-  ASSERT_EQ(got["losses"].size(), want["losses"].size()) << what;
-  for (size_t s = 0; s < want["losses"].size(); ++s) {
-    const double g = got["losses"][s].num(), w = want["losses"][s].num();
-    EXPECT_LE(std::abs(g - w), kLossAtol + kLossRtol * std::abs(w)) << what << ": step " << s << " loss " << g
-                                                                     << ", one process " << w;
-  }
 }
 
 std::vector<std::string> words(const std::string& s) {

@@ -360,6 +360,19 @@ INSTANTIATE_TEST_SUITE_P(Backends, Split, ::testing::Values("shm", "gloo", "mpi"
 
 }  // namespace
 
+namespace {
+
+// A second world of the harness's ranks, through the harness's store, under
+// the group "<harness group>-<suffix>" (for what a world's creation checks).
+meshtrain::comm::CommPtr another_world(Communicator& world, const std::string& suffix,
+                                       meshtrain::comm::CommOptions options = {}) {
+  return meshtrain::comm::init_with_store("127.0.0.1", std::atoi(std::getenv("MESHTRAIN_HARNESS_PORT")), world.rank(),
+                                          world.size(), std::string(std::getenv("MESHTRAIN_HARNESS_GROUP")) + "-" + suffix,
+                                          std::move(options));
+}
+
+}  // namespace
+
 // Note [Authenticated pairs]: with a token, every gloo pair proves it knows
 // it. The world's pairs do (its all-reduce works); a communicator whose rank 1
 // holds another token, as a stranger in a pair's place would, is refused on
@@ -374,8 +387,7 @@ TEST(GlooPairs, APairThatDoesNotKnowTheTokenIsRefused) {
     EXPECT_EQ(t[0].item<float>(), 2.0f);
     if (world.rank() == 1) setenv("MESHTRAIN_RDZV_TOKEN", "fedcba9876543210fedcba9876543210", 1);
     try {
-      meshtrain::comm::init_with_store("127.0.0.1", std::atoi(std::getenv("MESHTRAIN_HARNESS_PORT")), world.rank(), 2,
-                                       std::string(std::getenv("MESHTRAIN_HARNESS_GROUP")) + "-stranger");
+      another_world(world, "stranger");
       ADD_FAILURE() << "a pair with another token was accepted";
     } catch (const meshtrain::ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find(world.rank() == 0 ? "the connection of rank 1 (global rank 1) did not prove "
@@ -398,8 +410,7 @@ TEST(Rendezvous, MembersAskingForDifferentBackendsAreRefusedAtOnce) {
     o.timeout = std::chrono::seconds(60);
     const auto start = Clock::now();
     try {
-      meshtrain::comm::init_with_store("127.0.0.1", std::atoi(std::getenv("MESHTRAIN_HARNESS_PORT")), world.rank(), 2,
-                                       std::string(std::getenv("MESHTRAIN_HARNESS_GROUP")) + "-mixed", o);
+      another_world(world, "mixed", o);
       ADD_FAILURE() << "a communicator of shm and gloo members was made";
     } catch (const ConfigError& e) {
       const std::string expected = world.rank() == 0
@@ -425,8 +436,7 @@ TEST(Rendezvous, ARankWithATokenRank0LacksStopsAtOnce) {
     o.timeout = std::chrono::seconds(60);
     const auto start = Clock::now();
     try {
-      meshtrain::comm::init_with_store("127.0.0.1", std::atoi(std::getenv("MESHTRAIN_HARNESS_PORT")), world.rank(), 2,
-                                       std::string(std::getenv("MESHTRAIN_HARNESS_GROUP")) + "-token", o);
+      another_world(world, "token", o);
       ADD_FAILURE() << "a world of a rank with a token and one without was made";
     } catch (const ConfigError& e) {
       EXPECT_EQ(world.rank(), 1) << e.what();
