@@ -5,7 +5,9 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <linux/sockios.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -137,11 +139,28 @@ void watch_link(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
 }
 
+void set_unacknowledged_timeout(int fd, std::chrono::milliseconds timeout) {
+  const unsigned ms = static_cast<unsigned>(timeout.count());
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
+}
+
+bool link_retransmitting(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof info;
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
+  // Sent and unacknowledged past a retransmission time-out; or never sent,
+  // because the way out drops it (a local queue that drops everything puts TCP
+  // in probing, not retransmitting), with a probe unanswered.
+  int queued = 0;  // bytes sent and not acknowledged, or not yet sent
+  const bool waiting = ::ioctl(fd, SIOCOUTQ, &queued) == 0 && queued > 0;
+  return waiting && (info.tcpi_retransmits > 0 || info.tcpi_probes > 0);
+}
+
 bool link_went_silent(int error) { return error == ETIMEDOUT || error == EHOSTUNREACH || error == ENETUNREACH; }
 
-std::string silent_link_reason(const std::string& host) {
+std::string silent_link_reason(const std::string& host, std::chrono::milliseconds after) {
   return str_cat("the link to ", host, " went silent: no TCP acknowledgement or keepalive reply for ",
-                 link_timeout().count(), " s; that host is down, or the network to it is cut "
+                 std::chrono::duration_cast<std::chrono::seconds>(after).count(), " s; that host is down, or the network to it is cut "
                  "(MESHTRAIN_LINK_TIMEOUT_S sets the wait)");
 }
 

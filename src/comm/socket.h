@@ -28,12 +28,19 @@ int connect_to(const std::string& host, int port, Clock::time_point deadline,
 // keepalive probes and TCP_USER_TIMEOUT set so that a peer that stops answering
 // at the TCP level (the kernel's, not the process's: a stopped or busy process
 // still acknowledges) breaks the connection within link_timeout(); the error is
-// ETIMEDOUT (link_went_silent()), told apart from a closed connection.
+// ETIMEDOUT (link_went_silent()), told apart from a closed connection. A
+// one-way cut needs data in flight both ways as well: the store's heartbeats
+// (Note [Heartbeats] in store_server.cpp).
 std::chrono::seconds link_timeout();  // MESHTRAIN_LINK_TIMEOUT_S, default 8
 void watch_link(int fd);
+// Unacknowledged data breaks `fd` after `timeout` rather than link_timeout() (the store's heartbeats).
+void set_unacknowledged_timeout(int fd, std::chrono::milliseconds timeout);
 bool link_went_silent(int error);  // errno after a failed recv/send
+// Whether data sent on `fd` waits for an acknowledgement that has not come
+// within a retransmission time-out (TCP_INFO): the way to the peer, or back, is lost.
+bool link_retransmitting(int fd);
 // "the link to <host> went silent: no TCP acknowledgement or keepalive reply for 8 s (...)"
-std::string silent_link_reason(const std::string& host);
+std::string silent_link_reason(const std::string& host, std::chrono::milliseconds after = link_timeout());
 
 // Writes all bytes (MSG_NOSIGNAL: a closed peer gives an error, not SIGPIPE).
 // Returns false when the connection is broken.

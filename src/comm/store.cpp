@@ -1,6 +1,7 @@
 // Store clients: PrefixStore, TcpStore and FailureWatcher. The server is in
 // store_server.cpp; the wire protocol is in store_protocol.h.
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -151,9 +152,25 @@ void FailureWatcher::stop() {
   if (!stopping_.exchange(true) && fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
 
+std::string FailureWatcher::link_trouble() const {
+  if (fd_ < 0 || stopping_ || !(answer_unacknowledged_ || net::link_retransmitting(fd_))) return "";
+  return str_cat("lost the connection to the rendezvous store at ", host_, ":", port_, ": the link to ", host_,
+                 " went silent one way: what this host sends is not acknowledged any more; the network from this "
+                 "host to ", host_, " is cut");
+}
+
 void FailureWatcher::run() {
   std::string frame;
+  const int check_ms = static_cast<int>(std::chrono::milliseconds(net::link_timeout()).count() / 4);
   while (true) {
+    // Between frames, each quarter of the link time-out: does the store
+    // acknowledge what this host sends? (Behind a one-way cut the store's
+    // heartbeats stop at the first, which cannot be acknowledged.)
+    pollfd readable{fd_, POLLIN, 0};
+    if (::poll(&readable, 1, check_ms) == 0) {
+      answer_unacknowledged_ = net::link_retransmitting(fd_);
+      continue;
+    }
     bool ok = false;
     int error = 0;
     try {
@@ -163,12 +180,21 @@ void FailureWatcher::run() {
       ok = false;
     }
     if (!ok) {
-      if (!stopping_) on_failure_({"<store>", lost_store(host_, port_, error)});
+      // The store, once it finds this host cut off, closes its connections;
+      // a cut that lets only the store's side through shows that as an end.
+      const std::string trouble = link_trouble();
+      if (!stopping_) on_failure_({"<store>", trouble.empty() ? lost_store(host_, port_, error) : trouble});
       return;
     }
     if (stopping_) return;
     net::Reader r(frame);
-    if (r.u8() != store_protocol::kFailure) continue;
+    const uint8_t kind = r.u8();
+    if (kind == store_protocol::kHeartbeat) {  // answered so that a cut towards the server shows here too
+      answer_unacknowledged_ = net::link_retransmitting(fd_);
+      net::write_frame(fd_, net::Writer().u8(store_protocol::kHeartbeat).bytes());  // (Note [Heartbeats])
+      continue;
+    }
+    if (kind != store_protocol::kFailure) continue;
     FailureReport report;
     report.label = r.str();
     report.reason = r.str();

@@ -36,6 +36,7 @@ constexpr uint8_t kWatch = 8;   // prefix                -> kFailure label reaso
 constexpr uint8_t kReport = 9;  // label, reason         -> kOk
 constexpr uint8_t kAuth = 10;   // mac                   -> kOk | kError and close
 constexpr uint8_t kDecline = 11;  //                     -> close (the client has no token)
+constexpr uint8_t kHeartbeat = 12;  // both ways on a watcher's connection, no reply (Note [Heartbeats])
 
 // Replies.
 constexpr uint8_t kOk = 100;

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +32,21 @@ namespace comm {
 // GlooCommunicator), so every survivor raises PeerFailure naming the dead rank
 // within milliseconds. A process that is alive but stuck keeps its connection
 // open; the survivors then fail at their communication timeout instead.
+//
+// Note [Heartbeats]
+// TCP keepalive (Note [Silent links] in socket.h) finds a link cut both ways,
+// but not a one-way cut: the side that still receives sees the other's
+// keepalive probes and retransmissions arrive, counts the link as alive, and
+// never learns that what it sends is lost (node 0 then blamed a healthy rank
+// as stuck at --comm-timeout, or one that "died" when its FIN got through).
+// Only data that goes unacknowledged times out on both sides. So the server
+// sends a kHeartbeat frame on every watcher's connection each quarter of the
+// link time-out, and the watcher sends one back: whichever direction is cut,
+// some heartbeat stays unacknowledged and TCP_USER_TIMEOUT breaks that
+// connection with ETIMEDOUT within the link time-out. A host is one place: when
+// any connection from it goes silent, the server counts every connection from
+// that address as silent and reports each of its labelled processes as
+// unreachable (kUnreachableReport), not dead.
 
 namespace {
 
@@ -53,9 +69,14 @@ struct Client {
   std::string label;
   bool said_bye = false;
   bool went_silent = false;  // its host stopped answering (Note [Silent links] in socket.h)
+  bool deaf_host = false;    // ... or closed it while its host heard nothing from here (Note [Heartbeats])
+  std::chrono::milliseconds silent_after = net::link_timeout();  // a watcher's is shorter
   bool watching = false;
   std::string watch_prefix;
 };
+
+// "10.0.0.2" of a peer "10.0.0.2:40312".
+std::string host_of(const std::string& peer) { return peer.substr(0, peer.rfind(':')); }
 
 bool starts_with(const std::string& s, const std::string& prefix) {
   return s.compare(0, prefix.size(), prefix) == 0;
@@ -90,6 +111,10 @@ struct StoreServer::State {
   std::map<int, Client> clients;  // by fd
   std::vector<FailureReport> failures;
   int refusals = 0;
+  Clock::time_point last_heartbeat = Clock::now();
+  const Clock::duration heartbeat_interval = std::chrono::milliseconds(net::link_timeout()) / 4;
+  // Per host, since when a heartbeat to it has gone unanswered (absent: it answered, or connected, since).
+  std::map<std::string, Clock::time_point> unanswered_since;
 
   int labeled_clients_present() const {
     int n = 0;
@@ -127,6 +152,51 @@ struct StoreServer::State {
         return;
       }
       c.outbuf.erase(0, static_cast<size_t>(n));
+    }
+  }
+
+  // Sends a heartbeat to every watcher once per interval (Note [Heartbeats]). Caller holds mutex.
+  void heartbeat_watchers() {
+    const auto now = Clock::now();
+    if (now - last_heartbeat < heartbeat_interval) return;
+    last_heartbeat = now;
+    const std::string beat = net::Writer().u8(store_protocol::kHeartbeat).bytes();
+    for (auto& kv : clients) {
+      if (!kv.second.watching || !kv.second.nonce.empty()) continue;
+      send(kv.second, beat);
+      unanswered_since.emplace(host_of(kv.second.peer), now);  // kept if older
+    }
+  }
+
+  // How long `host` has left a heartbeat unanswered. Caller holds mutex.
+  Clock::duration deafness(const std::string& host) const {
+    auto it = unanswered_since.find(host);
+    return it == unanswered_since.end() ? Clock::duration{0} : Clock::now() - it->second;
+  }
+
+  // A process that closed its connection while its host had answered no
+  // heartbeat for two intervals did not die: its host could not hear this one
+  // (a one-way cut) and gave up. Then, a connection that went silent silences
+  // every connection from its host. Caller holds mutex.
+  void silence_hosts_of_silent_links() {
+    for (auto& kv : clients) {
+      Client& c = kv.second;
+      if (c.dropped && !c.went_silent && !c.label.empty() && !c.said_bye &&
+          deafness(host_of(c.peer)) >= 2 * heartbeat_interval) {
+        c.went_silent = c.deaf_host = true;
+      }
+    }
+    std::map<std::string, std::chrono::milliseconds> silent;  // host -> after how long
+    for (const auto& kv : clients) {
+      if (kv.second.went_silent) silent.emplace(host_of(kv.second.peer), kv.second.silent_after);
+    }
+    for (auto& kv : clients) {
+      Client& c = kv.second;
+      auto it = silent.find(host_of(c.peer));
+      if (c.went_silent || it == silent.end()) continue;
+      c.went_silent = true;
+      c.silent_after = it->second;
+      c.dropped = true;
     }
   }
 
@@ -247,6 +317,9 @@ struct StoreServer::State {
         c.said_bye = true;
         reply.u8(store_protocol::kOk);
         break;
+      case store_protocol::kHeartbeat:  // a watcher's answer: its host hears this one
+        unanswered_since.erase(host_of(c.peer));
+        return;
       case store_protocol::kReport: {
         std::string label = r.str();
         fail(label, r.str());
@@ -256,6 +329,12 @@ struct StoreServer::State {
       case store_protocol::kWatch:
         c.watching = true;
         c.watch_prefix = r.str();
+        unanswered_since.erase(host_of(c.peer));  // it read the greeting: its host hears this one
+        // A heartbeat unacknowledged for half the link time-out ends this
+        // connection, and so every one of its host, before that host's own
+        // processes give up on the store: this side names the cut first.
+        c.silent_after = std::chrono::milliseconds(net::link_timeout()) / 2;
+        net::set_unacknowledged_timeout(c.fd, c.silent_after);
         // A watcher that arrives late still learns of earlier failures.
         for (const auto& f : failures) {
           if (starts_with(f.label, c.watch_prefix)) {
@@ -269,11 +348,18 @@ struct StoreServer::State {
     send(c, reply.bytes());
   }
 
+  std::string silent_reason(const Client& c) const {
+    const std::string host = host_of(c.peer);
+    if (!c.deaf_host) return net::silent_link_reason(host, c.silent_after);
+    return str_cat("the link to ", host, " went silent one way: what that host sends arrives, but it answered no "
+                   "heartbeat for ", std::chrono::duration_cast<std::chrono::seconds>(deafness(host)).count(),
+                   " s and its processes gave up on this one; the network towards it is cut");
+  }
+
   // Called when a client's connection closed. Caller holds mutex.
   void disconnected(Client& c) {
     if (!c.label.empty() && !c.said_bye) {
-      fail(c.label, c.went_silent ? str_cat(kUnreachableReport, net::silent_link_reason(
-                                                                    c.peer.substr(0, c.peer.rfind(':'))))
+      fail(c.label, c.went_silent ? str_cat(kUnreachableReport, silent_reason(c))
                                   : "its connection to the store closed without a goodbye: the process died or "
                                     "was killed");
     }
@@ -319,6 +405,7 @@ std::vector<FailureReport> StoreServer::failures() const {
 }
 
 void StoreServer::run() {
+  const int64_t heartbeat_ms = std::chrono::duration_cast<std::chrono::milliseconds>(state_->heartbeat_interval).count();
   std::vector<pollfd> fds;
   char buf[65536];
   while (true) {
@@ -330,12 +417,14 @@ void StoreServer::run() {
       for (const auto& kv : state_->clients)
         fds.push_back({kv.first, static_cast<short>(POLLIN | (kv.second.outbuf.empty() ? 0 : POLLOUT)), 0});
     }
-    if (::poll(fds.data(), fds.size(), 1000) < 0) {  // wakes each second to expire silent strangers
+    // Wakes at least each heartbeat interval, and each second to expire silent strangers.
+    if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(1000, heartbeat_ms))) < 0) {
       if (errno == EINTR) continue;
       return;
     }
     if (fds[0].revents) return;
     std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->heartbeat_watchers();
     if (fds[1].revents & POLLIN) {
       const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) state_->accept(fd);
@@ -363,6 +452,7 @@ void StoreServer::run() {
 // Closes the connections marked dropped, and those that never authenticated in time.
 void StoreServer::drop_closed_clients() {
   const auto now = Clock::now();
+  state_->silence_hosts_of_silent_links();
   for (auto it = state_->clients.begin(); it != state_->clients.end();) {
     Client& c = it->second;
     if (!c.nonce.empty() && !c.dropped && now - c.accepted > kTimeToAuthenticate) {

@@ -412,6 +412,9 @@ class RemoteFailures {
                              : r.label == "<store>"       ? r.reason
                                                           : str_cat("a failure was reported for ", r.label, ": ", r.reason);
     if (stuck && stuck_.empty()) stuck_ = what;
+    if (r.label == "<store>" && r.reason.find("went silent") != std::string::npos && lost_link_.empty()) {
+      lost_link_ = r.reason;
+    }
     const bool unreachable = r.reason.rfind(comm::kUnreachableReport, 0) == 0;
     if (!stuck && rank[0] == 'r' && (died_.empty() || (unreachable && !unreachable_))) {
       // A rank behind a silent link comes first: the others' time-outs are its consequence.
@@ -440,6 +443,11 @@ class RemoteFailures {
     std::lock_guard<std::mutex> lock(mutex_);
     return unreachable_ ? died_ : "";
   }
+  // "lost the connection to the rendezvous store at ...: the link to ... went silent ..." or "".
+  std::string lost_link() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return lost_link_;
+  }
   // "rank 2 died (...)" when the store saw a rank other than `rank` die, else "".
   std::string died_other_than(int rank) const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -449,18 +457,18 @@ class RemoteFailures {
  private:
   std::atomic<bool> seen_{false};
   mutable std::mutex mutex_;
-  std::string reason_, stuck_, died_;
+  std::string reason_, stuck_, died_, lost_link_;
   bool unreachable_ = false;
   int died_rank_ = -1;
 };
 
-// The failure to name: a rank whose host became unreachable, else the rank
-// reported stuck first, when there is one (the ranks that gave up waiting for
-// it exit first; behind a cut link, a healthy rank looks stuck).
+// The failure to name: a rank whose host became unreachable, else this
+// node's link to the store gone silent, else the rank reported stuck first,
+// when there is one (the ranks that gave up waiting for it exit first; behind a
+// cut link, a healthy rank looks stuck).
 std::string blame(const std::string& failure, const RemoteFailures& remote) {
-  const std::string unreachable = remote.unreachable();
-  if (!unreachable.empty()) {
-    return failure.rfind(unreachable, 0) == 0 ? failure : unreachable + "; first to exit: " + failure;
+  for (const std::string& cause : {remote.unreachable(), remote.lost_link()}) {
+    if (!cause.empty()) return failure.rfind(cause, 0) == 0 ? failure : cause + "; first to exit: " + failure;
   }
   const std::string stuck = remote.stuck();
   if (stuck.empty() || failure.rfind(stuck, 0) == 0) return failure;
@@ -499,7 +507,8 @@ std::string local_failure(const LaunchOptions& o, const std::vector<std::unique_
 // Watches the local ranks until they all exit (ok), one fails, another node
 // reports a failure, or a signal arrives; stops the ranks in the last three cases.
 Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, comm::TcpStore& store,
-                              std::vector<std::unique_ptr<RankProcess>>& ranks, const RemoteFailures& remote) {
+                              std::vector<std::unique_ptr<RankProcess>>& ranks, const comm::FailureWatcher& watcher,
+                              RemoteFailures& remote) {
   Outcome outcome;
   Clock::time_point remote_seen{};
   while (!all_exited(ranks)) {
@@ -520,6 +529,9 @@ Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, co
     }
     if (outcome.failure.empty()) continue;
     outcome.detected_ns = wall_ns();
+    // A link cut one way shows here as peers that went away: name the link.
+    const std::string trouble = watcher.link_trouble();
+    if (!trouble.empty()) remote.record({"<store>", trouble});
     outcome.failure = blame(outcome.failure, remote);
     say(outcome.failure + "; stopping the other ranks");
     // Other nodes learn of it through the store (a rank's own store connection
@@ -606,7 +618,7 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
     auto env = rank_environment(o, local, generation, store_port, cores, base_env);
     ranks.push_back(spawn(o.node_rank * o.nproc_per_node + local, o.command, env, o.prefix_output));
   }
-  Outcome outcome = supervise_local_ranks(o, gen, store, ranks, remote);
+  Outcome outcome = supervise_local_ranks(o, gen, store, ranks, watcher, remote);
   if (outcome.regroup) {
     outcome.ok = false;
     return outcome;

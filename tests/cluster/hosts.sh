@@ -9,6 +9,7 @@
 #   hosts.sh cut-in NAME I        nothing reaches host I any more; what it sends still arrives (a one-way cut:
 #                                 tbf with a bucket smaller than any packet drops them all; this kernel has
 #                                 no netem and no tc classifiers)
+#   hosts.sh cut-out NAME I       nothing host I sends arrives any more; what it is sent still arrives
 #   hosts.sh shape NAME I RATE    host I's link shaped to RATE (tc tbf, e.g. 200mbit; this kernel has no netem)
 #   hosts.sh down NAME N          removes everything (the processes in the hosts first)
 set -eu
@@ -39,6 +40,8 @@ case $cmd in
     ip -n "${name}sw" link set "${name}s$3" down ;;
   cut-in)
     ip netns exec "${name}sw" tc qdisc replace dev "${name}s$3" root tbf rate 8bit burst 16 limit 16 ;;
+  cut-out)
+    ip netns exec "$name$3" tc qdisc replace dev "${name}h$3" root tbf rate 8bit burst 16 limit 16 ;;
   shape)
     ip netns exec "${name}sw" tc qdisc replace dev "${name}s$3" root tbf rate "$4" burst 64kb latency 50ms ;;
   down)

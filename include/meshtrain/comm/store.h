@@ -136,6 +136,10 @@ class FailureWatcher {
   ~FailureWatcher();
   // Stop reporting (before a clean shutdown, when the server may go away first).
   void stop();
+  // Why the link to the store looks cut one way (what this host sends waits
+  // for an acknowledgement past a retransmission time-out), or "" (Note
+  // [Heartbeats] in src/comm/store_server.cpp).
+  std::string link_trouble() const;
 
  private:
   void run();
@@ -143,6 +147,7 @@ class FailureWatcher {
   int port_ = 0;
   int fd_ = -1;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> answer_unacknowledged_{false};  // at the last heartbeat, the answer before it was
   std::function<void(const FailureReport&)> on_failure_;
   std::thread thread_;
 };
