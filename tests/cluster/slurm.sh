@@ -36,7 +36,8 @@ case $cmd in
     dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 2>/dev/null
     chmod 400 "$dir/munge/munge.key"
     munged --force --socket="$dir/munge/socket" --key-file="$dir/munge/munge.key" \
-      --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/seed"
+      --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/seed" \
+      > "$dir/munge/munged.out" 2>&1 < /dev/null || { cat "$dir/munge/munged.out" >&2; exit 1; }
 
     : > "$dir/hosts"
     echo "127.0.0.1 localhost" >> "$dir/hosts"
