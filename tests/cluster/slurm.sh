@@ -117,7 +117,7 @@ EOF
     for f in "$dir"/slurmd.*.pid; do stop "$f"; done
     "$here/hosts.sh" down "$name" "$n"  # kills whatever is left in the hosts: steps, ranks
     stop "$dir/munge/munged.pid"
-    [ -f "$dir/slurm.conf" ] && rm -rf "$dir"  # only what up made
+    if [ -f "$dir/slurm.conf" ]; then rm -rf "$dir"; fi  # only what up made
     ;;
   *) echo "slurm.sh: unknown command $cmd" >&2; exit 2 ;;
 esac
