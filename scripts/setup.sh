@@ -2,7 +2,11 @@
 # Installs what is missing (Debian packages), then configures and builds into
 # build/ (ccache-backed). Sourced by scripts/demo.sh and scripts/test.sh; safe
 # to run again: it only installs what is missing and rebuilds what changed.
-#   scripts/setup.sh [--with-peers]   (--with-peers: also python3-torch, the benchmark peer)
+#   scripts/setup.sh [--with-peers] [--with-slurm]
+#     --with-peers: also python3-torch, the benchmark peer
+#     --with-slurm: also Slurm (slurmctld, slurmd, slurm-client) and munge, for the cluster tests'
+#                   private Slurm cluster (tests/cluster/slurm.sh starts its own daemons; the
+#                   packages' services need not run)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -18,6 +22,7 @@ PACKAGES=(build-essential cmake ccache libtorch-dev libgloo-dev libopenmpi-dev o
 # npm comes with NodeSource's nodejs; Debian's nodejs needs Debian's npm.
 command -v npm >/dev/null || PACKAGES+=(npm)
 [[ " $* " == *" --with-peers "* ]] && PACKAGES+=(python3-torch)
+[[ " $* " == *" --with-slurm "* ]] && PACKAGES+=(slurmctld slurmd slurm-client munge)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

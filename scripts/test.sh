@@ -3,6 +3,7 @@
 # Multi-rank tests run one at a time (they spawn their ranks); the rest in parallel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --with-peers  # python3-torch: a test opens checkpoints with torch.load
+# python3-torch: a test opens checkpoints with torch.load; Slurm: the cluster tests' Slurm cluster.
+scripts/setup.sh --with-peers --with-slurm
 cd build
 ctest --output-on-failure -j2 -LE full "$@"

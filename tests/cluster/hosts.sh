@@ -4,7 +4,8 @@
 # to a bridge that lives in a namespace of its own, so nothing is added to the
 # machine's own network.
 #   hosts.sh up NAME N [SUBNET]   hosts NAME0..NAME<N-1> at SUBNET.1.. (default 10.77.0), switch NAMEsw
-#   hosts.sh run NAME I CMD...    CMD on host I (hostname NAME<I>, its own /dev/shm)
+#   hosts.sh run NAME I CMD...    CMD on host I (hostname NAME<I>, its own /dev/shm; with HOSTS_FILE set,
+#                                 that file as its /etc/hosts, so host names resolve without DNS)
 #   hosts.sh cut NAME I           host I's link goes down (on the switch's side: the host sees nothing)
 #   hosts.sh cut-in NAME I        nothing reaches host I any more; what it sends still arrives (a one-way cut:
 #                                 tbf with a bucket smaller than any packet drops them all; this kernel has
@@ -35,7 +36,8 @@ case $cmd in
   run)
     i=$3; shift 3
     exec ip netns exec "$name$i" unshare --uts --mount sh -c \
-      'mount -t tmpfs -o size=512m tmpfs /dev/shm && hostname "$0" && exec "$@"' "$name$i" "$@" ;;
+      'mount -t tmpfs -o size=512m tmpfs /dev/shm && hostname "$0" &&
+       { [ -z "${HOSTS_FILE:-}" ] || mount --bind "$HOSTS_FILE" /etc/hosts; } && exec "$@"' "$name$i" "$@" ;;
   cut)
     ip -n "${name}sw" link set "${name}s$3" down ;;
   cut-in)
