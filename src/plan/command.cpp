@@ -35,10 +35,12 @@ void shape_args(const DecoderShape& s, std::vector<std::string>& args) {
 // The training flags that differ from the trainer's defaults, and the batch.
 void training_args(const PlanInput& in, const Estimate& e, std::vector<std::string>& args) {
   if (e.layout.pp > 1) {
-    // The planner's bubble and in-flight micro-batches are 1F1B's.
-    args.insert(args.end(), {"--schedule", "1f1b"});
+    // The schedule whose bubble the prediction assumed (the memory is 1F1B's).
+    args.insert(args.end(), {"--schedule", e.virtual_stages > 1 ? "interleaved" : "1f1b"});
     add(args, "--microbatches", e.microbatches);
+    if (e.virtual_stages > 1) add(args, "--virtual-stages", e.virtual_stages);
   }
+  if (!in.grad_overlap) args.push_back("--no-overlap");
   if (in.activation_checkpointing) args.insert(args.end(), {"--activation-checkpointing", "blocks"});
   args.insert(args.end(), {"--precision", precision_name(in.precision)});
   if (in.optimizer == OptimizerKind::kSgd) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "meshtrain/plan/time.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
@@ -57,22 +58,30 @@ CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t mi
   if (in.shape) {
     const int64_t blocks = blocks_on_stage(*in.shape, l.pp, stage);
     c.pp = pp_comm_bytes(*in.shape, in.micro_batch, l.pp, stage, microbatches, in.precision);
-    c.tp = tp_comm_bytes(*in.shape, in.micro_batch, l.tp, blocks, microbatches, in.precision);
+    c.tp = tp_comm_bytes(*in.shape, in.micro_batch, l.tp, blocks, microbatches, in.precision,
+                         in.activation_checkpointing);
   }
   return c;
 }
 
-// Each axis uses the fast link when all its groups lie inside a node. Ranks
-// follow arange(world).view(dp, pp, tp), so a tp group is tp consecutive
-// ranks, a pp group spans pp * tp consecutive ranks, and a dp group spans the world.
-CommSeconds comm_seconds(const PlanInput& in, const Layout& l, const CommBytes& c) {
-  const int per_node = devices_per_node_of(in);
-  auto link = [&](bool in_node) { return in_node ? in.intra_node_bandwidth : in.inter_node_bandwidth; };
-  CommSeconds t;
-  t.tp = c.tp / link(per_node % l.tp == 0);
-  t.pp = c.pp / link(per_node % (l.pp * l.tp) == 0);
-  t.dp = c.dp / link(in.devices <= per_node);
-  return t;
+// The slowest stage's time (its busy time, then its bubble) into `e`.
+void add_time(const PlanInput& in, const Layout& l, Estimate& e) {
+  double slowest = -1;
+  for (int stage = 0; stage < l.pp; ++stage) {
+    const StageTime t = stage_time(in, l, stage, e.microbatches);
+    if (t.busy() <= slowest) continue;
+    slowest = t.busy();
+    e.comm_stage = stage;
+    e.comm = stage_comm(in, l, stage, e.microbatches);
+    e.seconds = CommSeconds{t.dp, t.pp, t.tp};
+    e.dp_exposed_seconds = t.dp_exposed;
+    e.compute_seconds = t.compute;
+  }
+  e.virtual_stages = virtual_stages_of(in, l, e.microbatches);
+  // The bubble's idle slots are micro-batch slots: compute and the
+  // communication inside each micro-batch (tp, pp), not the step's dp.
+  e.bubble_seconds =
+      pipeline_bubble_seconds(e.compute_seconds + e.seconds.tp + e.seconds.pp, l.pp, e.microbatches, e.virtual_stages);
 }
 
 }  // namespace
@@ -88,10 +97,6 @@ double stage_flops_per_token(const DecoderShape& s, int pp, int tp, int stage, b
   double weights = blocks * block_parameter_count(s, tp);
   if (stage == pp - 1) weights += static_cast<double>(embedding_rows(s) / tp) * s.hidden;  // the LM head's matmul
   return per_weight * weights + per_score * scores;
-}
-
-double pipeline_bubble_seconds(double compute_seconds, int pp, int64_t microbatches) {
-  return compute_seconds * (pp - 1) / static_cast<double>(microbatches);
 }
 
 int64_t ring_all_reduce_bytes(int64_t bytes, int n) {
@@ -114,9 +119,9 @@ int64_t pp_comm_bytes(const DecoderShape& s, int64_t micro_batch, int pp, int st
 }
 
 int64_t tp_comm_bytes(const DecoderShape& s, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
-                      Precision precision) {
+                      Precision precision, bool checkpointing) {
   const int64_t one = hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
-  return 4 * blocks * microbatches * ring_all_reduce_bytes(one, tp);
+  return (checkpointing ? 6 : 4) * blocks * microbatches * ring_all_reduce_bytes(one, tp);
 }
 
 std::vector<Layout> candidate_layouts(const PlanInput& in) {
@@ -167,24 +172,12 @@ Estimate estimate_layout(const PlanInput& in, const Layout& l) {
       e.memory = memory;
       e.memory_stage = stage;
     }
-    const CommBytes comm = stage_comm(in, l, stage, e.microbatches);
-    const CommSeconds seconds = comm_seconds(in, l, comm);
-    if (stage == 0 || seconds.total() > e.seconds.total()) {
-      e.comm = comm;
-      e.seconds = seconds;
-      e.comm_stage = stage;
-    }
   }
+  add_time(in, l, e);
   if (in.shape) {
-    // Each dp replica processes its share of the step's tokens; its slowest
-    // stage sets the pace. Without a shape the tokens are unknown.
-    const double tokens = static_cast<double>(global_batch_of(in)) * in.shape->seq_len / l.dp;
-    double flops = 0;
-    for (int stage = 0; stage < l.pp; ++stage)
-      flops = std::max(flops, tokens * stage_flops_per_token(*in.shape, l.pp, l.tp, stage, in.activation_checkpointing,
-                                                             in.attention));
-    e.compute_seconds = flops / in.device_flops;
-    e.bubble_seconds = pipeline_bubble_seconds(e.compute_seconds, l.pp, e.microbatches);
+    e.tokens = global_batch_of(in) * in.shape->seq_len;
+    e.model_flops = static_cast<double>(e.tokens) *
+                    stage_flops_per_token(*in.shape, 1, 1, 0, in.activation_checkpointing, in.attention);
   }
   e.tp_in_node = devices_per_node_of(in) % l.tp == 0;
   e.fits = static_cast<double>(e.memory.total()) <= usable_memory(in);

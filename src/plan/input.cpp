@@ -21,6 +21,7 @@ struct Draft {
   std::string tie;                       // "tied", "untied", or "" (the model's default)
   std::vector<std::string> shape_flags;  // the shape flags given, in order
   bool params_given = false;
+  bool virtual_stages_given = false;
 };
 
 using Setter = std::function<void(const std::string& flag, const std::string& value)>;
@@ -118,11 +119,32 @@ double parse_margin(const std::string& value) {
 
 // "100" -> 1e14 FLOP/s.
 double parse_tflops(const std::string& flag, const std::string& value) {
+  MESHTRAIN_CHECK(value != "measure", flag, " measure: the meshtrain command times a matmul and passes the rate on; ",
+                  "this parser (the library's run_plan) takes a number of TFLOP/s, e.g. ", flag, " 100");
   char* end = nullptr;
   const double v = std::strtod(value.c_str(), &end);
   MESHTRAIN_CHECK(!value.empty() && end == value.c_str() + value.size() && v > 0 && v < 1e6, flag, " '", value,
                   "': expected the achieved TFLOP/s of one device, e.g. ", flag, " 100");
   return v * 1e12;
+}
+
+// "3us", "8 us", "0.5ms", "2e-6s": seconds per message.
+double parse_latency(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  const double v = std::strtod(value.c_str(), &end);
+  std::string unit(end == nullptr ? "" : end);
+  unit.erase(0, unit.find_first_not_of(' '));
+  const double scale = unit == "ns" ? 1e-9 : unit == "us" ? 1e-6 : unit == "ms" ? 1e-3 : unit == "s" ? 1.0 : -1.0;
+  MESHTRAIN_CHECK(end != value.c_str() && scale > 0 && v >= 0 && v * scale < 1, flag, " '", value,
+                  "': expected a latency per message with its unit (ns, us, ms, s), e.g. ", flag, " 5us");
+  return v * scale;
+}
+
+Schedule parse_schedule(const std::string& flag, const std::string& value) {
+  if (value == "1f1b") return Schedule::k1F1B;
+  if (value == "interleaved") return Schedule::kInterleaved;
+  throw ConfigError(str_cat(flag, " '", value, "': the planner models 1f1b and interleaved (the trainer also runs ",
+                            "naive and gpipe, whose bubble and memory are larger)"));
 }
 
 // The model's flags: the trainer's names, each marking the shape as given; or --params.
@@ -170,6 +192,15 @@ flags::Parser plan_parser(Draft& d) {
         {"--activation-checkpointing", "none|blocks",
          "blocks: keep only each block's input, recompute the rest (default none)",
          set(in.activation_checkpointing, parse_checkpointing)},
+        {"--schedule", "1f1b|interleaved", "the pipeline schedule, as the trainer's (default 1f1b)",
+         set(in.schedule, parse_schedule)},
+        {"--virtual-stages", "V", "chunks per pipeline rank with --schedule interleaved (default 2)",
+         [&d](const std::string& f, const std::string& v) {
+           d.input.virtual_stages = as_int(f, v);
+           d.virtual_stages_given = true;
+         }},
+        flags::turn("--no-overlap", "DDP reduces gradients after backward, as the trainer's --no-overlap",
+                    in.grad_overlap, false),
         {"--attention", "eager|flash",
          "eager keeps the T x T softmax (meshtrain's models); flash only a log-sum-exp per row (default eager)",
          set(in.attention, parse_attention)}}},
@@ -180,7 +211,13 @@ flags::Parser plan_parser(Draft& d) {
         {"--devices-per-node", "M", "default: all devices in one node", set(in.devices_per_node, as_int)},
         {"--intra-node-bandwidth", "BW", "per device (default 300GB/s)", set(in.intra_node_bandwidth, parse_bandwidth)},
         {"--inter-node-bandwidth", "BW", "per device (default 25GB/s)", set(in.inter_node_bandwidth, parse_bandwidth)},
-        {"--device-tflops", "F", "achieved TFLOP/s per device, for compute and bubble time (default 100)",
+        {"--intra-node-latency", "T", "per message inside a node, e.g. 3us (default 3us, NVLink-class)",
+         set(in.intra_node_latency, parse_latency)},
+        {"--inter-node-latency", "T", "per message between nodes (default 8us, InfiniBand-class)",
+         set(in.inter_node_latency, parse_latency)},
+        {"--device-tflops", "F",
+         "achieved TFLOP/s per device, for compute and bubble time (default 100; the meshtrain command also "
+         "takes 'measure': a matmul timed on this machine)",
          set(in.device_flops, parse_tflops)},
         {"--margin", "F", "device memory kept free, 0.1 or 10% (default 10%)",
          set(in.memory_margin, [](auto&, auto& v) { return parse_margin(v); })}}},
@@ -199,6 +236,10 @@ flags::Parser plan_parser(Draft& d) {
 // head is tied as the trainer ties it by default (untied for llama).
 PlanInput assemble(const Draft& d) {
   PlanInput in = d.input;
+  MESHTRAIN_CHECK(!d.virtual_stages_given || in.schedule == Schedule::kInterleaved, "--virtual-stages ",
+                  in.virtual_stages, " applies to --schedule interleaved; add it, or drop --virtual-stages");
+  MESHTRAIN_CHECK(in.schedule == Schedule::k1F1B || in.virtual_stages >= 2, "--virtual-stages ", in.virtual_stages,
+                  ": the interleaved schedule needs at least 2 chunks per rank (1 is --schedule 1f1b)");
   MESHTRAIN_CHECK(!(d.params_given && !d.shape_flags.empty()), "give either --params or the model's shape, not both ",
                   "(got --params and ", d.shape_flags.front(), ")");
   if (d.shape_flags.empty()) return in;
@@ -264,6 +305,8 @@ std::string precision_name(Precision p) {
 std::string optimizer_name(OptimizerKind o) { return o == OptimizerKind::kAdam ? "adam" : "sgd"; }
 
 std::string attention_name(Attention a) { return a == Attention::kEager ? "eager" : "flash"; }
+
+std::string schedule_name(Schedule s) { return s == Schedule::k1F1B ? "1f1b" : "interleaved"; }
 
 }  // namespace plan
 }  // namespace meshtrain

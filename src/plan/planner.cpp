@@ -109,8 +109,9 @@ std::vector<std::string> notes_for(const PlanInput& in) {
     notes.push_back("--attention flash: meshtrain's models run eager attention; the flash figures are for a "
                     "memory-efficient kernel that never stores the T x T scores");
   notes.push_back(
-      "step times add compute (at --device-tflops), the 1F1B pipeline bubble and communication at full link "
-      "bandwidth, with no overlap: a rough ranking, not a prediction");
+      "step times add compute (at --device-tflops), the pipeline bubble, tp and pp communication (alpha-beta per "
+      "link class, on the critical path) and the dp reduction the backward does not hide (docs/plan.md, Step time); "
+      "not modelled: the vocabulary-parallel all-reduces, the optimizer step, memory-bound kernels");
   if (!in.shape)
     notes.push_back("without the model's shape the tokens per step are unknown: compute time is not estimated");
   notes.push_back(
@@ -200,7 +201,6 @@ Scenario classify_scenario(const PlanInput& in) {
 }
 
 bool better_layout(const Estimate& a, const Estimate& b) {
-  if (a.tp_in_node != b.tp_in_node) return a.tp_in_node;
   if (a.step_seconds() != b.step_seconds()) return a.step_seconds() < b.step_seconds();
   if (a.layout.zero != b.layout.zero) return a.layout.zero < b.layout.zero;  // DDP overlaps more than ZeRO-1
   return a.memory.total() < b.memory.total();
@@ -218,12 +218,17 @@ std::optional<Recommendation> recommend(const PlanInput& in, const std::vector<E
   const Layout& l = best->layout;
   std::string reason = str_cat(
       describe_layout(l), ": needs ", gigabytes(best->memory.total()), " GB of ", usable_of(in), "; of the ", fitting,
-      fitting == 1 ? " layout that fits" : " layouts that fit", ", it has the shortest estimated step, ",
+      fitting == 1 ? " layout that fits" : " layouts that fit", ", it has the shortest predicted step, ",
       seconds_text(best->step_seconds()), " s (compute ", seconds_text(best->compute_seconds), ", pipeline bubble ",
-      seconds_text(best->bubble_seconds), ", communication ", seconds_text(best->seconds.total()), ")");
+      seconds_text(best->bubble_seconds), ", tp ", seconds_text(best->seconds.tp), ", pp ",
+      seconds_text(best->seconds.pp), ", dp exposed ", seconds_text(best->dp_exposed_seconds), " of ",
+      seconds_text(best->seconds.dp), ")");
+  if (in.shape)
+    reason += str_cat(": ", with_commas(std::llround(best->tokens_per_second())), " tokens/s, ",
+                      tflops_text(best->flops_per_device(in.devices)), " model TFLOP/s per device");
   if (l.tp > 1 && best->tp_in_node)
     reason += str_cat("; tp=", l.tp, " stays inside a node of ", devices_per_node_of(in));
-  if (!best->tp_in_node) reason += "; no layout fits with tp inside a node, so tp crosses the slower inter-node link";
+  if (!best->tp_in_node) reason += "; tp crosses the slower inter-node link";
   return Recommendation{*best, reason};
 }
 

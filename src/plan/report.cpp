@@ -50,33 +50,39 @@ std::string header(const PlanInput& in) {
      << "cluster   " << in.devices << " devices in " << in.devices / per_node << " node(s) of " << per_node << ", "
      << gigabytes(static_cast<double>(in.device_memory)) << " GB each (" << gigabytes(usable_memory(in))
      << " GB usable, margin " << in.memory_margin * 100 << "%); links " << gigabytes(in.intra_node_bandwidth)
-     << " GB/s in a node, " << gigabytes(in.inter_node_bandwidth) << " GB/s between nodes; " << in.device_flops / 1e12
-     << " TFLOP/s per device\n";
+     << " GB/s + " << in.intra_node_latency * 1e6 << " us in a node, " << gigabytes(in.inter_node_bandwidth)
+     << " GB/s + " << in.inter_node_latency * 1e6 << " us between nodes; " << in.device_flops / 1e12
+     << " TFLOP/s per device\n"
+     << "schedule  " << schedule_name(in.schedule)
+     << (in.schedule == Schedule::kInterleaved ? str_cat(" (", in.virtual_stages, " chunks per rank)") : "")
+     << " for pipelines; dp gradients reduced " << (in.grad_overlap ? "during" : "after") << " backward\n";
   return os.str();
 }
 
-std::string table_row(const Estimate& e, bool recommended) {
+std::string table_row(const Estimate& e, int devices, bool recommended) {
   auto gb = [](int64_t bytes) { return gigabytes(static_cast<double>(bytes), 2); };
   const MemoryBytes& m = e.memory;
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s %9s %9s\n",
+  const double exposed = e.seconds.tp + e.seconds.pp + e.dp_exposed_seconds;
+  char buf[320];
+  std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s %9s %9s %11s %8s\n",
                 recommended ? "*" : " ", e.layout.dp, e.layout.pp, e.layout.tp, e.layout.zero, gb(m.parameters).c_str(),
                 gb(m.gradients).c_str(), gb(m.optimizer).c_str(), gb(m.activations).c_str(), gb(m.buffers).c_str(),
-                gb(m.total()).c_str(), e.fits ? "yes" : "no", gb(e.comm.total()).c_str(),
-                seconds_text(e.seconds.total()).c_str(), seconds_text(e.bubble_seconds).c_str(),
-                seconds_text(e.step_seconds()).c_str());
+                gb(m.total()).c_str(), e.fits ? "yes" : "no", gb(e.comm.total()).c_str(), seconds_text(exposed).c_str(),
+                seconds_text(e.bubble_seconds).c_str(), seconds_text(e.step_seconds()).c_str(),
+                e.tokens > 0 ? with_commas(std::llround(e.tokens_per_second())).c_str() : "-",
+                e.tokens > 0 ? tflops_text(e.flops_per_device(devices)).c_str() : "-");
   return buf;
 }
 
 std::string table(const Plan& plan) {
   // Widths follow table_row: 23 characters of layout, 61 of memory.
   std::string out = std::string(23, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') +
-                    "| per step, estimated\n" +
+                    "| per step, predicted (comm s: tp + pp + exposed dp)\n" +
                     "     dp   pp   tp zero |   params    grads    optim    activ  buffers     total  fits |    comm GB"
-                    "    comm s  bubble s    step s\n";
+                    "    comm s  bubble s    step s    tokens/s  TFLOP/s\n";
   for (const Estimate& e : plan.candidates) {
     const bool chosen = plan.recommendation && same_layout(plan.recommendation->estimate.layout, e.layout);
-    out += table_row(e, chosen);
+    out += table_row(e, plan.input.devices, chosen);
   }
   return out;
 }
@@ -96,7 +102,7 @@ std::string layout_json(const Layout& l) {
   return json::Object().integer("dp", l.dp).integer("pp", l.pp).integer("tp", l.tp).integer("zero", l.zero).str();
 }
 
-std::string estimate_json(const Estimate& e) {
+std::string estimate_json(const Estimate& e, int devices) {
   return json::Object()
       .raw("layout", layout_json(e.layout))
       .integer("microbatches", e.microbatches)
@@ -115,10 +121,15 @@ std::string estimate_json(const Estimate& e) {
                                .num("pp", e.seconds.pp)
                                .num("tp", e.seconds.tp)
                                .num("total", e.seconds.total())
+                               .num("dp_exposed", e.dp_exposed_seconds)
                                .str())
       .num("compute_seconds", e.compute_seconds)
       .num("bubble_seconds", e.bubble_seconds)
+      .integer("virtual_stages", e.virtual_stages)
       .num("step_seconds", e.step_seconds())
+      .num("tokens_per_second", e.tokens_per_second())
+      .num("model_flops_per_step", e.model_flops)
+      .num("flops_per_device", e.flops_per_device(devices))
       .boolean("tp_in_node", e.tp_in_node)
       .str();
 }
@@ -155,6 +166,11 @@ std::string input_json(const PlanInput& in) {
       .num("usable_memory_bytes", usable_memory(in))
       .num("intra_node_bandwidth", in.intra_node_bandwidth)
       .num("inter_node_bandwidth", in.inter_node_bandwidth)
+      .num("intra_node_latency", in.intra_node_latency)
+      .num("inter_node_latency", in.inter_node_latency)
+      .str("schedule", schedule_name(in.schedule))
+      .integer("virtual_stages", in.virtual_stages)
+      .boolean("grad_overlap", in.grad_overlap)
       .num("device_flops", in.device_flops)
       .str();
 }
@@ -191,7 +207,7 @@ std::string format_plan_text(const Plan& plan) {
 
 std::string format_plan_json(const Plan& plan) {
   std::vector<std::string> candidates, notes;
-  for (const Estimate& e : plan.candidates) candidates.push_back(estimate_json(e));
+  for (const Estimate& e : plan.candidates) candidates.push_back(estimate_json(e, plan.input.devices));
   for (const std::string& n : plan.notes) notes.push_back(json::quote(n));
   json::Object o;
   o.raw("input", input_json(plan.input))
@@ -200,7 +216,7 @@ std::string format_plan_json(const Plan& plan) {
   if (plan.recommendation) {
     const Recommendation& r = *plan.recommendation;
     json::Object rec;
-    rec.raw("estimate", estimate_json(r.estimate)).str("reason", r.reason);
+    rec.raw("estimate", estimate_json(r.estimate, plan.input.devices)).str("reason", r.reason);
     if (plan.input.shape) {
       rec.integer("eager_activation_bytes", r.eager_activation_bytes)
           .integer("flash_activation_bytes", r.flash_activation_bytes);
@@ -215,7 +231,7 @@ std::string format_plan_json(const Plan& plan) {
     o.raw("smallest_cluster", json::Object()
                                   .integer("devices", c.devices)
                                   .integer("nodes", c.nodes)
-                                  .raw("estimate", estimate_json(c.estimate))
+                                  .raw("estimate", estimate_json(c.estimate, c.devices))
                                   .str());
   }
   if (!plan.no_fit_message.empty()) o.str("error", plan.no_fit_message);

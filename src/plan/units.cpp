@@ -109,5 +109,11 @@ std::string a_or_an(const std::string& n) {
   return vowel ? "an" : "a";
 }
 
+std::string tflops_text(double flops) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", flops / 1e12);
+  return buf;
+}
+
 }  // namespace plan
 }  // namespace meshtrain

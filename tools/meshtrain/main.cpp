@@ -20,6 +20,7 @@
 #include "meshtrain/train/elastic.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/generate_command.h"
+#include "meshtrain/train/measure_flops.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/train/trainer.h"
@@ -39,8 +40,17 @@ static void say_error(const std::string& message) {
 
 // The subcommands besides training (which takes flags only).
 using Command = int (*)(const std::vector<std::string>&, std::ostream&);
+// `meshtrain plan`, with --device-tflops measure resolved here (the planner is
+// pure arithmetic; the measurement needs libtorch).
+static int plan_command(const std::vector<std::string>& args, std::ostream& out) {
+  std::string note;
+  const std::vector<std::string> resolved = train::resolve_measured_tflops(args, note);
+  if (!note.empty()) std::cerr << "meshtrain plan: --device-tflops " << note << "\n";
+  return plan::run_plan(resolved, out);
+}
+
 static const std::map<std::string, Command> kCommands = {
-    {"plan", plan::run_plan},
+    {"plan", plan_command},
     {"data", train::run_data_command},
     {"export", train::run_export_command},
     {"generate", train::run_generate_command},

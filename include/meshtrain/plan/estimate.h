@@ -38,15 +38,27 @@ struct Estimate {
   int64_t microbatches = 1;  // per dp rank per step: global / (micro * dp)
   int memory_stage = 0;      // the pipeline stage whose memory is reported (the largest)
   MemoryBytes memory;
-  int comm_stage = 0;  // the stage whose communication is reported (the slowest)
+  int comm_stage = 0;  // the stage whose time is reported (the slowest: compute + communication)
   CommBytes comm;
   CommSeconds seconds;
-  double compute_seconds = 0;  // the slowest stage's forward + backward at the devices' throughput
-  double bubble_seconds = 0;   // the pipeline's idle time
-  bool tp_in_node = true;      // each tp group lies inside one node
-  bool fits = false;           // memory.total() <= usable_memory
-  // Estimated step time: compute, bubble and communication, nothing overlapped.
-  double step_seconds() const { return compute_seconds + bubble_seconds + seconds.total(); }
+  double dp_exposed_seconds = 0;  // of seconds.dp, what the backward does not hide (time.h)
+  double compute_seconds = 0;     // that stage's forward + backward (+ recomputation) at device_flops
+  double bubble_seconds = 0;      // the pipeline's idle time: (p-1)/(V m) of the stage's busy time
+  int virtual_stages = 1;         // chunks per pipeline rank the schedule runs (1: 1F1B)
+  double model_flops = 0;         // per step, the whole model (stage_flops_per_token, recomputation included)
+  int64_t tokens = 0;             // per step
+  bool tp_in_node = true;         // each tp group lies inside one node
+  bool fits = false;              // memory.total() <= usable_memory
+  // Predicted step time: compute, bubble, tp and pp communication (on the
+  // critical path) and the exposed part of dp (Note [What the step time overlaps]).
+  double step_seconds() const {
+    return compute_seconds + bubble_seconds + seconds.tp + seconds.pp + dp_exposed_seconds;
+  }
+  double tokens_per_second() const { return step_seconds() > 0 ? tokens / step_seconds() : 0; }
+  // Model FLOP/s per device (the convention of Narayanan et al.: recomputation counts).
+  double flops_per_device(int devices) const {
+    return step_seconds() > 0 ? model_flops / step_seconds() / devices : 0;
+  }
 };
 
 // ---- Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation
@@ -112,9 +124,10 @@ int64_t pp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int pp, in
 
 // The tensor axis (Megatron-LM, Shoeybi et al. 2019, §3): per block and
 // micro-batch 4 all-reduces of b*s*h values (2 forward: attention and MLP
-// outputs; 2 backward: their inputs' gradients), ring volume 2 (t-1)/t each.
+// outputs; 2 backward: their inputs' gradients), ring volume 2 (t-1)/t each;
+// 6 with activation checkpointing (the recomputed forward repeats its 2).
 int64_t tp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
-                      Precision precision);
+                      Precision precision, bool checkpointing = false);
 
 // ---- Compute time.
 
@@ -127,10 +140,6 @@ int64_t tp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int tp, in
 // of 12. Flash attention recomputes the scores in backward: 2 s h more.
 double stage_flops_per_token(const DecoderShape& shape, int pp, int tp, int stage, bool checkpointing,
                              Attention attention = Attention::kEager);
-
-// 1F1B keeps pp - 1 of its m + pp - 1 micro-batch slots idle on every stage
-// (Narayanan et al. 2021, §2.2): bubble = compute * (pp - 1) / m.
-double pipeline_bubble_seconds(double compute_seconds, int pp, int64_t microbatches);
 
 // ---- Putting it together.
 

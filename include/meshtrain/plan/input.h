@@ -14,6 +14,10 @@
 namespace meshtrain {
 namespace plan {
 
+// The pipeline schedule the trainer runs (--schedule): the planner models
+// 1F1B and Megatron's interleaved 1F1B with V chunks per rank.
+enum class Schedule { k1F1B, kInterleaved };
+
 struct PlanInput {
   // The model: a decoder's shape, or only a parameter count (then the planner
   // knows no tensor sizes: no activations, no pipeline or tensor parallel
@@ -29,6 +33,11 @@ struct PlanInput {
   OptimizerKind optimizer = OptimizerKind::kAdam;
   double momentum = 0;  // SGD's momentum factor, as the trainer's --momentum; > 0 keeps a buffer
   bool activation_checkpointing = false;
+  Schedule schedule = Schedule::k1F1B;
+  int virtual_stages = 2;  // chunks per rank under the interleaved schedule
+  // The data axis reduces gradients during backward (meshtrain's DDP; the
+  // trainer's --no-overlap turns it off). See Note [What the step time overlaps].
+  bool grad_overlap = true;
 
   // The cluster. Bandwidths are per device and direction.
   int devices = 0;
@@ -36,8 +45,15 @@ struct PlanInput {
   int devices_per_node = 0;             // 0: all devices in one node
   double intra_node_bandwidth = 300e9;  // NVLink-class, bytes/s
   double inter_node_bandwidth = 25e9;   // one 200 Gb/s NIC per device, bytes/s
+  double intra_node_latency = 3e-6;     // seconds per message (alpha), NVLink-class
+  double inter_node_latency = 8e-6;     // seconds per message, InfiniBand-class
   double memory_margin = 0.10;          // keep this fraction of each device free
   double device_flops = 100e12;         // achieved (not peak) FLOP/s per device
+  // Megatron-LM's scatter/gather of pipeline messages (Narayanan et al. 2021,
+  // §4.1): each tp rank sends 1/tp of an activation across nodes and the
+  // receivers all-gather it. meshtrain sends it whole: false; no flag, for
+  // modelling Megatron's runs (tests/unit/test_plan_time.cpp).
+  bool p2p_scatter_gather = false;
 
   bool json = false;
 };
@@ -59,6 +75,7 @@ double usable_memory(const PlanInput& input);
 std::string precision_name(Precision precision);
 std::string optimizer_name(OptimizerKind optimizer);
 std::string attention_name(Attention attention);  // "eager", "flash"
+std::string schedule_name(Schedule schedule);     // "1f1b", "interleaved"
 
 }  // namespace plan
 }  // namespace meshtrain

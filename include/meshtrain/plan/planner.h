@@ -65,10 +65,9 @@ Scenario classify_scenario(const PlanInput& input);
 // "dp=8 pp=1 tp=1 ZeRO-0 (DDP)".
 std::string describe_layout(const Layout& layout);
 
-// Orders fitting layouts, best first: tp inside a node, then the shortest
-// estimated step (compute + pipeline bubble + communication; compute is the
-// same for every layout, so this is bubble + communication), then the lower
-// ZeRO stage (DDP overlaps its all-reduce with backward), then less memory.
+// Orders fitting layouts, best first: the shortest predicted step (time.h;
+// at one global batch, the highest throughput), then the lower ZeRO stage,
+// then less memory.
 bool better_layout(const Estimate& a, const Estimate& b);
 
 // The best fitting layout of input's cluster, if any.

@@ -34,6 +34,9 @@ std::string gigabytes(double bytes, int decimals = 1);
 // Seconds with three significant-looking digits: "0.036", "2.41", "1234.5".
 std::string seconds_text(double seconds);
 
+// FLOP/s as TFLOP/s with one decimal: 1.634e14 -> "163.4".
+std::string tflops_text(double flops);
+
 // "a 16 GB device", "an 80 GB device": the article for a number's sound.
 std::string a_or_an(const std::string& number_text);
 
