@@ -13,7 +13,10 @@
 #   INTRA_BW     --intra-node-bandwidth: meshtrain's shared-memory transport (default 2GB/s)
 #   INTRA_LAT    --intra-node-latency (default 20us)
 #   THREADS      threads per rank (default 1; OMP_NUM_THREADS)
-#   TFLOPS       --device-tflops (default: measure, a matmul timed with THREADS threads)
+#   TFLOPS       --device-tflops (default: calibrate: the rate one process of THREADS threads
+#                achieves on this model, times the share of the machine's cores each of the 4
+#                ranks gets; 'measure' times a 1024^3 matmul instead, which this small model's
+#                256-wide products and elementwise work do not reach)
 # --dry-run prints the predictions and the commands without training (seconds).
 # Prints: layout, predicted s, measured s (mean step time after the first),
 # error; and how many layouts are within 25%. Run it on a quiet machine: the
@@ -23,7 +26,7 @@ cd "$(dirname "$0")/../.."
 BIN=${BIN:-build/bin}
 HOSTS=tests/cluster/hosts.sh
 RATE=${RATE:-1gbit} INTER_BW=${INTER_BW:-125MB/s} INTER_LAT=${INTER_LAT:-100us}
-INTRA_BW=${INTRA_BW:-2GB/s} INTRA_LAT=${INTRA_LAT:-20us} THREADS=${THREADS:-1} TFLOPS=${TFLOPS:-measure}
+INTRA_BW=${INTRA_BW:-2GB/s} INTRA_LAT=${INTRA_LAT:-20us} THREADS=${THREADS:-1} TFLOPS=${TFLOPS:-calibrate}
 STEPS=6 DRY=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -71,6 +74,29 @@ else:
     print("nan")' "$1" "$2" "$3" "$4"
 }
 flag() { echo "$1" | sed -n "s/.*--$2 \([0-9]*\).*/\1/p"; }
+
+# The device rate: the model's FLOPs per step (the planner's compute time at 1
+# TFLOP/s) over one process's measured step, times the cores a rank gets when 4
+# ranks share this machine's.
+calibrate() {
+  local metrics=/tmp/cluster_time_one.$$.json flops
+  # shellcheck disable=SC2086
+  flops=$("$BIN/meshtrain" plan $MODEL $BATCH --devices 1 --device-memory 4GB --device-tflops 1 --precision fp32 \
+          --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["candidates"][0]["compute_seconds"] * 1e12)')
+  # shellcheck disable=SC2086
+  "$BIN/meshtrain" $MODEL $BATCH --precision fp32 --steps "$STEPS" --log-every 1000 --eval-problems 0 \
+    --metrics-out "$metrics" >/dev/null 2>&1
+  python3 -c 'import json,sys,os
+flops, path, threads = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+step = json.load(open(path))["step_time_s"]
+share = min(1.0, os.cpu_count() / (4 * threads))
+print("%.6f" % (flops / step / 1e12 * share))' "$flops" "$metrics" "$THREADS"
+  rm -f "$metrics"
+}
+if [ "$TFLOPS" = calibrate ]; then
+  TFLOPS=$(calibrate)
+  echo "device rate: $TFLOPS TFLOP/s per rank (one process of $THREADS thread(s) on this model, times the share of $(nproc --all) cores a rank gets among 4)"
+fi
 
 NAME="mtb$$" SUBNET="10.199.$(($$ % 250))"
 if [ "$DRY" = 0 ]; then

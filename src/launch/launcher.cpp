@@ -47,6 +47,49 @@ void on_signal(int sig) {
 
 void say(const std::string& msg) { std::cerr << "meshrun: " << msg << std::endl; }
 
+// Note [Signals while blocked]
+// meshrun acts on SIGINT, SIGTERM and SIGHUP where it waits: supervising its
+// ranks, polling the store. A call that blocks elsewhere (connecting to a store
+// that is not up yet, a store request over a link that went silent) would hold
+// the signal for up to --rdzv-timeout or the link time-out, while a scheduler
+// that sent SIGTERM expects the job gone within its grace. So a watchdog gives
+// the main flow a second to notice the signal (signal_arrived()); past that,
+// meshrun says so and exits, and the guard (Note [No orphans]) kills the ranks.
+std::atomic<bool> g_signal_seen{false};
+
+// The signal that arrived, 0 if none; the caller acts on it.
+int signal_arrived() {
+  const int sig = g_signal;
+  if (sig) g_signal_seen = true;
+  return sig;
+}
+
+class SignalWatchdog {
+ public:
+  SignalWatchdog()
+      : thread_([this] {
+          Clock::time_point arrived{};
+          while (!done_) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            if (!g_signal || g_signal_seen) continue;
+            if (arrived == Clock::time_point{}) arrived = Clock::now();
+            if (Clock::now() - arrived < std::chrono::seconds(1)) continue;
+            const int sig = g_signal;
+            say(str_cat("received signal ", strsignal(sig), " while blocked (connecting to the rendezvous store, or "
+                        "waiting for its reply); exiting now, the ranks are killed with it"));
+            _exit(128 + sig);
+          }
+        }) {}
+  ~SignalWatchdog() {
+    done_ = true;
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
 bool g_quiet = false;  // --quiet
 // A progress line (not a failure): --quiet leaves it out.
 void inform(const std::string& msg) {
@@ -351,7 +394,7 @@ void await_count(comm::TcpStore& store, const std::string& key, int target, std:
   const auto start = Clock::now(), deadline = start + timeout;
   auto next_line = start + std::chrono::seconds(5);
   while (store.add(key, 0) < target) {
-    if (g_signal) throw std::runtime_error("interrupted");
+    if (signal_arrived()) throw std::runtime_error("interrupted");
     // Note [Token mismatch]
     if (store.check(comm::kTokenMismatchKey)) {
       throw ConfigError(str_cat("meshrun: stopped waiting for ", what, ": ", store.get(comm::kTokenMismatchKey)));
@@ -513,7 +556,7 @@ Outcome supervise_local_ranks(const LaunchOptions& o, const std::string& gen, co
   Clock::time_point remote_seen{};
   while (!all_exited(ranks)) {
     pump(ranks, std::chrono::milliseconds(50));
-    if (g_signal) {
+    if (signal_arrived()) {
       say(str_cat("received signal ", strsignal(g_signal), "; stopping the ranks"));
       stop_all(ranks, g_signal == SIGINT ? SIGINT : SIGTERM, o.grace);
       outcome.interrupted = true;
@@ -563,7 +606,7 @@ Outcome wait_for_every_node(const LaunchOptions& o, const std::string& gen, comm
       outcome.failure = remote.describe();
       return outcome;
     }
-    if (g_signal || Clock::now() > deadline) {
+    if (signal_arrived() || Clock::now() > deadline) {
       outcome.interrupted = true;
       return outcome;
     }
@@ -580,7 +623,7 @@ void leave_together(const LaunchOptions& o, const std::string& gen, comm::TcpSto
   store.add(gen + "/nodes_seen_done", 1);
   if (o.node_rank != 0) return;
   const auto until = Clock::now() + o.rendezvous_timeout;
-  while (store.add(gen + "/nodes_seen_done", 0) < o.nnodes && Clock::now() < until && !g_signal) {
+  while (store.add(gen + "/nodes_seen_done", 0) < o.nnodes && Clock::now() < until && !signal_arrived()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
@@ -660,7 +703,7 @@ int run_fixed(Agent& a) {
     try {
       await_count(store, gen + "/nodes_joined", o.nnodes, o.rendezvous_timeout, "the other nodes");
     } catch (const std::runtime_error& e) {
-      if (g_signal) return 128 + g_signal;
+      if (signal_arrived()) return 128 + g_signal;
       say(e.what());
       return 1;
     }
@@ -721,7 +764,7 @@ std::pair<LaunchOptions, std::map<std::string, std::string>> round_setup(const A
 // alive, until the job ends, fails more than --max-restarts times, or has
 // fewer than MIN nodes.
 int run_elastic(Agent& a) {
-  ElasticRendezvous rdzv(a.o, *a.store, inform, [] { return g_signal != 0; });
+  ElasticRendezvous rdzv(a.o, *a.store, inform, [] { return signal_arrived() != 0; });
   int next = rdzv.current_round(), failures = 0;
   while (true) {
     ElasticRendezvous::Round round;
@@ -731,7 +774,7 @@ int run_elastic(Agent& a) {
       say(e.what());
       return 2;
     } catch (const std::exception& e) {
-      if (g_signal) return 128 + g_signal;
+      if (signal_arrived()) return 128 + g_signal;
       if (std::string(e.what()) != "finished") {
         say(str_cat("rendezvous failed: ", e.what(), a.o.node_rank == 0 ? "" : "; node 0 hosts the store: an elastic "
                     "job goes on without any other node, not without node 0"));
@@ -787,6 +830,7 @@ int run_launcher(const LaunchOptions& options) {
   signal(SIGPIPE, SIG_IGN);
 
   OrphanGuard guard;  // See Note [No orphans]
+  SignalWatchdog watchdog;  // Note [Signals while blocked]; after the guard, which it relies on
   g_guard = &guard;
   struct ForgetGuard {
     ~ForgetGuard() { g_guard = nullptr; }

@@ -419,3 +419,20 @@ TEST(Meshrun, ElasticNodeThatDiesWhileWaitingIsNotWaitedFor) {
   EXPECT_FALSE(contains(r.output, "round 1")) << r.output;
   EXPECT_TRUE(contains(r.output, "node0 rc 0")) << r.output;
 }
+
+// A node whose store is not up yet keeps connecting until --rdzv-timeout; a
+// SIGTERM then (a scheduler cancelling the job) used to wait for that. meshrun
+// now ends within a second of it, saying where it was (Note [Signals while
+// blocked] in src/launch/launcher.cpp).
+TEST(Meshrun, SigtermWhileConnectingToTheStoreEndsWithinASecond) {
+  const int port = free_port();  // nothing listens there: the connection is refused and retried
+  Shell r = sh(str_cat("(", kBin, "/meshrun --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 ",
+                       "--master-port ", port, " --rdzv-timeout 300 -- sleep 100 & pid=$!; sleep 2; ",
+                       "a=$(date +%s.%N); kill -TERM $pid; wait $pid; echo \"exit $?\"; ",
+                       "awk -v a=$a -v b=$(date +%s.%N) 'BEGIN { print \"took \" b - a }')"));
+  EXPECT_TRUE(contains(r.output, "exit 143")) << r.output;
+  EXPECT_TRUE(contains(r.output, "received signal Terminated while blocked")) << r.output;
+  const size_t at = r.output.find("took ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_LT(std::stod(r.output.substr(at + 5)), 1.5) << r.output;  // a second, and the watchdog's 50 ms ticks
+}
