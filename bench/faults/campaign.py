@@ -25,6 +25,7 @@ Faults:
                 others (DESYNC: --resume, --save-every, --save-dir, a relative --save-dir from another
                 directory, MESHTRAIN_BACKEND, the rendezvous token...), resuming a saved run: refused before
                 any write, naming the flag or variable; the saved run left as it was
+  cut, cut-in, cut-out, frozen-host, slow-link: across two test hosts (bench/faults/partitions.py)
   changed-data  the data one rank reads differs from the others' under the same name (another copy,
                 truncated, a block or a token rewritten), or the shard every rank reads is truncated or
                 overwritten with out-of-vocabulary ids while the job trains: refused, naming the file;
@@ -564,6 +565,12 @@ def main():
                             "desync-flag,changed-data").split(",")
     templates = tempfile.mkdtemp(prefix="meshtrain-faults-saved-")  # saved runs the trials resume
     for fault in faults:
+        import partitions  # its trials import this module's helpers
+        if fault in partitions.FAULTS:  # across two test hosts (needs root)
+            results = partitions.run(fault, trials, int(os.environ.get("PARALLEL", "3")))
+            with open(os.path.join(out, f"{fault}.json"), "w") as f:
+                json.dump(results, f)
+            continue
         results = []
         references = {}  # layout -> the uninterrupted run's losses
         for i in range(trials):

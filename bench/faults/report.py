@@ -43,9 +43,41 @@ def refusal_section(a):
     publish(L, a.doc, "faults-refusals", "Refusal campaign: desynchronised flags and changed data")
 
 
+PARTITIONS = ["cut", "cut-in", "cut-out", "frozen-host", "slow-link"]
+
+
+def partition_section(a):
+    """The partition rows (bench/faults/partitions.py): links and hosts across two test hosts."""
+    runs = {f: json.load(open(os.path.join(a.dir, f + ".json")))
+            for f in PARTITIONS if os.path.exists(os.path.join(a.dir, f + ".json"))}
+    if not runs:
+        return
+    L = [a.header, "",
+         "Two test hosts (network namespaces with their own hostname, address and /dev/shm, through a bridge), a "
+         "meshrun node of 2 ranks on each (a tiny GPT, dp 2 x pp 2 and dp 2 x tp 2, alternating), "
+         "MESHTRAIN_LINK_TIMEOUT_S=4, --comm-timeout 6; one fault on host 1 1-3 s into training. Detection = "
+         "seconds from the fault to node 0's first line naming a failure; end = until every node that can still "
+         "run has exited. Named = node 0's summary names a rank of host 1 as unreachable through the link to host "
+         "1 (frozen host: as stuck) and node 1, where it can run, names its link to the store. Orphans and "
+         "leftovers (files in /dev/shm) in the hosts that can still run. Slow link: host 1's link from 1 Gbit/s "
+         "to 10 Mbit/s; named = the job trained on with no failure reported, detection column = step time after "
+         "/ before, end = from SIGTERM to both meshruns' exit.", "",
+         "| fault | trials | hangs | detection min / median / max | end median / max (s) | named | orphans | "
+         "leftovers |", "|---|---|---|---|---|---|---|---|"]
+    for f, results in runs.items():
+        r = summary(f, results)
+        det = f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}" if "median" in r else "-"
+        ends = sorted(x["end"] for x in results if x.get("end") is not None)
+        end = f"{ends[len(ends) // 2]:.2f} / {ends[-1]:.2f}" if ends else "-"
+        L.append(f"| {f} | {r['trials']} | {r['hangs']} | {det} | {end} | {r['named']} / {r['trials']} | "
+                 f"{r['orphans']} | {r['leftovers']} |")
+    publish(L, a.doc, "faults-partitions", "Partition campaign: links and hosts across two test hosts")
+
+
 def main():
     a = report_args(__doc__)
     refusal_section(a)
+    partition_section(a)
     rows = [summary(f, json.load(open(os.path.join(a.dir, f + ".json"))))
             for f in ORDER if os.path.exists(os.path.join(a.dir, f + ".json"))]
     if not rows:

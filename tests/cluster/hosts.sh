@@ -1,6 +1,7 @@
 #!/bin/sh
 # Test hosts on one machine: each a network namespace with its own hostname and
-# its own /dev/shm (a tmpfs in a private mount namespace), joined by veth links
+# its own /dev/shm (the machine's /dev/shm/testhost-NAME<I>, bound in a private
+# mount namespace, so what a host leaves there can be seen from outside), joined by veth links
 # to a bridge that lives in a namespace of its own, so nothing is added to the
 # machine's own network.
 #   hosts.sh up NAME N [SUBNET]   hosts NAME0..NAME<N-1> at SUBNET.1.. (default 10.77.0), switch NAMEsw
@@ -36,7 +37,7 @@ case $cmd in
   run)
     i=$3; shift 3
     exec ip netns exec "$name$i" unshare --uts --mount sh -c \
-      'mount -t tmpfs -o size=512m tmpfs /dev/shm && hostname "$0" &&
+      'mkdir -p "/dev/shm/testhost-$0" && mount --bind "/dev/shm/testhost-$0" /dev/shm && hostname "$0" &&
        { [ -z "${HOSTS_FILE:-}" ] || mount --bind "$HOSTS_FILE" /etc/hosts; } && exec "$@"' "$name$i" "$@" ;;
   cut)
     ip -n "${name}sw" link set "${name}s$3" down ;;
@@ -51,6 +52,7 @@ case $cmd in
     while [ "$i" -lt "$n" ]; do
       for pid in $(ip netns pids "$name$i" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
       ip netns del "$name$i" 2>/dev/null || true
+      rm -rf "/dev/shm/testhost-$name$i"
       i=$((i + 1))
     done
     ip netns del "${name}sw" 2>/dev/null || true ;;
