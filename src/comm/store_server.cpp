@@ -168,6 +168,13 @@ struct StoreServer::State {
     }
   }
 
+  int ms_to_next_heartbeat() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto left = last_heartbeat + heartbeat_interval - Clock::now();
+    return static_cast<int>(std::clamp<int64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count() + 1,
+                                                0, 1000));
+  }
+
   // How long `host` has left a heartbeat unanswered. Caller holds mutex.
   Clock::duration deafness(const std::string& host) const {
     auto it = unanswered_since.find(host);
@@ -330,10 +337,13 @@ struct StoreServer::State {
         c.watching = true;
         c.watch_prefix = r.str();
         unanswered_since.erase(host_of(c.peer));  // it read the greeting: its host hears this one
-        // A heartbeat unacknowledged for half the link time-out ends this
-        // connection, and so every one of its host, before that host's own
-        // processes give up on the store: this side names the cut first.
-        c.silent_after = std::chrono::milliseconds(net::link_timeout()) / 2;
+        // A heartbeat unacknowledged for a quarter of the link time-out ends
+        // this connection, and so every one of its host: with a heartbeat each
+        // quarter, within half the link time-out of a cut, while that host's
+        // own processes give up on the store only after the whole of it (they
+        // hear nothing, and their keepalive counts from the last packet heard):
+        // this side names the cut first, with a margin a loaded machine keeps.
+        c.silent_after = std::chrono::milliseconds(net::link_timeout()) / 4;
         net::set_unacknowledged_timeout(c.fd, c.silent_after);
         // A watcher that arrives late still learns of earlier failures.
         for (const auto& f : failures) {
@@ -405,7 +415,6 @@ std::vector<FailureReport> StoreServer::failures() const {
 }
 
 void StoreServer::run() {
-  const int64_t heartbeat_ms = std::chrono::duration_cast<std::chrono::milliseconds>(state_->heartbeat_interval).count();
   std::vector<pollfd> fds;
   char buf[65536];
   while (true) {
@@ -417,8 +426,8 @@ void StoreServer::run() {
       for (const auto& kv : state_->clients)
         fds.push_back({kv.first, static_cast<short>(POLLIN | (kv.second.outbuf.empty() ? 0 : POLLOUT)), 0});
     }
-    // Wakes at least each heartbeat interval, and each second to expire silent strangers.
-    if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(1000, heartbeat_ms))) < 0) {
+    // Wakes for the next heartbeat on time, and each second to expire silent strangers.
+    if (::poll(fds.data(), fds.size(), state_->ms_to_next_heartbeat()) < 0) {
       if (errno == EINTR) continue;
       return;
     }

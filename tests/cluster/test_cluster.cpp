@@ -3,6 +3,7 @@
 // through a bridge (tests/cluster/hosts.sh). What crosses hosts crosses a
 // veth link that a test can cut.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -54,11 +55,23 @@ class Hosts {
   const std::string& name() const { return name_; }
   // Processes still running inside host i's network namespace.
   std::string processes(int i) const { return sh(str_cat("ip netns pids ", name_, i)).output; }
+  // What host i's processes left in its /dev/shm (hosts.sh keeps it as the machine's /dev/shm/testhost-NAME<i>).
+  std::string shm_left(int i) const { return sh(str_cat("ls -A /dev/shm/testhost-", name_, i, " 2>/dev/null")).output; }
 
  private:
   int n_;
   std::string name_, subnet_, why_;
   bool ok_ = false;
+};
+
+// An environment variable set for one test (the shells it starts inherit it).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+
+ private:
+  const char* name_;
 };
 
 // The job's rendezvous token file in `t`.
@@ -162,7 +175,7 @@ INSTANTIATE_TEST_SUITE_P(
 // meshrun blocked on the store over the dead connection and node 0 blaming a
 // healthy rank as stuck. Every store connection now has TCP keepalive and a
 // user time-out (Note [Silent links] in src/comm/socket.h): both nodes end
-// within MESHTRAIN_LINK_TIMEOUT_S (8 s) of the cut, well inside
+// within MESHTRAIN_LINK_TIMEOUT_S (4 s in this test) of the cut, well inside
 // --comm-timeout 60, node 0 naming the unreachable host, node 1 the store's.
 // A one-way cut (hosts.sh cut-in, cut-out) let the side that still hears
 // count the link as alive: node 0 blamed a healthy rank as stuck at the comm
@@ -177,12 +190,13 @@ TEST_P(LinkCut, EndsEveryNodeNamingTheUnreachableHost) {
   if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
   TempDir t;
   const std::string flags = kTiny + "--steps 1000000 --dp 2 --pp 2 --log-every 1 --comm-timeout 60";
+  ScopedEnv link_timeout("MESHTRAIN_LINK_TIMEOUT_S", "4");  // half the default: the same logic, a shorter test
   Shell r = run_with_fault(hosts, t, flags, hosts.action(GetParam(), 1), /*wait_for_node1=*/true);
   const std::string log0 = meshtrain::files::read_all(t.file("n0.log")), log1 = meshtrain::files::read_all(t.file("n1.log"));
   const std::string all = r.output + "\n--- node 0\n" + log0 + "\n--- node 1\n" + log1;
   ASSERT_TRUE(contains(log0, "step ")) << all;
   const double seconds = seconds_between(r.output, "fault at ", "ended at ");
-  EXPECT_LT(seconds, 8 + 17) << all;  // the link time-out, then stopping the ranks on a loaded machine; far below 60
+  EXPECT_LT(seconds, 4 + 17) << all;  // the link time-out, then stopping the ranks on a loaded machine; far below 60
   EXPECT_TRUE(contains(log0, "node 0 exit 1")) << all;
   EXPECT_TRUE(contains(log1, "node 1 exit 1")) << all;
   EXPECT_TRUE(contains(log0, "meshrun: failed: rank 2 became unreachable (the link to " + hosts.address(1) +
@@ -197,6 +211,7 @@ TEST_P(LinkCut, EndsEveryNodeNamingTheUnreachableHost) {
       << all;
   EXPECT_EQ(hosts.processes(0), "") << all;
   EXPECT_EQ(hosts.processes(1), "") << all;
+  EXPECT_EQ(hosts.shm_left(0) + hosts.shm_left(1), "") << all;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cluster, LinkCut, ::testing::Values("cut", "cut-in", "cut-out"),
