@@ -3,15 +3,13 @@
 // through a bridge (tests/cluster/hosts.sh). What crosses hosts crosses a
 // veth link that a test can cut.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <fstream>
 #include <ostream>
 #include <string>
 
 #include "../dist/metrics.h"
-#include "cluster.h"
 #include "../dist/shell.h"
+#include "cluster.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
@@ -21,7 +19,6 @@ using meshtrain::json::Value;
 using meshtrain::testing::contains;
 using meshtrain::testing::expect_same_losses;
 using meshtrain::testing::kBin;
-using meshtrain::testing::kSource;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
 using meshtrain::testing::TempDir;
