@@ -3,15 +3,13 @@
 // through a bridge (tests/cluster/hosts.sh). What crosses hosts crosses a
 // veth link that a test can cut.
 #include <gtest/gtest.h>
-#include <stdlib.h>
-#include <unistd.h>
 
-#include <fstream>
 #include <ostream>
 #include <string>
 
 #include "../dist/metrics.h"
 #include "../dist/shell.h"
+#include "cluster.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
@@ -21,86 +19,18 @@ using meshtrain::json::Value;
 using meshtrain::testing::contains;
 using meshtrain::testing::expect_same_losses;
 using meshtrain::testing::kBin;
-using meshtrain::testing::kSource;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
 using meshtrain::testing::TempDir;
 
 namespace {
 
-const std::string kHosts = kSource + "/tests/cluster/hosts.sh";
-const std::string kTiny =
-    " --model gpt --layers 4 --hidden 32 --heads 4 --vocab 64 --seq-len 16 --global-batch 24 --lr 1e-2"
-    " --adam-eps 1e-6 --eval-problems 0 ";
-
-// N test hosts for one test, removed with everything in them when it ends.
-class Hosts {
- public:
-  explicit Hosts(int n) : n_(n) {
-    const int id = static_cast<int>(::getpid() % 100000);
-    name_ = str_cat("mt", id);
-    subnet_ = str_cat("10.", 100 + id % 100, ".", id / 100 % 250);
-    Shell r = sh(str_cat(kHosts, " up ", name_, " ", n, " ", subnet_));
-    ok_ = r.exit_code == 0;
-    why_ = r.output;
-  }
-  ~Hosts() { sh(str_cat(kHosts, " down ", name_, " ", n_)); }
-  bool ok() const { return ok_; }
-  const std::string& why() const { return why_; }
-  std::string address(int i) const { return str_cat(subnet_, ".", i + 1); }
-  // The shell words that run the rest of a command on host i.
-  std::string on(int i) const { return str_cat(kHosts, " run ", name_, " ", i, " "); }
-  // hosts.sh's cut, cut-in (one way) on host i's link.
-  std::string action(const std::string& what, int i) const { return str_cat(kHosts, " ", what, " ", name_, " ", i); }
-  const std::string& name() const { return name_; }
-  // Processes still running inside host i's network namespace.
-  std::string processes(int i) const { return sh(str_cat("ip netns pids ", name_, i)).output; }
-  // What host i's processes left in its /dev/shm (hosts.sh keeps it as the machine's /dev/shm/testhost-NAME<i>).
-  std::string shm_left(int i) const { return sh(str_cat("ls -A /dev/shm/testhost-", name_, i, " 2>/dev/null")).output; }
-
- private:
-  int n_;
-  std::string name_, subnet_, why_;
-  bool ok_ = false;
-};
-
-// An environment variable set for one test (the shells it starts inherit it).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
-  ~ScopedEnv() { ::unsetenv(name_); }
-
- private:
-  const char* name_;
-};
-
-// The job's rendezvous token file in `t`.
-std::string token_file(const TempDir& t) {
-  std::ofstream(t.file("token")) << "0123456789abcdef0123456789abcdef\n";
-  return t.file("token");
-}
-
-// meshrun on node `node` of `nodes` (host `node`), `per_node` ranks each, store on host 0.
-std::string node_command(const Hosts& h, int node, const std::string& token, const std::string& flags, int nodes = 2,
-                         int per_node = 2) {
-  return str_cat(h.on(node), kBin, "/meshrun --nnodes ", nodes, " --node-rank ", node, " --nproc-per-node ", per_node,
-                 " --master-addr ", h.address(0), " --master-port 29611 --rdzv-token-file ", token,
-                 " --grace-seconds 1 -- ", kBin, "/meshtrain", flags);
-}
-
-// Runs the job on every host (node i on host i) and returns node 0's output
-// followed by the others' logs; "node 0 exit N" says how node 0 ended.
-Shell run_job(const Hosts& h, const TempDir& t, const std::string& flags, int nodes, int per_node) {
-  const std::string token = token_file(t);
-  std::string cmd = "(", logs;
-  for (int node = 1; node < nodes; ++node) {
-    const std::string log = t.file(str_cat("n", node, ".log"));
-    cmd += str_cat(node_command(h, node, token, flags, nodes, per_node), " > ", log, " 2>&1 & ");
-    logs += " " + log;
-  }
-  cmd += str_cat(node_command(h, 0, token, flags, nodes, per_node), "; echo node 0 exit $?; wait); cat", logs);
-  return sh(cmd);
-}
+using meshtrain::testing::Hosts;
+using meshtrain::testing::kTiny;
+using meshtrain::testing::node_command;
+using meshtrain::testing::run_job;
+using meshtrain::testing::token_file;
+using meshtrain::testing::ScopedEnv;
 
 // Starts 2 nodes (logs n0.log, n1.log in `t`, each ending with "node N exit
 // CODE"), runs `fault` once node 0 trains, and waits for node 0 and, unless
