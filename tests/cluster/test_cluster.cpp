@@ -47,6 +47,8 @@ class Hosts {
   bool ok() const { return ok_; }
   const std::string& why() const { return why_; }
   std::string address(int i) const { return str_cat(subnet_, ".", i + 1); }
+  // The hosts' network, as OpenMPI's *_if_include take it.
+  std::string network() const { return subnet_ + ".0/24"; }
   // The shell words that run the rest of a command on host i.
   std::string on(int i) const { return str_cat(kHosts, " run ", name_, " ", i, " "); }
   // hosts.sh's cut, cut-in (one way) on host i's link.
@@ -73,6 +75,21 @@ std::string node_command(const Hosts& h, int node, const std::string& token, con
   return str_cat(h.on(node), kBin, "/meshrun --nnodes ", nodes, " --node-rank ", node, " --nproc-per-node ", per_node,
                  " --master-addr ", h.address(0), " --master-port 29611 --rdzv-token-file ", token,
                  " --grace-seconds 1 -- ", kBin, "/meshtrain", flags);
+}
+
+// mpirun on host 0 starting `per_host` ranks of `program` on each host: its
+// daemons on the others come up through mpi_agent.sh (ssh's place); OpenMPI's
+// TCP between the hosts (their own network only), its shared memory inside;
+// its ranks yield while they wait (4 busy-polling ranks on 2 cores crawl).
+// Writes the hostfile into `t`.
+std::string mpirun_command(const Hosts& h, const TempDir& t, int hosts, int per_host, const std::string& program) {
+  std::ofstream hostfile(t.file("hostfile"));
+  for (int i = 0; i < hosts; ++i) hostfile << h.address(i) << " slots=" << per_host << "\n";
+  hostfile.close();
+  return str_cat(h.on(0), "mpirun --allow-run-as-root --hostfile ", t.file("hostfile"), " -np ", hosts * per_host,
+                 " --mca plm_rsh_agent ", kSource, "/tests/cluster/mpi_agent.sh --mca btl tcp,vader,self",
+                 " --mca btl_tcp_if_include ", h.network(), " --mca oob_tcp_if_include ", h.network(),
+                 " --mca mpi_yield_when_idle 1 --bind-to none --display-map ", program);
 }
 
 // Runs the job on every host (node i on host i) and returns node 0's output
@@ -230,3 +247,50 @@ TEST(Cluster, AFrozenHostIsNamedAndNode0EndsWithinTheCommunicationTimeout) {
   EXPECT_TRUE(contains(log0, "not every node said it stopped within 6 s (1 of 2 did)")) << all;
   EXPECT_EQ(hosts.processes(0), "") << all;
 }
+
+// OpenMPI across hosts (issue 30 item 3a): mpirun on host 0 starts host 1's
+// ranks through its daemon, which tests/cluster/mpi_agent.sh starts inside
+// host 1 as ssh would on a real cluster. The ranks take their places from
+// OMPI_COMM_WORLD_*; under mpirun the trainer picks the MPI backend by itself
+// (no store, no MASTER_ADDR), and a store backend asked for by name needs
+// MASTER_ADDR passed with -x. Both train like one process, and nothing is
+// left running on any host.
+struct MpiLayout {
+  const char* name;
+  const char* backend_env;  // mpirun's -x for MESHTRAIN_BACKEND, or ""
+  const char* master_port;  // where rank 0 puts the store, for a backend that meets through one; or ""
+  const char* backend;      // the one the trainer says it uses
+};
+
+void PrintTo(const MpiLayout& l, std::ostream* os) { *os << l.name; }
+
+class UnderMpirun : public ::testing::TestWithParam<MpiLayout> {};
+
+TEST_P(UnderMpirun, TrainsLikeOneProcessAcrossHosts) {
+  const MpiLayout& l = GetParam();
+  Hosts hosts(2);
+  if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
+  TempDir t;
+  const std::string common = kTiny + "--steps 8 --log-every 100 ";
+  std::string env = l.backend_env;
+  if (*l.master_port) env += str_cat(" -x MASTER_ADDR=", hosts.address(0), " -x MASTER_PORT=", l.master_port);
+  Shell r = sh(mpirun_command(hosts, t, 2, 2,
+                              str_cat(env, " ", kBin, "/meshtrain", common, "--dp 2 --pp 2 --metrics-out ",
+                                      t.file("m.json"))));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "Data for node: " + hosts.address(1) + "\tNum slots: 2\tMax slots: 0\tNum procs: 2"))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, str_cat("communication backend ", l.backend, " (world of 4"))) << r.output;
+  Shell one = sh(kBin + "/meshtrain" + common + "--metrics-out " + t.file("one.json"));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  expect_same_losses(meshtrain::json::parse_file(t.file("m.json")), meshtrain::json::parse_file(t.file("one.json")),
+                     l.name);
+  EXPECT_EQ(hosts.processes(0), "") << r.output;
+  EXPECT_EQ(hosts.processes(1), "") << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cluster, UnderMpirun,
+                         ::testing::Values(MpiLayout{"mpi_by_itself", "", "", "mpi"},
+                                           MpiLayout{"gloo_through_the_store", "-x MESHTRAIN_BACKEND=gloo", "29612",
+                                                     "gloo"}),
+                         [](const ::testing::TestParamInfo<MpiLayout>& info) { return std::string(info.param.name); });
