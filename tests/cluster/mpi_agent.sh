@@ -18,7 +18,7 @@ if ip netns list 2>/dev/null | cut -d' ' -f1 | grep -qx "$host"; then
   ns=$host
 else
   for candidate in $(ip netns list 2>/dev/null | cut -d' ' -f1); do
-    if ip -n "$candidate" -o -4 addr show 2>/dev/null | grep -q " inet $host/"; then ns=$candidate; break; fi
+    if ip -n "$candidate" -o -4 addr show 2>/dev/null | grep -qF " inet $host/"; then ns=$candidate; break; fi
   done
 fi
 [ -n "$ns" ] || { echo "mpi_agent.sh: no test host has the name or address '$host' (ip netns list)" >&2; exit 255; }
