@@ -6,4 +6,8 @@ cd "$(dirname "$0")/.."
 # python3-torch: a test opens checkpoints with torch.load; Slurm: the cluster tests' Slurm cluster.
 scripts/setup.sh --with-peers --with-slurm
 cd build
-ctest --output-on-failure -j2 -LE full "$@"
+# No arguments: the default suite (the full equivalence product, the cross-host
+# byte count and OpenMPI across test hosts are `-L full`). Arguments replace
+# that choice: `scripts/test.sh -L cluster` runs every cluster test.
+[ $# -gt 0 ] || set -- -LE full
+ctest --output-on-failure -j2 "$@"

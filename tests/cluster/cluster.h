@@ -46,6 +46,8 @@ class Hosts {
   bool ok() const { return ok_; }
   const std::string& why() const { return why_; }
   std::string address(int i) const { return str_cat(subnet_, ".", i + 1); }
+  // The hosts' network, as OpenMPI's *_if_include take it.
+  std::string network() const { return subnet_ + ".0/24"; }
   // The shell words that run the rest of a command on host i.
   std::string on(int i) const { return str_cat(kHosts, " run ", name_, " ", i, " "); }
   // hosts.sh's cut, cut-in (one way) on host i's link.
@@ -94,6 +96,22 @@ inline std::string node_command(const Hosts& h, int node, const std::string& tok
   return str_cat(h.on(node), kBin, "/meshrun --nnodes ", nodes, " --node-rank ", node, " --nproc-per-node ", per_node,
                  " --master-addr ", h.address(0), " --master-port 29611 --rdzv-token-file ", token,
                  " --grace-seconds 1 -- ", kBin, "/meshtrain", flags);
+}
+
+// mpirun on host 0 starting `per_host` ranks of `program` on each host: its
+// daemons on the others come up through mpi_agent.sh (ssh's place); OpenMPI's
+// TCP between the hosts (their own network only), its shared memory inside;
+// its ranks yield while they wait (4 busy-polling ranks on 2 cores crawl).
+// Writes the hostfile into `t`.
+inline std::string mpirun_command(const Hosts& h, const TempDir& t, int hosts, int per_host,
+                                  const std::string& program) {
+  std::ofstream hostfile(t.file("hostfile"));
+  for (int i = 0; i < hosts; ++i) hostfile << h.address(i) << " slots=" << per_host << "\n";
+  hostfile.close();
+  return str_cat(h.on(0), "mpirun --allow-run-as-root --hostfile ", t.file("hostfile"), " -np ", hosts * per_host,
+                 " --mca plm_rsh_agent ", kSource, "/tests/cluster/mpi_agent.sh --mca btl tcp,vader,self",
+                 " --mca btl_tcp_if_include ", h.network(), " --mca oob_tcp_if_include ", h.network(),
+                 " --mca mpi_yield_when_idle 1 --bind-to none --display-map ", program);
 }
 
 // Runs the job on every host (node i on host i) and returns node 0's output
