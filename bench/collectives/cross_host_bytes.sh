@@ -16,14 +16,11 @@ MESHTRAIN_BYTES_TABLE="$table" build/bin/cluster_full_tests --gtest_filter=Clust
   echo
   cat "$table"
 } > "$table.block"
-/usr/bin/python3 - "$table.block" docs/comm.md <<'PY'
+/usr/bin/python3 - "$table.block" <<'PY'
 import sys
-block, doc = open(sys.argv[1]).read().strip(), sys.argv[2]
-text = open(doc).read()
-begin, end = "<!-- cross-host-bytes:begin -->", "<!-- cross-host-bytes:end -->"
-head, rest = text.split(begin)
-_, tail = rest.split(end)
-open(doc, "w").write(head + begin + "\n" + block + "\n" + end + tail)
+sys.path.insert(0, "bench/ddp")
+from report import replace_section  # the section between its markers, as every bench report writes it
+replace_section("docs/comm.md", "cross-host-bytes", "What crosses hosts, measured", open(sys.argv[1]).read().strip() + "\n")
 PY
 rm -f "$table" "$table.block"
 echo "docs/comm.md updated"

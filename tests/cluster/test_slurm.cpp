@@ -12,6 +12,7 @@
 
 #include "../dist/metrics.h"
 #include "../dist/shell.h"
+#include "cluster.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
@@ -21,6 +22,7 @@ using meshtrain::testing::contains;
 using meshtrain::testing::expect_same_losses;
 using meshtrain::testing::kBin;
 using meshtrain::testing::kSource;
+using meshtrain::testing::kTiny;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
 using meshtrain::testing::TempDir;
@@ -29,9 +31,6 @@ namespace {
 
 const std::string kSlurm = kSource + "/tests/cluster/slurm.sh";
 const std::string kSbatch = kSource + "/examples/slurm/train.sbatch";
-const std::string kTiny =
-    " --model gpt --layers 4 --hidden 32 --heads 4 --vocab 64 --seq-len 16 --global-batch 24 --lr 1e-2"
-    " --adam-eps 1e-6 --eval-problems 0 ";
 
 // A Slurm cluster of N namespaced hosts for one test, removed with everything
 // in it when the test ends.
