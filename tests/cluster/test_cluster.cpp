@@ -4,21 +4,15 @@
 // veth link that a test can cut.
 #include <gtest/gtest.h>
 
-#include <ostream>
 #include <string>
 
-#include "../dist/metrics.h"
 #include "../dist/shell.h"
 #include "cluster.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
-#include "meshtrain/util/json.h"
 
 using meshtrain::str_cat;
-using meshtrain::json::Value;
 using meshtrain::testing::contains;
-using meshtrain::testing::expect_same_losses;
-using meshtrain::testing::kBin;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
 using meshtrain::testing::TempDir;
@@ -28,7 +22,6 @@ namespace {
 using meshtrain::testing::Hosts;
 using meshtrain::testing::kTiny;
 using meshtrain::testing::node_command;
-using meshtrain::testing::run_job;
 using meshtrain::testing::token_file;
 using meshtrain::testing::ScopedEnv;
 
@@ -56,50 +49,6 @@ double seconds_between(const std::string& output, const std::string& from, const
 }
 
 }  // namespace
-
-// Strategies across hosts train like one process (the equivalence contract,
-// issue 30 item 1): 2 hosts of 2 ranks (the hierarchical backend: shared
-// memory inside a host, Gloo between) and 4 hosts of 1 rank (flat Gloo, tensor
-// parallelism across hosts). A sample that fits the test budget: DDP, ZeRO-3,
-// the pipeline schedules with ZeRO, tp within and across hosts (the whole
-// product runs on one host in the dist tests).
-struct Layout {
-  const char* name;
-  int hosts, per_host;
-  const char* flags;
-  const char* backend;
-};
-
-void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
-
-class AcrossHosts : public ::testing::TestWithParam<Layout> {};
-
-TEST_P(AcrossHosts, TrainsLikeOneProcess) {
-  const Layout& l = GetParam();
-  Hosts hosts(l.hosts);
-  if (!hosts.ok()) GTEST_SKIP() << "cannot make network namespaces here: " << hosts.why();
-  TempDir t;
-  const std::string common = kTiny + "--steps 8 --log-every 100 ";
-  Shell r = run_job(hosts, t, common + l.flags + " --metrics-out " + t.file("m.json"), l.hosts, l.per_host);
-  ASSERT_TRUE(contains(r.output, "node 0 exit 0")) << r.output;
-  EXPECT_TRUE(contains(r.output, str_cat("communication backend ", l.backend, " (world of ", l.hosts * l.per_host)))
-      << r.output;
-  Shell one = sh(kBin + "/meshtrain" + common + "--metrics-out " + t.file("one.json"));
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  expect_same_losses(meshtrain::json::parse_file(t.file("m.json")), meshtrain::json::parse_file(t.file("one.json")),
-                     l.name);
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Cluster, AcrossHosts,
-    ::testing::Values(Layout{"ddp", 2, 2, "--dp 4", "hierarchical"},
-                      Layout{"zero3", 2, 2, "--dp 4 --zero 3", "hierarchical"},
-                      Layout{"dp2_pp2_gpipe_zero3", 2, 2, "--dp 2 --pp 2 --schedule gpipe --zero 3", "hierarchical"},
-                      Layout{"pp2_interleaved_dp2", 2, 2, "--dp 2 --pp 2 --schedule interleaved --virtual-stages 2",
-                             "hierarchical"},
-                      Layout{"dp2_tp2", 2, 2, "--dp 2 --tp 2", "hierarchical"},
-                      Layout{"tp2_pp2_across_4_hosts", 4, 1, "--pp 2 --tp 2 --zero 3", "gloo"}),
-    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // Issue 30: a link cut mid-training took 633 s to end the job, node 1's
 // meshrun blocked on the store over the dead connection and node 0 blaming a
