@@ -12,12 +12,17 @@
 # size run alone for 14 calls (--target-s 0: 1 + 5 warm-up + 3 estimate + 5),
 # less a run of a 16-byte all_reduce for what starting the job costs (BYTES=1;
 # 4 launches per op and size, each ~30 s on a loaded 2-core machine).
-#   bench/collectives/hosts.sh     (RATES="1gbit 200mbit" SIZES=64K,1M,16M OPS=all_reduce,all_gather,broadcast TARGET_S=0.1 BYTES=0)
+# Then (TRAIN=1, the default) a training step on each rate: DDP (--dp 4) of a
+# GPT of 6.6M parameters (26 MB of gradients) under meshrun (hierarchical,
+# flat gloo) and mpirun (the MPI backend: OpenMPI's collectives), the mean
+# step after the first, and the bytes one step puts on the link (host 0's
+# veth, a job of 8 steps less one of 3, on the first rate).
+#   bench/collectives/hosts.sh     (RATES="1gbit 200mbit" SIZES=64K,1M,16M OPS=all_reduce,all_gather,broadcast TARGET_S=0.1 BYTES=0 TRAIN=1)
 # Writes the table to docs/BENCHMARKS.md (section "Collectives across hosts").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RATES=${RATES:-1gbit 200mbit}; SIZES=${SIZES:-64K,1M,16M}; OPS=${OPS:-all_reduce,all_gather,broadcast}
-TARGET_S=${TARGET_S:-0.1} BYTES=${BYTES:-0}; OUT=${OUT:-build/bench/collectives_hosts}
+TARGET_S=${TARGET_S:-0.1} BYTES=${BYTES:-0} TRAIN=${TRAIN:-1}; OUT=${OUT:-build/bench/collectives_hosts}
 mkdir -p "$OUT"; rm -f "$OUT"/*.json "$OUT"/*.bytes; OUT=$(cd "$OUT" && pwd)
 HOSTS=$PWD/tests/cluster/hosts.sh BIN=${BIN:-$PWD/build/bin}
 NAME=mb$(($$ % 10000)) NET=10.$((200 + $$ % 50)).$(($$ / 50 % 250))
@@ -81,6 +86,24 @@ for op in $ops; do
     echo "mpi $op $size $((after - before))" >> "$OUT/link.bytes"; before=$after
     mpirun_job "$BIN/bench_mpi_peer" --impl OpenMPI $flags --out /dev/null; after=$(link_bytes)
     echo "ompi $op $size $((after - before))" >> "$OUT/link.bytes"
+  done
+done
+# Training steps: DDP of a GPT across the hosts, each backend, each rate.
+GPT="--model gpt --layers 8 --hidden 256 --heads 8 --vocab 1024 --seq-len 128 --global-batch 16 --micro-batch 4"
+GPT="$GPT --dp 4 --precision fp32 --log-every 1000 --eval-problems 0"
+first_rate=${RATES%% *}
+for rate in $([ "$TRAIN" = 1 ] && echo "$RATES"); do
+  "$HOSTS" shape "$NAME" 0 "$rate"; "$HOSTS" shape "$NAME" 1 "$rate"
+  for impl in hier gloo mpi; do
+    for steps in $([ "$rate" = "$first_rate" ] && echo 3) 8; do
+      metrics="$OUT/train_${impl}_${rate}_${steps}.json" before=$(link_bytes)
+      case $impl in
+        hier) meshrun_job auto "$BIN/meshtrain" $GPT --steps "$steps" --metrics-out "$metrics" ;;
+        gloo) meshrun_job gloo "$BIN/meshtrain" $GPT --steps "$steps" --metrics-out "$metrics" ;;
+        mpi) mpirun_job "$BIN/meshtrain" $GPT --steps "$steps" --metrics-out "$metrics" ;;
+      esac
+      echo "$impl $rate $steps $(($(link_bytes) - before))" >> "$OUT/train.bytes"
+    done
   done
 done
 /usr/bin/python3 bench/collectives/hosts_report.py "$OUT" --rates "$RATES" --doc docs/BENCHMARKS.md \

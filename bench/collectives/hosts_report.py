@@ -18,6 +18,43 @@ def ms(x):
     return "n/a" if x is None else f"{x * 1e3:,.2f}"
 
 
+def training_steps(out_dir, rates):
+    """The training-step table: mean step per backend and rate, bytes per step on the link."""
+    path = os.path.join(out_dir, "train.bytes")
+    if not os.path.exists(path):
+        return []
+    link = {}
+    for line in open(path):
+        key, rate, steps, n = line.split()
+        link[(key, rate, int(steps))] = int(n)
+
+    def step_s(key, rate):
+        f = os.path.join(out_dir, f"train_{key}_{rate}_8.json")
+        return json.load(open(f))["step_time_s"] if os.path.exists(f) else None
+
+    names = [("hier", "hierarchical (meshrun)"), ("gloo", "flat gloo (meshrun)"), ("mpi", "MPI backend: OpenMPI's collectives (mpirun)")]
+    lines = ["### A training step across the hosts", "",
+             "DDP (`--dp 4`, 2 hosts x 2 ranks) of a GPT of 6.6M parameters (8 layers x 256, vocabulary 1024, "
+             "128 tokens; S = 26.5 MB of fp32 gradients, buckets of 25 MiB), global batch 16 in micro-batches of 4: "
+             "the mean step after the first of 8 (s), and the bytes one step puts on the link between the hosts "
+             "(host 0's veth, both directions, a job of 8 steps less one of 3, on the first rate) in multiples of S.",
+             "", "| link | " + " | ".join(n for _, n in names) + " | gloo / hier | mpi / hier |",
+             "|---|" + "---:|" * (len(names) + 2)]
+    for rate in rates:
+        t = {k: step_s(k, rate) for k, _ in names}
+        cells = [f"{t[k]:.3f}" if t[k] else "n/a" for k, _ in names]
+        ratios = [f"{t[k] / t['hier']:.2f}" if t[k] and t["hier"] else "n/a" for k in ("gloo", "mpi")]
+        lines.append(f"| {rate} | " + " | ".join(cells + ratios) + " |")
+    first = os.path.join(out_dir, f"train_hier_{rates[0]}_8.json")
+    s_bytes = 4 * json.load(open(first))["config"]["model"]["parameters"] if os.path.exists(first) else None
+    cells = []
+    for k, _ in names:
+        a, b = link.get((k, rates[0], 3)), link.get((k, rates[0], 8))
+        cells.append(f"{(b - a) / 5 / s_bytes:.2f} S" if None not in (a, b, s_bytes) else "n/a")
+    lines += [f"| bytes per step ({rates[0]}) | " + " | ".join(cells) + " | | |", ""]
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("dir")
@@ -76,6 +113,7 @@ def main():
                     cells.append("n/a")
             lines.append(f"| {op} | {human(b)} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += training_steps(a.dir, a.rates.split())
     text = "\n".join(lines)
     print(text)
     if a.doc:
