@@ -152,18 +152,22 @@ double inter_host_bytes(const Value& m, const std::string& axis) {
 //   DDP, flat Gloo: 2 (n - L) S (Note [Cross-host bytes] in test_cross_host_bytes.cpp);
 //   DDP, hierarchical: 2 (H - 1) S, L times fewer;
 //   ZeRO-1/2: a reduce-scatter of the gradients and an all-gather of the
-//     parameters, each (n - L) S: 2 (n - L) S on both backends (the
-//     hierarchical backend nests only the all-reduce);
+//     parameters, each (n - L) S flat; hierarchical nests both (Note [Nested
+//     reduce-scatter and all-gather] in src/comm/hier/communicator.cpp), each
+//     (H - 1) S: 2 (H - 1) S, as DDP;
 //   ZeRO-3: the parameters gathered in the forward and again in the
-//     backward, the gradients reduce-scattered: (n - L)(3 S - E), where E is
-//     the unit the backward starts with, still gathered from the forward (the
-//     tied token embedding and the positions: (vocab + seq_len) x hidden floats).
+//     backward, the gradients reduce-scattered, unit by unit: (n - L)(3 S - E),
+//     where E is the unit the backward starts with, still gathered from the
+//     forward (the tied token embedding and the positions: (vocab + seq_len) x
+//     hidden floats). On both backends: this model's units are each below
+//     MESHTRAIN_HIER_MIN_KB (64 KiB), so the hierarchical backend runs them flat.
 // -1 where this note has no closed form.
 double data_axis_formula(const Layout& l, double grad_bytes) {
   const std::string name = l.strategy.name;
   const int n = l.strategy.ranks, h = l.hosts, per_host = l.per_host;
   if (name == "ddp") return l.per_host > 1 ? 2.0 * (h - 1) * grad_bytes : 2.0 * (n - per_host) * grad_bytes;
-  if (name == "zero1" || name == "zero2") return 2.0 * (n - per_host) * grad_bytes;
+  if (name == "zero1" || name == "zero2")
+    return l.per_host > 1 ? 2.0 * (h - 1) * grad_bytes : 2.0 * (n - per_host) * grad_bytes;
   if (name == "zero3") return (n - per_host) * (3 * grad_bytes - 4.0 * (64 + 16) * 32);  // kTiny's vocab, seq_len, hidden
   return -1;
 }

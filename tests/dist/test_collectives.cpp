@@ -171,10 +171,16 @@ void all_gather_equal_and_uneven(Communicator& comm) {
     auto parts = comm.all_gather(uneven);
     auto gathered = comm.all_gather_flat(uneven);
     ASSERT_EQ(gathered.numel(), n * (n + 1) / 2);
+    // Uneven into a given output (ZeRO's gathers; the hierarchical backend nests these).
+    auto into = torch::empty({n * (n + 1) / 2}, dt);
+    auto work = comm.all_gather_async(uneven, into);
+    work->wait();
     int64_t offset = 0;
     for (int p = 0; p < n; ++p) {
       expect_equal(parts[p], torch::full({p + 1}, p + 1, dt), tag("all_gather uneven", dt, p + 1));
       expect_equal(gathered.slice(0, offset, offset + p + 1), torch::full({p + 1}, p + 1, dt), tag("all_gather_flat", dt, p + 1));
+      expect_equal(into.slice(0, offset, offset + p + 1), torch::full({p + 1}, p + 1, dt), tag("all_gather uneven into", dt, p + 1));
+      expect_equal(work->result()[1 + p], torch::full({p + 1}, p + 1, dt), tag("all_gather uneven into, part", dt, p + 1));
       offset += p + 1;
     }
   }
@@ -352,10 +358,22 @@ void traffic_counts_the_algorithms_bytes(Communicator& comm) {
   traffic = comm.traffic();
   EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, n == 1 ? 0 : 4 * (numel - counts[r]));
   // Ring: every chunk but the left neighbour's (the one it sends first); shm,
-  // Gloo's direct algorithm (also the hierarchical backend's, on its flat
-  // part): its shard from each peer; mpi: its shard, once.
+  // Gloo's direct algorithm: its shard from each peer; mpi: its shard, once.
+  // Hierarchical (Note [Nested reduce-scatter and all-gather]): inside the
+  // host its local index's slice (its own shard and the other host's
+  // member's of the same local index) from its host-mate, then its shard from
+  // the other host; only that part crosses, its slice less its shard going out.
+  const int64_t local_slice = counts[r % 2] + counts[r % 2 + 2];  // ranks 0-1 on one host, 2-3 on the other
   EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received,
-            n == 1 ? 0 : ring ? 4 * (numel - counts[(r + n - 1) % n]) : mpi ? 4 * counts[r] : 4 * counts[r] * (n - 1));
+            n == 1  ? 0
+            : ring  ? 4 * (numel - counts[(r + n - 1) % n])
+            : mpi   ? 4 * counts[r]
+            : hier  ? 4 * (local_slice + counts[r])
+                    : 4 * counts[r] * (n - 1));
+  if (hier) {
+    EXPECT_EQ(traffic[OpKind::kReduceScatter].inter_host_sent, 4 * (local_slice - counts[r]));
+    EXPECT_EQ(traffic[OpKind::kReduceScatter].inter_host_received, 4 * counts[r]);
+  }
   if (r == 0) std::cout << traffic.table("reduce_scatter traffic");
 }
 TEST_P(Collectives, TrafficCountsTheAlgorithmsBytes) { run(traffic_counts_the_algorithms_bytes); }

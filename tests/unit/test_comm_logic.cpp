@@ -52,6 +52,17 @@ TEST(Hierarchical, PlacementNumbersHostsByFirstMemberAndRanksWithinEach) {
   EXPECT_EQ(p.local, (std::vector<int>{0, 0, 1, 1, 2, 2}));
 }
 
+TEST(Hierarchical, NestedCollectivesLayTheMembersOutByLocalIndexThenHost) {
+  // Hosts interleaved (x y x y x y): local index 0 is members 0 (x) and 1 (y), ...
+  EXPECT_EQ(hier_backend::by_local_index(hier_backend::place({"x", "y", "x", "y", "x", "y"})),
+            (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  // Host-major, as meshrun numbers ranks: 0 1 2 on x, 3 4 5 on y.
+  EXPECT_EQ(hier_backend::by_local_index(hier_backend::place({"x", "x", "x", "y", "y", "y"})),
+            (std::vector<int>{0, 3, 1, 4, 2, 5}));
+  // Hosts numbered by first member: z before a.
+  EXPECT_EQ(hier_backend::by_local_index(hier_backend::place({"z", "z", "a", "a"})), (std::vector<int>{0, 2, 1, 3}));
+}
+
 TEST(SharedMemoryLayout, RegionsAreAlignedAndDoNotOverlap) {
   for (int n : {1, 2, 3, 8}) {
     shm_backend::SegmentLayout l{n, 256 << 10, 1 << 20};

@@ -9,8 +9,13 @@
 //   3. all-gather inside each host (shared memory).
 // Each host sends 2(H-1)/H * S across hosts in all (H hosts), where a flat
 // ring over all n ranks sends ~2(n-1)/n * S through each host boundary it
-// crosses, and every hop of it pays TCP. Smaller all-reduces and every other
-// collective run on a flat Gloo communicator of all members; point-to-point
+// crosses, and every hop of it pays TCP.
+//
+// reduce_scatter, all_gather and broadcast from the same threshold (ZeRO's
+// collectives, the first parameters' broadcast) nest the same way, see Note
+// [Nested reduce-scatter and all-gather] in communicator.cpp: across hosts
+// (H-1) S in all instead of the flat (n-L) S, L times fewer. Smaller ones and
+// the rest run on a flat Gloo communicator of all members; point-to-point
 // messages to a peer on the same host go through shared memory.
 //
 // Traffic: the rows of this communicator add up its parts' bytes, attributed
@@ -20,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "../header.h"
 #include "../queued.h"
 
 namespace meshtrain {
@@ -37,6 +43,10 @@ struct Placement {
   int hosts = 0;
 };
 Placement place(const std::vector<std::string>& member_hosts);
+// The members grouped by local index, each group in host order: the order
+// in which the nested reduce-scatter and all-gather lay out the segments, so
+// that local rank l's slice (its group's segments) is contiguous. Pure.
+std::vector<int> by_local_index(const Placement& p);
 
 class HierCommunicator final : public QueuedCommunicator {
  public:
@@ -72,6 +82,13 @@ class HierCommunicator final : public QueuedCommunicator {
   WorkPtr run_on_parts(OpKind kind, const char* name, std::function<void(std::vector<at::Tensor>&)> body);
   Traffic parts_traffic() const;
   void hierarchical_all_reduce(at::Tensor& flat, ReduceOp op);
+  void hierarchical_broadcast(at::Tensor& flat, int root);
+  at::Tensor hierarchical_reduce_scatter(const at::Tensor& flat, ReduceOp op, at::Tensor out,
+                                         const std::vector<int64_t>& counts);
+  std::vector<at::Tensor> hierarchical_all_gather(const at::Tensor& input, at::Tensor output);
+  // Every member's header for this op, all-gathered on the flat group (counted
+  // as verification); raises MismatchError where they disagree.
+  std::vector<Header> headers_on_flat(const Header& mine, const char* op, bool same_shape);
   // A peer on this host: its rank in local_, else -1.
   int local_rank_of(int peer) const;
 
