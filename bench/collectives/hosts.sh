@@ -17,11 +17,11 @@
 # flat gloo) and mpirun (the MPI backend: OpenMPI's collectives), the mean
 # step after the first, and the bytes one step puts on the link (host 0's
 # veth, a job of 8 steps less one of 3, on the first rate).
-#   bench/collectives/hosts.sh     (RATES="1gbit 200mbit" SIZES=64K,1M,16M OPS=all_reduce,all_gather,broadcast TARGET_S=0.1 BYTES=0 TRAIN=1)
+#   bench/collectives/hosts.sh     (RATES="1gbit 200mbit" SIZES=64K,1M,16M OPS=all_reduce,all_gather,reduce_scatter,broadcast TARGET_S=0.1 BYTES=0 TRAIN=1)
 # Writes the table to docs/BENCHMARKS.md (section "Collectives across hosts").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-RATES=${RATES:-1gbit 200mbit}; SIZES=${SIZES:-64K,1M,16M}; OPS=${OPS:-all_reduce,all_gather,broadcast}
+RATES=${RATES:-1gbit 200mbit}; SIZES=${SIZES:-64K,1M,16M}; OPS=${OPS:-all_reduce,all_gather,reduce_scatter,broadcast}
 TARGET_S=${TARGET_S:-0.1} BYTES=${BYTES:-0} TRAIN=${TRAIN:-1}; OUT=${OUT:-build/bench/collectives_hosts}
 mkdir -p "$OUT"; rm -f "$OUT"/*.json "$OUT"/*.bytes; OUT=$(cd "$OUT" && pwd)
 HOSTS=$PWD/tests/cluster/hosts.sh BIN=${BIN:-$PWD/build/bin}
