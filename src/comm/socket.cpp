@@ -127,21 +127,20 @@ std::chrono::seconds link_timeout() {
   return value;
 }
 
+void set_unacknowledged_timeout(int fd, std::chrono::milliseconds timeout) {
+  const unsigned ms = static_cast<unsigned>(timeout.count());
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
+}
+
 void watch_link(int fd) {
   const int total = static_cast<int>(link_timeout().count());
   const int on = 1, idle = std::max(1, total / 4), interval = std::max(1, total / 8);
   const int probes = std::max(1, (total - idle) / interval);
-  const unsigned user_timeout_ms = static_cast<unsigned>(total) * 1000u;
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
-  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
-}
-
-void set_unacknowledged_timeout(int fd, std::chrono::milliseconds timeout) {
-  const unsigned ms = static_cast<unsigned>(timeout.count());
-  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof ms);
+  set_unacknowledged_timeout(fd, link_timeout());
 }
 
 bool link_retransmitting(int fd) {

@@ -186,6 +186,10 @@ struct StoreServer::State {
   // (a one-way cut) and gave up. Then, a connection that went silent silences
   // every connection from its host. Caller holds mutex.
   void silence_hosts_of_silent_links() {
+    // Only a round that dropped a client can find a silent link (a silent
+    // client is dropped and erased in the round that found it): the common
+    // round drops none and ends here.
+    if (std::none_of(clients.begin(), clients.end(), [](const auto& kv) { return kv.second.dropped; })) return;
     for (auto& kv : clients) {
       Client& c = kv.second;
       if (c.dropped && !c.went_silent && !c.label.empty() && !c.said_bye &&
