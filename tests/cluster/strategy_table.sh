@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Every strategy across test hosts against one process, as a table: runs the
-# whole product of Cluster/AcrossHosts (cluster_full_tests; network
+# whole product of ClusterProduct/AcrossHosts (cluster_full_tests; network
 # namespaces, needs root) with MESHTRAIN_STRATEGY_TABLE and puts the rows into
 # docs/launch.md between the strategies-across-hosts markers.
 #   tests/cluster/strategy_table.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rows=$(mktemp)
-MESHTRAIN_STRATEGY_TABLE="$rows" build/bin/cluster_full_tests --gtest_filter='Cluster/AcrossHosts.*' |
+MESHTRAIN_STRATEGY_TABLE="$rows" build/bin/cluster_full_tests --gtest_filter='ClusterProduct/AcrossHosts.*' |
   grep -E "^\[  (PASSED|FAILED) |OK \]|Failure" || true
 [ -s "$rows" ] || { echo "the test wrote no rows" >&2; exit 1; }
 {
