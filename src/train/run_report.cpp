@@ -13,6 +13,7 @@
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/json.h"
+#include "meshtrain/util/sha256.h"
 #include "run_parts.h"
 
 namespace meshtrain {
@@ -110,6 +111,7 @@ std::string run_json(const TrainConfig& c, const TrainResult& result, int world_
       .raw("pipeline", pipeline_json.empty() ? "null" : pipeline_json)
       .integer("first_step", result.first_step)
       .raw("checkpoint", checkpoint_json)
+      .str("weights_sha256", result.weights_sha256)
       .raw("ranks", json::array(ranks))
       .str();
 }
@@ -120,6 +122,7 @@ void print_summary(const TrainConfig& c, const TrainResult& result) {
     std::printf("task accuracy: %.1f%% (%s)\n", 100 * result.accuracy,
                 models::is_language_model(c.model) ? "exact answers to held-out a+b= problems" : "held-out classification");
   }
+  std::printf("weights sha256: %s\n", result.weights_sha256.c_str());
   if (!c.plot.empty()) {
     write_svg_plot(c.plot, result.losses, "meshtrain: loss per step");
     std::printf("loss curve written to %s\n", c.plot.c_str());
@@ -128,6 +131,15 @@ void print_summary(const TrainConfig& c, const TrainResult& result) {
 }
 
 }  // namespace
+
+std::string weights_sha256(const std::map<std::string, at::Tensor>& parameters) {
+  Sha256 hash;
+  for (const auto& kv : parameters) {  // std::map: name order
+    const at::Tensor t = kv.second.detach().to(at::kFloat).contiguous();
+    hash.update(t.data_ptr(), t.nbytes());
+  }
+  return hash.hex_digest();
+}
 
 std::string pipeline_report(const TrainConfig& c, const Engine& engine, const comm::Communicator& world,
                             comm::Communicator& metrics, bool verbose) {
@@ -166,6 +178,7 @@ void finish_run(const TrainConfig& c, Engine& engine, const comm::Communicator& 
   // Rank 0 evaluates after the last collective: the others have finished and
   // do not wait for it under the communication timeout.
   if (options.evaluate && c.eval_problems > 0) result.accuracy = accuracy_of(c, result.full_parameters);
+  result.weights_sha256 = weights_sha256(result.full_parameters);
   result.metrics_json = run_json(c, result, world.size(), checkpoint_json, pipeline_json, ranks);
   if (!c.metrics_out.empty()) {
     std::ofstream out(c.metrics_out);

@@ -156,6 +156,28 @@ TEST(Cli, TensorParallelAndTheThreeDimensionalLayoutGiveTheLossesOfOneProcess) {
 
 // Every rank rejects the layout before it joins the group: meshrun reports the
 // first rank's exit code 2 at once, with the message naming the fix.
+// weights_sha256 in the metrics names the weights, whichever layout holds
+// them: with every update underflowing to exactly zero (SGD at lr 1e-30 after
+// clipping the gradient norm to 1e-45), every layout ends with the initial
+// weights bit for bit and must give one process's digest, after gathering
+// ZeRO-3's shards, the stages and the tp slices in name order. Training for
+// real changes it, and repeats it.
+TEST(Cli, WeightsSha256NamesTheSameWeightsOnEveryLayout) {
+  TempDir t;
+  const std::string frozen = kTiny + "--steps 1 --optimizer sgd --lr 1e-30 --clip-grad-norm 1e-45 ";
+  const Value one = train(1, frozen, t.file("one.json"));
+  const std::string initial = one["weights_sha256"].str();
+  ASSERT_EQ(initial.size(), 64u) << initial;
+  const std::pair<int, const char*> layouts[] = {{2, "--dp 2 --zero 3"}, {4, "--pp 2 --tp 2"}, {3, "--dp 3 --strategy dp"}};
+  for (const auto& l : layouts) {
+    const Value m = train(l.first, frozen + l.second, t.file("m.json"));
+    EXPECT_EQ(m["weights_sha256"].str(), initial) << l.second;
+  }
+  const std::string trained = train(1, kTiny, t.file("a.json"))["weights_sha256"].str();
+  EXPECT_NE(trained, initial);
+  EXPECT_EQ(train(1, kTiny, t.file("b.json"))["weights_sha256"].str(), trained);
+}
+
 TEST(Cli, BadFlagsFailOnEveryRankBeforeAnyCommunication) {
   Shell r = sh(kMeshrun + "--nproc-per-node 3 -- " + kBin + "/meshtrain" + kTiny + "--tp 3");
   EXPECT_NE(r.exit_code, 0) << r.output;

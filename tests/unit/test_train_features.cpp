@@ -12,6 +12,7 @@
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
+#include "meshtrain/train/trainer.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/fully_shard.h"
 #include "util/intercept.h"
@@ -65,6 +66,18 @@ TEST(ClipGradNorm, MatchesTorchsClipGradNormInOneProcess) {
   const double norm0 = a[0].norm().item<double>();
   EXPECT_NEAR(train::clip_grad_norm(half, 0, *world), norm0, 1e-5 * norm0);
   EXPECT_NEAR(a[0].norm().item<double>(), norm0, 1e-6);
+}
+
+// The digest of the float32 bytes in name order ("a" before "b"; doubles and
+// views converted and made contiguous first), against Python's hashlib:
+//   sha256(struct.pack('<3f', 1.0, -2.5, 0.0) + struct.pack('<2f', 0.5, 3.0))
+TEST(WeightsSha256, HashesFloat32BytesInNameOrder) {
+  std::map<std::string, at::Tensor> params;
+  params["b"] = torch::tensor({0.0f, 0.5f, 7.0f, 3.0f}).slice(0, 1, 4, 2);  // a strided view: 0.5, 3.0
+  params["a"] = torch::tensor({1.0, -2.5, 0.0}, torch::kDouble);
+  EXPECT_EQ(meshtrain::train::weights_sha256(params), "38cc92849cc494d6a10fa18c1d0441bda96337497e03fc6401b7e0917dfe12f6");
+  params["a"][2] = -0.0;  // one bit
+  EXPECT_NE(meshtrain::train::weights_sha256(params), "38cc92849cc494d6a10fa18c1d0441bda96337497e03fc6401b7e0917dfe12f6");
 }
 
 TEST(ActivationCheckpointing, PoliciesNameTheirBlocks) {

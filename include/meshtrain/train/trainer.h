@@ -36,8 +36,14 @@ struct TrainResult {
   double accuracy = std::numeric_limits<double>::quiet_NaN();
   // The full, unsharded parameters under the single-process model's names (rank 0).
   std::map<std::string, at::Tensor> full_parameters;
+  std::string weights_sha256;  // weights_sha256(full_parameters) (rank 0)
   std::string metrics_json;  // rank 0
 };
+
+// SHA-256 (hex) of every parameter's float32 bytes, in name order: two runs
+// (any layouts) ended with bit-identical weights exactly when these agree,
+// without writing files. Other dtypes are converted to float32 first.
+std::string weights_sha256(const std::map<std::string, at::Tensor>& parameters);
 
 // Runs training on `world` (every rank calls it). `config` must be resolved
 // (train::resolve) for world->size() ranks.
