@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "meshtrain/dp/buckets.h"
+#include "meshtrain/dp/grain_tree.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
@@ -16,6 +17,52 @@
 #include "meshtrain/util/tensor_io.h"
 
 using namespace meshtrain;
+
+// Note [Grain tree]: 64 grains whose sums reassociate visibly (magnitudes
+// from 1e-4 to 1e4), summed in one process and by n = 2 .. 64 ranks each
+// holding a contiguous block: the same bits, where a plain running sum and a
+// per-rank running sum differ.
+TEST(GrainTree, AnyPowerOfTwoOfRanksGivesOneProcesssBits) {
+  torch::manual_seed(7);
+  std::vector<at::Tensor> grains;
+  for (int i = 0; i < 64; ++i) grains.push_back(torch::randn({1000}) * std::pow(10.0, (i * 7) % 9 - 4));
+  dp::TreeAccumulator one;
+  size_t most = 0;
+  for (const auto& g : grains) {
+    one.add(g.clone());
+    most = std::max(most, one.partials());
+  }
+  const at::Tensor root = one.root();
+  EXPECT_LE(most, 7u);  // log2(64) + 1 partial sums, never one per grain
+  for (int n = 2; n <= 64; n *= 2) {
+    std::vector<at::Tensor> roots;
+    for (int r = 0; r < n; ++r) {
+      dp::TreeAccumulator mine;
+      for (int i = r * 64 / n; i < (r + 1) * 64 / n; ++i) mine.add(grains[i].clone());
+      roots.push_back(mine.root());
+    }
+    EXPECT_TRUE(torch::equal(dp::combine_in_tree_order(roots), root)) << n << " ranks";
+  }
+  // What the tree prevents: the same grains summed in other orders give other bits.
+  at::Tensor running = torch::zeros({1000});
+  for (const auto& g : grains) running += g;
+  EXPECT_FALSE(torch::equal(running, root));
+  EXPECT_TRUE(torch::allclose(running, root, 1e-4, 1e-2));  // the same sum, up to reassociation
+  at::Tensor halves = torch::zeros({1000}), second = torch::zeros({1000});
+  for (int i = 0; i < 32; ++i) halves += grains[i];
+  for (int i = 32; i < 64; ++i) second += grains[i];
+  EXPECT_FALSE(torch::equal(halves + second, running));  // two ranks' running sums: the layout shows
+}
+
+TEST(GrainTree, RefusesCountsThatAreNotPowersOfTwo) {
+  dp::TreeAccumulator acc;
+  for (int i = 0; i < 3; ++i) acc.add(torch::ones({2}));
+  EXPECT_THROW(acc.root(), std::exception);
+  EXPECT_THROW(dp::combine_in_tree_order({torch::ones({2}), torch::ones({2}), torch::ones({2})}), std::exception);
+  EXPECT_TRUE(dp::is_power_of_two(1));
+  EXPECT_FALSE(dp::is_power_of_two(0));
+  EXPECT_FALSE(dp::is_power_of_two(12));
+}
 
 TEST(Buckets, FollowTheReadyOrderAndRespectCaps) {
   // Five float parameters of 40, 40, 100, 10, 10 bytes; one double of 8.
