@@ -16,11 +16,6 @@ MESHTRAIN_BYTES_TABLE="$table" build/bin/cluster_full_tests --gtest_filter=Clust
   echo
   cat "$table"
 } > "$table.block"
-/usr/bin/python3 - "$table.block" <<'PY'
-import sys
-sys.path.insert(0, "bench/ddp")
-from report import replace_section  # the section between its markers, as every bench report writes it
-replace_section("docs/comm.md", "cross-host-bytes", "What crosses hosts, measured", open(sys.argv[1]).read().strip() + "\n")
-PY
+/usr/bin/python3 bench/section.py docs/comm.md cross-host-bytes "What crosses hosts, measured" "$table.block"
 rm -f "$table" "$table.block"
 echo "docs/comm.md updated"

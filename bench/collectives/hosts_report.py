@@ -5,6 +5,9 @@ backend, and the bytes one op put on the link between the hosts. Replaces the
 "Collectives across hosts" section of docs/BENCHMARKS.md. Standard library only."""
 import argparse, json, os, sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ddp"))
+from report import publish  # noqa: E402
+
 IMPLS = [("hier", "meshtrain hierarchical (meshrun)"), ("gloo", "meshtrain gloo (meshrun)"),
          ("mpi", "meshtrain mpi (mpirun)"), ("ompi", "OpenMPI's own (mpirun)")]
 CALLS = 14  # --target-s 0: 1 + 5 warm-up + 3 estimate + 5 timed
@@ -114,17 +117,7 @@ def main():
             lines.append(f"| {op} | {human(b)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += training_steps(a.dir, a.rates.split())
-    text = "\n".join(lines)
-    print(text)
-    if a.doc:
-        begin, end = "<!-- collectives-hosts:begin -->", "<!-- collectives-hosts:end -->"
-        doc = open(a.doc).read()
-        block = f"{begin}\n{text}{end}"
-        if begin in doc:
-            doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
-        else:
-            doc = doc.rstrip("\n") + "\n\n## Collectives across hosts\n\n" + block + "\n"
-        open(a.doc, "w").write(doc)
+    publish(lines, a.doc, "collectives-hosts", "Collectives across hosts")
 
 
 if __name__ == "__main__":

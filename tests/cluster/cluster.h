@@ -12,6 +12,7 @@
 
 #include "../dist/shell.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/json.h"
 
 namespace meshtrain {
 namespace testing {
@@ -30,6 +31,18 @@ inline const std::string kHosts = kSource + "/tests/cluster/hosts.sh";
 inline const std::string kTiny =
     " --model gpt --layers 4 --hidden 32 --heads 4 --vocab 64 --seq-len 16 --global-batch 24 --lr 1e-2"
     " --adam-eps 1e-6 --eval-problems 0 ";
+
+// What all ranks sent to other hosts per step, from `meshtrain --metrics-out`:
+// the payload ("inter_host") and the verification rounds, a row apart.
+inline double inter_host_bytes_sent(const json::Value& metrics) {
+  double sum = 0;
+  for (size_t i = 0; i < metrics["ranks"].size(); ++i) {
+    const json::Value& traffic = metrics["ranks"][i]["traffic"];
+    sum += traffic["inter_host"]["bytes_sent"].num();
+    if (traffic.has("verify") && traffic["verify"].has("inter_host_sent")) sum += traffic["verify"]["inter_host_sent"].num();
+  }
+  return sum;
+}
 
 // N test hosts for one test, removed with everything in them when it ends.
 class Hosts {

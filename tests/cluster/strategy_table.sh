@@ -20,11 +20,6 @@ MESHTRAIN_STRATEGY_TABLE="$rows" build/bin/cluster_full_tests --gtest_filter='Cl
   echo "|---|---|---|---|---|---|---|---|---|---|---|"
   cat "$rows"
 } > "$rows.block"
-/usr/bin/python3 - "$rows.block" <<'PY'
-import sys
-sys.path.insert(0, "bench/ddp")
-from report import replace_section  # the section between its markers, as every bench report writes it
-replace_section("docs/launch.md", "strategies-across-hosts", "Every strategy across hosts", open(sys.argv[1]).read().strip() + "\n")
-PY
+/usr/bin/python3 bench/section.py docs/launch.md strategies-across-hosts "Every strategy across hosts" "$rows.block"
 rm -f "$rows" "$rows.block"
 echo "docs/launch.md updated"

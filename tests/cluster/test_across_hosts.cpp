@@ -129,19 +129,15 @@ double max_relative_difference(const Value& got, const Value& want, const char* 
   return worst;
 }
 
-// Bytes per step every rank sent to other hosts on one mesh axis (or all, with the verification rows).
+// Bytes per step every rank sent to other hosts on one mesh axis (or all,
+// with the verification rows: inter_host_bytes_sent in cluster.h).
 double inter_host_bytes(const Value& m, const std::string& axis) {
+  if (axis == "all") return meshtrain::testing::inter_host_bytes_sent(m);
   double sum = 0;
   for (size_t i = 0; i < m["ranks"].size(); ++i) {
     const Value& rank = m["ranks"][i];
-    if (axis != "all") {  // the master DP's metrics have no per-axis rows
-      if (rank.has("traffic_by_axis") && rank["traffic_by_axis"].has(axis))
-        sum += rank["traffic_by_axis"][axis]["inter_host"]["bytes_sent"].num();
-      continue;
-    }
-    sum += rank["traffic"]["inter_host"]["bytes_sent"].num();
-    if (rank["traffic"].has("verify") && rank["traffic"]["verify"].has("inter_host_sent"))
-      sum += rank["traffic"]["verify"]["inter_host_sent"].num();
+    if (rank.has("traffic_by_axis") && rank["traffic_by_axis"].has(axis))  // the master DP's metrics have none
+      sum += rank["traffic_by_axis"][axis]["inter_host"]["bytes_sent"].num();
   }
   return sum;
 }

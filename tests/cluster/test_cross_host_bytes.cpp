@@ -94,13 +94,7 @@ Run run(const Hosts& hosts, const std::string& backend, int steps) {
   MESHTRAIN_CHECK(contains(r.output, "node 0 exit 0"), "the job failed:\n", r.output);
   MESHTRAIN_CHECK(contains(r.output, "communication backend " + backend), "not on backend ", backend, ":\n", r.output);
   const auto m = meshtrain::json::parse_file(t.file("m.json"));
-  for (size_t i = 0; i < m["ranks"].size(); ++i) {
-    // Per step there; "inter_host" is the payload, the verification headers are a row apart.
-    const auto& traffic = m["ranks"][i]["traffic"];
-    out.meshtrain += traffic["inter_host"]["bytes_sent"].num() * steps;
-    if (traffic.has("verify") && traffic["verify"].has("inter_host_sent"))
-      out.meshtrain += traffic["verify"]["inter_host_sent"].num() * steps;
-  }
+  out.meshtrain = meshtrain::testing::inter_host_bytes_sent(m) * steps;
   out.grad_bytes = m["ranks"][0]["state_bytes"]["gradients"].num();
   return out;
 }

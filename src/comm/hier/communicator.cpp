@@ -51,6 +51,7 @@ HierCommunicator::HierCommunicator(std::shared_ptr<Process> process, std::vector
   std::vector<std::string> hosts;
   for (int g : global_ranks_) hosts.push_back(process_->host_of(g));
   placement_ = place(hosts);
+  by_local_ = by_local_index(placement_);
   const int my_host = placement_.host[rank_], my_local = placement_.local[rank_];
   std::vector<int> local, cross(placement_.hosts, -1);
   for (int q = 0; q < size(); ++q) {
@@ -142,17 +143,23 @@ void HierCommunicator::hierarchical_all_reduce(at::Tensor& flat, ReduceOp op) {
   if (op == ReduceOp::kAvg) flat.div_(size());
 }
 
+void HierCommunicator::in_place(const at::Tensor& tensor, const std::function<void()>& on_flat,
+                                const std::function<void(at::Tensor&)>& nested) {
+  if (static_cast<int64_t>(tensor.nbytes()) < min_bytes_) {
+    on_flat();
+    return;
+  }
+  at::Tensor flat = tensor.contiguous().view(-1);
+  nested(flat);
+  if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+}
+
 WorkPtr HierCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   check_tensor(tensor, "all_reduce", "tensor");
   check_reduce_op(op, tensor, "all_reduce");
   return run_on_parts(OpKind::kAllReduce, "all_reduce", [this, tensor, op](std::vector<at::Tensor>& result) {
-    if (static_cast<int64_t>(tensor.nbytes()) < min_bytes_) {
-      flat_->all_reduce(tensor, op);
-    } else {
-      at::Tensor flat = tensor.contiguous().view(-1);
-      hierarchical_all_reduce(flat, op);
-      if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
-    }
+    in_place(
+        tensor, [&] { flat_->all_reduce(tensor, op); }, [&](at::Tensor& flat) { hierarchical_all_reduce(flat, op); });
     result = {tensor};
   });
 }
@@ -229,7 +236,7 @@ at::Tensor HierCommunicator::hierarchical_reduce_scatter(const at::Tensor& flat,
     headers_on_flat(mine, "reduce_scatter", true);
   }
   const ReduceOp part_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  const Relaid r = relay(by_local_index(placement_), counts, placement_);
+  const Relaid r = relay(by_local_, counts, placement_);
   at::Tensor relaid = at::empty_like(flat);
   copy_segments(flat, relaid, counts, r.offsets, true);
   at::Tensor slice = at::empty({r.slices[local_->rank()]}, flat.options());
@@ -255,7 +262,7 @@ std::vector<at::Tensor> HierCommunicator::hierarchical_all_gather(const at::Tens
                                   " elements but the inputs total ", total));
     }
   }
-  const Relaid r = relay(by_local_index(placement_), counts, placement_);
+  const Relaid r = relay(by_local_, counts, placement_);
   at::Tensor slice = at::empty({r.slices[local_->rank()]}, input.options());
   cross_->all_gather_async(input.contiguous().view(-1), slice)->wait();
   at::Tensor relaid = at::empty({total}, input.options());
@@ -273,13 +280,8 @@ WorkPtr HierCommunicator::broadcast_async(at::Tensor tensor, int root) {
   check_tensor(tensor, "broadcast", "tensor");
   check_root(root, "broadcast");
   return run_on_parts(OpKind::kBroadcast, "broadcast", [this, tensor, root](std::vector<at::Tensor>& result) {
-    if (static_cast<int64_t>(tensor.nbytes()) < min_bytes_) {
-      flat_->broadcast(tensor, root);
-    } else {
-      at::Tensor flat = tensor.contiguous().view(-1);
-      hierarchical_broadcast(flat, root);
-      if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
-    }
+    in_place(
+        tensor, [&] { flat_->broadcast(tensor, root); }, [&](at::Tensor& flat) { hierarchical_broadcast(flat, root); });
     result = {tensor};
   });
 }

@@ -81,6 +81,10 @@ class HierCommunicator final : public QueuedCommunicator {
   // meanwhile as operation `kind` of this communicator.
   WorkPtr run_on_parts(OpKind kind, const char* name, std::function<void(std::vector<at::Tensor>&)> body);
   Traffic parts_traffic() const;
+  // An in-place collective on `tensor`: `on_flat` below MESHTRAIN_HIER_MIN_KB,
+  // else `nested` on a contiguous flat copy or view, copied back when needed.
+  void in_place(const at::Tensor& tensor, const std::function<void()>& on_flat,
+                const std::function<void(at::Tensor&)>& nested);
   void hierarchical_all_reduce(at::Tensor& flat, ReduceOp op);
   void hierarchical_broadcast(at::Tensor& flat, int root);
   at::Tensor hierarchical_reduce_scatter(const at::Tensor& flat, ReduceOp op, at::Tensor out,
@@ -96,6 +100,7 @@ class HierCommunicator final : public QueuedCommunicator {
   std::string prefix_;
   int splits_ = 0;
   Placement placement_;
+  std::vector<int> by_local_;  // by_local_index(placement_): the nested collectives' layout
   int64_t min_bytes_;
   std::shared_ptr<Communicator> local_, cross_, flat_;
   OpTraffic verified_;  // what the running op's argument check moved (counted as verification)
