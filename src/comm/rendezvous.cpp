@@ -221,6 +221,12 @@ void set_openblas_threads(int n) {
 
 void apply_thread_settings() { apply_thread_settings(dist_env_from_process()); }
 
+void set_compute_threads(int n) {
+  MESHTRAIN_CHECK(n >= 1, "set_compute_threads: ", n, " threads; give at least 1");
+  at::set_num_threads(n);
+  set_openblas_threads(n);
+}
+
 void apply_thread_settings(const DistEnv& e) {
   const char* omp = std::getenv("OMP_NUM_THREADS");
   if (omp) {

@@ -253,6 +253,8 @@ void Pipeline::exchange_tied_gradients(int stage, std::vector<comm::WorkPtr>& se
     } else if (!before && !owner) {
       const at::Tensor& g = t.parameter.grad();
       sends.push_back(pp_->isend(g.defined() ? g : at::zeros_like(t.parameter), t.owner, user_tag(t.tag + 1)));
+      // Sent every micro-batch (after_microbatch_backward): the next one's starts afresh.
+      if (options_.after_microbatch_backward()) t.parameter.mutable_grad().reset();
     }
   }
 }
@@ -288,25 +290,44 @@ double Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   };
   std::vector<comm::WorkPtr> sends;
   refresh_tied_copies(sends);
+  // Every micro-batch's gradients whole after its backward, for a caller that takes each.
+  const auto& each = options_.after_microbatch_backward();
+  const bool every = static_cast<bool>(each);
   PipelineHooks hooks;
   hooks.before_backward = [&](int s, int mb) {
-    if (mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/true);
-    dp::set_gradient_sync(chunk_of(s), options_.reduce_every_microbatch() || mb == m - 1);
+    if (every || mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/true);
+    dp::set_gradient_sync(chunk_of(s), every || options_.reduce_every_microbatch() || mb == m - 1);
   };
   hooks.after_backward = [&](int s, int mb) {
     dp::set_gradient_sync(chunk_of(s), true);
-    if (mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/false);
+    if (every || mb == m - 1) exchange_tied_gradients(s, sends, /*before=*/false);
+    if (every) each(s / pp_->size(), mb);
   };
+  std::vector<double> losses(every && is_last() ? m : 0);
   StepResult r = executor_->run(
-      in, out, [&](const at::Tensor& y, const at::Tensor& t, int) { return loss_(y, t) / m; }, hooks);
+      in, out,
+      [&](const at::Tensor& y, const at::Tensor& t, int mb) {
+        at::Tensor l = loss_(y, t);
+        if (every) losses[mb] = l.item<double>();
+        return l / m;
+      },
+      hooks);
   for (auto& w : sends) w->wait();
   for (Tied& t : tied_)
     if (t.owner != pp_->rank()) t.parameter.mutable_grad().reset();  // sent: the copy's gradient is not kept
   last_.events = std::move(r.events);
   last_.max_in_flight = std::max(last_.max_in_flight, r.max_in_flight);
+  if (every) share_microbatch_losses(losses);
   at::Tensor loss = at::tensor({r.loss_sum}, at::kDouble);
   pp_->broadcast(loss, pp_->size() - 1);
   return loss.item<double>();
+}
+
+void Pipeline::share_microbatch_losses(const std::vector<double>& on_last_stage) {
+  at::Tensor losses = at::zeros({options_.microbatches()}, at::kDouble);
+  if (is_last()) losses.copy_(at::tensor(on_last_stage, at::kDouble));
+  pp_->broadcast(losses, pp_->size() - 1);
+  microbatch_losses_.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + losses.numel());
 }
 
 double Pipeline::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {

@@ -141,9 +141,13 @@ class WholeChunk : public ChunkTrainer {
              std::shared_ptr<torch::nn::Module> module, comm::CommPtr dp, std::set<const void*>& stepped_elsewhere)
       : ChunkTrainer(std::move(module)) {
     for (const auto& p : dp::unique_parameters(*module_)) {
-      if (stepped_elsewhere.insert(p.tensor.unsafeGetTensorImpl()).second) stepped_.push_back(p);
+      if (stepped_elsewhere.insert(p.tensor.unsafeGetTensorImpl()).second) {
+        stepped_.push_back(p);
+        own_.push_back(p);
+        continue;
+      }
       // Each chunk's masters would step their own copy and write it back last-wins.
-      else MESHTRAIN_CHECK(!o.param_dtype(), "train::Trainer: parameter '", p.name, "' is shared with an earlier "
+      MESHTRAIN_CHECK(!o.param_dtype(), "train::Trainer: parameter '", p.name, "' is shared with an earlier "
                            "chunk of this rank (tied), and mixed precision keeps float32 masters per chunk; place "
                            "the tied children on different pipeline ranks (pp > 1) or train without virtual stages");
     }
@@ -164,6 +168,16 @@ class WholeChunk : public ChunkTrainer {
   }
   void finish_gradients() override {
     if (masters_) masters_->gradients_to_masters();
+  }
+  std::vector<GrainGradient> grain_gradients() override {
+    std::vector<GrainGradient> out;
+    for (const auto& p : own_) {  // a parameter shared with an earlier chunk is that chunk's
+      if (!p.tensor.requires_grad()) continue;
+      at::Tensor& g = p.tensor.mutable_grad();
+      if (!g.defined()) g = at::zeros_like(p.tensor);  // unused this micro-batch: a zero grain
+      out.push_back({g, g.scalar_type()});
+    }
+    return out;
   }
   void step() override {
     opt_->step();
@@ -201,6 +215,7 @@ class WholeChunk : public ChunkTrainer {
  private:
   std::optional<MasterWeights> masters_;
   std::vector<dp::NamedParam> stepped_;  // what the optimizer steps: the parameters, or their fp32 masters
+  std::vector<dp::NamedParam> own_;  // the module's parameters that this chunk steps
   comm::CommPtr dp_;
   std::unique_ptr<dp::DistributedDataParallel> ddp_;
   c10::optional<at::ScalarType> reduce_dtype_;
@@ -219,6 +234,11 @@ class ZeroChunk : public ChunkTrainer {
         module_, make_optimizer(tensors(dp::unique_parameters(*module_))), std::move(dp), options);
   }
   void zero_grad() override { zro_->zero_grad(); }
+  std::vector<GrainGradient> grain_gradients() override {
+    std::vector<GrainGradient> out;
+    for (const auto& g : zro_->shard_gradients()) out.push_back({g.second, g.second.scalar_type()});
+    return out;
+  }
   void step() override { zro_->step(); }
   torch::optim::Optimizer& optimizer() override { return zro_->optimizer(); }
   std::map<std::string, at::Tensor> parameters_on_dp_root() override { return zro_->consolidated_state(0).parameters; }
@@ -277,7 +297,7 @@ class FsdpChunk : public ChunkTrainer {
  public:
   FsdpChunk(const TrainerOptions& o, const Trainer::MakeOptimizer& make_optimizer,
             std::shared_ptr<torch::nn::Module> module, comm::CommPtr dp)
-      : ChunkTrainer(std::move(module)), dp_(std::move(dp)) {
+      : ChunkTrainer(std::move(module)), dp_(std::move(dp)), compute_(o.param_dtype().value_or(at::kFloat)) {
     auto options = zero::FullyShardOptions().param_dtype(o.param_dtype());
     std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> units;
     collect_units(*module_, "", units);
@@ -296,6 +316,12 @@ class FsdpChunk : public ChunkTrainer {
   }
   void zero_grad() override { opt_->zero_grad(); }
   void step() override { opt_->step(); }
+  // The shards' gradients: reduced in the compute dtype, held in float32.
+  std::vector<GrainGradient> grain_gradients() override {
+    std::vector<GrainGradient> out;
+    for (const auto& g : zero::shard_gradients(*module_)) out.push_back({g.second, compute_});
+    return out;
+  }
   torch::optim::Optimizer& optimizer() override { return *opt_; }
   std::map<std::string, at::Tensor> parameters_on_dp_root() override {
     std::map<std::string, at::Tensor> all = zero::full_parameters(*module_);  // collective over dp
@@ -324,6 +350,7 @@ class FsdpChunk : public ChunkTrainer {
 
  private:
   comm::CommPtr dp_;
+  at::ScalarType compute_;
   std::vector<dp::NamedParam> params_;  // as named before sharding (what checkpoints hold)
   std::unique_ptr<torch::optim::Optimizer> opt_;
 };

@@ -36,6 +36,11 @@ struct ShardPlace {
   int dp_size = 1;
 };
 
+struct GrainGradient {
+  at::Tensor tensor;
+  at::ScalarType sum_dtype;
+};
+
 class ChunkTrainer {
  public:
   virtual ~ChunkTrainer() = default;
@@ -48,6 +53,12 @@ class ChunkTrainer {
   // The gradients this rank's optimizer steps (after the step's last
   // backward), each marked counted once across the mesh (train/clip.h).
   virtual std::vector<GradPart> gradient_parts(const ShardPlace& place) = 0;
+  // Deterministic mode: the tensors holding what one micro-batch's backward
+  // reduced (the gradients the optimizer steps, or their shards), and the
+  // dtype the reduction summed in, which the grain tree sums in too
+  // (Note [Deterministic training] in module_trainer.cpp). The same tensors,
+  // in the same order, after every micro-batch of a step.
+  virtual std::vector<GrainGradient> grain_gradients() = 0;
   // After the step's last backward, before gradient_parts and step: bf16-mixed
   // chunks copy their gradients to the fp32 masters.
   virtual void finish_gradients() {}

@@ -6,18 +6,15 @@
 
 #include "meshtrain/dp/params.h"
 #include "meshtrain/tp/layers.h"
+#include "meshtrain/util/exact_sum.h"
 
 namespace meshtrain {
 namespace train {
 
-double clip_grad_norm(const std::vector<GradPart>& parts, double max_norm, comm::Communicator& group) {
-  at::Tensor sum_sq = at::zeros({1}, at::kDouble);
-  for (const auto& p : parts) {
-    if (!p.counted || !p.grad.defined() || p.grad.numel() == 0) continue;
-    sum_sq += at::linalg_vector_norm(p.grad, 2, c10::nullopt, false, at::kDouble).square();
-  }
-  group.all_reduce(sum_sq);
-  const double norm = std::sqrt(sum_sq.item<double>());
+namespace {
+
+// torch.nn.utils.clip_grad_norm_'s scaling, given the global norm.
+double scale_to(const std::vector<GradPart>& parts, double max_norm, double norm) {
   if (max_norm > 0 && std::isfinite(norm)) {
     const double coef = max_norm / (norm + 1e-6);
     if (coef < 1.0) {
@@ -27,6 +24,27 @@ double clip_grad_norm(const std::vector<GradPart>& parts, double max_norm, comm:
     }
   }
   return norm;
+}
+
+bool counts(const GradPart& p) { return p.counted && p.grad.defined() && p.grad.numel() > 0; }
+
+}  // namespace
+
+double clip_grad_norm(const std::vector<GradPart>& parts, double max_norm, comm::Communicator& group) {
+  at::Tensor sum_sq = at::zeros({1}, at::kDouble);
+  for (const auto& p : parts)
+    if (counts(p)) sum_sq += at::linalg_vector_norm(p.grad, 2, c10::nullopt, false, at::kDouble).square();
+  group.all_reduce(sum_sq);
+  return scale_to(parts, max_norm, std::sqrt(sum_sq.item<double>()));
+}
+
+double clip_grad_norm_exact(const std::vector<GradPart>& parts, double max_norm, comm::Communicator& group) {
+  ExactSquareSum mine;
+  for (const auto& p : parts)
+    if (counts(p)) mine.add_squares(p.grad);
+  at::Tensor digits = mine.digits();
+  group.all_reduce(digits);  // integers: the same sum in any order
+  return scale_to(parts, max_norm, std::sqrt(ExactSquareSum::from_digits(digits).value()));
 }
 
 std::vector<GradPart> count_once(const NamedGrads& grads, const std::map<std::string, int64_t>& tp_dims,

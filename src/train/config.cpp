@@ -111,6 +111,12 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--reduce-dtype", "bf16|fp32", "bf16-mixed: dtype gradients are reduced in (default bf16)", c.reduce_dtype),
         store("--clip-grad-norm", "X", "clip the global L2 norm over every layout (default 0: measured, not clipped)",
               c.clip_grad_norm),
+        turn("--deterministic", "the same bits on every dp size: losses and weights as one process's (docs/dp.md)",
+             c.deterministic),
+        store("--grains", "G", "--deterministic: micro-batches of the global batch, a power of two (default: the "
+              "largest dividing the global batch, up to max(8, dp))", c.grains),
+        store("--deterministic-threads", "N", "--deterministic: intra-op threads of every rank (default 1)",
+              c.deterministic_threads),
         store("--activation-checkpointing", "none|blocks|every-N", "recompute blocks in backward (default none)",
               c.activation_checkpointing),
         Flag{"--seed", "S", "model and data seed (default 1234)", seed}}},
@@ -259,6 +265,41 @@ void resolve_layout(TrainConfig& c, int world) {
                   " must be a positive multiple of the data-parallel degree ", c.dp);
 }
 
+bool power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// --deterministic: the grains, which fix the micro-batches (Note
+// [Deterministic training]); what the mode cannot make exact is refused.
+void resolve_grains(TrainConfig& c) {
+  if (!c.deterministic) {
+    MESHTRAIN_CHECK(c.grains == 0, "--grains applies to --deterministic; add it or drop --grains");
+    return;
+  }
+  MESHTRAIN_CHECK(c.strategy == "ddp", "--deterministic with --strategy dp: the master DP sums the workers' "
+                  "gradients in arrival order; use --strategy ddp (with --zero 0 to 3)");
+  MESHTRAIN_CHECK(c.tp == 1, "--deterministic with --tp ", c.tp, ": tensor parallelism adds each matmul's partial "
+                  "products over the tp ranks, an order one process does not have; use --tp 1 (dp and pp compose)");
+  MESHTRAIN_CHECK(power_of_two(c.dp), "--deterministic with dp ", c.dp, ": the grain tree splits over a power of two "
+                  "of data-parallel ranks; use dp 1, 2, 4, 8, ...");
+  MESHTRAIN_CHECK(c.precision == "fp32" || c.reduce_dtype == "bf16", "--deterministic with --reduce-dtype fp32: the "
+                  "grain tree sums in the gradients' dtype on every level; use --reduce-dtype bf16");
+  MESHTRAIN_CHECK(c.deterministic_threads >= 1, "--deterministic-threads ", c.deterministic_threads,
+                  " must be at least 1 (the same on every layout)");
+  if (c.grains == 0) {
+    c.grains = 1;
+    while (c.global_batch % (c.grains * 2) == 0 && c.grains * 2 <= std::max(8, c.dp)) c.grains *= 2;
+  }
+  MESHTRAIN_CHECK(power_of_two(c.grains) && c.global_batch % c.grains == 0 && c.grains % c.dp == 0, "--grains ",
+                  c.grains, " must be a power of two dividing --global-batch ", c.global_batch,
+                  " and divisible by dp ", c.dp, " (e.g. --global-batch 32 --grains 8)");
+  const int64_t per_rank = c.grains / c.dp, grain = c.global_batch / c.grains;
+  MESHTRAIN_CHECK(c.micro_batch == 0 || c.micro_batch == grain, "--deterministic: a micro-batch is one grain, ",
+                  grain, " samples (--global-batch / --grains); --micro-batch ", c.micro_batch, " differs");
+  MESHTRAIN_CHECK(c.microbatches == 0 || c.microbatches == per_rank, "--deterministic: each rank runs grains / dp = ",
+                  per_rank, " micro-batches; --microbatches ", c.microbatches, " differs");
+  c.micro_batch = grain;
+  if (c.pp > 1 || c.virtual_stages > 1) c.microbatches = static_cast<int>(per_rank);
+}
+
 // Micro-batches: gradient accumulation, or the pipeline's micro-batches.
 void resolve_batches(TrainConfig& c) {
   const auto& m = c.model;
@@ -340,6 +381,7 @@ void resolve_model(TrainConfig& c) {
 TrainConfig resolve(TrainConfig c, int world) {
   check_values(c);
   resolve_layout(c, world);
+  resolve_grains(c);
   resolve_batches(c);
   resolve_model(c);
   return c;
@@ -384,6 +426,7 @@ std::string to_json(const TrainConfig& c) {
       .str("init_from", c.init_from)
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap).integer("eval_every", c.eval_every)
+      .boolean("deterministic", c.deterministic).integer("grains", c.grains)
       .boolean("shuffle", c.shuffle).str("val_data", c.val_data).integer("val_batches", c.val_batches)
       .str("backend", c.backend.empty() ? "auto" : c.backend);
   return o.str();

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include "engine.h"
+#include "meshtrain/dp/grain_tree.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/pipeline.h"
@@ -51,7 +52,8 @@ TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
   if (mixed && c.reduce_dtype == "fp32") ddp.reduce_dtype(at::kFloat);
   auto options = TrainerOptions().zero(c.zero).pipeline(pipeline).ddp(ddp)
                      .zero_options(zero::ZeroOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap))
-                     .clip_grad_norm(c.clip_grad_norm).measure_grad_norm(true);
+                     .clip_grad_norm(c.clip_grad_norm).measure_grad_norm(true)
+                     .deterministic(c.deterministic).grains(c.grains).deterministic_threads(c.deterministic_threads);
   if (mixed) options.param_dtype(at::kBFloat16);
   // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
   // weight, on this stage or, through the copy the pipeline sends, on the last.
@@ -101,7 +103,7 @@ class MeshEngine : public Engine {
   }
 
   double evaluate(const Dataset& data, int64_t first, int64_t count) override {
-    const Batch b = my_samples(data, first, count);
+    const Batch b = my_samples(data, first, count, /*by_grain=*/false);  // a mean: any split of the samples
     const double loss = trainer_->evaluate(b.inputs, b.targets);
     return mesh_.world()->rank() == 0 ? loss : 0.0;
   }
@@ -125,10 +127,20 @@ class MeshEngine : public Engine {
  private:
   // This dp rank's slice of global samples [first, first + count); a
   // pipeline reads the inputs on its first stage and the targets on its last.
-  Batch my_samples(const Dataset& data, int64_t first, int64_t count) const {
+  // Deterministic mode: micro-batch j is grain j x dp + this dp rank (Note [Deterministic training]).
+  Batch my_samples(const Dataset& data, int64_t first, int64_t count, bool by_grain = true) const {
     const int64_t local = count / c_.dp;
     const bool pipelined = c_.pp * c_.virtual_stages > 1;
-    return !pipelined || first_ || last_ ? data.samples(first + mesh_.coord().dp * local, local) : Batch{};
+    if (pipelined && !first_ && !last_) return Batch{};
+    if (!c_.deterministic || !by_grain) return data.samples(first + mesh_.coord().dp * local, local);
+    const int64_t grain = count / c_.grains;
+    std::vector<at::Tensor> inputs, targets;
+    for (int64_t j = 0; j < c_.grains / c_.dp; ++j) {
+      Batch b = data.samples(first + dp::grain_index(j, mesh_.coord().dp, c_.dp) * grain, grain);
+      inputs.push_back(b.inputs);
+      targets.push_back(b.targets);
+    }
+    return Batch{at::cat(inputs), at::cat(targets)};
   }
 
   std::shared_ptr<models::LmHeadImpl> head() {

@@ -7,7 +7,10 @@
 #include <set>
 
 #include "chunk.h"
+#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm/tree_order.h"
 #include "meshtrain/dp/gradient_sync.h"
+#include "meshtrain/dp/grain_tree.h"
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
@@ -16,7 +19,46 @@
 namespace meshtrain {
 namespace train {
 
+// Note [Deterministic training]
+// TrainerOptions::deterministic makes the step's sums follow one tree that no
+// layout changes (Note [Grain tree] in dp/grain_tree.h), over G grains of the
+// global batch (grain i: samples [i B/G, (i+1) B/G)), for dp = n ranks (a power
+// of two dividing G), m = G/n micro-batches each:
+//   - rank r's micro-batch j is grain j n + r (dp::grain_index), so the n
+//     grains of micro-step j are an aligned block of the tree, and every
+//     micro-batch's backward is reduced over dp (the wrappers reduce every
+//     micro-batch, the pipeline too: PipelineOptions::after_microbatch_backward)
+//     on a comm::tree_order communicator, which adds the ranks' gradients as
+//     that block's subtree (Note [Tree-order sums]): node(log2 n, j);
+//   - the trainer takes each micro-batch's reduced gradients (the chunk's
+//     grain_gradients: whole for DDP and ZeRO-1's shard region, shards for
+//     ZeRO-2/3) into a TreeAccumulator per tensor and zeroes them, so the m
+//     subtree roots are added as the tree above them: the root, as one
+//     process forms it from its G micro-batches. At most log2(m) + 1 partial
+//     sums per tensor, of the size the strategy keeps (shards under ZeRO-2/3).
+//   - scaling is exact: the loss divided by m and the average over n multiply
+//     by powers of two;
+//   - the loss: each grain's loss, gathered over dp, summed in the same tree
+//     (in double), divided by G; the gradient norm: an exact integer sum of
+//     squares (Note [Exact sum of squares]), so clipping scales alike;
+//   - what sums in another order is refused: tensor parallelism (a row-parallel
+//     matmul adds partial products over tp ranks), a dp size that is not a
+//     power of two, a DDP reduce dtype other than the gradients'. Each grain's
+//     own forward and backward are the same computation on every layout once
+//     the thread count is (BLAS blocks by it): deterministic_threads on every
+//     rank, and libtorch's deterministic algorithms on.
+// The tree is summed in the dtype the reduction uses (bf16 under bf16-mixed,
+// as DDP reduces), so a layout's cross-rank levels and local levels round alike.
+
 namespace {
+
+// The balanced binary tree's sum of a power-of-two count of doubles.
+double sum_in_tree_order(std::vector<double> v) {
+  const size_t n = v.size();
+  for (size_t step = 1; step < n; step *= 2)
+    for (size_t i = 0; i + step < n; i += 2 * step) v[i] += v[i + step];
+  return n ? v[0] : 0.0;
+}
 
 // The split a balanced pipeline would make of the whole, uncut model: the
 // same on every tp rank (a vocabulary tp does not divide leaves the ranks'
@@ -74,8 +116,37 @@ struct Trainer::State {
     pipeline_options.reduce_every_microbatch(o.pipeline().reduce_every_microbatch() || o.zero() >= 2);
     const int given = pipeline_options.microbatches();
     microbatches = given > 0 ? given : (pipelined ? mesh.pp()->size() : 1);
+    if (o.deterministic()) start_deterministic();
     // The loss's average over dp goes on a communicator of its own: the axes' traffic stays the training's.
     loss_dp = mesh.dp()->size() > 1 ? mesh.dp()->split(0, mesh.dp()->rank(), "trainer-loss") : nullptr;
+  }
+
+  // Note [Deterministic training]: what the mode cannot make exact is refused
+  // before any communication.
+  void start_deterministic() {
+    const TrainerOptions& o = options;
+    const int n = mesh.dp()->size(), G = o.grains();
+    MESHTRAIN_CHECK(mesh.tp()->size() == 1, "train::Trainer: deterministic mode with tp ", mesh.tp()->size(),
+                    ": tensor parallelism adds each matmul's partial products over the tp ranks, an order one "
+                    "process does not have; train with tp 1 (dp and pp compose with the mode)");
+    MESHTRAIN_CHECK(dp::is_power_of_two(G), "train::Trainer: deterministic mode needs grains, a power of two (the "
+                    "global batch's grains); got ", G, "; e.g. TrainerOptions().grains(8)");
+    MESHTRAIN_CHECK(dp::is_power_of_two(n) && G % n == 0, "train::Trainer: deterministic mode with dp ", n, " and ",
+                    G, " grains: dp must be a power of two dividing the grains (1, 2, 4, ... up to ", G, ")");
+    MESHTRAIN_CHECK(o.pipeline().microbatches() == 0 || o.pipeline().microbatches() == G / n,
+                    "train::Trainer: deterministic mode runs grains / dp = ", G / n, " micro-batches per rank; "
+                    "PipelineOptions::microbatches is ", o.pipeline().microbatches(), " (leave it 0)");
+    const auto reduce = o.ddp().reduce_dtype();
+    MESHTRAIN_CHECK(o.zero() > 0 || !reduce || *reduce == o.param_dtype().value_or(at::kFloat), "train::Trainer: "
+                    "deterministic mode sums the grain tree in the gradients' dtype, and DDP's reduce_dtype ",
+                    *reduce, " would sum its levels in another; leave reduce_dtype unset");
+    MESHTRAIN_CHECK(o.deterministic_threads() >= 1, "train::Trainer: deterministic_threads ",
+                    o.deterministic_threads(), "; give at least 1 (the same on every layout)");
+    comm::set_compute_threads(o.deterministic_threads());
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+    microbatches = G / n;
+    pipeline_options.microbatches(G / n);
+    pipeline_options.after_microbatch_backward([this](int chunk, int) { take_grain(chunk); });
   }
 
   mesh::DeviceMesh mesh;
@@ -87,6 +158,11 @@ struct Trainer::State {
   int64_t microbatches = 1;
   double grad_norm = 0;
   comm::CommPtr loss_dp;
+  // Deterministic mode: each chunk's grain trees, one per grain_gradients()
+  // tensor, and this rank's grain losses of the step (micro-batch order).
+  std::vector<std::vector<dp::TreeAccumulator>> grain_trees;
+  std::vector<double> grain_losses;
+  comm::CommPtr tree_dp;  // mesh.dp() in tree order (Note [Tree-order sums])
   std::optional<pp::Pipeline> pipeline;
   std::shared_ptr<torch::nn::Module> root;  // this rank's stage or the whole model
   std::function<at::Tensor(const at::Tensor&)> forward;  // without a pipeline
@@ -160,10 +236,55 @@ struct Trainer::State {
   // dp 2 x pp 2).
   // Chunk 0's too: fully_shard's registry keeps a unit to the end of the
   // process, so a later trainer on the same mesh would settle this one's.
+  // Deterministic mode: the wrappers reduce in tree order.
   comm::CommPtr chunk_dp(size_t chunk) {
-    if (options.zero() != 3) return mesh.dp();
+    const bool tree = options.deterministic();
+    if (options.zero() != 3) {
+      if (tree && !tree_dp) tree_dp = comm::tree_order(mesh.dp());
+      return tree ? tree_dp : mesh.dp();
+    }
     chunk_dps.push_back(mesh.dp()->split(0, mesh.dp()->rank(), "dp-chunk" + std::to_string(chunk)));
-    return chunk_dps.back();
+    return tree ? comm::tree_order(chunk_dps.back()) : chunk_dps.back();
+  }
+
+  // After a micro-batch's backward on `chunk`: its reduced gradients join the
+  // trees, and the chunk starts the next micro-batch from zero.
+  void take_grain(size_t chunk) {
+    const std::vector<GrainGradient> grads = chunks.at(chunk)->grain_gradients();
+    if (grain_trees.size() < chunks.size()) grain_trees.resize(chunks.size());
+    std::vector<dp::TreeAccumulator>& trees = grain_trees[chunk];
+    if (trees.empty()) trees.resize(grads.size());
+    MESHTRAIN_CHECK(trees.size() == grads.size(), "train::Trainer: chunk ", chunk, " reduced ", grads.size(),
+                    " gradient tensors in this micro-batch and ", trees.size(), " in the first");
+    for (size_t i = 0; i < grads.size(); ++i)
+      trees[i].add(grads[i].tensor.to(grads[i].sum_dtype, /*non_blocking=*/false, /*copy=*/true));
+    chunks.at(chunk)->zero_grad();
+  }
+
+  // After the step's last backward: each chunk's gradients are its trees' roots.
+  void put_back_grains() {
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      const std::vector<GrainGradient> grads = chunks[k]->grain_gradients();
+      std::vector<dp::TreeAccumulator>& trees = grain_trees.at(k);
+      MESHTRAIN_CHECK(trees.size() == grads.size(), "train::Trainer: chunk ", k, " holds ", grads.size(),
+                      " gradient tensors after the step and reduced ", trees.size());
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < grads.size(); ++i) grads[i].tensor.copy_(trees[i].root());
+      trees.clear();
+    }
+  }
+
+  // The global batch's loss from every rank's grain losses, summed in the
+  // grain tree (grain j n + r is rank r's micro-batch j).
+  double tree_mean_loss(const std::vector<double>& mine) const {
+    const int n = loss_dp ? loss_dp->size() : 1;
+    std::vector<double> by_grain(mine.size() * n);
+    const std::vector<at::Tensor> all = loss_dp ? loss_dp->all_gather(at::tensor(mine, at::kDouble))
+                                                : std::vector<at::Tensor>{at::tensor(mine, at::kDouble)};
+    for (int r = 0; r < n; ++r)
+      for (size_t j = 0; j < mine.size(); ++j)
+        by_grain[dp::grain_index(j, r, n)] = all[r].data_ptr<double>()[j];
+    return sum_in_tree_order(by_grain) / static_cast<double>(by_grain.size());
   }
 
   ShardPlace place(const ChunkTrainer& chunk) const {
@@ -191,13 +312,19 @@ struct Trainer::State {
   // the last (ZeRO-2/3: every one). Returns the batch's mean loss.
   double accumulate(const at::Tensor& inputs, const at::Tensor& targets) {
     const int64_t M = microbatches;
+    const bool deterministic = options.deterministic();  // every micro-batch reduced and taken
     SyncOnLast sync(*root);
     double sum = 0;
     for (int64_t j = 0; j < M; ++j) {
-      if (M > 1) sync.set(pipeline_options.reduce_every_microbatch() || j + 1 == M);
-      at::Tensor l = loss(forward(micro_batch(inputs, j)), micro_batch(targets, j)) / M;
+      if (M > 1 && !deterministic) sync.set(pipeline_options.reduce_every_microbatch() || j + 1 == M);
+      const at::Tensor grain_loss = loss(forward(micro_batch(inputs, j)), micro_batch(targets, j));
+      at::Tensor l = grain_loss / M;
       l.backward();
       sum += l.item<double>();
+      if (deterministic) {
+        grain_losses.push_back(grain_loss.item<double>());
+        take_grain(0);
+      }
     }
     return sum;
   }
@@ -276,14 +403,22 @@ Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
 double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
   s_->check_divides(inputs, targets);
+  const bool deterministic = s_->options.deterministic();  // Note [Deterministic training]
   for (auto& chunk : s_->chunks) chunk->zero_grad();
+  s_->grain_losses.clear();
   const at::Tensor x = s_->in_compute_dtype(inputs);
   double loss = s_->pipeline ? s_->pipeline->step(x, targets) : s_->accumulate(x, targets);
+  if (deterministic) s_->put_back_grains();
   for (auto& chunk : s_->chunks) chunk->finish_gradients();
-  if (s_->options.clip_grad_norm() > 0 || s_->options.measure_grad_norm())
-    s_->grad_norm = clip_grad_norm(s_->gradient_parts(), s_->options.clip_grad_norm(), *s_->mesh.world());
+  if (s_->options.clip_grad_norm() > 0 || s_->options.measure_grad_norm()) {
+    const std::vector<GradPart> parts = s_->gradient_parts();
+    const double max_norm = s_->options.clip_grad_norm();
+    s_->grad_norm = deterministic ? clip_grad_norm_exact(parts, max_norm, *s_->mesh.world())
+                                  : clip_grad_norm(parts, max_norm, *s_->mesh.world());
+  }
   for (auto& chunk : s_->chunks) chunk->step();
-  return s_->mean_over_dp(loss);
+  if (!deterministic) return s_->mean_over_dp(loss);
+  return s_->tree_mean_loss(s_->pipeline ? s_->pipeline->microbatch_losses() : s_->grain_losses);
 }
 
 double Trainer::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {

@@ -56,6 +56,9 @@ std::pair<std::string, int> parse_tcp_url(const std::string& url);
 // without it, to the share of the cores `env` gives this rank's node.
 void apply_thread_settings(const DistEnv& env);
 void apply_thread_settings();  // of this process's environment
+// libtorch's intra-op threads and OpenBLAS's pool (when libblas.so.3 is
+// OpenBLAS) set to n.
+void set_compute_threads(int n);
 
 // Joins the job described by the environment; returns the world communicator.
 // Under mpirun with backend auto or mpi (CommOptions::backend, else

@@ -29,6 +29,12 @@ namespace dp {
 
 bool is_power_of_two(int64_t x);
 
+// Deterministic training's data: dp rank r's micro-batch j is grain
+// j * dp_size + r, so that each micro-batch's reduction over the ranks forms
+// one subtree of the grain tree (Note [Deterministic training] in
+// src/train/module_trainer.cpp).
+inline int64_t grain_index(int64_t microbatch, int dp_rank, int dp_size) { return microbatch * dp_size + dp_rank; }
+
 class TreeAccumulator {
  public:
   // The next grain, in index order (taken over: the accumulator may add into it).

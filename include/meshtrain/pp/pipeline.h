@@ -76,6 +76,14 @@ struct PipelineOptions {
   // of the last only: for ZeRO-2/3, which then keep gradient shards, not
   // full-size gradients, through the step (DeepSpeed's way; more traffic).
   TORCH_ARG(bool, reduce_every_microbatch) = false;
+  // Called after every micro-batch's backward on this rank with the chunk
+  // (index into chunks()) and the micro-batch, once that micro-batch's
+  // gradients are whole: when it is set, data-parallel wrappers reduce every
+  // micro-batch and tied copies send their gradient to the owner after every
+  // micro-batch (not the last only), and microbatch_losses() keeps each loss.
+  // For a caller that sums the micro-batches' gradients itself
+  // (train::Trainer's deterministic mode).
+  TORCH_ARG(std::function<void(int chunk, int microbatch)>, after_microbatch_backward) = nullptr;
 };
 
 // The loss of one micro-batch's output. step() divides it by the number of
@@ -153,6 +161,10 @@ class Pipeline {
   // The last step's timeline on this rank and the most activations it held.
   const std::vector<TraceEvent>& last_trace() const { return last_.events; }
   int max_activations_in_flight() const { return last_.max_in_flight; }
+  // With after_microbatch_backward: the last step's loss of each micro-batch
+  // (the loss function's value, before step() divides it), on every rank of
+  // the pipeline; empty otherwise.
+  const std::vector<double>& microbatch_losses() const { return microbatch_losses_; }
   static constexpr int kTiedTagBase = 1 << 20;
   static constexpr int kEvalTag = kTiedTagBase;  // the tied groups' tags start after it
 
@@ -168,6 +180,7 @@ class Pipeline {
   void start(std::vector<StageFn> fns, const std::vector<detail::TiedGroup>& tied);
   void refresh_tied_copies(std::vector<comm::WorkPtr>& sends);
   void exchange_tied_gradients(int stage, std::vector<comm::WorkPtr>& sends, bool before);
+  void share_microbatch_losses(const std::vector<double>& on_last_stage);
 
   comm::CommPtr pp_;
   PipelineLoss loss_;
@@ -179,6 +192,7 @@ class Pipeline {
   std::vector<StageFn> stage_fns_;  // this rank's, in stage order (evaluate)
   std::vector<Tied> tied_;
   StepResult last_;
+  std::vector<double> microbatch_losses_;
   bool shared_by_chunks_ = false;  // a parameter sits in two of this rank's chunks
 };
 

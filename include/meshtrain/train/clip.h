@@ -45,6 +45,10 @@ using NamedGrads = std::vector<std::pair<std::string, at::Tensor>>;
 // norm exceeds max_norm; max_norm <= 0 only measures. Returns the norm before
 // clipping (inf or nan when a gradient is not finite; then nothing is scaled).
 double clip_grad_norm(const std::vector<GradPart>& parts, double max_norm, comm::Communicator& group);
+// The same with the squares summed exactly (Note [Exact sum of squares] in
+// util/exact_sum.h): the norm's bits do not depend on how the elements are
+// split over ranks (train::TrainerOptions::deterministic). Float parts only.
+double clip_grad_norm_exact(const std::vector<GradPart>& parts, double max_norm, comm::Communicator& group);
 
 // Which of this rank's gradients (by parameter name) it counts: those split
 // over tp (a dimension >= 0 in `tp_dims`, as tp::shard_dims gives) or on tp rank 0, and, when every dp rank holds

@@ -80,6 +80,13 @@ struct TrainConfig {
   std::string metrics_out;  // JSON file
   double bucket_cap_mb = 25.0;
   bool overlap = true;      // DDP: all-reduce during backward
+  // Bitwise-identical training on every dp size (Note [Deterministic training]
+  // in src/train/module_trainer.cpp): the global batch cut into `grains`
+  // micro-batches (a power of two; 0: derived), each rank computing with
+  // deterministic_threads intra-op threads.
+  bool deterministic = false;
+  int grains = 0;
+  int deterministic_threads = 1;
   std::string backend;      // communication: auto | shm | gloo | mpi (empty: MESHTRAIN_BACKEND, else auto)
   double comm_timeout = 0;  // seconds a rank waits for its peers (0: MESHTRAIN_COMM_TIMEOUT, else 300)
   int eval_problems = 100;  // task accuracy at the end (0: skip)

@@ -90,6 +90,22 @@ struct TrainerOptions {
   // Measure the global gradient norm every step (last_grad_norm) even when not
   // clipping: one small all-reduce over the world per step.
   TORCH_ARG(bool, measure_grad_norm) = false;
+  // Deterministic mode (issue 33; Note [Deterministic training] in
+  // src/train/module_trainer.cpp): the global batch is `grains` grains (a
+  // power of two), each a micro-batch, and their gradients, losses and the
+  // gradient norm are summed in one fixed tree, so every dp size that is a
+  // power of two dividing `grains` (DDP, ZeRO-1/2/3, with or without a
+  // pipeline) gives one process's bits. Rank r's micro-batch j must be grain
+  // j * dp + r of the global batch (dp::grain_index; the built-in trainer
+  // reads them so). The micro-batches per rank are grains / dp. Refused with
+  // tensor parallelism (a split contraction's partial sums cannot follow one
+  // process's order) and a DDP reduce dtype other than the parameters'. Sets
+  // the process's intra-op and BLAS threads to `deterministic_threads` (the
+  // same on every layout: BLAS blocking depends on it) and makes libtorch
+  // refuse kernels without a deterministic implementation.
+  TORCH_ARG(bool, deterministic) = false;
+  TORCH_ARG(int, grains) = 0;
+  TORCH_ARG(int, deterministic_threads) = 1;
 };
 
 class Trainer {
