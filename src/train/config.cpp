@@ -114,7 +114,7 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         turn("--deterministic", "the same bits on every dp size: losses and weights as one process's (docs/dp.md)",
              c.deterministic),
         store("--grains", "G", "--deterministic: micro-batches of the global batch, a power of two (default: the "
-              "largest dividing the global batch, up to max(8, dp))", c.grains),
+              "largest dividing the global batch, up to 8)", c.grains),
         store("--deterministic-threads", "N", "--deterministic: intra-op threads of every rank (default 1)",
               c.deterministic_threads),
         store("--activation-checkpointing", "none|blocks|every-N", "recompute blocks in backward (default none)",
@@ -286,11 +286,12 @@ void resolve_grains(TrainConfig& c) {
                   " must be at least 1 (the same on every layout)");
   if (c.grains == 0) {
     c.grains = 1;
-    while (c.global_batch % (c.grains * 2) == 0 && c.grains * 2 <= std::max(8, c.dp)) c.grains *= 2;
+    while (c.global_batch % (c.grains * 2) == 0 && c.grains * 2 <= 8) c.grains *= 2;  // not by dp: the bits follow G
   }
   MESHTRAIN_CHECK(power_of_two(c.grains) && c.global_batch % c.grains == 0 && c.grains % c.dp == 0, "--grains ",
                   c.grains, " must be a power of two dividing --global-batch ", c.global_batch,
-                  " and divisible by dp ", c.dp, " (e.g. --global-batch 32 --grains 8)");
+                  " and divisible by dp ", c.dp, " (e.g. --global-batch 32 --grains 8; runs compare bit for bit "
+                  "when their grains are equal)");
   const int64_t per_rank = c.grains / c.dp, grain = c.global_batch / c.grains;
   MESHTRAIN_CHECK(c.micro_batch == 0 || c.micro_batch == grain, "--deterministic: a micro-batch is one grain, ",
                   grain, " samples (--global-batch / --grains); --micro-batch ", c.micro_batch, " differs");

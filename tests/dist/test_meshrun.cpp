@@ -326,20 +326,16 @@ std::map<int, double> progress_losses(const std::string& log) {
   return losses;
 }
 
-}  // namespace
-
 // meshrun --nnodes 1:2, two nodes on loopback: node 1's meshrun is killed
 // (SIGKILL) in step 6; node 0 goes on alone on the planner's layout for 2
 // ranks from the checkpoint of step 4; node 1 comes back, node 0's ranks stop
-// at their next checkpoint and the job finishes on both nodes again. Every
-// step's loss equals the uninterrupted single-process run's (the global batch
-// never changes).
-TEST(Meshrun, ElasticJobGoesOnWithoutALostNodeAndTakesItBack) {
-  char tmpl[] = "/tmp/meshrun-elastic-XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
-  const std::string train = kBin + "/meshtrain --model gpt --steps 40 --global-batch 8 --eval-problems 0 ";
+// at their next checkpoint and the job finishes on both nodes again. Returns
+// the job's output; dir holds plain.json (the uninterrupted single-process
+// run of the same flags), elastic.json (the last round's metrics) and the logs.
+Shell run_elastic_job(const std::string& dir, const std::string& flags) {
+  const std::string train = kBin + "/meshtrain --model gpt --steps 40 --global-batch 8 --eval-problems 0 " + flags + " ";
   Shell plain = sh(train + "--metrics-out " + dir + "/plain.json");
-  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
   const std::string node = "MESHTRAIN_RDZV_TOKEN=0123456789abcdef0123456789abcdef " + kBin +
                            "/meshrun --nnodes 1:2 --nproc-per-node 2 --master-port " + std::to_string(free_port()) +
                            " --rdzv-last-call 5 --rdzv-timeout 60 --max-restarts 1 --grace-seconds 2 --node-rank ";
@@ -359,6 +355,17 @@ TEST(Meshrun, ElasticJobGoesOnWithoutALostNodeAndTakesItBack) {
   EXPECT_TRUE(contains(r.output, "resumed from checkpoint step 4")) << r.output;
   EXPECT_TRUE(contains(r.output, "a node is waiting to join: stopping after the checkpoint of step")) << r.output;
   EXPECT_TRUE(contains(r.output, "meshrun: round 2: nodes 0, 1, 4 ranks (node 1 joined)")) << r.output;
+  return r;
+}
+
+}  // namespace
+
+// Every step's loss equals the uninterrupted single-process run's (the
+// global batch never changes).
+TEST(Meshrun, ElasticJobGoesOnWithoutALostNodeAndTakesItBack) {
+  TempDir t;
+  const std::string& dir = t.path();
+  const Shell r = run_elastic_job(dir, "");
   const auto reference = meshtrain::json::parse(meshtrain::files::read_all(dir + "/plain.json"));
   const auto elastic = meshtrain::json::parse(meshtrain::files::read_all(dir + "/elastic.json"));
   // The last round, from its metrics: equal up to float reassociation (another layout than one process).
@@ -375,7 +382,23 @@ TEST(Meshrun, ElasticJobGoesOnWithoutALostNodeAndTakesItBack) {
   for (const auto& step_loss : printed) {
     EXPECT_NEAR(step_loss.second, reference["losses"][step_loss.first - 1].num(), 1e-4) << "step " << step_loss.first;
   }
-  std::system(("rm -rf " + dir).c_str());
+}
+
+// Issue 33: the same job under --deterministic, through dp 2 x pp 2, the
+// planner's 2-rank layout and back, ends with the uninterrupted one-process
+// run's bits: every loss of the last round equal (==), and the weights' SHA-256.
+TEST(Meshrun, DeterministicElasticJobEndsWithTheUninterruptedRunsWeights) {
+  TempDir t;
+  const std::string& dir = t.path();
+  const Shell r = run_elastic_job(dir, "--deterministic --clip-grad-norm 1");
+  const auto reference = meshtrain::json::parse(meshtrain::files::read_all(dir + "/plain.json"));
+  const auto elastic = meshtrain::json::parse(meshtrain::files::read_all(dir + "/elastic.json"));
+  const int first = static_cast<int>(elastic["first_step"].num());
+  ASSERT_GT(first, 4);
+  ASSERT_EQ(elastic["losses"].size(), static_cast<size_t>(40 - first));
+  for (int s = first; s < 40; ++s) EXPECT_EQ(elastic["losses"][s - first].num(), reference["losses"][s].num()) << s + 1;
+  EXPECT_EQ(elastic["weights_sha256"].str(), reference["weights_sha256"].str()) << r.output;
+  EXPECT_EQ(reference["weights_sha256"].str().size(), 64u);
 }
 
 // A node that arrives when the job cannot take it in (no checkpoints) waits
