@@ -157,13 +157,21 @@ void Process::register_wait(gloo::transport::UnboundBuffer* buf, int peer,
 }
 
 void Process::unregister_wait(gloo::transport::UnboundBuffer* buf, bool completed) {
+  bool was_long = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    waiting_.erase(buf);
+    auto it = waiting_.find(buf);
+    if (it != waiting_.end()) {
+      was_long = std::chrono::steady_clock::now() >= it->second.long_at;
+      waiting_.erase(it);
+    }
     // A failed wait keeps its record: the ranks timing out on this one may still follow it.
     keep_wait_record_ = keep_wait_record_ || !completed;
   }
-  recorder_wake_.notify_all();  // a completed long wait's record goes at once
+  // A completed long wait's record goes at once. Only a long wait can have one:
+  // waking the recorder after every short wait would cost a thread switch per
+  // message, on cores the ranks need.
+  if (was_long) recorder_wake_.notify_all();
 }
 
 // Note [Naming a stuck rank] for Gloo: its waits are one blocking call, so a
