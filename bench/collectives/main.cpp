@@ -3,12 +3,14 @@
 // Protocol, shared with torch_peer.py so the two are comparable side by side:
 // per op and size, one untimed call, 5 warm-up calls, a calibration of the
 // iteration count to ~target seconds (agreed with an all_reduce MAX), a
-// barrier, the timed block; time per op = max over ranks.
+// barrier, the timed block; time per op = max over ranks (the mean, and the
+// per-call median, 99th percentile and maximum).
 // Sizes follow nccl-tests: S = the tensor (all_reduce, broadcast) or the full
 // gathered / scattered buffer (all_gather, reduce_scatter); bus bandwidth =
 // S/t * 2(n-1)/n (all_reduce), * (n-1)/n (all_gather, reduce_scatter), * 1 (broadcast).
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -69,7 +71,14 @@ std::function<void()> make_op(comm::Communicator& c, const std::string& op, int6
   throw std::invalid_argument("unknown op " + op);
 }
 
-double seconds_per_op(comm::Communicator& c, const std::function<void()>& fn, double target_s) {
+// Time per op: the mean of the timed block, and the block's per-call
+// percentiles, which show what a mean hides: a tail of calls that each wait
+// for the scheduler (a wake-up on a busy core waits out its time slice).
+struct Timing {
+  double mean = 0, p50 = 0, p99 = 0, max = 0;
+};
+
+Timing time_per_op(comm::Communicator& c, const std::function<void()>& fn, double target_s) {
   fn();
   for (int i = 0; i < 5; ++i) fn();
   c.barrier();
@@ -79,12 +88,20 @@ double seconds_per_op(comm::Communicator& c, const std::function<void()>& fn, do
   auto iters = torch::tensor({static_cast<int64_t>(std::min(5000.0, std::max(5.0, target_s / std::max(est, 1e-9))))});
   c.all_reduce(iters, comm::ReduceOp::kMax);
   const int64_t n = iters.item<int64_t>();
+  std::vector<double> each(n);
   c.barrier();
   t0 = Clock::now();
-  for (int64_t i = 0; i < n; ++i) fn();
-  auto dt = torch::tensor({std::chrono::duration<double>(Clock::now() - t0).count() / n}, torch::kFloat64);
-  c.all_reduce(dt, comm::ReduceOp::kMax);
-  return dt.item<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto start = Clock::now();
+    fn();
+    each[i] = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  const double mean = std::chrono::duration<double>(Clock::now() - t0).count() / n;
+  std::sort(each.begin(), each.end());
+  auto at = [&](double q) { return each[std::min<int64_t>(n - 1, static_cast<int64_t>(q * n))]; };
+  auto t = torch::tensor({mean, at(0.5), at(0.99), each.back()}, torch::kFloat64);
+  c.all_reduce(t, comm::ReduceOp::kMax);  // the slowest rank's
+  return Timing{t[0].item<double>(), t[1].item<double>(), t[2].item<double>(), t[3].item<double>()};
 }
 
 }  // namespace
@@ -118,12 +135,14 @@ int main(int argc, char** argv) {
   std::string op;
   while (std::getline(ops_ss, op, ',')) {
     for (int64_t bytes : parse_sizes(sizes)) {
-      double t = seconds_per_op(*c, make_op(*c, op, bytes), target_s);
-      if (op == "sendrecv") t /= 2;
+      Timing t = time_per_op(*c, make_op(*c, op, bytes), target_s);
+      if (op == "sendrecv") t = Timing{t.mean / 2, t.p50 / 2, t.p99 / 2, t.max / 2};
       if (c->rank() == 0) {
-        json << (first ? "" : ", ") << "{\"op\": \"" << op << "\", \"bytes\": " << bytes << ", \"sec_per_op\": " << t << "}";
+        json << (first ? "" : ", ") << "{\"op\": \"" << op << "\", \"bytes\": " << bytes << ", \"sec_per_op\": " << t.mean
+             << ", \"p50_s\": " << t.p50 << ", \"p99_s\": " << t.p99 << ", \"max_s\": " << t.max << "}";
         first = false;
-        std::cout << op << " " << bytes << " B: " << t * 1e6 << " us" << std::endl;
+        std::cout << op << " " << bytes << " B: " << t.mean * 1e6 << " us (per call: median " << t.p50 * 1e6 << ", p99 "
+                  << t.p99 * 1e6 << ", max " << t.max * 1e6 << ")" << std::endl;
       }
     }
   }
