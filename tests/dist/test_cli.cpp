@@ -15,6 +15,7 @@
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
 #include "metrics.h"
+#include "metrics_run.h"
 #include "shell.h"
 
 using meshtrain::json::Value;
@@ -27,6 +28,7 @@ using meshtrain::testing::kSource;
 using meshtrain::testing::sh;
 using meshtrain::testing::Shell;
 using meshtrain::testing::TempDir;
+using meshtrain::testing::train_metrics;
 
 namespace {
 
@@ -35,14 +37,6 @@ const std::string kTiny =
     " --model gpt --layers 3 --hidden 32 --heads 4 --vocab 64 --seq-len 16 --global-batch 24 --steps 4"
     " --lr 1e-2 --adam-eps 1e-6 --eval-problems 0 --log-every 100 ";
 
-// meshrun --nproc-per-node ranks -- meshtrain FLAGS --metrics-out FILE; the parsed metrics.
-Value train(int ranks, const std::string& flags, const std::string& metrics) {
-  Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(ranks) + " -- " + kBin + "/meshtrain" + flags +
-               " --metrics-out " + metrics);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  if (r.exit_code != 0) return Value();
-  return meshtrain::json::parse(meshtrain::files::read_all(metrics));
-}
 
 std::vector<std::string> words(const std::string& s) {
   std::istringstream in(s);
@@ -57,10 +51,10 @@ std::vector<std::string> words(const std::string& s) {
 // three ranks give the losses of one process.
 TEST(Cli, DataParallelOnThreeRanksGivesTheLossesOfOneProcess) {
   TempDir dir;
-  const Value one = train(1, kTiny, dir.file("one.json"));
+  const Value one = train_metrics(1, kTiny, dir.file("one.json"));
   ASSERT_EQ(one["losses"].size(), 4u);
   for (const char* strategy : {"ddp", "dp"}) {
-    const Value m = train(3, kTiny + "--strategy " + strategy, dir.file(std::string(strategy) + ".json"));
+    const Value m = train_metrics(3, kTiny + "--strategy " + strategy, dir.file(std::string(strategy) + ".json"));
     expect_same_losses(m, one, strategy);
     if (HasFailure()) return;
     EXPECT_EQ(m["config"]["strategy"].str(), strategy);
@@ -84,14 +78,14 @@ TEST(Cli, DataParallelOnThreeRanksGivesTheLossesOfOneProcess) {
 // from psi / N by an element per bucket; the ranks' shards add up exactly.
 TEST(Cli, ZeroStagesOnThreeRanksMatchOneProcessAndThePapersMemory) {
   TempDir dir;
-  const Value one = train(1, kTiny, dir.file("one.json"));
+  const Value one = train_metrics(1, kTiny, dir.file("one.json"));
   const auto config = meshtrain::train::resolve(meshtrain::train::parse_train_args(words(kTiny)), 1);
   const double psi = static_cast<double>(meshtrain::models::parameter_count(config.model));
   const double n = 3;
   const double model[4] = {16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n};
   for (int zero = 0; zero <= 3; ++zero) {
     const std::string what = "zero " + std::to_string(zero);
-    const Value m = train(3, kTiny + "--zero " + std::to_string(zero), dir.file("zero" + std::to_string(zero) + ".json"));
+    const Value m = train_metrics(3, kTiny + "--zero " + std::to_string(zero), dir.file("zero" + std::to_string(zero) + ".json"));
     expect_same_losses(m, one, what);
     if (HasFailure()) return;
     double parameters = 0;
@@ -112,13 +106,13 @@ TEST(Cli, ZeroStagesOnThreeRanksMatchOneProcessAndThePapersMemory) {
 TEST(Cli, EveryScheduleOnFourStagesGivesTheLossesOfOneProcess) {
   TempDir dir;
   const std::string six_layers = kTiny + "--layers 6 ";  // 8 pieces: 4 stages x 2 virtual stages
-  const Value one = train(1, six_layers, dir.file("one.json"));
+  const Value one = train_metrics(1, six_layers, dir.file("one.json"));
   for (const char* schedule : {"naive", "gpipe", "1f1b", "interleaved"}) {
     std::string flags = six_layers + "--pp 4 --schedule " + schedule;
     flags += std::string(schedule) == "naive" ? " --microbatches 1" : " --microbatches 8";
     if (std::string(schedule) == "interleaved") flags += " --virtual-stages 2";
     if (std::string(schedule) == "1f1b") flags += " --trace " + dir.file("trace.json");
-    const Value m = train(4, flags, dir.file(std::string(schedule) + ".json"));
+    const Value m = train_metrics(4, flags, dir.file(std::string(schedule) + ".json"));
     expect_same_losses(m, one, schedule);
     if (HasFailure()) return;
     const double ideal = std::string(schedule) == "naive" ? 0.75
@@ -146,10 +140,10 @@ TEST(Cli, EveryScheduleOnFourStagesGivesTheLossesOfOneProcess) {
 TEST(Cli, TensorParallelAndTheThreeDimensionalLayoutGiveTheLossesOfOneProcess) {
   TempDir dir;
   const std::string eight_heads = kTiny + "--heads 8 --layers 4 ";
-  const Value one = train(1, eight_heads, dir.file("one.json"));
-  expect_same_losses(train(4, eight_heads + "--tp 4", dir.file("tp.json")), one, "tp 4");
-  expect_same_losses(train(4, eight_heads + "--tp 4 --sequence-parallel", dir.file("sp.json")), one, "tp 4 + SP");
-  expect_same_losses(train(8, eight_heads + "--dp 2 --pp 2 --tp 2 --zero 1 --schedule 1f1b --microbatches 2",
+  const Value one = train_metrics(1, eight_heads, dir.file("one.json"));
+  expect_same_losses(train_metrics(4, eight_heads + "--tp 4", dir.file("tp.json")), one, "tp 4");
+  expect_same_losses(train_metrics(4, eight_heads + "--tp 4 --sequence-parallel", dir.file("sp.json")), one, "tp 4 + SP");
+  expect_same_losses(train_metrics(8, eight_heads + "--dp 2 --pp 2 --tp 2 --zero 1 --schedule 1f1b --microbatches 2",
                            dir.file("3d.json")),
                      one, "dp 2 x pp 2 x tp 2, ZeRO-1");
 }
@@ -165,17 +159,17 @@ TEST(Cli, TensorParallelAndTheThreeDimensionalLayoutGiveTheLossesOfOneProcess) {
 TEST(Cli, WeightsSha256NamesTheSameWeightsOnEveryLayout) {
   TempDir t;
   const std::string frozen = kTiny + "--steps 1 --optimizer sgd --lr 1e-30 --clip-grad-norm 1e-45 ";
-  const Value one = train(1, frozen, t.file("one.json"));
+  const Value one = train_metrics(1, frozen, t.file("one.json"));
   const std::string initial = one["weights_sha256"].str();
   ASSERT_EQ(initial.size(), 64u) << initial;
   const std::pair<int, const char*> layouts[] = {{2, "--dp 2 --zero 3"}, {4, "--pp 2 --tp 2"}, {3, "--dp 3 --strategy dp"}};
   for (const auto& l : layouts) {
-    const Value m = train(l.first, frozen + l.second, t.file("m.json"));
+    const Value m = train_metrics(l.first, frozen + l.second, t.file("m.json"));
     EXPECT_EQ(m["weights_sha256"].str(), initial) << l.second;
   }
-  const std::string trained = train(1, kTiny, t.file("a.json"))["weights_sha256"].str();
+  const std::string trained = train_metrics(1, kTiny, t.file("a.json"))["weights_sha256"].str();
   EXPECT_NE(trained, initial);
-  EXPECT_EQ(train(1, kTiny, t.file("b.json"))["weights_sha256"].str(), trained);
+  EXPECT_EQ(train_metrics(1, kTiny, t.file("b.json"))["weights_sha256"].str(), trained);
 }
 
 TEST(Cli, BadFlagsFailOnEveryRankBeforeAnyCommunication) {
@@ -263,7 +257,7 @@ TEST(Cli, TheLossFallsOnATextFileAndOnTheBuiltInTask) {
   const std::string flags = " --model gpt --layers 2 --hidden 32 --heads 4 --seq-len 16 --global-batch 16 --steps 40"
                             " --lr 1e-2 --eval-problems 0 --log-every 100 ";
   for (const std::string& data : {"--data " + dir.file("corpus.txt"), std::string("--digits 1")}) {
-    const Value m = train(2, flags + data, dir.file("m.json"));
+    const Value m = train_metrics(2, flags + data, dir.file("m.json"));
     if (HasFailure()) return;
     const Value& losses = m["losses"];
     double first = 0, last = 0;

@@ -9,6 +9,7 @@
 
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/json.h"
+#include "metrics_run.h"
 #include "shell.h"
 
 using meshtrain::json::Value;
@@ -27,11 +28,7 @@ const std::string kTiny =
     " --lr 1e-2 --adam-eps 1e-6 --clip-grad-norm 0.5 --eval-problems 0 --log-every 100 ";
 
 Value train(int ranks, const std::string& flags, const std::string& metrics) {
-  Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(ranks) + " -- " + kBin + "/meshtrain" + kTiny + flags +
-               " --metrics-out " + metrics);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  if (r.exit_code != 0) return Value();
-  return meshtrain::json::parse(meshtrain::files::read_all(metrics));
+  return meshtrain::testing::train_metrics(ranks, kTiny + flags, metrics);
 }
 
 void expect_same_bits(const Value& got, const Value& want, const std::string& layout) {

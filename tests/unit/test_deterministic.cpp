@@ -14,6 +14,7 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/exact_sum.h"
+#include "config_error.h"
 
 using namespace meshtrain;
 
@@ -102,12 +103,7 @@ TEST(GrainIndex, StridesTheGrainsOverTheRanks) {
 namespace {
 
 std::string error_of(const std::vector<std::string>& args, int world) {
-  try {
-    train::resolve(train::parse_train_args(args), world);
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "no error";
+  return meshtrain::testing::config_error_of([&] { train::resolve(train::parse_train_args(args), world); });
 }
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

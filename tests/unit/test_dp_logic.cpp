@@ -15,6 +15,7 @@
 #include "meshtrain/util/init.h"
 #include "meshtrain/util/sha256.h"
 #include "meshtrain/util/tensor_io.h"
+#include "config_error.h"
 
 using namespace meshtrain;
 
@@ -108,14 +109,9 @@ TEST(TrainConfig, ParsesFlagsInBothSpellings) {
 
 namespace {
 
-// The message resolve() rejects these flags with ("no error" when it accepts them).
+// The message resolve() rejects these flags with ("" when it accepts them).
 std::string error_of(const std::vector<std::string>& args, int world) {
-  try {
-    train::resolve(train::parse_train_args(args), world);
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "no error";
+  return meshtrain::testing::config_error_of([&] { train::resolve(train::parse_train_args(args), world); });
 }
 
 }  // namespace
