@@ -73,7 +73,8 @@ at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t star
   return x + pos.narrow(0, start, tokens.size(1));
 }
 
-GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index) : gelu_tanh(c.kind == "gpt2") {
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index)
+    : attention_kernel(c.attention), gelu_tanh(c.kind == "gpt2") {
   const std::string p = "blocks." + std::to_string(index) + ".";
   head_dim = c.hidden / c.heads;
   const InitSpec normal = InitSpec::normal(0, 0.02);
@@ -98,7 +99,7 @@ at::Tensor GptBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
   at::Tensor kh = heads(k->forward(x)), vh = heads(v->forward(x));
   if (cache) std::tie(kh, vh) = cache->append(kh, vh);
-  const at::Tensor y = causal_attention(heads(q_out), kh, vh);  // [B, heads, T, head_dim]
+  const at::Tensor y = causal_attention(heads(q_out), kh, vh, attention_kernel);  // [B, heads, T, head_dim]
   return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 

@@ -8,7 +8,7 @@ namespace meshtrain {
 namespace models {
 
 LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index)
-    : head_dim(c.hidden / c.heads), rotary_(c.hidden / c.heads, max_positions(c), c.rope_theta) {
+    : head_dim(c.hidden / c.heads), attention_kernel(c.attention), rotary_(c.hidden / c.heads, max_positions(c), c.rope_theta) {
   const std::string p = "blocks." + std::to_string(index) + ".";
   const InitSpec normal = InitSpec::normal(0, 0.02);  // Hugging Face's initializer_range
   const int64_t h = c.hidden, kv = kv_heads(c) * head_dim, f = ffn_hidden(c);
@@ -33,7 +33,7 @@ at::Tensor LlamaBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
   const int64_t start = cache ? cache->length() : 0;
   at::Tensor qh = rotary_.apply(heads(q_out), start), kh = rotary_.apply(heads(k_out), start), vh = heads(v_out);
   if (cache) std::tie(kh, vh) = cache->append(kh, vh);
-  const at::Tensor y = causal_attention(qh, kh, vh);  // [B, heads, T, head_dim]
+  const at::Tensor y = causal_attention(qh, kh, vh, attention_kernel);  // [B, heads, T, head_dim]
   return o->forward(y.transpose(1, 2).reshape({B, T, q_out.size(2)}));
 }
 

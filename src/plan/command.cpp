@@ -41,6 +41,8 @@ void training_args(const PlanInput& in, const Estimate& e, std::vector<std::stri
     if (e.virtual_stages > 1) add(args, "--virtual-stages", e.virtual_stages);
   }
   if (!in.grad_overlap) args.push_back("--no-overlap");
+  // The attention whose activations the plan counted (the trainer's auto would pick by --seq-len).
+  if (in.shape) args.insert(args.end(), {"--attention", attention_name(in.attention)});
   if (in.activation_checkpointing) args.insert(args.end(), {"--activation-checkpointing", "blocks"});
   args.insert(args.end(), {"--precision", precision_name(in.precision)});
   if (in.optimizer == OptimizerKind::kSgd) {

@@ -202,7 +202,7 @@ flags::Parser plan_parser(Draft& d) {
         flags::turn("--no-overlap", "DDP reduces gradients after backward, as the trainer's --no-overlap",
                     in.grad_overlap, false),
         {"--attention", "eager|flash",
-         "eager keeps the T x T softmax (meshtrain's models); flash only a log-sum-exp per row (default eager)",
+         "eager keeps the T x T softmax; flash only a log-sum-exp per row (default eager); the command passes it to the trainer",
          set(in.attention, parse_attention)}}},
       {"cluster",
        {{"--devices", "N", "number of devices (required)", set(in.devices, as_int)},

@@ -105,9 +105,6 @@ std::vector<std::string> notes_for(const PlanInput& in) {
         "ZeRO-3's gathered units are not estimated; give the model's shape for them");
   if (in.shape && in.shape->kind != ModelKind::kLlama && in.precision == Precision::kFp32)
     notes.push_back("fp32 activations are estimated as twice Megatron's 16-bit figures (an upper bound)");
-  if (in.shape && in.attention == Attention::kFlash)
-    notes.push_back("--attention flash: meshtrain's models run eager attention; the flash figures are for a "
-                    "memory-efficient kernel that never stores the T x T scores");
   notes.push_back(
       "step times add compute (at --device-tflops), the pipeline bubble, tp and pp communication (alpha-beta per "
       "link class, on the critical path) and the dp reduction the backward does not hide (docs/plan.md, Step time); "
@@ -131,23 +128,15 @@ void compare_attention(const PlanInput& in, Recommendation& r) {
 }
 
 // What running the printed command needs beyond it: each node's rank and
-// node 0's address, the data, and (planned with flash attention) the memory
-// meshtrain's eager attention takes.
-std::string command_note(const PlanInput& in, const Estimate& e) {
+// node 0's address, and the data. (The command passes --attention, so the
+// run uses the kernel whose memory was planned.)
+std::string command_note(const PlanInput& in) {
   const int nodes = in.devices / devices_per_node_of(in);
   std::string note = nodes == 1 ? "" : str_cat("run it on each of the ", nodes, " nodes with NODE_RANK 0 to ",
                                                nodes - 1, ", MASTER_ADDR node 0's address and the same ",
                                                "MESHTRAIN_RDZV_TOKEN (docs/comm.md); ");
   note += "without --data it trains the built-in arithmetic task: add --data FILE (text or token shards) and "
           "--steps N";
-  if (in.attention == Attention::kFlash) {
-    PlanInput eager = in;
-    eager.attention = Attention::kEager;
-    const Estimate as_run = estimate_layout(eager, e.layout);
-    note += str_cat("; meshtrain's models run eager attention, with which this layout needs ",
-                    gigabytes(as_run.memory.total()), " GB per device",
-                    as_run.fits ? " (it fits)" : str_cat(", more than ", usable_of(in)));
-  }
   return note;
 }
 
@@ -158,7 +147,7 @@ void add_command(Plan& plan) {
     return;
   }
   plan.command = train_command(plan.input, plan.recommendation->estimate);
-  plan.command_note = command_note(plan.input, plan.recommendation->estimate);
+  plan.command_note = command_note(plan.input);
 }
 
 }  // namespace

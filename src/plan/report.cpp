@@ -185,7 +185,7 @@ std::string attention_lines(const Plan& plan) {
   std::snprintf(flash, sizeof flash, "  flash %9s  ", gb(r.flash_activation_bytes).c_str());
   return str_cat("attention: activations of the busiest device in this layout at seq-len ",
                  with_commas(plan.input.shape->seq_len), "\n", eager,
-                 "the T x T softmax kept, as meshtrain's models run", planned(Attention::kEager), "\n", flash,
+                 "the T x T softmax kept", planned(Attention::kEager), "\n", flash,
                  "a log-sum-exp per row, linear in T", planned(Attention::kFlash), ": saves ",
                  gb(r.eager_activation_bytes - r.flash_activation_bytes), "\n");
 }

@@ -53,6 +53,10 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
         Flag{"--vocab", "V", "vocabulary (default: what the token shards' header records, else 128)", vocab},
         store("--seq-len", "T", "tokens per sample", m.seq_len),
         store("--max-positions", "P", "positions the model takes (default: --seq-len)", m.max_positions),
+        Flag{"--attention", "auto|eager|flash",
+             "the attention kernel: flash keeps one log-sum-exp per row instead of the T x T softmax (activations "
+             "linear in T); auto: flash from " + std::to_string(models::kFlashFromSeqLen) + " positions (default auto)",
+             [&m](const std::string&, const std::string& v) { m.attention = models::parse_attention_kernel(v); }},
         store("--rope-theta", "R", "llama: rotary base (Llama 2: 10000, Llama 3: 500000)", m.rope_theta),
         store("--features", "F", "input features (mlp)", m.features),
         store("--classes", "C", "classes (mlp)", m.classes),
@@ -405,7 +409,8 @@ std::string to_json(const TrainConfig& c) {
     const models::ModelConfig& m = c.model;
     model.integer("heads", m.heads).integer("kv_heads", models::kv_heads(m)).integer("ffn_hidden", models::ffn_hidden(m))
         .integer("vocab", m.vocab).integer("seq_len", m.seq_len).integer("max_positions", models::max_positions(m))
-        .boolean("tie_embeddings", m.tie_embeddings).num("norm_eps", m.norm_eps);
+        .boolean("tie_embeddings", m.tie_embeddings).num("norm_eps", m.norm_eps)
+        .str("attention", models::attention_kernel_name(models::resolve_attention_kernel(m.attention, m.seq_len)));
     if (m.kind == "llama") model.num("rope_theta", m.rope_theta);
   } else {
     model.integer("features", c.model.features).integer("classes", c.model.classes);

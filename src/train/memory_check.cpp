@@ -87,7 +87,10 @@ plan::DecoderShape decoder_shape(const models::ModelConfig& m) {
 plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_memory) {
   plan::PlanInput in;
   if (models::is_language_model(c.model)) in.shape = decoder_shape(c.model);
-  in.attention = plan::Attention::kEager;  // what meshtrain's models run (models::causal_attention)
+  // The kernel the models will run (models::causal_attention with the resolved kernel).
+  in.attention = models::resolve_attention_kernel(c.model.attention, c.model.seq_len) == models::AttentionKernel::kFlash
+                     ? plan::Attention::kFlash
+                     : plan::Attention::kEager;
   in.params = models::parameter_count(c.model);
   in.micro_batch = c.micro_batch;
   in.global_batch = c.global_batch;

@@ -137,7 +137,7 @@ TEST(PlanCommand, PipelineCommandsNameTheScheduleAndMicrobatches) {
   const std::string line = train_command(in, e);
   EXPECT_NE(line.find("meshrun --nproc-per-node 8 -- meshtrain --model gpt --layers 16 --hidden 2048 --heads 16 "
                       "--vocab 50304 --seq-len 1024 --dp 2 --pp 4 --tp 1 --zero 1 --schedule 1f1b --microbatches 16 "
-                      "--precision bf16-mixed --global-batch 32 --micro-batch 1"),
+                      "--attention eager --precision bf16-mixed --global-batch 32 --micro-batch 1"),
             std::string::npos)
       << line;
   const train::TrainConfig c = train::resolve(train::parse_train_args(args), 8);

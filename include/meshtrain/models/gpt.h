@@ -15,6 +15,7 @@
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/models/attention.h"
 #include "meshtrain/models/layers.h"
 #include "meshtrain/util/init.h"
 
@@ -55,6 +56,7 @@ struct GptBlockImpl : torch::nn::Module, CachedBlock {
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
   int64_t head_dim;
+  AttentionKernel attention_kernel;
   bool gelu_tanh;  // GPT-2's GELU (the tanh approximation, "gelu_new"); the built-in GPT's is exact
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};

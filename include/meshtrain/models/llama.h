@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "meshtrain/models/gpt.h"
+#include "meshtrain/models/attention.h"
 #include "meshtrain/models/layers.h"
 
 namespace meshtrain {
@@ -19,6 +20,7 @@ struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
   int64_t head_dim;
+  AttentionKernel attention_kernel;
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, gate{nullptr}, up{nullptr}, down{nullptr};
 

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/models/attention.h"
 #include "meshtrain/models/gpt.h"
 #include "meshtrain/models/llama.h"
 #include "meshtrain/models/stage.h"
@@ -50,6 +51,9 @@ struct ModelConfig {
   bool tie_embeddings = true;
   double rope_theta = 10000.0;  // llama: rotary base
   double norm_eps = 1e-5;       // LayerNorm (gpt, gpt2) and RMSNorm (llama) epsilon
+  // The attention kernel (attention.h): how the scores are computed, not
+  // what; every kernel gives the same result up to float reassociation.
+  AttentionKernel attention = AttentionKernel::kAuto;
   // MLP: `layers` linear layers in -> hidden -> ... -> classes
   int64_t features = 32;
   int64_t classes = 8;

@@ -24,10 +24,11 @@ enum class OptimizerKind { kAdam, kSgd };
 enum class ModelKind { kGpt, kGpt2, kLlama };
 
 // How attention keeps its activations for backward:
-//   kEager  the softmax of the T x T scores, as meshtrain's models run today
+//   kEager  the softmax of the T x T scores (the trainer's --attention eager)
 //   kFlash  memory-efficient (FlashAttention, Dao et al. 2022): the scores are
 //           recomputed in backward from Q, K, V, the output and each row's
-//           log-sum-exp; memory linear in T
+//           log-sum-exp; memory linear in T (--attention flash,
+//           models::flash_attention)
 enum class Attention { kEager, kFlash };
 
 // The shape of a decoder, as models::ModelConfig holds it. Zero fields take the
