@@ -145,22 +145,20 @@ AttentionPart merge_attention(const AttentionPart& a, const AttentionPart& b) {
   return {out, lse};
 }
 
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// [B, H, T, d] -> the kernel's [B, KV, T, G, d], contiguous.
 at::Tensor to_kernel_layout(const at::Tensor& t, int64_t kv_heads) {
   const int64_t B = t.size(0), H = t.size(1), T = t.size(2), d = t.size(3);
   return t.reshape({B, kv_heads, H / kv_heads, T, d}).transpose(2, 3).contiguous();
 }
 
-// The kernel's [B, KV, T, G, d] -> [B, H, T, d].
 at::Tensor from_kernel_layout(const at::Tensor& t) {
   const int64_t B = t.size(0), KV = t.size(1), T = t.size(2), G = t.size(3), d = t.size(4);
   return t.transpose(2, 3).reshape({B, KV * G, T, d});
 }
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 // Keeps q, k, v (k and v at KV heads), the output and the log-sum-exp. The
 // output is kept as [B, T, H, d], the layout the models' output projection

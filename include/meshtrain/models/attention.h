@@ -59,6 +59,9 @@ struct AttentionPart {
   at::Tensor out;  // [B, KV, Tq, G, d], normalised over the keys seen
   at::Tensor lse;  // [B, KV, Tq, G], -inf for a query that saw no key
 };
+// [B, H, T, d] -> the kernel's [B, KV, T, G, d] (contiguous), and back.
+at::Tensor to_kernel_layout(const at::Tensor& t, int64_t kv_heads);
+at::Tensor from_kernel_layout(const at::Tensor& t);
 // Query i sits at position q_start + i, key j at k_start + j; a query sees
 // the keys at or before its position.
 AttentionPart flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,

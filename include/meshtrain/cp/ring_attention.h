@@ -1,0 +1,52 @@
+#pragma once
+// Context parallelism: each rank of a cp group holds part of every sequence,
+// and attention reaches the other parts by passing keys and values around
+// the group's ring (ring attention, Liu et al. 2023; Megatron-Core's and
+// torchtitan's context parallelism).
+//
+// Load balance (Megatron, torchtitan): the sequence is cut into 2 cp chunks
+// of c = T / (2 cp) positions and rank r holds chunks r and 2 cp - 1 - r, so
+// under the causal mask every rank has the same number of visible
+// (query, key) pairs. A rank's local tensors are its two chunks, in that
+// order.
+//
+// ring_attention: step i (0 <= i < cp) attends the rank's queries to the keys
+// and values of rank r - i (flash tiles, models::flash_forward, skipping
+// chunk pairs the mask hides entirely) while the next rank's keys and values
+// arrive, and merges the partial results by log-sum-exp. Backward passes the
+// keys and values around once more, each with the gradient accumulated for
+// them so far, which ends at the rank that owns them.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/models/attention.h"
+
+namespace meshtrain {
+namespace cp {
+
+// The positions of rank cp_rank's two chunks: [first, first + chunk) and
+// [second, second + chunk). ConfigError unless 2 cp divides seq_len.
+struct ChunkLayout {
+  int64_t chunk = 0, first = 0, second = 0;
+};
+ChunkLayout chunk_layout(int64_t seq_len, int cp_size, int cp_rank);
+// The global positions of a rank's local tokens, [2 chunk] int64 (for
+// position embeddings and rotary tables).
+at::Tensor local_positions(int64_t seq_len, int cp_size, int cp_rank);
+// x's part for cp_rank along `dim` (its two chunks, concatenated), and the
+// inverse from every rank's part (parts[r] = rank r's).
+at::Tensor shard_sequence(const at::Tensor& x, int64_t dim, int cp_size, int cp_rank);
+at::Tensor unshard_sequence(const std::vector<at::Tensor>& parts, int64_t dim);
+
+// Causal attention of this rank's queries over the whole sequence: q [B, H,
+// 2c, d], k and v [B, KV, 2c, d], this rank's chunks (shard_sequence along
+// dim 2). Autograd-aware; every rank of `cp` calls it (a collective). A null
+// or size-1 `cp` is models::flash_attention.
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const comm::CommPtr& cp,
+                          const models::FlashOptions& options = {});
+
+}  // namespace cp
+}  // namespace meshtrain
