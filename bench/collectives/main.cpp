@@ -8,6 +8,7 @@
 // Sizes follow nccl-tests: S = the tensor (all_reduce, broadcast) or the full
 // gathered / scattered buffer (all_gather, reduce_scatter); bus bandwidth =
 // S/t * 2(n-1)/n (all_reduce), * (n-1)/n (all_gather, reduce_scatter), * 1 (broadcast).
+// all_to_all: S is one rank's whole send buffer, S/n to each rank (MPI_Alltoallv on the peer).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -55,6 +56,11 @@ std::function<void()> make_op(comm::Communicator& c, const std::string& op, int6
   if (op == "broadcast") {
     auto t = torch::zeros({numel});
     return [&c, t] { c.broadcast(t, 0); };
+  }
+  if (op == "all_to_all") {  // S/n to every rank (itself included), through the variable-size interface
+    std::vector<at::Tensor> inputs;
+    for (int r = 0; r < c.size(); ++r) inputs.push_back(torch::zeros({per}));
+    return [&c, inputs] { c.all_to_all(inputs); };
   }
   if (op == "sendrecv") {  // ping-pong between ranks 0 and 1: time per op = half a round trip
     auto out = torch::zeros({numel}), in = torch::empty({numel});

@@ -24,6 +24,8 @@ typedef struct {
   int numel; /* elements of the buffer (all_reduce, broadcast) */
   float* in;
   float* out;
+  int* counts; /* all_to_all: per elements to and from each rank */
+  int* displs;
 } Call;
 
 static void run_op(const Call* c) {
@@ -33,6 +35,8 @@ static void run_op(const Call* c) {
     MPI_Allgather(c->in, c->per, MPI_FLOAT, c->out, c->per, MPI_FLOAT, MPI_COMM_WORLD);
   } else if (strcmp(c->op, "reduce_scatter") == 0) {
     MPI_Reduce_scatter_block(c->in, c->out, c->per, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  } else if (strcmp(c->op, "all_to_all") == 0) {
+    MPI_Alltoallv(c->in, c->counts, c->displs, MPI_FLOAT, c->out, c->counts, c->displs, MPI_FLOAT, MPI_COMM_WORLD);
   } else {
     MPI_Bcast(c->in, c->numel, MPI_FLOAT, 0, MPI_COMM_WORLD);
   }
@@ -104,14 +108,19 @@ int main(int argc, char** argv) {
   char* ops = strdup(ops_arg);
   for (char* op = strtok(ops, ","); op; op = strtok(NULL, ",")) {
     for (int s = 0; s < nsizes; ++s) {
-      Call c = {op, (int)(sizes[s] / 4 / world), (int)(sizes[s] / 4), NULL, NULL};
+      Call c = {op, (int)(sizes[s] / 4 / world), (int)(sizes[s] / 4), NULL, NULL, NULL, NULL};
+      c.counts = malloc(world * sizeof(int));
+      c.displs = malloc(world * sizeof(int));
+      for (int r = 0; r < world; ++r) c.counts[r] = c.per, c.displs[r] = r * c.per;
       const int in_elems = strcmp(op, "reduce_scatter") == 0 ? c.per * world : strcmp(op, "all_gather") == 0 ? c.per : c.numel;
-      const int out_elems = strcmp(op, "all_gather") == 0 ? c.per * world : c.per;
+      const int out_elems = strcmp(op, "all_gather") == 0 || strcmp(op, "all_to_all") == 0 ? c.per * world : c.per;
       c.in = calloc(in_elems > 0 ? in_elems : 1, sizeof(float));
       c.out = calloc(out_elems > 0 ? out_elems : 1, sizeof(float));
       const double t = seconds_per_op(&c, target_s);
       free(c.in);
       free(c.out);
+      free(c.counts);
+      free(c.displs);
       if (rank != 0) continue;
       printf("%s %lld B: %g us\n", op, sizes[s], t * 1e6);
       fflush(stdout);
