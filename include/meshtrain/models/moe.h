@@ -1,0 +1,83 @@
+#pragma once
+// A mixture-of-experts MLP (Mixtral's sparse MoE block; Shazeer et al. 2017,
+// Switch Transformer, Fedus et al. 2021): a router scores each token against
+// E experts, the token goes to its top-k, and its output is the sum of those
+// experts' outputs weighted by the router's probabilities renormalised over
+// the k chosen (Mixtral). Each expert is a SwiGLU MLP, down(silu(gate x) *
+// up x), as Mixtral's (or GPT's GELU MLP, fc2(gelu(fc1 x))).
+//
+// Dropless by default: every routed token is computed, however unbalanced
+// the routing. With a capacity factor cf each expert takes at most
+// ceil(cf * N * k / E) of the N tokens' k routes, in token order, and the
+// rest are dropped (the token keeps its other routes; a token with none left
+// passes as zero through this layer, the residual carries it) and counted.
+//
+// The auxiliary load-balancing loss (Switch Transformer eq. 4, for top-k):
+// E * sum_e f_e * P_e, with f_e the fraction of the N k routes that chose
+// expert e and P_e the router's mean probability of e; 1 when the routing is
+// uniform, up to E when every token picks the same experts. Add coefficient x
+// aux_loss() to the training loss (its gradient reaches the router through
+// P_e).
+//
+// The experts' weights are stacked along a leading expert dimension
+// ([E, F, H] and [E, H, F]), so that expert parallelism can hold a slice of
+// experts; element values come from (seed, name, index) as every built-in
+// layer's (util/init.h).
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+
+namespace meshtrain {
+namespace models {
+
+struct MoEOptions {
+  MoEOptions(int64_t hidden, int64_t ffn_hidden, int64_t experts, int64_t top_k)
+      : hidden_(hidden), ffn_hidden_(ffn_hidden), experts_(experts), top_k_(top_k) {}
+  TORCH_ARG(int64_t, hidden);
+  TORCH_ARG(int64_t, ffn_hidden);
+  TORCH_ARG(int64_t, experts);
+  TORCH_ARG(int64_t, top_k);
+  TORCH_ARG(double, capacity_factor) = 0;  // 0: dropless
+  TORCH_ARG(bool, swiglu) = true;          // false: GELU experts (fc1, fc2 with biases off)
+  TORCH_ARG(uint64_t, seed) = 1234;
+  TORCH_ARG(std::string, name) = "moe";    // prefix of the parameters' init names
+};
+
+// What the last forward routed.
+struct MoERouting {
+  at::Tensor tokens_per_expert;  // [E] int64: routes each expert computed
+  int64_t dropped = 0;           // routes dropped for capacity
+  at::Tensor aux_loss;           // scalar, with the router's graph
+};
+
+struct MoEImpl : torch::nn::Module {
+  explicit MoEImpl(const MoEOptions& options);
+  // [..., H] -> [..., H]
+  at::Tensor forward(const at::Tensor& x);
+  const MoERouting& routing() const { return routing_; }
+  at::Tensor aux_loss() const { return routing_.aux_loss; }
+
+  MoEOptions options;
+  at::Tensor router;  // [E, H]
+  at::Tensor w_in;    // [E, F, H] gate (swiglu) or fc1
+  at::Tensor w_up;    // [E, F, H] up (swiglu); undefined otherwise
+  at::Tensor w_out;   // [E, H, F] down or fc2
+
+ private:
+  at::Tensor expert(int64_t e, const at::Tensor& tokens) const;
+  MoERouting routing_;
+};
+TORCH_MODULE(MoE);
+
+// The route slots a capacity keeps: for routes [N k] listed token by token
+// (expert ids), true for the first `capacity` routes of each expert; all true
+// when capacity < 0 (dropless).
+at::Tensor routes_within_capacity(const at::Tensor& expert_of_route, int64_t experts, int64_t capacity);
+// ceil(cf * tokens * top_k / experts); -1 for cf <= 0 (dropless).
+int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t top_k, int64_t experts);
+
+}  // namespace models
+}  // namespace meshtrain
