@@ -137,9 +137,10 @@ int main(int argc, char** argv) {
       const Measured m = measure(c);
       const bool flash = kernel == models::AttentionKernel::kFlash;
       if (!flash) eager_seconds = m.seconds;
-      const std::string ratio = flash && eager_seconds > 0 ? str_cat(m.seconds / eager_seconds) : "";
+      char ratio[32] = "";
+      if (flash && eager_seconds > 0) std::snprintf(ratio, sizeof ratio, "%.2f", m.seconds / eager_seconds);
       std::printf("| %lld | %s | %.1f | %.1f | %.3f | %.3f | %s |\n", (long long)T, name.c_str(), mib(m.kept),
-                  mib(plan.activations), static_cast<double>(m.kept) / plan.activations, m.seconds, ratio.c_str());
+                  mib(plan.activations), static_cast<double>(m.kept) / plan.activations, m.seconds, ratio);
       std::fflush(stdout);
     }
   }
