@@ -1,12 +1,13 @@
-// The mixture-of-experts MLP: see the header for the math. Routes are
-// grouped by expert (a stable sort), each expert runs once on its tokens,
-// and the weighted outputs are added back at their tokens.
+// The mixture-of-experts MLP: see the header for the math. Each expert runs
+// once on the rows routed to it (here, or on its rank under expert
+// parallelism), and the weighted outputs are added back at their tokens.
 #include "meshtrain/models/moe.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 
+#include "meshtrain/ep/all_to_all.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
 
@@ -32,13 +33,17 @@ MoEImpl::MoEImpl(const MoEOptions& o) : options(o) {
                   " routes each token to that many of --experts ", E, "; choose --top-k between 1 and ", E);
   MESHTRAIN_CHECK(H >= 1 && F >= 1, "MoE: hidden ", H, " and ffn_hidden ", F, " must be positive");
   const InitSpec normal = InitSpec::normal(0, 0.02);
-  auto make = [&](const std::string& name, std::vector<int64_t> shape) {
-    return register_parameter(name, init_full(o.seed(), o.name() + "." + name, normal, shape));
+  const comm::CommPtr& group = o.ep();
+  const ep::ExpertSlice slice = ep::expert_slice(E, group ? group->size() : 1, group ? group->rank() : 0);
+  first_expert_ = slice.first;
+  router = register_parameter("router", init_full(o.seed(), o.name() + ".router", normal, {E, H}));
+  auto experts = [&](const std::string& name, std::vector<int64_t> shape) {  // this rank's slice along dim 0
+    return register_parameter(name, init_slice(o.seed(), o.name() + "." + name, normal, shape, 0, slice.first,
+                                               slice.count));
   };
-  router = make("router", {E, H});
-  w_in = make(o.swiglu() ? "gate" : "fc1", {E, F, H});
-  if (o.swiglu()) w_up = make("up", {E, F, H});
-  w_out = make(o.swiglu() ? "down" : "fc2", {E, H, F});
+  w_in = experts(o.swiglu() ? "gate" : "fc1", {E, F, H});
+  if (o.swiglu()) w_up = experts("up", {E, F, H});
+  w_out = experts(o.swiglu() ? "down" : "fc2", {E, H, F});
 }
 
 at::Tensor MoEImpl::expert(int64_t e, const at::Tensor& tokens) const {
@@ -63,22 +68,44 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const at::Tensor kept = routes_within_capacity(route_expert, E, expert_capacity(options.capacity_factor(), N, k, E))
                               .nonzero()
                               .squeeze(1);
-  const at::Tensor kept_expert = route_expert.index_select(0, kept);
-  const at::Tensor by_expert = kept.index_select(0, std::get<1>(kept_expert.sort(c10::optional<bool>(true), 0, /*descending=*/false)));
-  const at::Tensor counts = at::bincount(kept_expert, {}, E);
-  at::Tensor out = at::zeros_like(tokens);
-  int64_t first = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = counts[e].item<int64_t>();
-    if (n == 0) continue;
-    const at::Tensor routes = by_expert.narrow(0, first, n), token = route_token.index_select(0, routes);
-    out.index_add_(0, token, expert(e, tokens.index_select(0, token)) * route_weight.index_select(0, routes).unsqueeze(1));
-    first += n;
-  }
+  const at::Tensor token = route_token.index_select(0, kept), expert_id = route_expert.index_select(0, kept);
+  const at::Tensor rows = tokens.index_select(0, token);
+  const bool parallel = options.ep() && options.ep()->size() > 1;
+  const at::Tensor results = parallel ? run_experts_parallel(rows, expert_id) : run_experts(rows, expert_id);
+  const at::Tensor out =
+      at::zeros_like(tokens).index_add(0, token, results * route_weight.index_select(0, kept).unsqueeze(1));
+  const at::Tensor counts = at::bincount(expert_id, {}, E);
   // Switch Transformer's balance: f_e over all N k routes chosen (dropped or not), P_e the mean probability.
   const at::Tensor f = at::bincount(route_expert, {}, E).to(stats) / static_cast<double>(N * k);
   routing_ = {counts, N * k - kept.size(0), (f * probs.mean(0)).sum() * static_cast<double>(E)};
   return out.view(x.sizes());
+}
+
+at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const at::Tensor& expert_of_row) {
+  at::Tensor out = at::zeros_like(rows);
+  for (int64_t e = 0; e < w_in.size(0); ++e) {
+    // Every expert runs, on no rows when none came, so each has a gradient
+    // every step (DDP's buckets wait for every parameter).
+    const at::Tensor picked = (expert_of_row == first_expert_ + e).nonzero().squeeze(1);
+    out.index_add_(0, picked, expert(e, rows.index_select(0, picked)));
+  }
+  return out;
+}
+
+at::Tensor MoEImpl::run_experts_parallel(const at::Tensor& rows, const at::Tensor& expert_of_row) {
+  const comm::CommPtr& group = options.ep();
+  const int64_t local = w_in.size(0);
+  // Dispatch: routes grouped by the rank that holds their expert.
+  const at::Tensor owner = at::div(expert_of_row, local, "floor");
+  const at::Tensor order = std::get<1>(owner.sort(c10::optional<bool>(true), 0, /*descending=*/false));
+  const at::Tensor counts = at::bincount(owner, {}, group->size());
+  const std::vector<int64_t> send(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
+  const ep::Exchanged received = ep::all_to_all_rows(rows.index_select(0, order), send, group);
+  const std::vector<at::Tensor> ids = expert_of_row.index_select(0, order).split_with_sizes(send, 0);
+  const at::Tensor received_ids = at::cat(group->all_to_all(std::vector<at::Tensor>(ids.begin(), ids.end())), 0);
+  // Compute, combine: the results go back in the order they were sent, then to their routes.
+  const at::Tensor back = ep::all_to_all_rows(run_experts(received.rows, received_ids), received.counts, group).rows;
+  return at::zeros_like(back).index_copy(0, order, back);
 }
 
 }  // namespace models

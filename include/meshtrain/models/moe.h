@@ -20,15 +20,24 @@
 // P_e).
 //
 // The experts' weights are stacked along a leading expert dimension
-// ([E, F, H] and [E, H, F]), so that expert parallelism can hold a slice of
-// experts; element values come from (seed, name, index) as every built-in
-// layer's (util/init.h).
+// ([E, F, H] and [E, H, F]); element values come from (seed, name, index) as
+// every built-in layer's (util/init.h), so under expert parallelism (an `ep`
+// group) a rank holds the slice [E/ep r, E/ep (r+1)) of exactly the values
+// one process would have. Each rank routes its own tokens, sends every route
+// to the rank holding its expert (dispatch, one all_to_all), computes the
+// routes it received, and sends the results back (combine), where they are
+// weighted and added at their tokens; backward runs the same in reverse.
+// The experts' gradients are those of the routes they computed, from every
+// rank's tokens; reduce them over the ranks that hold the same experts (the
+// dp replicas), not over ep.
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
 #include <string>
+
+#include "meshtrain/comm/communicator.h"
 
 namespace meshtrain {
 namespace models {
@@ -44,6 +53,9 @@ struct MoEOptions {
   TORCH_ARG(bool, swiglu) = true;          // false: GELU experts (fc1, fc2 with biases off)
   TORCH_ARG(uint64_t, seed) = 1234;
   TORCH_ARG(std::string, name) = "moe";    // prefix of the parameters' init names
+  // Expert parallelism: this rank holds experts / ep.size() of them
+  // (ep::expert_slice), the router is replicated; null: every expert here.
+  TORCH_ARG(comm::CommPtr, ep) = nullptr;
 };
 
 // What the last forward routed.
@@ -68,6 +80,11 @@ struct MoEImpl : torch::nn::Module {
 
  private:
   at::Tensor expert(int64_t e, const at::Tensor& tokens) const;
+  // Each row through its expert (unweighted): rows [M, H] with expert ids in
+  // this rank's slice; the parallel one sends them to the experts' ranks and back.
+  at::Tensor run_experts(const at::Tensor& rows, const at::Tensor& expert_of_row);
+  at::Tensor run_experts_parallel(const at::Tensor& rows, const at::Tensor& expert_of_row);
+  int64_t first_expert_ = 0;  // of this rank's slice
   MoERouting routing_;
 };
 TORCH_MODULE(MoE);
