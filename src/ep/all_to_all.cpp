@@ -31,18 +31,21 @@ Exchanged exchange(comm::Communicator& c, const at::Tensor& rows, const std::vec
   return out;
 }
 
+// `received` (not a tensor, so autograd passes it through) gets the counts.
 struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, std::vector<int64_t> send, int64_t handle) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, std::vector<int64_t> send, int64_t handle,
+                            std::vector<int64_t>* received) {
     comm::Communicator& c = *reinterpret_cast<comm::Communicator*>(handle);
     Exchanged e = exchange(c, rows.contiguous(), send);
     ctx->saved_data["comm"] = handle;
     ctx->saved_data["received"] = e.counts;
+    *received = e.counts;
     return e.rows;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     comm::Communicator& c = *reinterpret_cast<comm::Communicator*>(ctx->saved_data["comm"].toInt());
     const std::vector<int64_t> received = ctx->saved_data["received"].toIntVector();
-    return {exchange(c, grads[0].contiguous(), received).rows, at::Tensor(), at::Tensor()};
+    return {exchange(c, grads[0].contiguous(), received).rows, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -56,12 +59,7 @@ Exchanged all_to_all_rows(const at::Tensor& rows, const std::vector<int64_t>& se
   MESHTRAIN_CHECK(total == rows.size(0), "all_to_all_rows: the counts add to ", total, " rows; rows has ",
                   rows.size(0));
   Exchanged out;
-  out.rows = AllToAllRows::apply(rows, send_counts, reinterpret_cast<int64_t>(ep.get()));
-  // The counts again (the autograd function returns only tensors): the received rows' split.
-  // Cheap: one all_to_all of one number per rank.
-  std::vector<at::Tensor> mine;
-  for (int64_t n : send_counts) mine.push_back(at::full({1}, n, at::kLong));
-  for (const at::Tensor& t : ep->all_to_all(mine)) out.counts.push_back(t.item<int64_t>());
+  out.rows = AllToAllRows::apply(rows, send_counts, reinterpret_cast<int64_t>(ep.get()), &out.counts);
   return out;
 }
 
