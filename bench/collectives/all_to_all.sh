@@ -9,18 +9,12 @@ cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-2}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; WORLDS=${WORLDS:-2 4}; TARGET_S=${TARGET_S:-0.3}
 OUT=${OUT:-build/bench/all_to_all}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
 make -C build -j2 bench_collectives bench_mpi_peer > /dev/null
-export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4294967296} MALLOC_TOP_PAD_=${MALLOC_TOP_PAD_:-1073741824}
-MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x MALLOC_TRIM_THRESHOLD_ -x MALLOC_TOP_PAD_"
+source bench/collectives/peers.sh
 ARGS="--ops all_to_all --sizes $SIZES --target-s $TARGET_S"
 for i in $(seq 1 "$RUNS"); do
   for n in $WORLDS; do
-    for backend in shm gloo; do
-      MESHTRAIN_BACKEND=$backend build/bin/meshrun --nproc-per-node "$n" --master-port 0 --threads-per-rank 1 -- \
-        build/bin/bench_collectives $ARGS --out "$OUT/mt_${backend}_w${n}_$i.json" > /dev/null
-    done
-    $MPIRUN -np "$n" --mca btl self,vader build/bin/bench_mpi_peer $ARGS --out "$OUT/ompi_shm_w${n}_$i.json" > /dev/null
-    $MPIRUN -np "$n" --mca btl self,tcp --mca btl_tcp_if_include lo build/bin/bench_mpi_peer $ARGS \
-      --out "$OUT/ompi_tcp_w${n}_$i.json" > /dev/null
+    run_meshtrain "$n" "$i" $ARGS
+    run_openmpi "$n" "$i" $ARGS
   done
 done
 /usr/bin/python3 - "$OUT" "$WORLDS" "$RUNS" > "$OUT/section.md" <<'PY'

@@ -14,20 +14,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-3}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; WORLDS=${WORLDS:-2 4}; TARGET_S=${TARGET_S:-0.3}
 OUT=${OUT:-build/bench/collectives}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
-export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4294967296} MALLOC_TOP_PAD_=${MALLOC_TOP_PAD_:-1073741824}
-MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x MALLOC_TRIM_THRESHOLD_ -x MALLOC_TOP_PAD_"
+source bench/collectives/peers.sh
 ARGS="--sizes $SIZES --target-s $TARGET_S"
 for i in $(seq 1 "$RUNS"); do
   for n in $WORLDS; do
-    for backend in shm gloo; do
-      MESHTRAIN_BACKEND=$backend build/bin/meshrun --nproc-per-node "$n" --master-port 0 --threads-per-rank 1 -- \
-        build/bin/bench_collectives $ARGS --out "$OUT/mt_${backend}_w${n}_$i.json" > /dev/null
-    done
+    run_meshtrain "$n" "$i" $ARGS
     $MPIRUN -np "$n" --mca btl self,vader -x OMP_NUM_THREADS=1 -x MESHTRAIN_BACKEND=mpi \
       build/bin/bench_collectives $ARGS --out "$OUT/mt_mpi_w${n}_$i.json" > /dev/null
-    $MPIRUN -np "$n" --mca btl self,vader build/bin/bench_mpi_peer $ARGS --out "$OUT/ompi_shm_w${n}_$i.json" > /dev/null
-    $MPIRUN -np "$n" --mca btl self,tcp --mca btl_tcp_if_include lo build/bin/bench_mpi_peer $ARGS \
-      --out "$OUT/ompi_tcp_w${n}_$i.json" > /dev/null
+    run_openmpi "$n" "$i" $ARGS
     /usr/bin/python3 bench/collectives/torch_peer.py --world-size "$n" $ARGS --out "$OUT/torch_w${n}_$i.json" > /dev/null
   done
 done

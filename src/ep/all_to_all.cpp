@@ -23,8 +23,7 @@ using torch::autograd::variable_list;
 
 // Sends rows cut by `send`; returns the received rows and their counts.
 Exchanged exchange(comm::Communicator& c, const at::Tensor& rows, const std::vector<int64_t>& send) {
-  const std::vector<at::Tensor> parts = rows.split_with_sizes(send, 0);
-  const std::vector<at::Tensor> received = c.all_to_all(std::vector<at::Tensor>(parts.begin(), parts.end()));
+  const std::vector<at::Tensor> received = c.all_to_all(rows.split_with_sizes(send, 0));
   Exchanged out;
   for (const at::Tensor& r : received) out.counts.push_back(r.size(0));
   out.rows = at::cat(received, 0);

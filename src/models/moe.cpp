@@ -101,8 +101,8 @@ at::Tensor MoEImpl::run_experts_parallel(const at::Tensor& rows, const at::Tenso
   const at::Tensor counts = at::bincount(owner, {}, group->size());
   const std::vector<int64_t> send(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
   const ep::Exchanged received = ep::all_to_all_rows(rows.index_select(0, order), send, group);
-  const std::vector<at::Tensor> ids = expert_of_row.index_select(0, order).split_with_sizes(send, 0);
-  const at::Tensor received_ids = at::cat(group->all_to_all(std::vector<at::Tensor>(ids.begin(), ids.end())), 0);
+  const at::Tensor received_ids =
+      at::cat(group->all_to_all(expert_of_row.index_select(0, order).split_with_sizes(send, 0)), 0);
   // Compute, combine: the results go back in the order they were sent, then to their routes.
   const at::Tensor back = ep::all_to_all_rows(run_experts(received.rows, received_ids), received.counts, group).rows;
   return at::zeros_like(back).index_copy(0, order, back);
