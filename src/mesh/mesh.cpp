@@ -1,41 +1,72 @@
 #include "meshtrain/mesh/mesh.h"
 
+#include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
 namespace mesh {
+
+namespace {
+
+int& index_of(Coord& c, Axis a) {
+  switch (a) {
+    case Axis::kDp: return c.dp;
+    case Axis::kPp: return c.pp;
+    case Axis::kTp: return c.tp;
+    case Axis::kCp: return c.cp;
+  }
+  return c.dp;
+}
+
+}  // namespace
 
 const char* axis_name(Axis a) {
   switch (a) {
     case Axis::kDp: return "dp";
     case Axis::kPp: return "pp";
     case Axis::kTp: return "tp";
+    case Axis::kCp: return "cp";
   }
   return "?";
 }
 
-MeshLayout::MeshLayout(int world, int dp, int pp, int tp) : dp_(dp), pp_(pp), tp_(tp) {
-  MESHTRAIN_CHECK(dp >= 1 && pp >= 1 && tp >= 1 && dp * pp * tp == world, "mesh layout dp ", dp, " x pp ", pp,
-                  " x tp ", tp, " = ", dp * pp * tp, " ranks does not match the world size ", world,
-                  "; every degree must be at least 1 and their product must equal the world size (",
-                  world, " ranks: choose dp x pp x tp = ", world, ")");
+MeshLayout::MeshLayout(int world, int dp, int pp, int tp, int cp) : dp_(dp), pp_(pp), tp_(tp), cp_(cp) {
+  const std::string cp_part = cp == 1 ? "" : str_cat(" x cp ", cp);
+  MESHTRAIN_CHECK(dp >= 1 && pp >= 1 && tp >= 1 && cp >= 1 && dp * pp * tp * cp == world, "mesh layout dp ", dp,
+                  " x pp ", pp, " x tp ", tp, cp_part, " = ", dp * pp * tp * cp,
+                  " ranks does not match the world size ", world,
+                  "; every degree must be at least 1 and their product must equal the world size (", world,
+                  " ranks: choose dp x pp x tp", cp == 1 ? "" : " x cp", " = ", world, ")");
 }
 
-int MeshLayout::degree(Axis a) const { return a == Axis::kDp ? dp_ : a == Axis::kPp ? pp_ : tp_; }
+int MeshLayout::degree(Axis a) const {
+  switch (a) {
+    case Axis::kDp: return dp_;
+    case Axis::kPp: return pp_;
+    case Axis::kTp: return tp_;
+    case Axis::kCp: return cp_;
+  }
+  return 1;
+}
 
 Coord MeshLayout::coord(int rank) const {
   MESHTRAIN_CHECK(rank >= 0 && rank < world(), "rank ", rank, " is outside the mesh of ", world(), " ranks");
-  return Coord{rank / (pp_ * tp_), (rank / tp_) % pp_, rank % tp_};
+  Coord c;
+  c.tp = rank % tp_;
+  c.cp = (rank / tp_) % cp_;
+  c.pp = (rank / (tp_ * cp_)) % pp_;
+  c.dp = rank / (tp_ * cp_ * pp_);
+  return c;
 }
 
-int MeshLayout::rank(const Coord& c) const { return (c.dp * pp_ + c.pp) * tp_ + c.tp; }
+int MeshLayout::rank(const Coord& c) const { return ((c.dp * pp_ + c.pp) * cp_ + c.cp) * tp_ + c.tp; }
 
 std::vector<int> MeshLayout::group(Axis axis, int r) const {
   Coord c = coord(r);
   std::vector<int> out;
   for (int i = 0; i < degree(axis); ++i) {
     Coord k = c;
-    (axis == Axis::kDp ? k.dp : axis == Axis::kPp ? k.pp : k.tp) = i;
+    index_of(k, axis) = i;
     out.push_back(rank(k));
   }
   return out;
@@ -44,14 +75,22 @@ std::vector<int> MeshLayout::group(Axis axis, int r) const {
 std::vector<std::vector<int>> MeshLayout::groups(Axis axis) const {
   std::vector<std::vector<int>> out;
   for (int r = 0; r < world(); ++r) {
-    const Coord c = coord(r);
-    if ((axis == Axis::kDp ? c.dp : axis == Axis::kPp ? c.pp : c.tp) == 0) out.push_back(group(axis, r));
+    Coord c = coord(r);
+    if (index_of(c, axis) == 0) out.push_back(group(axis, r));
   }
   return out;
 }
 
+std::vector<int> MeshLayout::dp_cp_group(int r) const {
+  std::vector<int> out;
+  for (int d : group(Axis::kDp, r))
+    for (int k : group(Axis::kCp, d)) out.push_back(k);
+  return out;
+}
+
 std::string MeshLayout::describe() const {
-  return str_cat("dp ", dp_, " x pp ", pp_, " x tp ", tp_, " = ", world(), " ranks");
+  return str_cat("dp ", dp_, " x pp ", pp_, " x tp ", tp_, cp_ == 1 ? "" : str_cat(" x cp ", cp_), " = ", world(),
+                 " ranks");
 }
 
 DeviceMesh::DeviceMesh(comm::CommPtr world, const MeshLayout& layout)
@@ -59,13 +98,30 @@ DeviceMesh::DeviceMesh(comm::CommPtr world, const MeshLayout& layout)
   MESHTRAIN_CHECK(world_->size() == layout_.world(), "DeviceMesh: the communicator has ", world_->size(),
                   " ranks but the layout ", layout_.describe());
   const Coord c = coord_;
-  // One split per axis: members share the other two coordinates.
-  dp_ = world_->split(c.pp * layout_.tp() + c.tp, c.dp, "dp");
-  pp_ = world_->split(c.dp * layout_.tp() + c.tp, c.pp, "pp");
-  tp_ = world_->split(c.dp * layout_.pp() + c.pp, c.tp, "tp");
+  const int P = layout_.pp(), T = layout_.tp(), C = layout_.cp();
+  // One split per axis: members share the other coordinates (the colour).
+  dp_ = world_->split((c.pp * C + c.cp) * T + c.tp, c.dp, "dp");
+  pp_ = world_->split((c.dp * C + c.cp) * T + c.tp, c.pp, "pp");
+  tp_ = world_->split((c.dp * P + c.pp) * C + c.cp, c.tp, "tp");
+  if (C == 1) {
+    // No split: cp is this rank alone (a world of one, no collective) and dp x cp is dp.
+    cp_ = comm::make_single_process_world();
+    dp_cp_ = dp_;
+  } else {
+    cp_ = world_->split((c.dp * P + c.pp) * T + c.tp, c.cp, "cp");
+    dp_cp_ = world_->split(c.pp * T + c.tp, c.dp * C + c.cp, "dp_cp");
+  }
 }
 
-const comm::CommPtr& DeviceMesh::axis(Axis a) const { return a == Axis::kDp ? dp_ : a == Axis::kPp ? pp_ : tp_; }
+const comm::CommPtr& DeviceMesh::axis(Axis a) const {
+  switch (a) {
+    case Axis::kDp: return dp_;
+    case Axis::kPp: return pp_;
+    case Axis::kTp: return tp_;
+    case Axis::kCp: return cp_;
+  }
+  return dp_;
+}
 
 }  // namespace mesh
 }  // namespace meshtrain

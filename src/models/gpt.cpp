@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/util/error.h"
@@ -40,7 +41,7 @@ torch::nn::LayerNorm layer_norm(int64_t h, double eps) {
 }  // namespace
 
 TokenEmbeddingImpl::TokenEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx)
-    : tp(ctx.tp), sequence_parallel(ctx.sequence_parallel) {
+    : tp(ctx.tp), sequence_parallel(ctx.sequence_parallel), cp(ctx.cp) {
   tok = register_module("tok", torch::nn::Embedding(torch::nn::EmbeddingOptions(padded_vocab(c), c.hidden)
                                                         ._weight(token_embedding_values(c))));
   if (c.kind == "llama") return;  // rotary positions, inside attention
@@ -54,6 +55,7 @@ at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& tokens) {
                   "] token ids; got ", tokens.sizes());
   at::Tensor x = tok->forward(tokens);  // [B, T/tp, H] under sequence parallelism (tp::parallelize)
   if (!pos.defined()) return x;
+  if (cp::cp_size(cp) > 1) return add_chunk_positions(x, tokens.size(1));
   if (sequence_parallel && tp::tp_size(tp) > 1) {
     // This rank holds positions [r*T/tp, (r+1)*T/tp) and adds those rows, so
     // each rank's gradient covers its rows only: copy_to_tp (before slicing)
@@ -62,6 +64,16 @@ at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& tokens) {
     return x + tp::copy_to_tp(pos, tp).narrow(0, part * tp::tp_rank(tp), part);
   }
   return x + pos.narrow(0, 0, tokens.size(1));
+}
+
+// Context parallelism: this rank's tokens are two chunks of the sequence
+// (cp::my_positions); under sequence parallelism x holds this tp rank's part
+// of them, whose rows copy_to_tp sums into the full gradient, as above.
+at::Tensor TokenEmbeddingImpl::add_chunk_positions(const at::Tensor& x, int64_t tokens) {
+  at::Tensor positions = cp::my_positions(tokens, cp);
+  const bool split = sequence_parallel && tp::tp_size(tp) > 1;
+  if (split) positions = positions.narrow(0, x.size(1) * tp::tp_rank(tp), x.size(1));
+  return x + (split ? tp::copy_to_tp(pos, tp) : pos).index_select(0, positions);
 }
 
 at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t start) {
@@ -99,7 +111,7 @@ at::Tensor GptBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
   at::Tensor kh = heads(k->forward(x)), vh = heads(v->forward(x));
   if (cache) std::tie(kh, vh) = cache->append(kh, vh);
-  const at::Tensor y = causal_attention(heads(q_out), kh, vh, attention_kernel);  // [B, heads, T, head_dim]
+  const at::Tensor y = cp::attention(heads(q_out), kh, vh, attention_kernel, cp);  // [B, heads, T, head_dim]
   return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 

@@ -46,6 +46,18 @@ at::Tensor Rotary::apply(const at::Tensor& x, int64_t start) const {
   return x * cos + rotated * sin;
 }
 
+at::Tensor Rotary::apply(const at::Tensor& x, const at::Tensor& positions) const {
+  const int64_t half = x.size(3) / 2;
+  MESHTRAIN_CHECK(positions.dim() == 1 && positions.size(0) == x.size(2), "Rotary::apply: ", positions.numel(),
+                  " positions for ", x.size(2), " tokens");
+  MESHTRAIN_CHECK(positions.max().item<int64_t>() < cos_.size(0), "position ", positions.max().item<int64_t>(),
+                  " is beyond the model's ", cos_.size(0), " positions (--seq-len)");
+  const at::Tensor cos = cos_.index_select(0, positions).to(x.scalar_type());
+  const at::Tensor sin = sin_.index_select(0, positions).to(x.scalar_type());
+  const at::Tensor rotated = at::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, 3);  // rotate_half
+  return x * cos + rotated * sin;
+}
+
 std::pair<at::Tensor, at::Tensor> KVCache::append(const at::Tensor& new_k, const at::Tensor& new_v) {
   k = k.defined() ? at::cat({k, new_k}, 2) : new_k;
   v = v.defined() ? at::cat({v, new_v}, 2) : new_v;

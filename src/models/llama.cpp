@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/models/models.h"
 
 namespace meshtrain {
@@ -30,10 +31,18 @@ at::Tensor LlamaBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
   const at::Tensor q_out = q->forward(x), k_out = k->forward(x), v_out = v->forward(x);
   const int64_t B = q_out.size(0), T = q_out.size(1);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, t.size(2) / head_dim, head_dim}).transpose(1, 2); };
-  const int64_t start = cache ? cache->length() : 0;
-  at::Tensor qh = rotary_.apply(heads(q_out), start), kh = rotary_.apply(heads(k_out), start), vh = heads(v_out);
+  at::Tensor qh, kh, vh = heads(v_out);
+  if (cp::cp_size(cp) > 1) {  // this rank's chunks of the sequence: rotary at their positions
+    const at::Tensor positions = cp::my_positions(T, cp);
+    qh = rotary_.apply(heads(q_out), positions);
+    kh = rotary_.apply(heads(k_out), positions);
+  } else {
+    const int64_t start = cache ? cache->length() : 0;
+    qh = rotary_.apply(heads(q_out), start);
+    kh = rotary_.apply(heads(k_out), start);
+  }
   if (cache) std::tie(kh, vh) = cache->append(kh, vh);
-  const at::Tensor y = causal_attention(qh, kh, vh, attention_kernel);  // [B, heads, T, head_dim]
+  const at::Tensor y = cp::attention(qh, kh, vh, attention_kernel, cp);  // [B, heads, T, head_dim]
   return o->forward(y.transpose(1, 2).reshape({B, T, q_out.size(2)}));
 }
 

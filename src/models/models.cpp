@@ -161,9 +161,13 @@ void append_decoder_piece(StageImpl& stage, const ModelConfig& c, int64_t i, con
   } else if (i == num_pieces(c) - 1) {
     stage.append("", "head", LmHead(c, ctx, c.tie_embeddings ? embedding_weight : at::Tensor()));
   } else if (c.kind == "llama") {
-    stage.append("blocks", std::to_string(i - 1), LlamaBlock(c, i - 1));
+    LlamaBlock block(c, i - 1);
+    block->cp = ctx.cp;
+    stage.append("blocks", std::to_string(i - 1), block);
   } else {
-    stage.append("blocks", std::to_string(i - 1), GptBlock(c, i - 1));
+    GptBlock block(c, i - 1);
+    block->cp = ctx.cp;
+    stage.append("blocks", std::to_string(i - 1), block);
   }
 }
 

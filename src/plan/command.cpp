@@ -77,6 +77,7 @@ std::vector<std::string> trainer_args(const PlanInput& in, const Estimate& e) {
   add(args, "--dp", e.layout.dp);
   add(args, "--pp", e.layout.pp);
   add(args, "--tp", e.layout.tp);
+  if (e.layout.cp > 1) add(args, "--cp", e.layout.cp);
   add(args, "--zero", e.layout.zero);
   training_args(in, e, args);
   return args;

@@ -17,6 +17,20 @@ constexpr int64_t kBucketCapBytes = 25 * 1024 * 1024;
 // b*s*h values: one micro-batch's activation between two blocks.
 int64_t hidden_state_values(const DecoderShape& s, int64_t micro_batch) { return micro_batch * s.seq_len * s.hidden; }
 
+// The ranks holding the same parameters: ZeRO shards and gradients reduce over dp x cp.
+int replicas(const Layout& l) { return l.dp * l.cp; }
+
+// What one rank of a cp > 1 layout computes on: seq_len / cp positions, ring
+// attention's flash activations (the global batch stays the whole model's).
+PlanInput cp_rank_input(const PlanInput& in, int cp) {
+  if (cp == 1 || !in.shape) return in;
+  PlanInput local = in;
+  local.global_batch = global_batch_of(in);
+  local.shape = cp_local_shape(*in.shape, cp);
+  local.attention = Attention::kFlash;
+  return local;
+}
+
 // Parameters one rank of `stage` holds before ZeRO: the stage's share for a
 // known shape, the whole count when only --params is known (then pp = tp = 1).
 int64_t stage_params(const PlanInput& in, const Layout& l, int stage) {
@@ -31,11 +45,12 @@ namespace {
 int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t psi) {
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   int64_t bytes = 0;
-  if (l.dp > 1 && l.zero == 0) bytes += b.gradients * psi;  // DDP's buckets mirror the gradients (engine_dp.cpp)
+  const int n = replicas(l);
+  if (n > 1 && l.zero == 0) bytes += b.gradients * psi;  // DDP's buckets mirror the gradients (engine_dp.cpp)
   // Stage 1 reduce-scatters in place in its full gradient buffer: nothing extra.
-  if (l.dp > 1 && l.zero == 2)
+  if (n > 1 && l.zero == 2)
     bytes += std::min<int64_t>(2 * kBucketCapBytes, b.gradients * psi);  // filling + reducing
-  if (l.dp > 1 && l.zero == 3 && in.shape) {
+  if (n > 1 && l.zero == 3 && in.shape) {
     // The unit being used and the prefetched one, gathered; one unit's full gradient before its reduce-scatter.
     const int64_t unit = largest_unit_parameter_count(*in.shape, l.pp, l.tp, stage);
     bytes += (2 * b.parameters + b.gradients) * unit;
@@ -54,9 +69,11 @@ int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t p
 CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   CommBytes c;
-  c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.dp, microbatches);
+  c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, replicas(l), microbatches);
   if (in.shape) {
     const int64_t blocks = blocks_on_stage(*in.shape, l.pp, stage);
+    c.cp = blocks * microbatches *
+           cp_bytes_per_block(*in.shape, in.micro_batch, l.tp, l.cp, in.precision, in.activation_checkpointing);
     c.pp = pp_comm_bytes(*in.shape, in.micro_batch, l.pp, stage, microbatches, in.precision);
     c.tp = tp_comm_bytes(*in.shape, in.micro_batch, l.tp, blocks, microbatches, in.precision,
                          in.activation_checkpointing);
@@ -73,7 +90,7 @@ void add_time(const PlanInput& in, const Layout& l, Estimate& e) {
     slowest = t.busy();
     e.comm_stage = stage;
     e.comm = stage_comm(in, l, stage, e.microbatches);
-    e.seconds = CommSeconds{t.dp, t.pp, t.tp};
+    e.seconds = CommSeconds{t.dp, t.pp, t.tp, t.cp};
     e.dp_exposed_seconds = t.dp_exposed;
     e.compute_seconds = t.compute;
   }
@@ -124,21 +141,41 @@ int64_t tp_comm_bytes(const DecoderShape& s, int64_t micro_batch, int tp, int64_
   return (checkpointing ? 6 : 4) * blocks * microbatches * ring_all_reduce_bytes(one, tp);
 }
 
+DecoderShape cp_local_shape(const DecoderShape& shape, int cp) {
+  DecoderShape local = shape;
+  local.seq_len = shape.seq_len / cp;
+  return local;
+}
+
+int64_t cp_bytes_per_block(const DecoderShape& local, int64_t micro_batch, int tp, int cp, Precision precision,
+                           bool checkpointing) {
+  if (cp <= 1) return 0;
+  const double kv = 2.0 * static_cast<double>(micro_batch * local.seq_len) * kv_heads_of(local) *
+                    static_cast<double>(local.hidden / local.heads) / tp;
+  const double sent = kv * activation_bytes_per_value(precision);
+  return std::llround((checkpointing ? 2.0 : 1.0) * (cp - 1) * sent + (cp - 1) * sent + cp * kv * 4.0);
+}
+
 std::vector<Layout> candidate_layouts(const PlanInput& in) {
   std::vector<Layout> layouts;
   const int64_t micro_steps = global_batch_of(in) / in.micro_batch;
   // Without a shape only data parallelism can be estimated; with one, tp
   // divides the heads and pp is at most the number of pieces.
   const int64_t max_tp = in.shape ? std::min<int64_t>(in.devices, in.shape->heads) : 1;
-  for (int tp = 1; tp <= max_tp; ++tp) {
-    if (in.devices % tp != 0) continue;
-    const int64_t max_pp = in.shape ? std::min<int64_t>(in.devices / tp, num_pieces(*in.shape)) : 1;
-    for (int pp = 1; pp <= max_pp; ++pp) {
-      if ((in.devices / tp) % pp != 0) continue;
-      const int dp = in.devices / tp / pp;
-      if (in.shape && !layout_problem(*in.shape, Layout{dp, pp, tp, 0}).empty()) continue;
-      if (micro_steps % dp != 0) continue;
-      for (int zero = 0; zero <= (dp > 1 ? 3 : 0); ++zero) layouts.push_back({dp, pp, tp, zero});
+  const int max_cp = in.shape ? std::max(1, in.max_cp) : 1;
+  for (int cp = 1; cp <= max_cp; ++cp) {
+    if (in.devices % cp != 0) continue;
+    const int devices = in.devices / cp;  // per cp rank of every sequence
+    for (int tp = 1; tp <= max_tp; ++tp) {
+      if (devices % tp != 0) continue;
+      const int64_t max_pp = in.shape ? std::min<int64_t>(devices / tp, num_pieces(*in.shape)) : 1;
+      for (int pp = 1; pp <= max_pp; ++pp) {
+        if ((devices / tp) % pp != 0) continue;
+        const int dp = devices / tp / pp;
+        if (in.shape && !layout_problem(*in.shape, Layout{dp, pp, tp, 0, cp}).empty()) continue;
+        if (micro_steps % dp != 0) continue;
+        for (int zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero) layouts.push_back({dp, pp, tp, zero, cp});
+      }
     }
   }
   return layouts;
@@ -147,7 +184,7 @@ std::vector<Layout> candidate_layouts(const PlanInput& in) {
 MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   const int64_t psi = stage_params(in, l, stage);
   const ModelStateBytes state =
-      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0), l.zero, l.dp);
+      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0), l.zero, replicas(l));
   MemoryBytes m;
   m.parameters = state.parameters;
   m.gradients = state.gradients;
@@ -157,10 +194,13 @@ MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_
   return m;
 }
 
-Estimate estimate_layout(const PlanInput& in, const Layout& l) {
-  const int64_t micro_steps = global_batch_of(in) / in.micro_batch;
-  MESHTRAIN_CHECK(l.dp * l.pp * l.tp == in.devices && micro_steps % l.dp == 0, "layout dp=", l.dp, " pp=", l.pp,
-                  " tp=", l.tp, " does not fit ", in.devices, " devices and ", micro_steps, " micro-batches per step");
+Estimate estimate_layout(const PlanInput& given, const Layout& l) {
+  const int64_t micro_steps = global_batch_of(given) / given.micro_batch;
+  MESHTRAIN_CHECK(l.dp * l.pp * l.tp * l.cp == given.devices && micro_steps % l.dp == 0, "layout dp=", l.dp, " pp=",
+                  l.pp, " tp=", l.tp, l.cp > 1 ? str_cat(" cp=", l.cp) : "", " does not fit ", given.devices,
+                  " devices and ", micro_steps, " micro-batches per step");
+  MESHTRAIN_CHECK(l.cp == 1 || given.shape, "context parallelism (cp ", l.cp, ") needs the model's shape, not --params");
+  const PlanInput in = cp_rank_input(given, l.cp);  // every figure below is one rank's
   Estimate e;
   e.layout = l;
   e.microbatches = micro_steps / l.dp;
@@ -174,10 +214,10 @@ Estimate estimate_layout(const PlanInput& in, const Layout& l) {
     }
   }
   add_time(in, l, e);
-  if (in.shape) {
-    e.tokens = global_batch_of(in) * in.shape->seq_len;
+  if (given.shape) {
+    e.tokens = global_batch_of(given) * given.shape->seq_len;
     e.model_flops = static_cast<double>(e.tokens) *
-                    stage_flops_per_token(*in.shape, 1, 1, 0, in.activation_checkpointing, in.attention);
+                    stage_flops_per_token(*given.shape, 1, 1, 0, in.activation_checkpointing, in.attention);
   }
   e.tp_in_node = devices_per_node_of(in) % l.tp == 0;
   e.fits = static_cast<double>(e.memory.total()) <= usable_memory(in);

@@ -201,6 +201,8 @@ flags::Parser plan_parser(Draft& d) {
          }},
         flags::turn("--no-overlap", "DDP reduces gradients after backward, as the trainer's --no-overlap",
                     in.grad_overlap, false),
+        {"--max-cp", "C", "also consider context parallelism, each sequence split over up to C ranks (ring "
+         "attention; for long sequences; default 1: none)", set(in.max_cp, as_int)},
         {"--attention", "eager|flash",
          "eager keeps the T x T softmax; flash only a log-sum-exp per row (default eager); the command passes it to the trainer",
          set(in.attention, parse_attention)}}},
@@ -278,6 +280,9 @@ void check_plan_input(const PlanInput& in) {
   MESHTRAIN_CHECK(in.params > 0, "no model given: pass the model's shape (--model gpt|gpt2|llama --layers --hidden ",
                   "--heads --vocab --seq-len) or a parameter count (--params 7.5B)");
   MESHTRAIN_CHECK(in.devices > 0, "--devices is missing: how many devices (GPUs) the cluster has, e.g. --devices 8");
+  MESHTRAIN_CHECK(in.max_cp >= 1, "--max-cp ", in.max_cp, " must be at least 1 (1: no context parallelism)");
+  MESHTRAIN_CHECK(in.max_cp == 1 || in.shape, "--max-cp ", in.max_cp, " splits sequences, and with --params the "
+                  "planner knows none; give the model's shape (--model, --seq-len, ...)");
   MESHTRAIN_CHECK(in.device_memory > 0,
                   "--device-memory is missing: the memory of one device, e.g. --device-memory 80GB");
   const int per_node = devices_per_node_of(in);

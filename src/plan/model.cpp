@@ -76,7 +76,10 @@ void check_shape(const DecoderShape& s) {
 }
 
 std::string layout_problem(const DecoderShape& s, const Layout& l) {
-  if (l.dp < 1 || l.pp < 1 || l.tp < 1) return "dp, pp and tp must be >= 1";
+  if (l.dp < 1 || l.pp < 1 || l.tp < 1 || l.cp < 1) return "dp, pp, tp and cp must be >= 1";
+  if (s.seq_len % (2 * l.cp) != 0)
+    return str_cat("cp ", l.cp, " cuts each sequence into ", 2 * l.cp, " chunks and does not divide --seq-len ",
+                   s.seq_len, "; choose a --seq-len divisible by ", 2 * l.cp);
   if (l.zero < 0 || l.zero > 3) return str_cat("ZeRO stage ", l.zero, " does not exist; use 0, 1, 2 or 3");
   // What tp splits (models::validate): query heads, key/value heads, the MLP's inner size, the embedding's rows.
   const std::string rows = embedding_rows(s) == s.vocab ? "--vocab " : "the padded vocabulary ";

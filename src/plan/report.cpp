@@ -16,7 +16,7 @@ namespace plan {
 namespace {
 
 bool same_layout(const Layout& a, const Layout& b) {
-  return a.dp == b.dp && a.pp == b.pp && a.tp == b.tp && a.zero == b.zero;
+  return a.dp == b.dp && a.pp == b.pp && a.tp == b.tp && a.zero == b.zero && a.cp == b.cp;
 }
 
 std::string model_line(const PlanInput& in) {
@@ -59,13 +59,24 @@ std::string header(const PlanInput& in) {
   return os.str();
 }
 
-std::string table_row(const Estimate& e, int devices, bool recommended) {
+// The layout columns: dp pp tp (cp) zero.
+std::string layout_cells(const Layout& l, bool recommended, bool show_cp) {
+  char buf[64];
+  if (show_cp) {
+    std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d %4d", recommended ? "*" : " ", l.dp, l.pp, l.tp, l.cp, l.zero);
+  } else {
+    std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d", recommended ? "*" : " ", l.dp, l.pp, l.tp, l.zero);
+  }
+  return buf;
+}
+
+std::string table_row(const Estimate& e, int devices, bool recommended, bool show_cp) {
   auto gb = [](int64_t bytes) { return gigabytes(static_cast<double>(bytes), 2); };
   const MemoryBytes& m = e.memory;
-  const double exposed = e.seconds.tp + e.seconds.pp + e.dp_exposed_seconds;
+  const double exposed = e.seconds.tp + e.seconds.pp + e.seconds.cp + e.dp_exposed_seconds;
   char buf[320];
-  std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s %9s %9s %11s %8s\n",
-                recommended ? "*" : " ", e.layout.dp, e.layout.pp, e.layout.tp, e.layout.zero, gb(m.parameters).c_str(),
+  std::snprintf(buf, sizeof buf, "%s | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s %9s %9s %11s %8s\n",
+                layout_cells(e.layout, recommended, show_cp).c_str(), gb(m.parameters).c_str(),
                 gb(m.gradients).c_str(), gb(m.optimizer).c_str(), gb(m.activations).c_str(), gb(m.buffers).c_str(),
                 gb(m.total()).c_str(), e.fits ? "yes" : "no", gb(e.comm.total()).c_str(), seconds_text(exposed).c_str(),
                 seconds_text(e.bubble_seconds).c_str(), seconds_text(e.step_seconds()).c_str(),
@@ -75,14 +86,17 @@ std::string table_row(const Estimate& e, int devices, bool recommended) {
 }
 
 std::string table(const Plan& plan) {
-  // Widths follow table_row: 23 characters of layout, 61 of memory.
-  std::string out = std::string(23, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') +
-                    "| per step, predicted (comm s: tp + pp + exposed dp)\n" +
-                    "     dp   pp   tp zero |   params    grads    optim    activ  buffers     total  fits |    comm GB"
+  // Widths follow table_row: 23 characters of layout (28 with cp), 61 of memory.
+  const bool show_cp = plan.input.max_cp > 1;
+  std::string out = std::string(show_cp ? 28 : 23, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') +
+                    (show_cp ? "| per step, predicted (comm s: tp + pp + cp + exposed dp)\n"
+                             : "| per step, predicted (comm s: tp + pp + exposed dp)\n") +
+                    (show_cp ? "     dp   pp   tp   cp zero" : "     dp   pp   tp zero") +
+                    " |   params    grads    optim    activ  buffers     total  fits |    comm GB"
                     "    comm s  bubble s    step s    tokens/s  TFLOP/s\n";
   for (const Estimate& e : plan.candidates) {
     const bool chosen = plan.recommendation && same_layout(plan.recommendation->estimate.layout, e.layout);
-    out += table_row(e, plan.input.devices, chosen);
+    out += table_row(e, plan.input.devices, chosen, show_cp);
   }
   return out;
 }
@@ -99,7 +113,8 @@ std::string memory_json(const MemoryBytes& m) {
 }
 
 std::string layout_json(const Layout& l) {
-  return json::Object().integer("dp", l.dp).integer("pp", l.pp).integer("tp", l.tp).integer("zero", l.zero).str();
+  return json::Object().integer("dp", l.dp).integer("pp", l.pp).integer("tp", l.tp).integer("cp", l.cp)
+      .integer("zero", l.zero).str();
 }
 
 std::string estimate_json(const Estimate& e, int devices) {
@@ -114,12 +129,14 @@ std::string estimate_json(const Estimate& e, int devices) {
                              .integer("dp", e.comm.dp)
                              .integer("pp", e.comm.pp)
                              .integer("tp", e.comm.tp)
+                             .integer("cp", e.comm.cp)
                              .integer("total", e.comm.total())
                              .str())
       .raw("comm_seconds", json::Object()
                                .num("dp", e.seconds.dp)
                                .num("pp", e.seconds.pp)
                                .num("tp", e.seconds.tp)
+                               .num("cp", e.seconds.cp)
                                .num("total", e.seconds.total())
                                .num("dp_exposed", e.dp_exposed_seconds)
                                .str())

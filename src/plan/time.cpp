@@ -39,15 +39,16 @@ double exposed_after(double reduction, double last_bucket, double window) {
 
 // The data axis of one stage: see Note [What the step time overlaps].
 void dp_time(const PlanInput& in, const Layout& l, int64_t psi, int64_t m, double backward_per_mb, StageTime& t) {
-  if (l.dp <= 1) return;
+  const int n = l.dp * l.cp;  // the ranks holding the same parameters
+  if (n <= 1) return;
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   const Link link = dp_link(in, l);
   const double grads = static_cast<double>(psi) * b.gradients, params = static_cast<double>(psi) * b.parameters;
   const double k = buckets(grads);
   auto reduce = [&](double bytes) {
-    return l.zero == 0 ? ring_all_reduce_seconds(bytes, l.dp, link) : ring_all_gather_seconds(bytes, l.dp, link);
+    return l.zero == 0 ? ring_all_reduce_seconds(bytes, n, link) : ring_all_gather_seconds(bytes, n, link);
   };
-  auto gather = [&](double bytes) { return ring_all_gather_seconds(bytes, l.dp, link); };
+  auto gather = [&](double bytes) { return ring_all_gather_seconds(bytes, n, link); };
   const double one_reduction = bucketed(grads, reduce), last_bucket = one_reduction / k;
   const double reductions = l.zero >= 2 ? static_cast<double>(m) : 1.0;  // ZeRO-2, -3: every micro-batch
   double gathers = 0;                                                     // parameters, after the step or per use
@@ -108,7 +109,11 @@ StageTime stage_time(const PlanInput& in, const Layout& l, int stage, int64_t m)
   const DecoderShape& s = *in.shape;
   const bool ckpt = in.activation_checkpointing;
   const double tokens = static_cast<double>(m * in.micro_batch * s.seq_len);
-  t.compute = tokens * stage_flops_per_token(s, l.pp, l.tp, stage, ckpt, in.attention) / in.device_flops;
+  // Under cp, `in` is one rank's (seq_len / cp positions) but each of its
+  // queries still attends over the whole sequence: the scores per token are the full shape's.
+  DecoderShape whole = s;
+  whole.seq_len = s.seq_len * l.cp;
+  t.compute = tokens * stage_flops_per_token(whole, l.pp, l.tp, stage, ckpt, in.attention) / in.device_flops;
   // Backward's share of a micro-batch: 4 of 6 FLOPs per weight, 4 of 8 plus
   // the recomputed forward (6 of 8) with checkpointing.
   const double backward_per_mb = t.compute / static_cast<double>(m) * (ckpt ? 6.0 / 8 : 4.0 / 6);
@@ -127,6 +132,14 @@ StageTime stage_time(const PlanInput& in, const Layout& l, int stage, int64_t m)
                                    ring_all_gather_seconds(hidden_bytes, l.tp, tp_link(in, l))
                              : transfer_seconds(hidden_bytes, pp_link(in, l));
     t.pp = 2.0 * v * static_cast<double>(m) * one;
+  }
+  if (l.cp > 1) {
+    // Ring hops per block and micro-batch: cp - 1 forward (twice with
+    // recomputation), cp - 1 + cp backward; every hop pays its latency.
+    const Link link = devices_per_node_of(in) % (l.cp * l.tp) == 0 ? intra(in) : inter(in);
+    const double hops = (ckpt ? 2.0 : 1.0) * (l.cp - 1) + (l.cp - 1) + l.cp;
+    const double bytes = static_cast<double>(cp_bytes_per_block(s, in.micro_batch, l.tp, l.cp, in.precision, ckpt));
+    t.cp = blocks * static_cast<double>(m) * (hops * link.latency + bytes / link.bandwidth);
   }
   dp_time(in, l, stage_parameter_count(s, l.pp, l.tp, stage), m, backward_per_mb, t);
   return t;

@@ -50,7 +50,7 @@ double clip_grad_norm_exact(const std::vector<GradPart>& parts, double max_norm,
 std::vector<GradPart> count_once(const NamedGrads& grads, const std::map<std::string, int64_t>& tp_dims,
                                  bool replicated_over_dp, const mesh::Coord& at) {
   std::vector<GradPart> parts;
-  const bool dp_counts = !replicated_over_dp || at.dp == 0;
+  const bool dp_counts = !replicated_over_dp || (at.dp == 0 && at.cp == 0);  // cp ranks are replicas too
   for (const auto& g : grads) {
     auto dim = tp_dims.find(g.first);
     const bool split = dim != tp_dims.end() && dim->second >= 0;

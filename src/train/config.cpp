@@ -70,6 +70,8 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
        {store("--dp", "D", "data-parallel degree (default: world / (pp x tp))", c.dp),
         store("--pp", "P", "pipeline stages (default 1)", c.pp),
         store("--tp", "T", "tensor-parallel degree (default 1)", c.tp),
+        store("--cp", "C", "context-parallel degree: each sequence split over C ranks, ring attention (default 1)",
+              c.cp),
         store("--strategy", "ddp|dp", "data axis: DDP, or the article's master DP (default ddp)", c.strategy),
         store("--zero", "0|1|2|3", "ZeRO stage on the data axis (default 0: plain DDP)", c.zero),
         store("--schedule", "naive|gpipe|1f1b|interleaved", "pipeline schedule (default 1f1b)", c.schedule),
@@ -208,8 +210,8 @@ void check_values(const TrainConfig& c) {
   MESHTRAIN_CHECK(c.zero >= 0 && c.zero <= 3, "--zero ", c.zero, " must be 0, 1, 2 or 3");
   MESHTRAIN_CHECK(c.optimizer == "sgd" || c.optimizer == "adam" || c.optimizer == "adamw", "--optimizer '",
                   c.optimizer, "' is unknown; use sgd, adam or adamw");
-  MESHTRAIN_CHECK(c.pp >= 1 && c.tp >= 1 && c.dp >= 0, "--dp, --pp and --tp must be positive (got dp ", c.dp,
-                  ", pp ", c.pp, ", tp ", c.tp, ")");
+  MESHTRAIN_CHECK(c.pp >= 1 && c.tp >= 1 && c.cp >= 1 && c.dp >= 0, "--dp, --pp, --tp and --cp must be positive "
+                  "(got dp ", c.dp, ", pp ", c.pp, ", tp ", c.tp, ", cp ", c.cp, ")");
   MESHTRAIN_CHECK(c.steps >= 1, "--steps ", c.steps, " must be at least 1");
   MESHTRAIN_CHECK(c.lr > 0, "--lr ", c.lr, " must be positive");
   MESHTRAIN_CHECK(c.adam_eps > 0, "--adam-eps ", c.adam_eps, " must be positive");
@@ -249,16 +251,38 @@ void check_values(const TrainConfig& c) {
                   "--backend '", c.backend, "' is not a backend; use auto, shm, gloo or mpi");
 }
 
+// --cp: what context parallelism needs of the model and the other flags.
+void check_context_parallel(const TrainConfig& c) {
+  if (c.cp == 1) return;
+  MESHTRAIN_CHECK(models::is_language_model(c.model), "--cp ", c.cp, " splits sequences; --model ", c.model.kind,
+                  " has none (use gpt, gpt2 or llama, or --cp 1)");
+  MESHTRAIN_CHECK(c.strategy == "ddp", "--cp with --strategy dp: the master DP runs the whole model on every rank; "
+                  "use --strategy ddp");
+  const int64_t T = c.model.seq_len;
+  MESHTRAIN_CHECK(T % (2 * c.cp) == 0, "--cp ", c.cp, " cuts each sequence into 2 x cp = ", 2 * c.cp, " chunks (two "
+                  "per rank, for the causal mask's balance) and does not divide --seq-len ", T,
+                  "; choose a --seq-len divisible by ", 2 * c.cp, " or another --cp");
+  MESHTRAIN_CHECK(!c.sequence_parallel || (T / c.cp) % c.tp == 0, "--sequence-parallel with --cp ", c.cp,
+                  " splits each rank's ", T / c.cp, " positions over tp ", c.tp, ", which does not divide them; "
+                  "choose a --seq-len divisible by ", 2 * c.cp * c.tp);
+  MESHTRAIN_CHECK(!c.deterministic, "--deterministic with --cp ", c.cp, ": ring attention merges each query's keys "
+                  "in ring order, an order one process does not have; use --cp 1 (dp and pp compose)");
+}
+
 // The mesh degrees against the world size, and which strategies combine.
 void resolve_layout(TrainConfig& c, int world) {
+  const std::string with_cp = c.cp > 1 ? str_cat(" x cp ", c.cp) : "";
   if (c.dp == 0) {
-    MESHTRAIN_CHECK(world % (c.pp * c.tp) == 0, "the world size ", world, " is not divisible by pp x tp = ", c.pp,
-                    " x ", c.tp, "; choose pp and tp whose product divides ", world);
-    c.dp = world / (c.pp * c.tp);
+    MESHTRAIN_CHECK(world % (c.pp * c.tp * c.cp) == 0, "the world size ", world, " is not divisible by pp x tp",
+                    c.cp > 1 ? " x cp" : "", " = ", c.pp, " x ", c.tp, with_cp, "; choose degrees whose product divides ",
+                    world);
+    c.dp = world / (c.pp * c.tp * c.cp);
   }
-  MESHTRAIN_CHECK(c.dp * c.pp * c.tp == world, "the layout dp ", c.dp, " x pp ", c.pp, " x tp ", c.tp, " = ",
-                  c.dp * c.pp * c.tp, " ranks does not match the world size ", world,
-                  "; run with --nproc-per-node ", c.dp * c.pp * c.tp, " or change the degrees");
+  const int ranks = c.dp * c.pp * c.tp * c.cp;
+  MESHTRAIN_CHECK(ranks == world, "the layout dp ", c.dp, " x pp ", c.pp, " x tp ", c.tp, with_cp, " = ", ranks,
+                  " ranks does not match the world size ", world, "; run with --nproc-per-node ", ranks,
+                  " or change the degrees");
+  check_context_parallel(c);
   MESHTRAIN_CHECK(c.strategy == "ddp" || c.zero == 0, "--strategy dp (master DP) cannot be combined with --zero ",
                   c.zero, "; ZeRO partitions DDP's state: use --strategy ddp");
   MESHTRAIN_CHECK(!c.sequence_parallel || c.tp > 1, "--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel ranks)");
@@ -418,7 +442,7 @@ std::string to_json(const TrainConfig& c) {
   model.integer("parameters", models::parameter_count(c.model));
   json::Object o;
   o.raw("model", model.str())
-      .integer("dp", c.dp).integer("pp", c.pp).integer("tp", c.tp)
+      .integer("dp", c.dp).integer("pp", c.pp).integer("tp", c.tp).integer("cp", c.cp)
       .str("strategy", c.strategy).integer("zero", c.zero)
       .str("schedule", c.schedule).integer("microbatches", c.microbatches).integer("virtual_stages", c.virtual_stages)
       .raw("stage_boundaries", json::numbers(std::vector<double>(c.stage_boundaries.begin(), c.stage_boundaries.end())))

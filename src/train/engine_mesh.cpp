@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include "engine.h"
+#include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/dp/grain_tree.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/models/checkpointing.h"
@@ -64,9 +65,10 @@ TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
 class MeshEngine : public Engine {
  public:
   MeshEngine(const TrainConfig& c, comm::CommPtr world)
-      : c_(c), mesh_(world, mesh::MeshLayout(world->size(), c.dp, c.pp, c.tp)), data_(make_dataset(c)) {
+      : c_(c), mesh_(world, mesh::MeshLayout(world->size(), c.dp, c.pp, c.tp, c.cp)), data_(make_dataset(c)) {
     const mesh::Coord me = mesh_.coord();
     ctx_.tp = c.tp > 1 ? mesh_.tp() : nullptr;
+    ctx_.cp = c.cp > 1 ? mesh_.cp() : nullptr;
     ctx_.sequence_parallel = c.sequence_parallel;
     const int S = c.pp * c.virtual_stages;
     const std::vector<int64_t> bounds =
@@ -127,11 +129,17 @@ class MeshEngine : public Engine {
  private:
   // This dp rank's slice of global samples [first, first + count); a
   // pipeline reads the inputs on its first stage and the targets on its last.
+  // Under context parallelism each cp rank takes its two chunks of every sequence.
   // Deterministic mode: micro-batch j is grain j x dp + this dp rank (Note [Deterministic training]).
   Batch my_samples(const Dataset& data, int64_t first, int64_t count, bool by_grain = true) const {
     const int64_t local = count / c_.dp;
     const bool pipelined = c_.pp * c_.virtual_stages > 1;
     if (pipelined && !first_ && !last_) return Batch{};
+    if (c_.cp > 1) {
+      const Batch b = data.samples(first + mesh_.coord().dp * local, local);
+      const int cp = c_.cp, r = mesh_.coord().cp;
+      return Batch{cp::shard_sequence(b.inputs, 1, cp, r), cp::shard_sequence(b.targets, 1, cp, r)};
+    }
     if (!c_.deterministic || !by_grain) return data.samples(first + mesh_.coord().dp * local, local);
     const int64_t grain = count / c_.grains;
     std::vector<at::Tensor> inputs, targets;

@@ -49,7 +49,8 @@ std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t
     const plan::Plan p = plan::make_plan(planner_input(c, world, available / std::max(1, local_ranks)));
     if (p.recommendation) {
       const plan::Layout& l = p.recommendation->estimate.layout;
-      return str_cat("the planner suggests --dp ", l.dp, " --pp ", l.pp, " --tp ", l.tp, " --zero ", l.zero,
+      return str_cat("the planner suggests --dp ", l.dp, " --pp ", l.pp, " --tp ", l.tp,
+                     l.cp > 1 ? str_cat(" --cp ", l.cp) : "", " --zero ", l.zero,
                      " (about ", gib(p.recommendation->estimate.memory.total()), " per rank)");
     }
     if (p.smallest_cluster) {
@@ -98,6 +99,7 @@ plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_
   in.optimizer = c.optimizer == "sgd" ? plan::OptimizerKind::kSgd : plan::OptimizerKind::kAdam;
   in.momentum = c.optimizer == "sgd" ? c.momentum : 0;
   in.activation_checkpointing = c.activation_checkpointing != "none";  // every-N: between none and blocks
+  in.max_cp = c.cp;  // a run that splits sequences may be told a split that fits
   in.devices = devices;
   in.devices_per_node = devices;
   in.device_memory = device_memory;
@@ -119,8 +121,8 @@ int64_t available_memory_bytes() {
 }
 
 int64_t estimated_rank_bytes(const TrainConfig& c) {
-  const plan::PlanInput in = planner_input(c, c.dp * c.pp * c.tp, std::numeric_limits<int64_t>::max() / 4);
-  if (in.shape) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero}).memory.total();
+  const plan::PlanInput in = planner_input(c, c.dp * c.pp * c.tp * c.cp, std::numeric_limits<int64_t>::max() / 4);
+  if (in.shape) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero, c.cp}).memory.total();
   // The MLP: no shape the planner knows; its model state, shared by the stages and tp slices
   // (estimated as dp ranks of the whole model, then divided).
   const plan::PlanInput whole = planner_input(c, c.dp, std::numeric_limits<int64_t>::max() / 4);

@@ -117,8 +117,11 @@ struct Trainer::State {
     const int given = pipeline_options.microbatches();
     microbatches = given > 0 ? given : (pipelined ? mesh.pp()->size() : 1);
     if (o.deterministic()) start_deterministic();
-    // The loss's average over dp goes on a communicator of its own: the axes' traffic stays the training's.
-    loss_dp = mesh.dp()->size() > 1 ? mesh.dp()->split(0, mesh.dp()->rank(), "trainer-loss") : nullptr;
+    // The loss's average over dp x cp (each cp rank's loss is the mean of its
+    // equal share of the tokens) goes on a communicator of its own: the axes'
+    // traffic stays the training's.
+    const comm::CommPtr& replicas = mesh.dp_cp();
+    loss_dp = replicas->size() > 1 ? replicas->split(0, replicas->rank(), "trainer-loss") : nullptr;
   }
 
   // Note [Deterministic training]: what the mode cannot make exact is refused
@@ -126,6 +129,9 @@ struct Trainer::State {
   void start_deterministic() {
     const TrainerOptions& o = options;
     const int n = mesh.dp()->size(), G = o.grains();
+    MESHTRAIN_CHECK(mesh.cp()->size() == 1, "train::Trainer: deterministic mode with cp ", mesh.cp()->size(),
+                    ": ring attention merges each query's keys in ring order, an order one process does not "
+                    "have; train with cp 1 (dp and pp compose with the mode)");
     MESHTRAIN_CHECK(mesh.tp()->size() == 1, "train::Trainer: deterministic mode with tp ", mesh.tp()->size(),
                     ": tensor parallelism adds each matmul's partial products over the tp ranks, an order one "
                     "process does not have; train with tp 1 (dp and pp compose with the mode)");
@@ -189,7 +195,7 @@ struct Trainer::State {
   // ZeRO-1/2 always) would each reduce it (pp::Pipeline refuses it too, at
   // the first step): refused here, when the trainer is made.
   void refuse_shared_across_chunks(const std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
-    const bool wrapped = options.zero() > 0 || mesh.dp()->size() > 1;
+    const bool wrapped = options.zero() > 0 || mesh.dp_cp()->size() > 1;
     if (!wrapped || units.size() < 2) return;
     std::map<const void*, std::pair<size_t, std::string>> first_use;
     for (size_t k = 0; k < units.size(); ++k) {
@@ -197,7 +203,7 @@ struct Trainer::State {
         auto it = first_use.emplace(p.value().unsafeGetTensorImpl(), std::make_pair(k, p.key())).first;
         MESHTRAIN_CHECK(it->second.first == k, "train::Trainer: parameter '", p.key(), "' of chunk ", k, " is '",
                         it->second.second, "' of chunk ", it->second.first, " on the same rank (tied), and the "
-                        "data-parallel wrapper of each chunk (ZeRO ", options.zero(), ", dp ", mesh.dp()->size(),
+                        "data-parallel wrapper of each chunk (ZeRO ", options.zero(), ", dp x cp ", mesh.dp_cp()->size(),
                         ") would each reduce or shard it; place the tied children on different pipeline ranks "
                         "(pp > 1) or train without virtual stages");
       }
@@ -236,14 +242,16 @@ struct Trainer::State {
   // dp 2 x pp 2).
   // Chunk 0's too: fully_shard's registry keeps a unit to the end of the
   // process, so a later trainer on the same mesh would settle this one's.
-  // Deterministic mode: the wrappers reduce in tree order.
+  // Deterministic mode: the wrappers reduce in tree order. The wrappers span
+  // dp x cp: the ranks that hold the same parameters.
   comm::CommPtr chunk_dp(size_t chunk) {
     const bool tree = options.deterministic();
+    const comm::CommPtr& replicas = mesh.dp_cp();
     if (options.zero() != 3) {
-      if (tree && !tree_dp) tree_dp = comm::tree_order(mesh.dp());
-      return tree ? tree_dp : mesh.dp();
+      if (tree && !tree_dp) tree_dp = comm::tree_order(replicas);
+      return tree ? tree_dp : replicas;
     }
-    chunk_dps.push_back(mesh.dp()->split(0, mesh.dp()->rank(), "dp-chunk" + std::to_string(chunk)));
+    chunk_dps.push_back(replicas->split(0, replicas->rank(), "dp-chunk" + std::to_string(chunk)));
     return tree ? comm::tree_order(chunk_dps.back()) : chunk_dps.back();
   }
 
@@ -292,8 +300,8 @@ struct Trainer::State {
     p.tp_dims = tp::shard_dims(*chunk.module());
     p.tp_index = mesh.coord().tp;
     p.tp_size = mesh.tp()->size();
-    p.dp_rank = mesh.coord().dp;
-    p.dp_size = mesh.dp()->size();
+    p.dp_rank = mesh.dp_cp()->rank();  // ZeRO's shards: over dp x cp
+    p.dp_size = mesh.dp_cp()->size();
     return p;
   }
 
@@ -339,11 +347,14 @@ struct Trainer::State {
     }
   }
 
-  // The axes' counters, evaluation included.
+  // The axes' counters, evaluation included; "dp" is the gradients' (over
+  // dp x cp), "cp" the ring attention's keys and values (only with cp > 1).
   std::map<std::string, comm::Traffic> raw_traffic() const {
-    comm::Traffic dp = mesh.dp()->traffic();
+    comm::Traffic dp = mesh.dp_cp()->traffic();
     for (const auto& c : chunk_dps) dp = dp + c->traffic();
-    return {{"dp", dp}, {"pp", mesh.pp()->traffic()}, {"tp", mesh.tp()->traffic()}};
+    std::map<std::string, comm::Traffic> out{{"dp", dp}, {"pp", mesh.pp()->traffic()}, {"tp", mesh.tp()->traffic()}};
+    if (mesh.cp()->size() > 1) out["cp"] = mesh.cp()->traffic();
+    return out;
   }
 
   double mean_over_dp(double loss) const {
@@ -464,15 +475,16 @@ std::map<std::string, at::Tensor> Trainer::parameters_over_dp() {
 std::map<std::string, at::Tensor> Trainer::full_parameters() {
   std::map<std::string, at::Tensor> mine;
   const mesh::Coord me = s_->mesh.coord();
+  const bool dp_root = s_->mesh.dp_cp()->rank() == 0;  // the first of the ranks holding these parameters
   for (auto& chunk : s_->chunks) {
     std::map<std::string, at::Tensor> part = chunk->parameters_on_dp_root();
     // Full tensors from the tp shards (a collective within this dp-root's tp group).
-    if (s_->mesh.tp()->size() > 1 && me.dp == 0)
+    if (s_->mesh.tp()->size() > 1 && dp_root)
       part = tp::unshard(part, tp::shard_dims(*chunk->module()), *s_->mesh.tp());
     for (auto& p : part) mine[p.first] = p.second;
   }
   // Every stage's dp-root, tp rank 0, sends its parameters to world rank 0.
-  const bool sender = me.dp == 0 && me.tp == 0;
+  const bool sender = dp_root && me.tp == 0;
   std::map<std::string, at::Tensor> full;
   for (const auto& part : comm::gather_strings(*s_->mesh.world(), sender ? serialize_tensors(mine) : "", 0)) {
     if (part.empty()) continue;
@@ -511,7 +523,9 @@ std::map<std::string, comm::Traffic> Trainer::traffic_by_axis() const {
 
 void Trainer::reset_traffic() {
   s_->evaluation_traffic.clear();
-  for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp}) s_->mesh.axis(axis)->reset_traffic();
+  for (auto axis : {mesh::Axis::kDp, mesh::Axis::kPp, mesh::Axis::kTp, mesh::Axis::kCp})
+    s_->mesh.axis(axis)->reset_traffic();
+  s_->mesh.dp_cp()->reset_traffic();
   for (auto& c : s_->chunk_dps) c->reset_traffic();
 }
 

@@ -52,12 +52,13 @@ std::string trace_lines(const std::vector<pp::TraceEvent>& events, int rank) {
 std::vector<pp::TraceEvent> first_pipeline(const TrainConfig& c, const std::vector<std::string>& lines) {
   std::vector<pp::TraceEvent> events;
   for (int r = 0; r < static_cast<int>(lines.size()); ++r) {
-    if (r % c.tp != 0 || r >= c.pp * c.tp) continue;
+    const int inner = c.tp * c.cp;  // the ranks of one pipeline: dp 0, cp 0, tp 0
+    if (r % inner != 0 || r >= c.pp * inner) continue;
     std::istringstream in(lines[r]);
     pp::TraceEvent e{};
     int rank = 0, fwd = 0;
     while (in >> rank >> e.stage >> e.microbatch >> fwd >> e.start >> e.end) {
-      e.rank = r / c.tp;
+      e.rank = r / inner;
       e.forward = fwd != 0;
       events.push_back(e);
     }

@@ -145,6 +145,7 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
   single.dp = 0;
   single.pp = 1;
   single.tp = 1;
+  single.cp = 1;
   single.zero = 0;
   single.strategy = "ddp";
   single.micro_batch = 0;

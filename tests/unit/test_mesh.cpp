@@ -47,3 +47,37 @@ TEST(MeshLayout, ValidationListsEveryDegree) {
   EXPECT_THROW(MeshLayout(4, 0, 2, 2), ConfigError);
   EXPECT_THROW(MeshLayout(4, 2, 2, 1).coord(4), ConfigError);
 }
+
+TEST(MeshLayout, CpBetweenTpAndPp) {
+  // rank = ((dp * pp + pp_index) * cp + cp_index) * tp + tp_index
+  MeshLayout l(16, 2, 2, 2, 2);
+  Coord c5;  // 5 = ((0 * 2 + 1) * 2 + 0) * 2 + 1: dp 0, pp 1, cp 0, tp 1
+  c5.pp = 1;
+  c5.tp = 1;
+  EXPECT_EQ(l.coord(5), c5);
+  Coord c3;  // 3 = ((0 * 2 + 0) * 2 + 1) * 2 + 1: cp 1 sits between tp and pp
+  c3.cp = 1;
+  c3.tp = 1;
+  EXPECT_EQ(l.coord(3), c3);
+  for (int r = 0; r < 16; ++r) EXPECT_EQ(l.rank(l.coord(r)), r);
+  EXPECT_EQ(l.group(Axis::kCp, 5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(l.group(Axis::kTp, 5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(l.group(Axis::kPp, 5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(l.group(Axis::kDp, 5), (std::vector<int>{5, 13}));
+  // The ranks holding the same parameters: same pp and tp, every (dp, cp), in that order.
+  EXPECT_EQ(l.dp_cp_group(5), (std::vector<int>{5, 7, 13, 15}));
+  EXPECT_EQ(l.describe(), "dp 2 x pp 2 x tp 2 x cp 2 = 16 ranks");
+  EXPECT_EQ(MeshLayout(8, 2, 2, 2).describe(), "dp 2 x pp 2 x tp 2 = 8 ranks");  // cp 1 is not named
+  for (Axis a : {Axis::kDp, Axis::kPp, Axis::kTp, Axis::kCp}) {
+    std::set<int> seen;
+    for (const auto& g : l.groups(a))
+      for (int r : g) EXPECT_TRUE(seen.insert(r).second) << "rank " << r << " in two " << axis_name(a) << " groups";
+    EXPECT_EQ(static_cast<int>(seen.size()), 16);
+  }
+  try {
+    MeshLayout(8, 2, 1, 2, 3);
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("dp 2 x pp 1 x tp 2 x cp 3 = 12 ranks"), std::string::npos) << e.what();
+  }
+}

@@ -1,10 +1,14 @@
 #pragma once
-// The device mesh over (dp, pp, tp). MeshLayout is pure: rank <-> coordinates
-// and every axis's rank lists, with tp innermost (neighbouring ranks, the same
-// node, where the traffic is heaviest), then pp, then dp:
-//   rank = (dp_index * pp + pp_index) * tp + tp_index
-// DeviceMesh adds one communicator per axis group; strategies receive their
-// axis's communicator, nothing is global.
+// The device mesh over (dp, pp, cp, tp). MeshLayout is pure: rank <->
+// coordinates and every axis's rank lists, with tp innermost (neighbouring
+// ranks, the same node, where the traffic is heaviest), then cp (the ring's
+// keys and values every block), then pp, then dp:
+//   rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index
+// DeviceMesh adds one communicator per axis group, and one over dp x cp: the
+// ranks that hold the same parameters (context parallelism splits the
+// sequence, not the model, so its ranks reduce gradients and shard ZeRO's
+// state with the data-parallel ones, as torchtitan's FSDP over dp x cp).
+// Strategies receive their axis's communicator, nothing is global.
 
 #include <string>
 #include <vector>
@@ -14,22 +18,23 @@
 namespace meshtrain {
 namespace mesh {
 
-enum class Axis { kDp, kPp, kTp };
+enum class Axis { kDp, kPp, kTp, kCp };
 const char* axis_name(Axis a);
 
 struct Coord {
-  int dp = 0, pp = 0, tp = 0;
-  bool operator==(const Coord& o) const { return dp == o.dp && pp == o.pp && tp == o.tp; }
+  int dp = 0, pp = 0, tp = 0, cp = 0;
+  bool operator==(const Coord& o) const { return dp == o.dp && pp == o.pp && tp == o.tp && cp == o.cp; }
 };
 
 class MeshLayout {
  public:
-  // Throws ConfigError listing every degree when dp x pp x tp != world or a degree is < 1.
-  MeshLayout(int world, int dp, int pp, int tp);
+  // Throws ConfigError listing every degree when dp x pp x cp x tp != world or a degree is < 1.
+  MeshLayout(int world, int dp, int pp, int tp, int cp = 1);
   int dp() const { return dp_; }
   int pp() const { return pp_; }
   int tp() const { return tp_; }
-  int world() const { return dp_ * pp_ * tp_; }
+  int cp() const { return cp_; }
+  int world() const { return dp_ * pp_ * cp_ * tp_; }
   int degree(Axis a) const;
   Coord coord(int rank) const;
   int rank(const Coord& c) const;
@@ -37,10 +42,13 @@ class MeshLayout {
   std::vector<int> group(Axis axis, int rank) const;
   // Every group along `axis`.
   std::vector<std::vector<int>> groups(Axis axis) const;
-  std::string describe() const;  // "dp 2 x pp 2 x tp 2 = 8 ranks"
+  // The ranks holding the same parameters as `rank` (same pp and tp), in
+  // (dp, cp) order: index dp_index * cp + cp_index.
+  std::vector<int> dp_cp_group(int rank) const;
+  std::string describe() const;  // "dp 2 x pp 2 x tp 2 = 8 ranks" (" x cp 2" when cp > 1)
 
  private:
-  int dp_, pp_, tp_;
+  int dp_, pp_, tp_, cp_;
 };
 
 class DeviceMesh {
@@ -54,9 +62,13 @@ class DeviceMesh {
   const comm::CommPtr& dp() const { return dp_; }
   const comm::CommPtr& pp() const { return pp_; }
   const comm::CommPtr& tp() const { return tp_; }
+  const comm::CommPtr& cp() const { return cp_; }
+  // The ranks holding the same parameters: dp x cp (dp itself when cp is 1).
+  // Gradients are averaged and ZeRO's state sharded over it.
+  const comm::CommPtr& dp_cp() const { return dp_cp_; }
 
  private:
-  comm::CommPtr world_, dp_, pp_, tp_;
+  comm::CommPtr world_, dp_, pp_, tp_, cp_, dp_cp_;
   MeshLayout layout_;
   Coord coord_;
 };

@@ -46,6 +46,10 @@ struct TokenEmbeddingImpl : torch::nn::Module {
   at::Tensor pos;  // [max_positions, hidden], replicated; undefined for Llama
   comm::CommPtr tp;  // under sequence parallelism: this rank's positions
   bool sequence_parallel = false;
+  comm::CommPtr cp;  // context parallelism: the positions of this rank's chunks (BuildContext::cp)
+
+ private:
+  at::Tensor add_chunk_positions(const at::Tensor& x, int64_t tokens);
 };
 TORCH_MODULE(TokenEmbedding);
 using GptEmbeddingImpl = TokenEmbeddingImpl;
@@ -58,6 +62,7 @@ struct GptBlockImpl : torch::nn::Module, CachedBlock {
   int64_t head_dim;
   AttentionKernel attention_kernel;
   bool gelu_tanh;  // GPT-2's GELU (the tanh approximation, "gelu_new"); the built-in GPT's is exact
+  comm::CommPtr cp;  // context parallelism: attention is cp::ring_attention over it (BuildContext::cp)
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
 

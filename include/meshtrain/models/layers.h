@@ -32,6 +32,8 @@ class Rotary {
   Rotary(int64_t head_dim, int64_t max_positions, double theta);
   // x [B, heads, T, d] at positions start .. start + T - 1.
   at::Tensor apply(const at::Tensor& x, int64_t start) const;
+  // x [B, heads, T, d] at the given positions ([T] int64; context parallelism's chunks).
+  at::Tensor apply(const at::Tensor& x, const at::Tensor& positions) const;
 
  private:
   at::Tensor cos_, sin_;  // [max_positions, d] float32

@@ -21,6 +21,7 @@ struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
   int64_t head_dim;
   AttentionKernel attention_kernel;
+  comm::CommPtr cp;  // context parallelism: rotary at the chunks' positions, cp::ring_attention (BuildContext::cp)
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, gate{nullptr}, up{nullptr}, down{nullptr};
 

@@ -64,6 +64,10 @@ struct ModelConfig {
 struct BuildContext {
   comm::CommPtr tp;              // null: no tensor parallelism
   bool sequence_parallel = false;
+  // Context parallelism (null or size 1: none): every rank of the group holds
+  // two chunks of each sequence (cp::shard_sequence); positions follow the
+  // chunks and attention is cp::ring_attention over the group.
+  comm::CommPtr cp;
   // The GPT head's stage lacks the embedding it is tied to, which another
   // rank holds: the head gets a copy ("head.out.weight") that pp::Pipeline
   // keeps in step (Note [Tied embeddings across pipeline stages]).

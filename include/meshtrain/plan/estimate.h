@@ -23,14 +23,14 @@ struct MemoryBytes {
 
 // Bytes one device sends per optimizer step, by mesh axis.
 struct CommBytes {
-  int64_t dp = 0, pp = 0, tp = 0;
-  int64_t total() const { return dp + pp + tp; }
+  int64_t dp = 0, pp = 0, tp = 0, cp = 0;
+  int64_t total() const { return dp + pp + tp + cp; }
 };
 
 // Seconds those bytes take on the link each axis uses (no overlap assumed).
 struct CommSeconds {
-  double dp = 0, pp = 0, tp = 0;
-  double total() const { return dp + pp + tp; }
+  double dp = 0, pp = 0, tp = 0, cp = 0;
+  double total() const { return dp + pp + tp + cp; }
 };
 
 struct Estimate {
@@ -52,7 +52,7 @@ struct Estimate {
   // Predicted step time: compute, bubble, tp and pp communication (on the
   // critical path) and the exposed part of dp (Note [What the step time overlaps]).
   double step_seconds() const {
-    return compute_seconds + bubble_seconds + seconds.tp + seconds.pp + dp_exposed_seconds;
+    return compute_seconds + bubble_seconds + seconds.tp + seconds.pp + seconds.cp + dp_exposed_seconds;
   }
   double tokens_per_second() const { return step_seconds() > 0 ? tokens / step_seconds() : 0; }
   // Model FLOP/s per device (the convention of Narayanan et al.: recomputation counts).
@@ -128,6 +128,15 @@ int64_t pp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int pp, in
 // 6 with activation checkpointing (the recomputed forward repeats its 2).
 int64_t tp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int tp, int64_t blocks, int64_t microbatches,
                       Precision precision, bool checkpointing = false);
+// The context axis (ring attention, src/cp/ring_attention.cpp), per block and
+// micro-batch, for a rank's `local` shape (seq_len / cp positions): forward
+// passes its keys and values cp - 1 hops, 2 b s kv_heads d / tp values; the
+// backward passes them again with their fp32 gradients, (cp - 1) kv + cp dkv;
+// a recomputed forward repeats the first. Counted as not overlapped.
+int64_t cp_bytes_per_block(const DecoderShape& local, int64_t micro_batch, int tp, int cp, Precision precision,
+                           bool checkpointing = false);
+// The shape one cp rank computes on: seq_len / cp positions.
+DecoderShape cp_local_shape(const DecoderShape& shape, int cp);
 
 // ---- Compute time.
 

@@ -25,6 +25,10 @@ struct PlanInput {
   std::optional<DecoderShape> shape;
   int64_t params = 0;  // --params; with a shape, parameter_count(*shape)
   Attention attention = Attention::kEager;  // how attention keeps its activations
+  // Context parallelism the planner may use, up to this many ranks per
+  // sequence (--max-cp; 1: none). Layouts with cp > 1 run ring attention,
+  // whose activations are flash attention's on seq_len / cp positions.
+  int max_cp = 1;
 
   // Training.
   int64_t micro_batch = 1;

@@ -61,6 +61,10 @@ int64_t embedding_rows(const DecoderShape& shape);
 // the innermost axis, so a tp group is tp consecutive ranks.
 struct Layout {
   int dp = 1, pp = 1, tp = 1, zero = 0;
+  // Context parallelism: each sequence split over cp ranks (ring attention,
+  // flash activations of seq_len / cp positions); ZeRO and the gradients'
+  // reduction span dp x cp, the ranks that hold the same parameters.
+  int cp = 1;
 };
 
 // Why meshtrain cannot cut `shape` this way (tp must divide the heads, the

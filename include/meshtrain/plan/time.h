@@ -74,7 +74,8 @@ struct StageTime {
   double pp = 0;          // activations and gradients between stages (critical path)
   double dp = 0;          // data-parallel collectives, in full
   double dp_exposed = 0;  // what of dp is not hidden behind backward
-  double busy() const { return compute + tp + pp + dp_exposed; }
+  double cp = 0;          // ring attention's keys and values (critical path, not overlapped)
+  double busy() const { return compute + tp + pp + cp + dp_exposed; }
 };
 
 // Stage `stage` of layout `l` with m micro-batches per step (per dp rank).

@@ -29,7 +29,8 @@ struct TrainConfig {
   // --init-from can tell a given flag from a default.
   std::set<std::string> model_flags;
   // Layout: degrees of the mesh axes (0 = derive dp from the world size).
-  int dp = 0, pp = 1, tp = 1;
+  // cp: context parallelism, each sequence split over cp ranks (ring attention).
+  int dp = 0, pp = 1, tp = 1, cp = 1;
   std::string strategy = "ddp";  // data axis: ddp | dp (the article's master DP)
   int zero = 0;                  // ZeRO stage on the data axis (0 = plain DDP)
   std::string schedule = "1f1b"; // pipeline: naive | gpipe | 1f1b | interleaved
