@@ -15,7 +15,7 @@ export MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=1073741824
 : > "$OUT/rows.md"
 for cp in 1 2 4; do
   build/bin/meshrun --nproc-per-node "$cp" --master-port 0 --threads-per-rank 1 -- \
-    build/bin/bench_cp --seq-lens "$SEQ_LENS" --budget-gib "$BUDGET_GIB" | tee -a "$OUT/rows.md"
+    build/bin/bench_cp --seq-lens "$SEQ_LENS" --budget-gib "$BUDGET_GIB" | sed 's/^\[rank[0-9]*\]: //' | tee -a "$OUT/rows.md"
 done
 {
   echo "Measured $(date -u +%Y-%m-%d) with bench/cp/run.sh on $(nproc) cores: Llama 2 layers, hidden 128, 4 heads"
