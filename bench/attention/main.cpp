@@ -7,7 +7,6 @@
 //                   [--hidden 128] [--heads 4] [--kv-heads 2] [--vocab 512]
 // Prints a markdown table (bench/attention/run.sh puts it in docs/BENCHMARKS.md).
 #include <ATen/ATen.h>
-#include <malloc.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
@@ -21,16 +20,12 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/memory.h"
 #include "meshtrain/util/strings.h"
 
 using namespace meshtrain;
 
 namespace {
-
-int64_t heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
-}
 
 double mib(int64_t bytes) { return bytes / 1048576.0; }
 
@@ -100,9 +95,9 @@ Measured measure(const train::TrainConfig& c) {
   for (int run = 0; run < 2; ++run) {  // the first warms up (thread pool, allocator)
     model->zero_grad();
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t before = heap_in_use();
+    const int64_t before = heap_bytes_in_use();
     at::Tensor loss = models::loss(c.model, model->forward(input), target);
-    const int64_t kept = heap_in_use() - before;
+    const int64_t kept = heap_bytes_in_use() - before;
     loss.backward();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (run > 0) best = {kept, std::min(best.seconds, s)};

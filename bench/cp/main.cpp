@@ -8,7 +8,6 @@
 // One cp group of every rank. Prints markdown table rows on rank 0
 // (bench/cp/run.sh runs cp 1, 2, 4 and puts the table in docs/BENCHMARKS.md).
 #include <ATen/ATen.h>
-#include <malloc.h>
 
 #include <chrono>
 #include <cstdio>
@@ -21,16 +20,12 @@
 #include "meshtrain/plan/estimate.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
+#include "meshtrain/util/memory.h"
 #include "meshtrain/util/strings.h"
 
 using namespace meshtrain;
 
 namespace {
-
-int64_t heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
-}
 
 double mib(int64_t bytes) { return bytes / 1048576.0; }
 
@@ -77,9 +72,9 @@ Measured measure(int64_t T, const comm::CommPtr& world) {
     model->zero_grad();
     world->barrier();
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t before = heap_in_use();
+    const int64_t before = heap_bytes_in_use();
     at::Tensor loss = models::loss(m, model->forward(input), target);
-    const int64_t kept = heap_in_use() - before;
+    const int64_t kept = heap_bytes_in_use() - before;
     loss.backward();
     world->barrier();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -8,6 +8,7 @@ namespace mesh {
 
 namespace {
 
+// A coordinate's field for `axis` (a Coord of degrees gives the axis's degree).
 int& index_of(Coord& c, Axis a) {
   switch (a) {
     case Axis::kDp: return c.dp;
@@ -40,13 +41,9 @@ MeshLayout::MeshLayout(int world, int dp, int pp, int tp, int cp) : dp_(dp), pp_
 }
 
 int MeshLayout::degree(Axis a) const {
-  switch (a) {
-    case Axis::kDp: return dp_;
-    case Axis::kPp: return pp_;
-    case Axis::kTp: return tp_;
-    case Axis::kCp: return cp_;
-  }
-  return 1;
+  Coord degrees;
+  degrees.dp = dp_, degrees.pp = pp_, degrees.tp = tp_, degrees.cp = cp_;
+  return index_of(degrees, a);
 }
 
 Coord MeshLayout::coord(int rank) const {

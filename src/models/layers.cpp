@@ -36,26 +36,30 @@ Rotary::Rotary(int64_t head_dim, int64_t max_positions, double theta) {
   sin_ = angles.sin().to(at::kFloat);
 }
 
+namespace {
+
+// x rotated by the table rows of its positions (cos, sin: [T, d] float32).
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(3) / 2;
+  const at::Tensor rotated = at::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, 3);  // rotate_half
+  return x * cos.to(x.scalar_type()) + rotated * sin.to(x.scalar_type());
+}
+
+}  // namespace
+
 at::Tensor Rotary::apply(const at::Tensor& x, int64_t start) const {
-  const int64_t T = x.size(2), half = x.size(3) / 2;
+  const int64_t T = x.size(2);
   MESHTRAIN_CHECK(start + T <= cos_.size(0), "position ", start + T - 1, " is beyond the model's ", cos_.size(0),
                   " positions (--seq-len)");
-  const at::Tensor cos = cos_.narrow(0, start, T).to(x.scalar_type());
-  const at::Tensor sin = sin_.narrow(0, start, T).to(x.scalar_type());
-  const at::Tensor rotated = at::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, 3);  // rotate_half
-  return x * cos + rotated * sin;
+  return rotate(x, cos_.narrow(0, start, T), sin_.narrow(0, start, T));
 }
 
 at::Tensor Rotary::apply(const at::Tensor& x, const at::Tensor& positions) const {
-  const int64_t half = x.size(3) / 2;
   MESHTRAIN_CHECK(positions.dim() == 1 && positions.size(0) == x.size(2), "Rotary::apply: ", positions.numel(),
                   " positions for ", x.size(2), " tokens");
   MESHTRAIN_CHECK(positions.max().item<int64_t>() < cos_.size(0), "position ", positions.max().item<int64_t>(),
                   " is beyond the model's ", cos_.size(0), " positions (--seq-len)");
-  const at::Tensor cos = cos_.index_select(0, positions).to(x.scalar_type());
-  const at::Tensor sin = sin_.index_select(0, positions).to(x.scalar_type());
-  const at::Tensor rotated = at::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, 3);  // rotate_half
-  return x * cos + rotated * sin;
+  return rotate(x, cos_.index_select(0, positions), sin_.index_select(0, positions));
 }
 
 std::pair<at::Tensor, at::Tensor> KVCache::append(const at::Tensor& new_k, const at::Tensor& new_v) {

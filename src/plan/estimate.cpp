@@ -17,9 +17,6 @@ constexpr int64_t kBucketCapBytes = 25 * 1024 * 1024;
 // b*s*h values: one micro-batch's activation between two blocks.
 int64_t hidden_state_values(const DecoderShape& s, int64_t micro_batch) { return micro_batch * s.seq_len * s.hidden; }
 
-// The ranks holding the same parameters: ZeRO shards and gradients reduce over dp x cp.
-int replicas(const Layout& l) { return l.dp * l.cp; }
-
 // What one rank of a cp > 1 layout computes on: seq_len / cp positions, ring
 // attention's flash activations (the global batch stays the whole model's).
 PlanInput cp_rank_input(const PlanInput& in, int cp) {
@@ -45,7 +42,7 @@ namespace {
 int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t psi) {
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   int64_t bytes = 0;
-  const int n = replicas(l);
+  const int n = l.replicas();
   if (n > 1 && l.zero == 0) bytes += b.gradients * psi;  // DDP's buckets mirror the gradients (engine_dp.cpp)
   // Stage 1 reduce-scatters in place in its full gradient buffer: nothing extra.
   if (n > 1 && l.zero == 2)
@@ -69,7 +66,7 @@ int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t p
 CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   CommBytes c;
-  c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, replicas(l), microbatches);
+  c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.replicas(), microbatches);
   if (in.shape) {
     const int64_t blocks = blocks_on_stage(*in.shape, l.pp, stage);
     c.cp = blocks * microbatches *
@@ -184,7 +181,7 @@ std::vector<Layout> candidate_layouts(const PlanInput& in) {
 MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   const int64_t psi = stage_params(in, l, stage);
   const ModelStateBytes state =
-      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0), l.zero, replicas(l));
+      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0), l.zero, l.replicas());
   MemoryBytes m;
   m.parameters = state.parameters;
   m.gradients = state.gradients;

@@ -155,7 +155,7 @@ void add_command(Plan& plan) {
 std::string describe_layout(const Layout& l) {
   static const char* kZeroNames[] = {"DDP", "optimizer state sharded", "+ gradients sharded", "fully sharded"};
   return str_cat("dp=", l.dp, " pp=", l.pp, " tp=", l.tp, l.cp > 1 ? str_cat(" cp=", l.cp) : "", " ZeRO-", l.zero,
-                 l.dp * l.cp > 1 ? str_cat(" (", kZeroNames[l.zero], ")") : "");
+                 l.replicas() > 1 ? str_cat(" (", kZeroNames[l.zero], ")") : "");
 }
 
 Scenario classify_scenario(const PlanInput& in) {

@@ -39,7 +39,7 @@ double exposed_after(double reduction, double last_bucket, double window) {
 
 // The data axis of one stage: see Note [What the step time overlaps].
 void dp_time(const PlanInput& in, const Layout& l, int64_t psi, int64_t m, double backward_per_mb, StageTime& t) {
-  const int n = l.dp * l.cp;  // the ranks holding the same parameters
+  const int n = l.replicas();
   if (n <= 1) return;
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   const Link link = dp_link(in, l);

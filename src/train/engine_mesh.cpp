@@ -135,12 +135,7 @@ class MeshEngine : public Engine {
     const int64_t local = count / c_.dp;
     const bool pipelined = c_.pp * c_.virtual_stages > 1;
     if (pipelined && !first_ && !last_) return Batch{};
-    if (c_.cp > 1) {
-      const Batch b = data.samples(first + mesh_.coord().dp * local, local);
-      const int cp = c_.cp, r = mesh_.coord().cp;
-      return Batch{cp::shard_sequence(b.inputs, 1, cp, r), cp::shard_sequence(b.targets, 1, cp, r)};
-    }
-    if (!c_.deterministic || !by_grain) return data.samples(first + mesh_.coord().dp * local, local);
+    if (!c_.deterministic || !by_grain) return my_chunks(data.samples(first + mesh_.coord().dp * local, local));
     const int64_t grain = count / c_.grains;
     std::vector<at::Tensor> inputs, targets;
     for (int64_t j = 0; j < c_.grains / c_.dp; ++j) {
@@ -149,6 +144,14 @@ class MeshEngine : public Engine {
       targets.push_back(b.targets);
     }
     return Batch{at::cat(inputs), at::cat(targets)};
+  }
+
+  // This cp rank's two chunks of every sequence (the batch itself without cp;
+  // deterministic mode, which reads by grain, refuses cp).
+  Batch my_chunks(const Batch& b) const {
+    if (c_.cp == 1) return b;
+    const int cp = c_.cp, r = mesh_.coord().cp;
+    return Batch{cp::shard_sequence(b.inputs, 1, cp, r), cp::shard_sequence(b.targets, 1, cp, r)};
   }
 
   std::shared_ptr<models::LmHeadImpl> head() {

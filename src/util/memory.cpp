@@ -30,4 +30,9 @@ bool keep_freed_memory_for_reuse() {
   return on;
 }
 
+int64_t heap_bytes_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
 }  // namespace meshtrain

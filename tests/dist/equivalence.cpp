@@ -39,6 +39,14 @@ train::TrainConfig tiny_gpt() {
   return c;
 }
 
+train::TrainConfig tiny_llama() {
+  train::TrainConfig c = tiny_gpt();
+  c.model.kind = "llama";
+  c.model.kv_heads = 2;
+  c.model.tie_embeddings = false;
+  return c;
+}
+
 train::TrainConfig tiny_mlp() {
   train::TrainConfig c;
   c.model.kind = "mlp";

@@ -76,6 +76,9 @@ void expect_same_training(const TrainOutput& got, const TrainOutput& want, const
 // A tiny GPT that trains in seconds on two cores with 8 ranks.
 train::TrainConfig tiny_gpt();
 train::TrainConfig tiny_mlp();
+// tiny_gpt's sizes as a Llama with 2 key/value heads (grouped-query: under tp 2 one
+// key/value head and two query heads per rank), untied.
+train::TrainConfig tiny_llama();
 
 }  // namespace testing
 }  // namespace meshtrain

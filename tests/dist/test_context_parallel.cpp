@@ -12,14 +12,6 @@ namespace meshtrain {
 namespace testing {
 namespace {
 
-train::TrainConfig tiny_llama() {
-  train::TrainConfig c = tiny_gpt();
-  c.model.kind = "llama";
-  c.model.kv_heads = 2;  // grouped-query: the ring passes 2 key/value heads for 4 query heads
-  c.model.tie_embeddings = false;
-  return c;
-}
-
 // Llama (rotary positions at the chunks') and GPT (learned positions, tied head) on cp alone.
 TEST(ContextParallel, LlamaOnCp2AndCp4GptOnOddCp3) {
   train::TrainConfig l = tiny_llama();

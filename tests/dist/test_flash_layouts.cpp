@@ -12,10 +12,7 @@ namespace testing {
 namespace {
 
 train::TrainConfig tiny_llama_with_flash() {
-  train::TrainConfig c = tiny_gpt();
-  c.model.kind = "llama";
-  c.model.kv_heads = 2;  // under tp 2: one key/value head and two query heads per rank
-  c.model.tie_embeddings = false;
+  train::TrainConfig c = tiny_llama();
   c.model.attention = models::AttentionKernel::kFlash;
   return c;
 }

@@ -3,7 +3,6 @@
 // sequence, decoding offsets, partial results merged by log-sum-exp, and the
 // bytes it keeps for backward, measured.
 #include <gtest/gtest.h>
-#include <malloc.h>
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -11,6 +10,7 @@
 #include "meshtrain/models/attention.h"
 #include "meshtrain/models/layers.h"
 #include "meshtrain/models/models.h"
+#include "meshtrain/util/memory.h"
 
 namespace meshtrain {
 namespace models {
@@ -151,20 +151,14 @@ TEST(FlashAttention, KernelChoiceAndBadInput) {
   EXPECT_THROW(flash_attention(q, k, k), std::exception);  // 2 key heads do not divide 3 query heads
 }
 
-// Bytes in use on the heap (glibc: every arena and the mmapped chunks).
-int64_t heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
-}
-
 // What the graph keeps after a forward: heap in use with the output alive
 // minus before (the inputs exist before).
 int64_t kept_bytes(const Inputs& in, bool use_flash) {
   const at::Tensor q = in.q.detach().requires_grad_(), k = in.k.detach().requires_grad_(),
                    v = in.v.detach().requires_grad_();
-  const int64_t before = heap_in_use();
+  const int64_t before = heap_bytes_in_use();
   at::Tensor out = use_flash ? flash_attention(q, k, v) : causal_attention(q, k, v);
-  const int64_t kept = heap_in_use() - before;
+  const int64_t kept = heap_bytes_in_use() - before;
   out.backward(in.dout);  // the graph is whole: it still runs
   return kept;
 }

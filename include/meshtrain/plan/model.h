@@ -65,6 +65,8 @@ struct Layout {
   // flash activations of seq_len / cp positions); ZeRO and the gradients'
   // reduction span dp x cp, the ranks that hold the same parameters.
   int cp = 1;
+  // The ranks holding the same parameters, which ZeRO shards and the gradients reduce over.
+  int replicas() const { return dp * cp; }
 };
 
 // Why meshtrain cannot cut `shape` this way (tp must divide the heads, the

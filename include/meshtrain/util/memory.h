@@ -6,9 +6,15 @@
 // it; MESHTRAIN_MALLOC=system (or glibc's own MALLOC_MMAP_MAX_ /
 // MALLOC_TRIM_THRESHOLD_ in the environment) keeps malloc's defaults.
 
+#include <cstdint>
+
 namespace meshtrain {
 
 // Applies the settings once per process; returns whether they are on.
 bool keep_freed_memory_for_reuse();
+
+// Bytes in use on the heap (glibc's mallinfo2: every arena and the mmapped
+// chunks): what a forward keeps for backward is the difference around it.
+int64_t heap_bytes_in_use();
 
 }  // namespace meshtrain
