@@ -316,6 +316,35 @@ void large_messages_both_ways_at_once(Communicator& comm) {
 }
 TEST_P(Collectives, LargeMessagesBothWaysAtOnce) { run(large_messages_both_ways_at_once); }
 
+// A receive posted while its message is half read (its frame came in under
+// another receive, the rest still arriving) gets the message when it
+// completes, though the sender sends nothing more until it is answered (shm
+// once left it among the arrived messages and waited for more data: ring
+// attention's backward under ZeRO-2/3 hung on it).
+void receive_posted_while_its_message_is_half_read(Communicator& comm) {
+  if (comm.size() == 1) return;
+  const int r = comm.rank();
+  const int64_t numel = 300001;  // 1.2 MB: many pieces on shm's rings
+  meshtrain::comm::WorkPtr big_send;
+  if (r == 1) big_send = comm.isend(torch::arange(numel, torch::kFloat32), 0, 5);  // its frame is written now
+  comm.barrier();
+  if (r == 0) {
+    auto later = torch::zeros({3}, torch::kInt64);
+    auto later_recv = comm.irecv(later, 1, 6);  // reads the big message's frame, with no receive for it yet
+    auto got = torch::empty({numel});
+    comm.recv(got, 1, 5);
+    comm.send(torch::ones({1}, torch::kInt64), 1, 7);  // only now does rank 1 send again
+    later_recv->wait();
+    expect_equal(got, torch::arange(numel, torch::kFloat32), "a message half read when its receive was posted");
+    expect_equal(later, torch::full({3}, 6, torch::kInt64), "the message after it");
+  } else if (r == 1) {
+    big_send->wait();
+    comm.recv_any(0, 7);
+    comm.send(torch::full({3}, 6, torch::kInt64), 0, 6);
+  }
+}
+TEST_P(Collectives, ReceivePostedWhileItsMessageIsHalfRead) { run(receive_posted_while_its_message_is_half_read); }
+
 // The bytes each algorithm moves, counted exactly: the ring's on gloo; on shm
 // what the peers read from this rank (each peer's piece, then this rank's
 // reduced piece to every peer); on the hierarchical backend (2 hosts x 2) its
@@ -450,6 +479,7 @@ TEST_P(MpiCollectives, EveryTestInOneJob) {
       {"NonContiguousAndAsync", non_contiguous_and_async},
       {"PointToPointRingWithTagsAndUnknownShapes", point_to_point_ring_with_tags_and_unknown_shapes},
       {"LargeMessagesBothWaysAtOnce", large_messages_both_ways_at_once},
+      {"ReceivePostedWhileItsMessageIsHalfRead", receive_posted_while_its_message_is_half_read},
       {"TrafficCountsTheAlgorithmsBytes", traffic_counts_the_algorithms_bytes},
       {"SmallPayloadsTravelInOneRound", small_payloads_travel_in_one_round},
   };

@@ -377,6 +377,10 @@ void ShmCommunicator::pull(int src, Inbox& inbox) {
     if (in.received < padded) break;
     counter_.add_received(OpKind::kRecv, static_cast<int64_t>(payload));
     in.active = false;
+    // A receive posted while the payload was arriving takes it now: left among
+    // the arrived messages, it would wait for a later pull that a sender with
+    // nothing more to send never causes.
+    if (!in.op) in.op = take_posted(inbox, in.frame.tag);
     if (in.op) {
       deliver(*in.op, in.landing, where("recv"), peer_name(src));
       wake(rank_);  // another thread may wait on this receive
