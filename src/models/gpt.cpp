@@ -85,8 +85,10 @@ at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t star
   return x + pos.narrow(0, start, tokens.size(1));
 }
 
-GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index)
-    : attention_kernel(c.attention), gelu_tanh(c.kind == "gpt2") {
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index) : GptBlockImpl(c, index, BuildContext{}) {}
+
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx)
+    : attention_kernel(c.attention), gelu_tanh(c.kind == "gpt2"), cp(ctx.cp) {
   const std::string p = "blocks." + std::to_string(index) + ".";
   head_dim = c.hidden / c.heads;
   const InitSpec normal = InitSpec::normal(0, 0.02);
@@ -99,6 +101,10 @@ GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index)
   v = register_module("v", seeded_linear(h, h, true, c.seed, p + "v", normal));
   proj = register_module("proj", seeded_linear(h, h, true, c.seed, p + "proj", residual));
   ln2 = register_module("ln2", layer_norm(h, c.norm_eps));
+  if (c.experts > 0) {
+    moe = register_module("moe", MoE(block_moe_options(c, index, ctx)));
+    return;
+  }
   fc1 = register_module("fc1", seeded_linear(h, f, true, c.seed, p + "fc1", normal));
   fc2 = register_module("fc2", seeded_linear(f, h, true, c.seed, p + "fc2", residual));
 }
@@ -117,6 +123,7 @@ at::Tensor GptBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
 
 at::Tensor GptBlockImpl::block(const at::Tensor& x, KVCache* cache) {
   at::Tensor h = x + attention(ln1->forward(x), cache);
+  if (moe) return h + moe->forward(ln2->forward(h));
   const at::Tensor inner = fc1->forward(ln2->forward(h));
   return h + fc2->forward(gelu_tanh ? at::gelu(inner, "tanh") : at::gelu(inner));
 }

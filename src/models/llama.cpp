@@ -8,8 +8,10 @@
 namespace meshtrain {
 namespace models {
 
-LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index)
-    : head_dim(c.hidden / c.heads), attention_kernel(c.attention), rotary_(c.hidden / c.heads, max_positions(c), c.rope_theta) {
+LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index) : LlamaBlockImpl(c, index, BuildContext{}) {}
+
+LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx)
+    : head_dim(c.hidden / c.heads), attention_kernel(c.attention), cp(ctx.cp), rotary_(c.hidden / c.heads, max_positions(c), c.rope_theta) {
   const std::string p = "blocks." + std::to_string(index) + ".";
   const InitSpec normal = InitSpec::normal(0, 0.02);  // Hugging Face's initializer_range
   const int64_t h = c.hidden, kv = kv_heads(c) * head_dim, f = ffn_hidden(c);
@@ -19,6 +21,10 @@ LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index)
   v = register_module("v", seeded_linear(h, kv, false, c.seed, p + "v", normal));
   o = register_module("o", seeded_linear(c.heads * head_dim, h, false, c.seed, p + "o", normal));
   mlp_norm = register_module("mlp_norm", RMSNorm(h, c.norm_eps));
+  if (c.experts > 0) {
+    moe = register_module("moe", MoE(block_moe_options(c, index, ctx)));
+    return;
+  }
   gate = register_module("gate", seeded_linear(h, f, false, c.seed, p + "gate", normal));
   up = register_module("up", seeded_linear(h, f, false, c.seed, p + "up", normal));
   down = register_module("down", seeded_linear(f, h, false, c.seed, p + "down", normal));
@@ -49,6 +55,7 @@ at::Tensor LlamaBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
 at::Tensor LlamaBlockImpl::block(const at::Tensor& x, KVCache* cache) {
   const at::Tensor h = x + attention(attn_norm->forward(x), cache);
   const at::Tensor n = mlp_norm->forward(h);
+  if (moe) return h + moe->forward(n);
   return h + down->forward(at::silu(gate->forward(n)) * up->forward(n));
 }
 

@@ -39,7 +39,10 @@ void check_tp(const ModelConfig& c, int t, bool sequence_parallel) {
   MESHTRAIN_CHECK(kv_heads(c) % t == 0, "tp ", t, " does not divide --kv-heads ", kv_heads(c),
                   " (key/value heads are split over tp, each rank keeping the ones its query heads read); choose tp "
                   "in {", divisors(kv_heads(c)), "}, or more --kv-heads");
-  MESHTRAIN_CHECK(ffn_hidden(c) % t == 0, "tp ", t, " does not divide the MLP's inner size ", ffn_hidden(c),
+  MESHTRAIN_CHECK(c.experts == 0 || !sequence_parallel, "--experts with --sequence-parallel: the MoE layers run "
+                  "whole on every tp rank (the experts are not cut over tp), so their tokens cannot be split along "
+                  "the sequence; drop --sequence-parallel or --experts");
+  MESHTRAIN_CHECK(c.experts > 0 || ffn_hidden(c) % t == 0, "tp ", t, " does not divide the MLP's inner size ", ffn_hidden(c),
                   " (--ffn-hidden, split over tp); choose tp in {", divisors(ffn_hidden(c)), "} or another --ffn-hidden");
   const int64_t rows = padded_vocab(c);
   const std::string vocabulary = rows == c.vocab ? str_cat("--vocab ", c.vocab)
@@ -71,10 +74,23 @@ void check_language_model(const ModelConfig& c) {
   MESHTRAIN_CHECK(c.rope_theta > 0, "--rope-theta ", c.rope_theta, " must be positive (Llama 2: 10000, Llama 3: 500000)");
 }
 
+void check_experts(const ModelConfig& c) {
+  MESHTRAIN_CHECK(c.experts >= 0, "--experts ", c.experts, " must be 0 (dense MLPs) or the number of experts");
+  if (c.experts == 0) return;
+  MESHTRAIN_CHECK(is_language_model(c), "--experts makes the blocks' MLPs mixtures of experts; --model mlp has no "
+                  "blocks (use gpt, gpt2 or llama)");
+  MESHTRAIN_CHECK(c.top_k >= 1 && c.top_k <= c.experts, "--top-k ", c.top_k, " routes each token to that many of "
+                  "--experts ", c.experts, "; choose --top-k between 1 and ", c.experts);
+  MESHTRAIN_CHECK(c.capacity_factor >= 0, "--capacity-factor ", c.capacity_factor, " must be >= 0 (0: dropless; cf "
+                  "> 0: each expert computes at most cf x tokens x top-k / experts routes)");
+  MESHTRAIN_CHECK(c.aux_loss_coef >= 0, "--aux-loss-coef ", c.aux_loss_coef, " must be >= 0 (0: no balance loss)");
+}
+
 void check_config(const ModelConfig& c) {
   MESHTRAIN_CHECK(c.kind == "gpt" || c.kind == "gpt2" || c.kind == "llama" || c.kind == "mlp", "unknown model '",
                   c.kind, "'; use gpt, gpt2, llama or mlp");
   MESHTRAIN_CHECK(c.layers >= 1, "--layers ", c.layers, " must be at least 1");
+  check_experts(c);
   if (is_language_model(c)) return check_language_model(c);
   MESHTRAIN_CHECK(c.features >= 1 && c.hidden >= 1 && c.classes >= 2, "mlp sizes must be positive");
 }
@@ -93,7 +109,7 @@ bool is_language_model(const ModelConfig& c) { return c.kind != "mlp"; }
 double training_flops_per_token(const ModelConfig& c) {
   if (!is_language_model(c)) return 6.0 * static_cast<double>(parameter_count(c));
   const int64_t positions = c.kind == "llama" ? 0 : max_positions(c) * c.hidden;
-  const double weights = static_cast<double>(parameter_count(c) - positions);
+  const double weights = static_cast<double>(active_parameter_count(c) - positions);
   return 6.0 * weights + 12.0 * static_cast<double>(c.layers) * static_cast<double>(c.hidden) * c.seq_len;
 }
 
@@ -161,12 +177,10 @@ void append_decoder_piece(StageImpl& stage, const ModelConfig& c, int64_t i, con
   } else if (i == num_pieces(c) - 1) {
     stage.append("", "head", LmHead(c, ctx, c.tie_embeddings ? embedding_weight : at::Tensor()));
   } else if (c.kind == "llama") {
-    LlamaBlock block(c, i - 1);
-    block->cp = ctx.cp;
+    LlamaBlock block(c, i - 1, ctx);
     stage.append("blocks", std::to_string(i - 1), block);
   } else {
-    GptBlock block(c, i - 1);
-    block->cp = ctx.cp;
+    GptBlock block(c, i - 1, ctx);
     stage.append("blocks", std::to_string(i - 1), block);
   }
 }
@@ -230,6 +244,29 @@ at::Tensor loss(const ModelConfig& c, const at::Tensor& output, const at::Tensor
   return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), ctx.tp);
 }
 
+MoEOptions block_moe_options(const ModelConfig& c, int64_t index, const BuildContext& ctx) {
+  const bool llama = c.kind == "llama";
+  return MoEOptions(c.hidden, ffn_hidden(c), c.experts, c.top_k)
+      .capacity_factor(c.capacity_factor).aux_loss_coef(c.aux_loss_coef).swiglu(llama).gelu_tanh(c.kind == "gpt2")
+      .seed(c.seed).name("blocks." + std::to_string(index) + ".moe").ep(ctx.ep).token_group(ctx.cp);
+}
+
+namespace {
+
+// One block's MLP: dense (GPT's with biases), or the router and E experts.
+int64_t mlp_parameter_count(const ModelConfig& c, int64_t experts_computed) {
+  const int64_t h = c.hidden, f = ffn_hidden(c), matrices = c.kind == "llama" ? 3 : 2;
+  if (c.experts == 0) return matrices * h * f + (c.kind == "llama" ? 0 : f + h);
+  return c.experts * h + experts_computed * matrices * h * f;
+}
+
+}  // namespace
+
+int64_t active_parameter_count(const ModelConfig& c) {
+  if (c.experts == 0) return parameter_count(c);
+  return parameter_count(c) - c.layers * (mlp_parameter_count(c, c.experts) - mlp_parameter_count(c, c.top_k));
+}
+
 int64_t parameter_count(const ModelConfig& c) {
   if (c.kind == "mlp") {
     int64_t total = 0;
@@ -239,13 +276,13 @@ int64_t parameter_count(const ModelConfig& c) {
     }
     return total;
   }
-  const int64_t h = c.hidden, f = ffn_hidden(c), rows = padded_vocab(c);
+  const int64_t h = c.hidden, rows = padded_vocab(c);
   const int64_t embeddings = rows * h * (c.tie_embeddings ? 1 : 2);
   if (c.kind == "llama") {
     const int64_t d = h / c.heads, attention = 2 * h * c.heads * d + 2 * h * kv_heads(c) * d;
-    return embeddings + c.layers * (2 * h + attention + 3 * h * f) + h;
+    return embeddings + c.layers * (2 * h + attention + mlp_parameter_count(c, c.experts)) + h;
   }
-  const int64_t block = 2 * 2 * h + 4 * (h * h + h) + (h * f + f) + (f * h + h);
+  const int64_t block = 2 * 2 * h + 4 * (h * h + h) + mlp_parameter_count(c, c.experts);
   return embeddings + max_positions(c) * h + c.layers * block + 2 * h;
 }
 

@@ -4,6 +4,7 @@
 #include "meshtrain/models/moe.h"
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 
 #include <cmath>
 
@@ -13,6 +14,41 @@
 
 namespace meshtrain {
 namespace models {
+
+namespace {
+
+// The output unchanged; in backward, `scale` as the gradient of the scalar
+// `aux` (Megatron's MoEAuxLossAutoScaler): the balance loss joins the backward
+// wherever the layer's output is used, on any pipeline stage.
+struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out, const at::Tensor& aux,
+                            double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dtype"] = aux.scalar_type();
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor aux_grad = at::scalar_tensor(ctx->saved_data["scale"].toDouble(),
+                                                  at::TensorOptions().dtype(ctx->saved_data["dtype"].toScalarType()));
+    return {grads[0], aux_grad, at::Tensor()};
+  }
+};
+
+// The input unchanged; its gradient times `scale` (an expert's weights under
+// expert parallelism: the mean over the ep group's losses).
+struct ScaleGradient : torch::autograd::Function<ScaleGradient> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& w, double scale) {
+    ctx->saved_data["scale"] = scale;
+    return w;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0] * ctx->saved_data["scale"].toDouble(), at::Tensor()};
+  }
+};
+
+}  // namespace
 
 int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t top_k, int64_t experts) {
   if (capacity_factor <= 0) return -1;
@@ -37,19 +73,34 @@ MoEImpl::MoEImpl(const MoEOptions& o) : options(o) {
   const ep::ExpertSlice slice = ep::expert_slice(E, group ? group->size() : 1, group ? group->rank() : 0);
   first_expert_ = slice.first;
   router = register_parameter("router", init_full(o.seed(), o.name() + ".router", normal, {E, H}));
+  const bool apart = group && group->size() > 1;
   auto experts = [&](const std::string& name, std::vector<int64_t> shape) {  // this rank's slice along dim 0
-    return register_parameter(name, init_slice(o.seed(), o.name() + "." + name, normal, shape, 0, slice.first,
-                                               slice.count));
+    at::Tensor w = init_slice(o.seed(), o.name() + "." + name, normal, shape, 0, slice.first, slice.count);
+    if (!apart) return register_parameter(name, w);
+    apart_.emplace_back(name, w.requires_grad_());
+    return w;
   };
   w_in = experts(o.swiglu() ? "gate" : "fc1", {E, F, H});
   if (o.swiglu()) w_up = experts("up", {E, F, H});
   w_out = experts(o.swiglu() ? "down" : "fc2", {E, H, F});
 }
 
-at::Tensor MoEImpl::expert(int64_t e, const at::Tensor& tokens) const {
-  const at::Tensor inner = at::matmul(tokens, w_in[e].t());
-  const at::Tensor act = options.swiglu() ? at::silu(inner) * at::matmul(tokens, w_up[e].t()) : at::gelu(inner);
-  return at::matmul(act, w_out[e].t());
+void MoEImpl::to(torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(dtype, non_blocking);
+  for (auto& p : apart_) p.second.set_data(p.second.to(dtype, non_blocking));
+}
+
+void MoEImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(device, dtype, non_blocking);
+  for (auto& p : apart_) p.second.set_data(p.second.to(device, dtype, non_blocking));
+}
+
+// weights: w_in, w_up (undefined without SwiGLU), w_out.
+at::Tensor MoEImpl::expert(int64_t e, const at::Tensor& tokens, const std::vector<at::Tensor>& w) const {
+  const at::Tensor inner = at::matmul(tokens, w[0][e].t());
+  const at::Tensor act = options.swiglu() ? at::silu(inner) * at::matmul(tokens, w[1][e].t())
+                                          : at::gelu(inner, options.gelu_tanh() ? "tanh" : "none");
+  return at::matmul(act, w[2][e].t());
 }
 
 at::Tensor MoEImpl::forward(const at::Tensor& x) {
@@ -75,19 +126,50 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const at::Tensor out =
       at::zeros_like(tokens).index_add(0, token, results * route_weight.index_select(0, kept).unsqueeze(1));
   const at::Tensor counts = at::bincount(expert_id, {}, E);
-  // Switch Transformer's balance: f_e over all N k routes chosen (dropped or not), P_e the mean probability.
-  const at::Tensor f = at::bincount(route_expert, {}, E).to(stats) / static_cast<double>(N * k);
-  routing_ = {counts, N * k - kept.size(0), (f * probs.mean(0)).sum() * static_cast<double>(E)};
-  return out.view(x.sizes());
+  routing_ = {counts, N * k - kept.size(0), balance_loss(probs, route_expert)};
+  if (at::GradMode::is_enabled()) {  // a training forward (a recompute's first pass records none)
+    load_.tokens_per_expert = load_.tokens_per_expert.defined() ? load_.tokens_per_expert + counts : counts;
+    load_.dropped += routing_.dropped;
+  }
+  at::Tensor y = out.view(x.sizes());
+  if (options.aux_loss_coef() > 0 && at::GradMode::is_enabled() && routing_.aux_loss.requires_grad())
+    y = AttachAuxLoss::apply(y, routing_.aux_loss, options.aux_loss_coef() * aux_loss_scale);
+  return y;
+}
+
+// Switch Transformer's balance: f_e over all routes chosen (dropped or not),
+// P_e the mean probability; over the token group's tokens when there is one.
+at::Tensor MoEImpl::balance_loss(const at::Tensor& probs, const at::Tensor& route_expert) {
+  const int64_t E = options.experts(), N = probs.size(0);
+  at::Tensor counts = at::cat({at::bincount(route_expert, {}, E), at::full({1}, N, route_expert.options())})
+                          .to(at::kDouble);
+  const comm::CommPtr& group = options.token_group();
+  const int64_t members = group ? group->size() : 1;
+  if (members > 1) group->all_reduce(counts);
+  const double tokens = counts[E].item<double>();
+  const at::Tensor f = (counts.narrow(0, 0, E) / (tokens * options.top_k())).to(probs.scalar_type());
+  return (f * probs.sum(0) / tokens).sum() * static_cast<double>(E * members);
+}
+
+MoELoad MoEImpl::take_load() {
+  MoELoad out = load_;
+  if (!out.tokens_per_expert.defined()) out.tokens_per_expert = at::zeros({options.experts()}, at::kLong);
+  load_ = {};
+  return out;
 }
 
 at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const at::Tensor& expert_of_row) {
   at::Tensor out = at::zeros_like(rows);
+  std::vector<at::Tensor> weights{w_in, w_up, w_out};
+  const int ep = options.ep() ? options.ep()->size() : 1;
+  if (ep > 1 && at::GradMode::is_enabled())
+    for (at::Tensor& w : weights)
+      if (w.defined()) w = ScaleGradient::apply(w, 1.0 / ep);
   for (int64_t e = 0; e < w_in.size(0); ++e) {
     // Every expert runs, on no rows when none came, so each has a gradient
     // every step (DDP's buckets wait for every parameter).
     const at::Tensor picked = (expert_of_row == first_expert_ + e).nonzero().squeeze(1);
-    out.index_add_(0, picked, expert(e, rows.index_select(0, picked)));
+    out.index_add_(0, picked, expert(e, rows.index_select(0, picked), weights));
   }
   return out;
 }

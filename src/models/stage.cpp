@@ -1,6 +1,7 @@
 #include "meshtrain/models/stage.h"
 
 #include "meshtrain/models/checkpointing.h"
+#include "meshtrain/models/moe.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
@@ -33,7 +34,17 @@ void StageImpl::set_checkpointed(size_t i, bool on) {
                     " after zero::fully_shard: its parameter list now holds the shard, not the parameters its layers "
                     "compute with; mark pieces for checkpointing before sharding them");
   }
-  checkpointed_.at(i) = on ? c10::make_optional(pieces_.at(i).ptr()->parameters()) : c10::nullopt;
+  if (!on) {
+    checkpointed_.at(i) = c10::nullopt;
+    return;
+  }
+  // The recompute's gradients go to these: the parameters, and the experts a
+  // mixture of experts holds apart under expert parallelism.
+  std::vector<at::Tensor> params = pieces_.at(i).ptr()->parameters();
+  for (const auto& m : pieces_.at(i).ptr()->modules())
+    if (auto* moe = dynamic_cast<MoEImpl*>(m.get()))
+      for (const auto& w : moe->expert_parameters()) params.push_back(w.second);
+  checkpointed_.at(i) = std::move(params);
 }
 
 }  // namespace models

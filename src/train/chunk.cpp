@@ -374,5 +374,13 @@ std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainerOptions& options,
   return std::make_unique<WholeChunk>(options, make_optimizer, std::move(chunk), std::move(dp), stepped_elsewhere);
 }
 
+std::unique_ptr<ChunkTrainer> make_expert_chunk_trainer(const TrainerOptions& options,
+                                                        const Trainer::MakeOptimizer& make_optimizer,
+                                                        std::shared_ptr<torch::nn::Module> experts,
+                                                        comm::CommPtr replicas) {
+  std::set<const void*> stepped;
+  return std::make_unique<WholeChunk>(options, make_optimizer, std::move(experts), std::move(replicas), stepped);
+}
+
 }  // namespace train
 }  // namespace meshtrain

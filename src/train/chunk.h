@@ -84,5 +84,12 @@ std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainerOptions& options,
                                                  std::shared_ptr<torch::nn::Module> chunk, comm::CommPtr dp,
                                                  std::set<const void*>& stepped_elsewhere);
 
+// Expert parallelism's held-apart experts (train/experts.h): whole on each of
+// their replicas, DDP over `replicas` whatever the ZeRO stage.
+std::unique_ptr<ChunkTrainer> make_expert_chunk_trainer(const TrainerOptions& options,
+                                                        const Trainer::MakeOptimizer& make_optimizer,
+                                                        std::shared_ptr<torch::nn::Module> experts,
+                                                        comm::CommPtr replicas);
+
 }  // namespace train
 }  // namespace meshtrain

@@ -57,6 +57,13 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
              "the attention kernel: flash keeps one log-sum-exp per row instead of the T x T softmax (activations "
              "linear in T); auto: flash from " + std::to_string(models::kFlashFromSeqLen) + " positions (default auto)",
              [&m](const std::string&, const std::string& v) { m.attention = models::parse_attention_kernel(v); }},
+        store("--experts", "E", "mixture of experts: every block's MLP becomes E expert MLPs and a router "
+              "(default 0: dense)", m.experts),
+        store("--top-k", "K", "with --experts: experts each token is computed by (default 2)", m.top_k),
+        store("--capacity-factor", "CF", "with --experts: each expert computes at most CF x tokens x top-k / experts "
+              "routes, the rest dropped (default 0: dropless)", m.capacity_factor),
+        store("--aux-loss-coef", "C", "with --experts: the load-balancing loss's coefficient (default 0.01; 0: none)",
+              m.aux_loss_coef),
         store("--rope-theta", "R", "llama: rotary base (Llama 2: 10000, Llama 3: 500000)", m.rope_theta),
         store("--features", "F", "input features (mlp)", m.features),
         store("--classes", "C", "classes (mlp)", m.classes),
@@ -72,6 +79,8 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
         store("--tp", "T", "tensor-parallel degree (default 1)", c.tp),
         store("--cp", "C", "context-parallel degree: each sequence split over C ranks, ring attention (default 1)",
               c.cp),
+        store("--ep", "E", "expert-parallel degree: each MoE layer's experts split over E ranks of dp x cp "
+              "(default 1)", c.ep),
         store("--strategy", "ddp|dp", "data axis: DDP, or the article's master DP (default ddp)", c.strategy),
         store("--zero", "0|1|2|3", "ZeRO stage on the data axis (default 0: plain DDP)", c.zero),
         store("--schedule", "naive|gpipe|1f1b|interleaved", "pipeline schedule (default 1f1b)", c.schedule),
@@ -269,6 +278,26 @@ void check_context_parallel(const TrainConfig& c) {
                   "in ring order, an order one process does not have; use --cp 1 (dp and pp compose)");
 }
 
+// --experts and --ep: what mixtures of experts need of the other flags.
+void check_experts(const TrainConfig& c) {
+  MESHTRAIN_CHECK(c.ep >= 1, "--ep ", c.ep, " must be at least 1");
+  MESHTRAIN_CHECK(c.model.experts > 0 || c.ep == 1, "--ep ", c.ep, " splits the experts of mixture-of-experts "
+                  "layers; the model has none: add --experts E (a multiple of ", c.ep, ")");
+  if (c.model.experts == 0) return;
+  MESHTRAIN_CHECK(c.strategy == "ddp", "--experts with --strategy dp: the master DP is for dense models; use "
+                  "--strategy ddp");
+  if (c.ep == 1) return;
+  MESHTRAIN_CHECK(c.model.experts % c.ep == 0, "--ep ", c.ep, " does not divide --experts ", c.model.experts,
+                  " (each ep rank holds experts / ep of them); choose --ep dividing ", c.model.experts);
+  MESHTRAIN_CHECK((c.dp * c.cp) % c.ep == 0, "--ep ", c.ep, " groups ranks of dp x cp = ", c.dp * c.cp, ", which "
+                  "it does not divide; choose --ep dividing ", c.dp * c.cp, " (expert parallelism uses the "
+                  "data-parallel ranks, as Megatron and torchtitan do)");
+  MESHTRAIN_CHECK(!c.deterministic, "--deterministic with --ep ", c.ep, ": the experts' gradients are reduced over "
+                  "their replicas outside the grain tree; use --ep 1");
+  MESHTRAIN_CHECK(c.precision == "fp32", "--precision ", c.precision, " with --ep ", c.ep, " is not supported yet "
+                  "(the experts held apart keep float32); use --precision fp32 or --ep 1");
+}
+
 // The mesh degrees against the world size, and which strategies combine.
 void resolve_layout(TrainConfig& c, int world) {
   const std::string with_cp = c.cp > 1 ? str_cat(" x cp ", c.cp) : "";
@@ -283,6 +312,7 @@ void resolve_layout(TrainConfig& c, int world) {
                   " ranks does not match the world size ", world, "; run with --nproc-per-node ", ranks,
                   " or change the degrees");
   check_context_parallel(c);
+  check_experts(c);
   MESHTRAIN_CHECK(c.strategy == "ddp" || c.zero == 0, "--strategy dp (master DP) cannot be combined with --zero ",
                   c.zero, "; ZeRO partitions DDP's state: use --strategy ddp");
   MESHTRAIN_CHECK(!c.sequence_parallel || c.tp > 1, "--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel ranks)");
@@ -389,6 +419,8 @@ models::ModelConfig shape_from_weights(const TrainConfig& c) {
 
 // The model against the layout, and the data.
 void resolve_model(TrainConfig& c) {
+  MESHTRAIN_CHECK(c.model.experts == 0 || c.init_from.empty(), "--experts ", c.model.experts, " with --init-from ",
+                  c.init_from, ": the published weights it reads are dense (no MoE layers); drop one of the two");
   MESHTRAIN_CHECK(c.tie.empty() || models::is_language_model(c.model), "--", c.tie, " is for language models "
                   "(--model gpt, gpt2 or llama)");
   if (c.init_from.empty()) {
@@ -436,13 +468,17 @@ std::string to_json(const TrainConfig& c) {
         .boolean("tie_embeddings", m.tie_embeddings).num("norm_eps", m.norm_eps)
         .str("attention", models::attention_kernel_name(models::resolve_attention_kernel(m.attention, m.seq_len)));
     if (m.kind == "llama") model.num("rope_theta", m.rope_theta);
+    if (m.experts > 0) {
+      model.integer("experts", m.experts).integer("top_k", m.top_k).num("capacity_factor", m.capacity_factor)
+          .num("aux_loss_coef", m.aux_loss_coef).integer("active_parameters", models::active_parameter_count(m));
+    }
   } else {
     model.integer("features", c.model.features).integer("classes", c.model.classes);
   }
   model.integer("parameters", models::parameter_count(c.model));
   json::Object o;
   o.raw("model", model.str())
-      .integer("dp", c.dp).integer("pp", c.pp).integer("tp", c.tp).integer("cp", c.cp)
+      .integer("dp", c.dp).integer("pp", c.pp).integer("tp", c.tp).integer("cp", c.cp).integer("ep", c.ep)
       .str("strategy", c.strategy).integer("zero", c.zero)
       .str("schedule", c.schedule).integer("microbatches", c.microbatches).integer("virtual_stages", c.virtual_stages)
       .raw("stage_boundaries", json::numbers(std::vector<double>(c.stage_boundaries.begin(), c.stage_boundaries.end())))

@@ -43,6 +43,12 @@ class Engine {
   // The last step's pipeline timeline on this rank (empty without a pipeline).
   virtual std::vector<pp::TraceEvent> last_trace() const { return {}; }
   virtual int max_activations_in_flight() const { return 0; }
+  // Mixtures of experts: the routes each layer's experts computed since the
+  // last call (the training micro-batches), as this rank's share of
+  // [layers, experts + 1] (the last column: routes dropped for capacity), to
+  // be summed over the world: every tp rank computes the same routes, so tp
+  // rank 0 alone counts them. Undefined without experts.
+  virtual at::Tensor take_router_load() { return at::Tensor(); }
   // Checkpoints: this rank's share of the training state, and loading it back
   // (under any layout: see checkpoint.h).
   virtual RankState checkpoint_state() = 0;

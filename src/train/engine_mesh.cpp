@@ -69,6 +69,10 @@ class MeshEngine : public Engine {
     const mesh::Coord me = mesh_.coord();
     ctx_.tp = c.tp > 1 ? mesh_.tp() : nullptr;
     ctx_.cp = c.cp > 1 ? mesh_.cp() : nullptr;
+    if (c.ep > 1) {  // consecutive ranks of dp x cp (train/experts.h)
+      const comm::CommPtr& replicas = mesh_.dp_cp();
+      ctx_.ep = replicas->split(replicas->rank() / c.ep, replicas->rank(), "ep");
+    }
     ctx_.sequence_parallel = c.sequence_parallel;
     const int S = c.pp * c.virtual_stages;
     const std::vector<int64_t> bounds =
@@ -123,6 +127,22 @@ class MeshEngine : public Engine {
   void reset_traffic() override { trainer_->reset_traffic(); }
   std::vector<pp::TraceEvent> last_trace() const override { return trainer_->last_trace(); }
   int max_activations_in_flight() const override { return trainer_->max_activations_in_flight(); }
+  at::Tensor take_router_load() override {
+    if (c_.model.experts == 0) return at::Tensor();
+    at::Tensor load = at::zeros({c_.model.layers, c_.model.experts + 1}, at::kDouble);
+    for (const auto& stage : stages_) {
+      for (const auto& m : stage.second->named_modules()) {
+        auto* moe = dynamic_cast<models::MoEImpl*>(m.value().get());
+        if (!moe) continue;
+        const models::MoELoad l = moe->take_load();  // "blocks.<layer>.moe"
+        if (mesh_.coord().tp != 0) continue;
+        const int64_t layer = std::stoll(m.key().substr(m.key().find('.') + 1));
+        load[layer].narrow(0, 0, c_.model.experts).add_(l.tokens_per_expert.to(at::kDouble));
+        load[layer][c_.model.experts] += static_cast<double>(l.dropped);
+      }
+    }
+    return load;
+  }
   RankState checkpoint_state() override { return trainer_->checkpoint_state(); }
   void load_checkpoint(CheckpointReader& reader) override { trainer_->load_checkpoint(reader); }
 

@@ -126,5 +126,25 @@ void write_svg_plot(const std::string& path, const std::vector<double>& values, 
   doc.write(path, "the loss plot");
 }
 
+// The busiest expert's routes over the mean, the largest over the layers: 1
+// is perfect balance, `experts / top_k` every token on the same experts.
+double router_imbalance(const at::Tensor& load) {
+  const at::Tensor routes = load.narrow(1, 0, load.size(1) - 1);
+  const at::Tensor per_layer = std::get<0>(routes.max(1)) / routes.mean(1).clamp_min(1e-12);
+  return per_layer.max().item<double>();
+}
+
+std::string router_load_json(const at::Tensor& load) {
+  std::vector<std::string> layers;
+  for (int64_t l = 0; l < load.size(0); ++l) {
+    std::vector<std::string> counts;
+    for (int64_t e = 0; e + 1 < load.size(1); ++e) counts.push_back(std::to_string(load[l][e].item<int64_t>()));
+    layers.push_back(json::array(counts));
+  }
+  return json::array(layers);
+}
+
+int64_t routes_dropped(const at::Tensor& load) { return load.select(1, -1).sum().item<int64_t>(); }
+
 }  // namespace train
 }  // namespace meshtrain

@@ -7,10 +7,12 @@
 #include <set>
 
 #include "chunk.h"
+#include "experts.h"
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/comm/tree_order.h"
 #include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/dp/grain_tree.h"
+#include "meshtrain/models/moe.h"
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
@@ -174,6 +176,10 @@ struct Trainer::State {
   std::function<at::Tensor(const at::Tensor&)> forward;  // without a pipeline
   std::vector<std::unique_ptr<ChunkTrainer>> chunks;
   std::vector<comm::CommPtr> chunk_dps;  // ZeRO-3: each chunk's communicator over the dp ranks
+  // Expert parallelism: the layers' ep group, the ranks holding the same
+  // experts, and the chunk training them (the last; -1: none).
+  comm::CommPtr ep, expert_replicas;
+  int expert_chunk = -1;
   mutable std::map<std::string, comm::Traffic> evaluation_traffic;  // since reset_traffic, by axis
 
   // The wrappers along dp, one per chunk: the module the pipeline pauses
@@ -184,8 +190,40 @@ struct Trainer::State {
     check_keep_gathered(units);  // collective over pp: before any refusal one rank alone could raise
     refuse_shared_across_chunks(units);
     std::set<const void*> stepped;
-    for (size_t k = 0; k < units.size(); ++k)
+    for (size_t k = 0; k < units.size(); ++k) {
+      scale_balance_losses(*units[k]);
       chunks.push_back(make_chunk_trainer(options, make_optimizer, units[k], chunk_dp(k), stepped));
+    }
+    wrap_experts(units);
+  }
+
+  // Expert parallelism: the experts the MoE layers hold apart train as one
+  // more chunk, over the ranks of dp x cp holding the same experts (train/experts.h).
+  void wrap_experts(const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
+    const HeldApartExperts held = held_apart_experts(units);
+    if (!held.module) return;
+    const comm::CommPtr& replicas = mesh.dp_cp();
+    MESHTRAIN_CHECK(replicas->size() % held.ep->size() == 0, "train::Trainer: the experts are spread over ep ",
+                    held.ep->size(), ", which does not divide dp x cp = ", replicas->size(), "; the ep group must be "
+                    "consecutive ranks of dp x cp (an --ep dividing dp x cp)");
+    MESHTRAIN_CHECK(!options.deterministic() && !options.param_dtype(), "train::Trainer: expert parallelism with ",
+                    options.deterministic() ? "deterministic mode" : "param_dtype (mixed precision)", " is not "
+                    "supported; train the experts in float32 and without deterministic mode, or with ep 1");
+    ep = held.ep;
+    expert_replicas = replicas->split(ep->rank(), replicas->rank(), "expert-replicas");
+    expert_chunk = static_cast<int>(chunks.size());
+    chunks.push_back(make_expert_chunk_trainer(options, make_optimizer, held.module, expert_replicas));
+  }
+  bool is_expert_chunk(const ChunkTrainer& chunk) const {
+    return expert_chunk >= 0 && &chunk == chunks[expert_chunk].get();
+  }
+
+  // Mixtures of experts that attach their balance loss to the backward
+  // (models::MoEOptions::aux_loss_coef) scale it as each micro-batch's loss is
+  // scaled: by 1 / micro-batches.
+  void scale_balance_losses(torch::nn::Module& unit) const {
+    for (const auto& m : unit.modules())
+      if (auto* moe = dynamic_cast<models::MoEImpl*>(m.get())) moe->aux_loss_scale = 1.0 / static_cast<double>(microbatches);
   }
 
   // ZeRO-3 shards each chunk apart: a parameter two of this rank's chunks
@@ -296,6 +334,7 @@ struct Trainer::State {
   }
 
   ShardPlace place(const ChunkTrainer& chunk) const {
+    if (is_expert_chunk(chunk)) return expert_place(*chunk.module(), *ep, *expert_replicas);
     ShardPlace p;
     p.tp_dims = tp::shard_dims(*chunk.module());
     p.tp_index = mesh.coord().tp;
@@ -352,8 +391,10 @@ struct Trainer::State {
   std::map<std::string, comm::Traffic> raw_traffic() const {
     comm::Traffic dp = mesh.dp_cp()->traffic();
     for (const auto& c : chunk_dps) dp = dp + c->traffic();
+    if (expert_replicas) dp = dp + expert_replicas->traffic();  // the experts' gradients
     std::map<std::string, comm::Traffic> out{{"dp", dp}, {"pp", mesh.pp()->traffic()}, {"tp", mesh.tp()->traffic()}};
     if (mesh.cp()->size() > 1) out["cp"] = mesh.cp()->traffic();
+    if (ep) out["ep"] = ep->traffic();  // dispatch and combine
     return out;
   }
 
@@ -368,6 +409,8 @@ struct Trainer::State {
     std::vector<GradPart> parts;
     for (auto& chunk : chunks) {
       std::vector<GradPart> mine = chunk->gradient_parts(place(*chunk));
+      if (is_expert_chunk(*chunk) && mesh.coord().tp != 0)  // every tp rank holds the same experts
+        for (GradPart& part : mine) part.counted = false;
       parts.insert(parts.end(), mine.begin(), mine.end());
     }
     return parts;
@@ -478,8 +521,9 @@ std::map<std::string, at::Tensor> Trainer::full_parameters() {
   const bool dp_root = s_->mesh.dp_cp()->rank() == 0;  // the first of the ranks holding these parameters
   for (auto& chunk : s_->chunks) {
     std::map<std::string, at::Tensor> part = chunk->parameters_on_dp_root();
-    // Full tensors from the tp shards (a collective within this dp-root's tp group).
-    if (s_->mesh.tp()->size() > 1 && dp_root)
+    if (s_->is_expert_chunk(*chunk)) {  // the first replica of each ep rank: one ep group
+      if (!part.empty()) part = gather_experts(part, *s_->ep);
+    } else if (s_->mesh.tp()->size() > 1 && dp_root)  // full tensors from the tp shards (a collective within this dp-root's tp group)
       part = tp::unshard(part, tp::shard_dims(*chunk->module()), *s_->mesh.tp());
     for (auto& p : part) mine[p.first] = p.second;
   }
@@ -527,6 +571,8 @@ void Trainer::reset_traffic() {
     s_->mesh.axis(axis)->reset_traffic();
   s_->mesh.dp_cp()->reset_traffic();
   for (auto& c : s_->chunk_dps) c->reset_traffic();
+  if (s_->ep) s_->ep->reset_traffic();
+  if (s_->expert_replicas) s_->expert_replicas->reset_traffic();
 }
 
 std::vector<pp::TraceEvent> Trainer::last_trace() const {

@@ -91,6 +91,22 @@ std::string rank_json(const TrainingFigures& f, int rank, int64_t steps_run) {
       .str();
 }
 
+// --experts: each step's routes per layer and expert, their imbalance and drops.
+std::string experts_json(const TrainResult& result) {
+  std::vector<std::string> loads;
+  std::vector<double> imbalance, dropped;
+  for (const at::Tensor& load : result.router_load) {
+    loads.push_back(router_load_json(load));
+    imbalance.push_back(router_imbalance(load));
+    dropped.push_back(static_cast<double>(routes_dropped(load)));
+  }
+  return json::Object()
+      .raw("router_load", json::array(loads))
+      .raw("router_imbalance", json::numbers(imbalance))
+      .raw("moe_dropped", json::numbers(dropped))
+      .str();
+}
+
 std::string run_json(const TrainConfig& c, const TrainResult& result, int world_size, const std::string& checkpoint_json,
                      const std::string& pipeline_json, const std::vector<std::string>& ranks) {
   const double step_time = mean_after_first(result.step_times);
@@ -110,6 +126,7 @@ std::string run_json(const TrainConfig& c, const TrainResult& result, int world_
       .num("tokens_per_s", models::is_language_model(c.model) ? samples * c.model.seq_len : 0.0)
       .num("accuracy", result.accuracy)
       .raw("pipeline", pipeline_json.empty() ? "null" : pipeline_json)
+      .raw("experts", result.router_load.empty() ? "null" : experts_json(result))
       .integer("first_step", result.first_step)
       .raw("checkpoint", checkpoint_json)
       .str("weights_sha256", result.weights_sha256)

@@ -48,6 +48,7 @@ struct StepFigures {
   int64_t step = 0;  // 0-based
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
   double mfu = 0;  // model FLOPs / the ranks' measured matrix-product speed
+  at::Tensor router_load;  // mixtures of experts: [layers, experts + 1] routes (dropped last), the whole step's
 };
 
 double tokens_per_sample(const TrainConfig& c) {
@@ -58,12 +59,16 @@ double tokens_per_sample(const TrainConfig& c) {
 void print_progress(const TrainConfig& c, const StepFigures& f, double elapsed, int64_t done) {
   const double samples = c.global_batch / f.seconds;
   const double eta = elapsed / std::max<int64_t>(1, done) * (c.steps - f.step - 1);
+  char experts[96] = "";
+  if (f.router_load.defined())
+    std::snprintf(experts, sizeof experts, " | experts max/mean %.2f%s", router_imbalance(f.router_load),
+                  c.model.capacity_factor > 0 ? str_cat(", dropped ", routes_dropped(f.router_load)).c_str() : "");
   std::printf("step %4lld/%d | loss %8.4f | lr %.2e | grad norm %8.4f%s | %9.1f samples/s | %10.0f tokens/s | "
-              "MFU %5.1f%% | %7.3f s/step | rss %5.0f MiB | %s elapsed, ETA %s\n",
+              "MFU %5.1f%% | %7.3f s/step | rss %5.0f MiB%s | %s elapsed, ETA %s\n",
               static_cast<long long>(f.step + 1), c.steps, f.loss, f.lr, f.grad_norm,
               c.clip_grad_norm > 0 && f.grad_norm > c.clip_grad_norm ? " (clipped)" : "", samples,
               models::is_language_model(c.model) ? samples * c.model.seq_len : 0.0, 100 * f.mfu, f.seconds,
-              current_rss_bytes() / 1048576.0, duration_text(elapsed).c_str(), duration_text(eta).c_str());
+              current_rss_bytes() / 1048576.0, experts, duration_text(elapsed).c_str(), duration_text(eta).c_str());
   std::fflush(stdout);
 }
 
@@ -82,12 +87,16 @@ class StepLog {
   }
   void write(const StepFigures& f) {
     if (!file_) return;
-    const std::string line = json::Object()
-                                 .integer("step", f.step + 1).num("loss", f.loss).num("lr", f.lr)
-                                 .num("grad_norm", f.grad_norm).num("seconds", f.seconds)
-                                 .num("tokens_per_s", c_.global_batch * tokens_per_sample(c_) / f.seconds)
-                                 .num("mfu", f.mfu).str();
-    std::fprintf(file_, "%s\n", line.c_str());
+    json::Object line;
+    line.integer("step", f.step + 1).num("loss", f.loss).num("lr", f.lr)
+        .num("grad_norm", f.grad_norm).num("seconds", f.seconds)
+        .num("tokens_per_s", c_.global_batch * tokens_per_sample(c_) / f.seconds)
+        .num("mfu", f.mfu);
+    if (f.router_load.defined()) {
+      line.raw("router_load", router_load_json(f.router_load)).num("router_imbalance", router_imbalance(f.router_load))
+          .integer("moe_dropped", routes_dropped(f.router_load));
+    }
+    std::fprintf(file_, "%s\n", line.str().c_str());
     std::fflush(file_);
   }
   StepLog(const StepLog&) = delete;
@@ -188,6 +197,11 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     if (killed_in_this_step) wait_for_test_kill();
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     metrics->all_reduce(loss);  // the sum of the ranks' contributions is the global-batch loss
+    at::Tensor router_load = engine->take_router_load();
+    if (router_load.defined()) {
+      metrics->all_reduce(router_load);  // each rank's tokens through its layers
+      result.router_load.push_back(router_load);
+    }
     result.losses.push_back(loss.item<double>());
     result.step_times.push_back(seconds);
     result.grad_norms.push_back(engine->last_grad_norm());
@@ -195,7 +209,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                     result.grad_norms.back(), " (a gradient is not finite); lower --lr or clip with --clip-grad-norm");
     if (chief && options.verbose && step == resumed.first_step && step > 0) report_restart_time();
     const StepFigures figures{step, result.losses.back(), result.grad_norms.back(), lr, seconds,
-                              flops_per_step / seconds / world_flops};
+                              flops_per_step / seconds / world_flops, router_load};
     step_log.write(figures);
     result.learning_rates.push_back(lr);
     result.mfu.push_back(figures.mfu);

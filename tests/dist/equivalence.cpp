@@ -129,7 +129,7 @@ void expect_same_training(const TrainOutput& got, const TrainOutput& want, const
 }
 
 void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& given,
-                                    const RankOptions& options) {
+                                    const RankOptions& options, int64_t reference_micro_batch) {
   Tolerance tol = given;
   if (config.optimizer != "sgd") tol.weight_atol = std::max(tol.weight_atol, adam_weight_floor(config));
   train::RunOptions quiet;
@@ -156,7 +156,8 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
   single.cp = 1;
   single.zero = 0;
   single.strategy = "ddp";
-  single.micro_batch = 0;
+  single.micro_batch = reference_micro_batch;
+  single.ep = 1;
   single.sequence_parallel = false;
   single.microbatches = 0;
   single.virtual_stages = 1;

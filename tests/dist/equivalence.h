@@ -53,8 +53,12 @@ struct Tolerance {
 // The weight tolerance Adam's eps amplification needs (see Tolerance).
 double adam_weight_floor(const train::TrainConfig& config);
 
+// The one-process reference runs the global batch as one micro-batch, or as
+// micro-batches of `reference_micro_batch` samples (gradient accumulation):
+// what a mixture of experts' balance loss, a function of each micro-batch's
+// routing, needs to see the same token sets as the layout's ranks.
 void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol = {},
-                                    const RankOptions& options = RankOptions());
+                                    const RankOptions& options = RankOptions(), int64_t reference_micro_batch = 0);
 
 // What rank 0 of a run_training reported, handed back to the test process.
 struct TrainOutput {

@@ -2,9 +2,10 @@
 // 2, 3 and 4 ranks, each rank with its own tokens (a different number on
 // each): every rank's output, its routing, its input's and router's
 // gradients equal one process's MoE on the same tokens with every expert,
-// and each rank's expert gradients equal its slice of the sum over ranks of
+// and each rank's expert gradients equal its slice of the mean over ranks of
 // the one-process gradients (the routes its experts computed came from every
-// rank). fp64, so anything beyond reassociation shows.
+// rank; the mean, as a data-parallel gradient). The experts are held apart
+// from the module's parameters. fp64, so anything beyond reassociation shows.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -48,8 +49,11 @@ void expert_parallel_matches_one_process(Communicator& plain, double capacity_fa
   for (auto [got_w, want_w] : {std::pair{mine->w_in, whole->w_in}, {mine->w_up, whole->w_up}, {mine->w_out, whole->w_out}}) {
     torch::Tensor sum = want_w.grad().clone();
     comm->all_reduce(sum);
-    EXPECT_LE(max_error(got_w.grad(), sum.narrow(0, slice.first, slice.count)), 1e-12) << where << ": expert gradient";
+    EXPECT_LE(max_error(got_w.grad(), sum.narrow(0, slice.first, slice.count) / n), 1e-12) << where << ": expert gradient";
   }
+  EXPECT_EQ(mine->expert_parameters().size(), 3u) << where;  // gate, up, down: held apart, converted by to()
+  EXPECT_EQ(mine->parameters().size(), 1u) << where;         // the router
+  EXPECT_EQ(mine->w_in.scalar_type(), torch::kDouble) << where;
 }
 
 TEST(ExpertParallel, EveryRankLikeOneProcessWithItsSliceOfExperts) {

@@ -135,6 +135,34 @@ TEST(MoE, BalanceLossIsOneWhenUniformAndExpertsOverTopKWhenCollapsed) {
   EXPECT_THROW(MoE(MoEOptions(4, 8, 2, 3)), std::invalid_argument);  // top-3 of 2 experts
 }
 
+// aux_loss_coef attaches the balance loss to the output's backward: the
+// gradients equal those of (output . dout) + coef x scale x aux_loss(), the
+// output is unchanged, and a forward without a graph records no load.
+TEST(MoE, BalanceLossJoinsTheBackwardWithItsCoefficientAndScale) {
+  at::manual_seed(3);
+  const at::Tensor x = at::randn({2, 9, 8}, at::kDouble), dout = at::randn({2, 9, 8}, at::kDouble);
+  MoE manual(MoEOptions(8, 12, 4, 2)), attached(MoEOptions(8, 12, 4, 2).aux_loss_coef(0.3));
+  manual->to(at::kDouble);
+  attached->to(at::kDouble);
+  attached->aux_loss_scale = 0.25;  // what train::Trainer sets for 4 micro-batches
+  const at::Tensor want = manual->forward(x), got = attached->forward(x);
+  EXPECT_TRUE(at::equal(got, want));
+  ((want * dout).sum() + 0.3 * 0.25 * manual->aux_loss()).backward();
+  (got * dout).sum().backward();
+  for (const auto& p : manual->named_parameters()) {
+    const at::Tensor g = attached->named_parameters()[p.key()].grad();
+    EXPECT_LE((g - p.value().grad()).abs().max().item<double>(), 1e-12) << p.key();
+  }
+  EXPECT_GT(attached->router.grad().abs().sum().item<double>(), 0);
+  MoELoad load = attached->take_load();
+  EXPECT_EQ(load.tokens_per_expert.sum().item<int64_t>(), 2 * 9 * 2);  // N k routes, dropless
+  {
+    at::NoGradGuard no_grad;  // evaluation, or a recompute's first pass
+    attached->forward(x);
+  }
+  EXPECT_EQ(attached->take_load().tokens_per_expert.sum().item<int64_t>(), 0);
+}
+
 }  // namespace
 }  // namespace models
 }  // namespace meshtrain

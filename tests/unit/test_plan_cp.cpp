@@ -126,4 +126,25 @@ TEST(TrainCp, FlagsAreCheckedBeforeAnyCommunication) {
   EXPECT_NE(error("--cp 0", 1).find("cp 0)"), std::string::npos) << error("--cp 0", 1);
 }
 
+// --experts and --ep: refused before any communication, naming the value and the fix.
+TEST(TrainExperts, FlagsAreCheckedBeforeAnyCommunication) {
+  auto error = [](const std::string& args, int world) {
+    return config_error_of([&] { train::resolve(train::parse_train_args(split_args(args)), world); });
+  };
+  const train::TrainConfig c = train::resolve(train::parse_train_args(split_args("--experts 8 --top-k 2 --ep 4")), 4);
+  EXPECT_EQ(c.ep, 4);
+  EXPECT_EQ(c.dp, 4);  // ep uses the data-parallel ranks
+  EXPECT_NE(error("--ep 2", 2).find("add --experts"), std::string::npos);
+  EXPECT_NE(error("--experts 6 --ep 4", 4).find("--ep 4 does not divide --experts 6"), std::string::npos);
+  EXPECT_NE(error("--experts 8 --ep 4 --pp 2", 4).find("dp x cp = 2"), std::string::npos);
+  EXPECT_NE(error("--experts 4 --top-k 5", 1).find("--top-k 5"), std::string::npos);
+  EXPECT_NE(error("--experts 4 --capacity-factor -1", 1).find("--capacity-factor -1"), std::string::npos);
+  EXPECT_NE(error("--experts 4 --model mlp", 1).find("--model mlp"), std::string::npos);
+  EXPECT_NE(error("--experts 4 --strategy dp", 2).find("--strategy dp"), std::string::npos);
+  EXPECT_NE(error("--experts 4 --tp 2 --sequence-parallel", 2).find("--sequence-parallel"), std::string::npos);
+  EXPECT_NE(error("--experts 4 --ep 2 --precision bf16-mixed", 2).find("bf16-mixed"), std::string::npos);
+  EXPECT_NE(error("--experts 4 --ep 2 --deterministic --grains 8", 2).find("--deterministic with --ep 2"),
+            std::string::npos);
+}
+
 }  // namespace

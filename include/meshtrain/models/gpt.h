@@ -17,6 +17,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/models/attention.h"
 #include "meshtrain/models/layers.h"
+#include "meshtrain/models/moe.h"
 #include "meshtrain/util/init.h"
 
 namespace meshtrain {
@@ -57,6 +58,8 @@ using GptEmbedding = TokenEmbedding;
 
 struct GptBlockImpl : torch::nn::Module, CachedBlock {
   GptBlockImpl(const ModelConfig& c, int64_t index);
+  // With the mesh's groups: cp (attention, the MoE's token group) and ep (the MoE's experts).
+  GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
   int64_t head_dim;
@@ -65,6 +68,7 @@ struct GptBlockImpl : torch::nn::Module, CachedBlock {
   comm::CommPtr cp;  // context parallelism: attention is cp::ring_attention over it (BuildContext::cp)
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+  MoE moe{nullptr};  // ModelConfig::experts > 0: the MLP (fc1 and fc2 are then null)
 
  private:
   at::Tensor attention(const at::Tensor& x, KVCache* cache);

@@ -17,6 +17,8 @@ namespace models {
 
 struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   LlamaBlockImpl(const ModelConfig& c, int64_t index);
+  // With the mesh's groups: cp (attention, the MoE's token group) and ep (the MoE's experts).
+  LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
   int64_t head_dim;
@@ -24,6 +26,7 @@ struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   comm::CommPtr cp;  // context parallelism: rotary at the chunks' positions, cp::ring_attention (BuildContext::cp)
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, gate{nullptr}, up{nullptr}, down{nullptr};
+  MoE moe{nullptr};  // ModelConfig::experts > 0: the MLP (gate, up and down are then null)
 
  private:
   at::Tensor attention(const at::Tensor& x, KVCache* cache);

@@ -54,6 +54,14 @@ struct ModelConfig {
   // The attention kernel (attention.h): how the scores are computed, not
   // what; every kernel gives the same result up to float reassociation.
   AttentionKernel attention = AttentionKernel::kAuto;
+  // Mixture of experts (moe.h): experts > 0 makes every block's MLP a
+  // models::MoE of `experts` MLPs of ffn_hidden each (GPT: GELU, Llama:
+  // SwiGLU), each token computed by its top_k; capacity_factor 0: dropless;
+  // aux_loss_coef: Switch Transformer's balance loss coefficient.
+  int64_t experts = 0;
+  int64_t top_k = 2;
+  double capacity_factor = 0;
+  double aux_loss_coef = 0.01;
   // MLP: `layers` linear layers in -> hidden -> ... -> classes
   int64_t features = 32;
   int64_t classes = 8;
@@ -68,6 +76,9 @@ struct BuildContext {
   // two chunks of each sequence (cp::shard_sequence); positions follow the
   // chunks and attention is cp::ring_attention over the group.
   comm::CommPtr cp;
+  // Expert parallelism (null or size 1: none): each rank of the group holds
+  // experts / ep of every MoE layer's experts (models::MoEOptions::ep).
+  comm::CommPtr ep;
   // The GPT head's stage lacks the embedding it is tied to, which another
   // rank holds: the head gets a copy ("head.out.weight") that pp::Pipeline
   // keeps in step (Note [Tied embeddings across pipeline stages]).
@@ -102,12 +113,20 @@ at::Tensor predicted_logits(const ModelConfig& config, const at::Tensor& logits,
 // parallelism the norms (LayerNorm, RMSNorm) kSequenceParallel. MLP: layers 2k
 // kColwise, 2k + 1 kRowwise (an odd last layer stays whole).
 std::map<std::string, tp::Style> tp_plan(const ModelConfig& config, torch::nn::Module& stage, bool sequence_parallel);
-// Parameter count of the whole (unsharded) model.
+// Parameter count of the whole (unsharded) model (every expert's).
 int64_t parameter_count(const ModelConfig& config);
+// The parameters one token computes with: the count less the experts a token
+// skips (experts - top_k of every MoE layer's); parameter_count without experts.
+int64_t active_parameter_count(const ModelConfig& config);
 // Model FLOPs of one training step per token (per sample for the MLP):
-// forward and backward of every weight, 6 N (N without position tables),
+// forward and backward of every weight a token uses, 6 N (N active, without
+// position tables),
 // plus attention's 12 L H Q T (PaLM's appendix B; nanoGPT's estimate_mfu).
 double training_flops_per_token(const ModelConfig& config);
+// The MoE of block `index` when config.experts > 0 (its parameters
+// "blocks.<index>.moe.*"): GPT's experts GELU (GPT-2's tanh GELU), Llama's
+// SwiGLU; experts over ctx.ep, the balance statistics over ctx.cp.
+MoEOptions block_moe_options(const ModelConfig& config, int64_t index, const BuildContext& ctx);
 // Whether the model reads token ids and predicts the next token (gpt, gpt2, llama).
 bool is_language_model(const ModelConfig& config);
 // Rows of the token embedding (and of a tied head): gpt2 pads the vocabulary to

@@ -17,7 +17,19 @@
 // expert e and P_e the router's mean probability of e; 1 when the routing is
 // uniform, up to E when every token picks the same experts. Add coefficient x
 // aux_loss() to the training loss (its gradient reaches the router through
-// P_e).
+// P_e), or set aux_loss_coef: the forward then attaches coef x aux_loss() to
+// its output's backward (Megatron's MoEAuxLossAutoScaler), so the balance
+// loss reaches the router on whichever pipeline stage the layer runs, with no
+// change to the loss; aux_loss_scale (train::Trainer sets 1 / micro-batches,
+// the scale of each micro-batch's loss) multiplies it.
+//
+// The statistics cover the tokens of one forward; with a token_group (the
+// ranks that hold other positions of the same sequences: context
+// parallelism) they cover the group's tokens: f_e from the group's routes
+// (one all_reduce of E + 1 numbers per forward), P_e from this rank's
+// probabilities over the group's token count, and aux_loss() is group size x
+// this rank's share, so that its mean over the group (the average the
+// data-parallel gradients take) is the balance loss of the whole sequences.
 //
 // The experts' weights are stacked along a leading expert dimension
 // ([E, F, H] and [E, H, F]); element values come from (seed, name, index) as
@@ -28,14 +40,21 @@
 // routes it received, and sends the results back (combine), where they are
 // weighted and added at their tokens; backward runs the same in reverse.
 // The experts' gradients are those of the routes they computed, from every
-// rank's tokens; reduce them over the ranks that hold the same experts (the
-// dp replicas), not over ep.
+// rank's tokens, divided by ep: the mean over the ep group's losses, as a
+// data-parallel gradient is; average them over the ranks that hold the same
+// experts (the dp replicas), never over ep. So that no data-parallel wrapper
+// averages them over the wrong ranks, under ep > 1 the experts' weights are
+// held apart from the module's parameters (expert_parameters(); to() and
+// activation checkpointing include them); train::Trainer steps them over
+// their replicas.
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "meshtrain/comm/communicator.h"
 
@@ -51,14 +70,25 @@ struct MoEOptions {
   TORCH_ARG(int64_t, top_k);
   TORCH_ARG(double, capacity_factor) = 0;  // 0: dropless
   TORCH_ARG(bool, swiglu) = true;          // false: GELU experts (fc1, fc2 with biases off)
+  TORCH_ARG(bool, gelu_tanh) = false;      // GELU experts: the tanh approximation (GPT-2's)
+  // > 0: coef x aux_loss() joins the output's backward (see above); 0: add it yourself.
+  TORCH_ARG(double, aux_loss_coef) = 0;
   TORCH_ARG(uint64_t, seed) = 1234;
   TORCH_ARG(std::string, name) = "moe";    // prefix of the parameters' init names
   // Expert parallelism: this rank holds experts / ep.size() of them
   // (ep::expert_slice), the router is replicated; null: every expert here.
   TORCH_ARG(comm::CommPtr, ep) = nullptr;
+  // Context parallelism: the balance statistics over the group's tokens (see above).
+  TORCH_ARG(comm::CommPtr, token_group) = nullptr;
 };
 
-// What the last forward routed.
+// What forwards routed: the last one (routing()), or every forward that
+// recorded a graph since the last take_load() (the training micro-batches,
+// each once even when recomputed: the recompute's first pass runs without one).
+struct MoELoad {
+  at::Tensor tokens_per_expert;  // [E] int64
+  int64_t dropped = 0;
+};
 struct MoERouting {
   at::Tensor tokens_per_expert;  // [E] int64: routes each expert computed
   int64_t dropped = 0;           // routes dropped for capacity
@@ -71,6 +101,16 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   const MoERouting& routing() const { return routing_; }
   at::Tensor aux_loss() const { return routing_.aux_loss; }
+  MoELoad take_load();
+  // Under expert parallelism (ep > 1): this rank's expert weights, held apart
+  // from parameters() (see above), by name ("gate", "up", "down" or "fc1",
+  // "fc2"); empty otherwise (they are parameters then).
+  const std::vector<std::pair<std::string, at::Tensor>>& expert_parameters() const { return apart_; }
+  using torch::nn::Module::to;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  // The backward's multiplier of aux_loss_coef x aux_loss() (train::Trainer: 1 / micro-batches).
+  double aux_loss_scale = 1.0;
 
   MoEOptions options;
   at::Tensor router;  // [E, H]
@@ -79,13 +119,16 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor w_out;   // [E, H, F] down or fc2
 
  private:
-  at::Tensor expert(int64_t e, const at::Tensor& tokens) const;
+  at::Tensor expert(int64_t e, const at::Tensor& tokens, const std::vector<at::Tensor>& weights) const;
   // Each row through its expert (unweighted): rows [M, H] with expert ids in
   // this rank's slice; the parallel one sends them to the experts' ranks and back.
   at::Tensor run_experts(const at::Tensor& rows, const at::Tensor& expert_of_row);
   at::Tensor run_experts_parallel(const at::Tensor& rows, const at::Tensor& expert_of_row);
+  at::Tensor balance_loss(const at::Tensor& probs, const at::Tensor& route_expert);
   int64_t first_expert_ = 0;  // of this rank's slice
   MoERouting routing_;
+  MoELoad load_;
+  std::vector<std::pair<std::string, at::Tensor>> apart_;
 };
 TORCH_MODULE(MoE);
 

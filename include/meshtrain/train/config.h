@@ -31,6 +31,9 @@ struct TrainConfig {
   // Layout: degrees of the mesh axes (0 = derive dp from the world size).
   // cp: context parallelism, each sequence split over cp ranks (ring attention).
   int dp = 0, pp = 1, tp = 1, cp = 1;
+  // Expert parallelism (--experts): each MoE layer's experts split over ep
+  // ranks of dp x cp (consecutive ones), tokens sent to them by all-to-all.
+  int ep = 1;
   std::string strategy = "ddp";  // data axis: ddp | dp (the article's master DP)
   int zero = 0;                  // ZeRO stage on the data axis (0 = plain DDP)
   std::string schedule = "1f1b"; // pipeline: naive | gpipe | 1f1b | interleaved

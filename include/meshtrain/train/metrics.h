@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 #include "meshtrain/comm/traffic.h"
 
 namespace meshtrain {
@@ -27,6 +29,14 @@ double measure_matmul_flops();
 std::string state_bytes_json(const StateBytes& s);
 // Traffic per step: the counters divided by the number of steps.
 std::string traffic_json(const comm::Traffic& total, int steps);
+// Mixtures of experts: a step's routes per layer and expert, [layers,
+// experts + 1] (the last column: routes dropped for capacity).
+// The busiest expert's routes over the mean, the largest over the layers: 1
+// is perfect balance, experts / top_k every token on the same experts.
+double router_imbalance(const at::Tensor& load);
+// The routes of each layer's experts as JSON: [[e0, e1, ...], ...].
+std::string router_load_json(const at::Tensor& load);
+int64_t routes_dropped(const at::Tensor& load);
 // A small plot of the values for a terminal.
 std::string ascii_plot(const std::vector<double>& values, int width = 60, int height = 10);
 // The loss curve as an SVG file.

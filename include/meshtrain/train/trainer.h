@@ -30,6 +30,9 @@ struct TrainResult {
   std::vector<double> grad_norms;  // global gradient norm of each step, before clipping
   std::vector<double> learning_rates;  // of each step (the schedule's)
   std::vector<double> mfu;         // model FLOPs utilisation of each step (trainer.cpp)
+  // --experts: each step's routes per layer and expert over the global batch,
+  // [layers, experts + 1] (the last column: routes dropped for capacity).
+  std::vector<at::Tensor> router_load;
   // --eval-every: the held-out batch's loss after steps eval_steps (1-based), every rank.
   std::vector<int64_t> eval_steps;
   std::vector<double> eval_losses;

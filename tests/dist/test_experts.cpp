@@ -1,0 +1,108 @@
+// Mixtures of experts on the trainer's mesh (--experts, --top-k,
+// --capacity-factor, --ep): every block's MLP is a models::MoE; the balance
+// loss joins each micro-batch's backward on whichever pipeline stage the
+// layer runs; under --ep the experts are split over ranks of dp x cp, tokens
+// reach them by all-to-all, and their gradients are averaged over the ranks
+// holding the same experts. Every layout trains like one process (the
+// equivalence contract) whose micro-batches are the ranks' (the balance loss
+// is a function of each micro-batch's routing), dropless and with drops, and
+// the metrics' router load equals one process's, route for route.
+#include <gtest/gtest.h>
+
+#include "equivalence.h"
+#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/train/trainer.h"
+
+namespace meshtrain {
+namespace testing {
+namespace {
+
+train::TrainConfig with_experts(train::TrainConfig c, int64_t experts, int ep = 1) {
+  c.model.experts = experts;
+  c.model.top_k = 2;
+  c.model.aux_loss_coef = 0.05;  // large enough to move the router in 4 steps
+  c.ep = ep;
+  return c;
+}
+
+TEST(Experts, DataParallelZero3WithRecomputedBlocks) {
+  train::TrainConfig c = with_experts(tiny_llama(), 4);
+  c.dp = 2;
+  c.zero = 3;
+  c.activation_checkpointing = "blocks";
+  expect_trains_like_one_process(c, 2, {}, RankOptions(), /*reference_micro_batch=*/12);
+}
+
+TEST(Experts, ExpertParallelOverDataParallel) {
+  train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
+  expect_trains_like_one_process(c, 2, {}, RankOptions(), 12);  // ep 2 = dp 2
+  c.zero = 1;
+  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);  // ep 2 within dp 4: two replicas of each expert
+  train::TrainConfig g = with_experts(tiny_gpt(), 6, 3);  // GELU experts, odd ep
+  expect_trains_like_one_process(g, 3, {}, RankOptions(), 8);
+}
+
+TEST(Experts, BalanceLossOnEveryPipelineStage) {
+  train::TrainConfig c = with_experts(tiny_gpt(), 4, 2);
+  c.pp = 2;
+  c.microbatches = 2;  // per rank: micro-batches of 6 samples
+  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);
+}
+
+TEST(Experts, WithTensorAndContextParallelism) {
+  train::TrainConfig t = with_experts(tiny_llama(), 4, 2);
+  t.tp = 2;  // the experts whole on both tp ranks, split over ep 2 of dp 2
+  expect_trains_like_one_process(t, 4, {}, RankOptions(), 12);
+  train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
+  c.cp = 2;  // ep over the 2 ranks of dp 1 x cp 2; the balance statistics over the whole sequences
+  expect_trains_like_one_process(c, 2);
+}
+
+TEST(Experts, CapacityDropsLikeOneProcess) {
+  train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
+  c.model.capacity_factor = 1.0;
+  expect_trains_like_one_process(c, 2, {}, RankOptions(), 12);
+}
+
+// Routes per layer and expert over the global batch: each layer's routes and
+// drops add to tokens x top-k, and equal one process's exactly; the ep axis
+// carries dispatch and combine.
+TEST(Experts, MetricsRouterLoadEqualsOneProcess) {
+  train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
+  c.model.capacity_factor = 1.0;
+  c.pp = 2;
+  c.microbatches = 2;
+  const json::Value m = metrics_on_ranks(c, 4);
+  if (m.type == json::Value::Type::kNull) return;  // in a rank process
+  train::TrainConfig single = c;
+  single.dp = 0;
+  single.pp = 1;
+  single.ep = 1;
+  single.microbatches = 0;
+  single.micro_batch = 6;
+  train::RunOptions quiet;
+  quiet.verbose = false;
+  quiet.evaluate = false;
+  const train::TrainResult ref =
+      train::run_training(train::resolve(single, 1), comm::make_single_process_world(), quiet);
+  const json::Value& loads = m["experts"]["router_load"];
+  ASSERT_EQ(loads.items.size(), ref.router_load.size());
+  double dropped = 0;
+  for (size_t s = 0; s < ref.router_load.size(); ++s) {
+    const at::Tensor& want = ref.router_load[s];
+    dropped += want.select(1, -1).sum().item<double>();
+    for (int64_t l = 0; l < c.model.layers; ++l) {
+      EXPECT_EQ(want[l].sum().item<double>(), 24.0 * 16 * 2) << "step " << s << " layer " << l;
+      for (int64_t e = 0; e < c.model.experts; ++e)
+        EXPECT_EQ(loads.items[s].items[l].items[e].number, want[l][e].item<double>()) << "step " << s << " layer " << l;
+    }
+    EXPECT_EQ(m["experts"]["moe_dropped"].items[s].number, want.select(1, -1).sum().item<double>());
+  }
+  EXPECT_GT(dropped, 0);  // capacity 1.0 drops some routes of an unbalanced router
+  for (const auto& rank : m["ranks"].items) EXPECT_GT(rank["traffic_by_axis"]["ep"]["total"]["bytes_sent"].number, 0);
+  EXPECT_EQ(m["config"]["ep"].number, 2);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace meshtrain
