@@ -21,6 +21,17 @@ double log_sum_exp_bytes(const DecoderShape& s, int64_t micro_batch, int tp) {
   return 4.0 * static_cast<double>(s.heads) * static_cast<double>(s.seq_len) * micro_batch / tp;
 }
 
+// A mixture of experts' activations (models/moe.cpp), whole on every tp
+// rank: the router's fp32 probabilities (b s E), and per route (b s k of
+// them) its row (the experts' input), the expert's inner values (SwiGLU:
+// gate's and up's outputs, silu's, the product: 4F; GELU: fc1's output and
+// GELU's: 2F) and its result (weighted at its token): 2H + 4F (2F) values.
+double moe_layer_bytes(const DecoderShape& s, int64_t micro_batch, Precision precision) {
+  const double tokens = static_cast<double>(micro_batch * s.seq_len), v = activation_bytes_per_value(precision);
+  const double inner = (s.kind == ModelKind::kLlama ? 4.0 : 2.0) * static_cast<double>(ffn_hidden_of(s));
+  return tokens * (4.0 * s.experts + s.top_k * v * (2.0 * s.hidden + inner));
+}
+
 // Korthikanti et al. §4.1-4.2 for gpt and gpt2, with the MLP's inner size F
 // for the paper's 4h: 16-bit bytes per s*b*h, 10 replicated over tp (two
 // LayerNorm inputs 4, the q/k/v and fc1 inputs 4, two dropout masks 2) and
@@ -29,11 +40,13 @@ double log_sum_exp_bytes(const DecoderShape& s, int64_t micro_batch, int tp) {
 // 2, its dropout mask 1 and the dropped-out scores 2 (eager only).
 double gpt_layer_bytes(const DecoderShape& s, int64_t micro_batch, int tp, Precision precision, Attention attention) {
   const double h = static_cast<double>(s.hidden);
-  const double linear = 10.0 + (8.0 + 4.0 * static_cast<double>(ffn_hidden_of(s)) / h) / tp;
+  const double dense_mlp = s.experts > 0 ? 0.0 : 4.0 * static_cast<double>(ffn_hidden_of(s)) / h;
+  const double linear = 10.0 + (8.0 + dense_mlp) / tp;
   const double scores = attention == Attention::kEager ? 5.0 * s.heads * s.seq_len / (h * tp) : 0.0;
   const double scale = activation_bytes_per_value(precision) / 2.0;  // the paper counts 16-bit values
   const double lse = attention == Attention::kFlash ? log_sum_exp_bytes(s, micro_batch, tp) : 0.0;
-  return hidden_state_values(s, micro_batch) * (linear + scores) * scale + lse;
+  const double moe = s.experts > 0 ? moe_layer_bytes(s, micro_batch, precision) : 0.0;
+  return hidden_state_values(s, micro_batch) * (linear + scores) * scale + lse + moe;
 }
 
 // Note [Llama's activations]
@@ -62,7 +75,8 @@ double llama_layer_bytes(const DecoderShape& s, int64_t micro_batch, int tp, Pre
                          Attention attention) {
   const double sbh = hidden_state_values(s, micro_batch), v = activation_bytes_per_value(precision);
   const double norms = 2 * (4.0 + 2 * v) * sbh;
-  const double mlp = 4 * v * sbh * static_cast<double>(ffn_hidden_of(s)) / static_cast<double>(s.hidden) / tp;
+  const double mlp = s.experts > 0 ? moe_layer_bytes(s, micro_batch, precision)
+                                   : 4 * v * sbh * static_cast<double>(ffn_hidden_of(s)) / static_cast<double>(s.hidden) / tp;
   double attn = 0;
   if (attention == Attention::kEager) {
     const double scores = static_cast<double>(s.heads) * s.seq_len * s.seq_len * micro_batch;

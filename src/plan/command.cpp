@@ -28,6 +28,10 @@ void shape_args(const DecoderShape& s, std::vector<std::string>& args) {
   add(args, "--vocab", s.vocab);
   add(args, "--seq-len", s.seq_len);
   if (max_positions_of(s) != s.seq_len) add(args, "--max-positions", max_positions_of(s));
+  if (s.experts > 0) {
+    add(args, "--experts", s.experts);
+    add(args, "--top-k", s.top_k);
+  }
   const bool tied_by_default = !llama;  // the trainer's default (train::resolve)
   if (s.tie_embeddings != tied_by_default) args.push_back(s.tie_embeddings ? "--tied" : "--untied");
 }
@@ -78,6 +82,7 @@ std::vector<std::string> trainer_args(const PlanInput& in, const Estimate& e) {
   add(args, "--pp", e.layout.pp);
   add(args, "--tp", e.layout.tp);
   if (e.layout.cp > 1) add(args, "--cp", e.layout.cp);
+  if (e.layout.ep > 1) add(args, "--ep", e.layout.ep);
   add(args, "--zero", e.layout.zero);
   training_args(in, e, args);
   return args;

@@ -30,8 +30,15 @@ PlanInput cp_rank_input(const PlanInput& in, int cp) {
 
 // Parameters one rank of `stage` holds before ZeRO: the stage's share for a
 // known shape, the whole count when only --params is known (then pp = tp = 1).
+// Under expert parallelism, without the experts (stage_experts).
 int64_t stage_params(const PlanInput& in, const Layout& l, int stage) {
-  return in.shape ? stage_parameter_count(*in.shape, l.pp, l.tp, stage) : in.params;
+  if (!in.shape) return in.params;
+  return stage_parameter_count(*in.shape, l.pp, l.tp, stage) - l.ep * stage_expert_parameter_count(*in.shape, l, stage);
+}
+
+// The experts one rank holds apart under expert parallelism (0 otherwise).
+int64_t stage_experts(const PlanInput& in, const Layout& l, int stage) {
+  return in.shape ? stage_expert_parameter_count(*in.shape, l, stage) : 0;
 }
 
 }  // namespace
@@ -56,6 +63,8 @@ int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t p
     // A head tied to an embedding on another stage receives its weight each step and sends back the gradient.
     bytes += (b.parameters + b.gradients) * tied_weight_copy_count(*in.shape, l.pp, l.tp, stage);
   }
+  // Experts held apart: DDP's buckets over their replicas.
+  if (l.replicas() / l.ep > 1) bytes += b.gradients * stage_experts(in, l, stage);
   if (l.pp > 1 && in.shape) {
     // One receive and one send buffer of b*s*h values.
     bytes += 2 * hidden_state_values(*in.shape, in.micro_batch) * activation_bytes_per_value(in.precision);
@@ -66,9 +75,12 @@ int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t p
 CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   CommBytes c;
-  c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.replicas(), microbatches);
+  c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.replicas(), microbatches) +
+         dp_comm_bytes(stage_experts(in, l, stage), b.gradients, 0, l.replicas() / l.ep, microbatches);
   if (in.shape) {
     const int64_t blocks = blocks_on_stage(*in.shape, l.pp, stage);
+    c.ep = blocks * microbatches *
+           ep_bytes_per_block(*in.shape, in.micro_batch, l.ep, in.precision, in.activation_checkpointing);
     c.cp = blocks * microbatches *
            cp_bytes_per_block(*in.shape, in.micro_batch, l.tp, l.cp, in.precision, in.activation_checkpointing);
     c.pp = pp_comm_bytes(*in.shape, in.micro_batch, l.pp, stage, microbatches, in.precision);
@@ -87,15 +99,15 @@ void add_time(const PlanInput& in, const Layout& l, Estimate& e) {
     slowest = t.busy();
     e.comm_stage = stage;
     e.comm = stage_comm(in, l, stage, e.microbatches);
-    e.seconds = CommSeconds{t.dp, t.pp, t.tp, t.cp};
+    e.seconds = CommSeconds{t.dp, t.pp, t.tp, t.cp, t.ep};
     e.dp_exposed_seconds = t.dp_exposed;
     e.compute_seconds = t.compute;
   }
   e.virtual_stages = virtual_stages_of(in, l, e.microbatches);
   // The bubble's idle slots are micro-batch slots: compute and the
   // communication inside each micro-batch (tp, pp), not the step's dp.
-  e.bubble_seconds =
-      pipeline_bubble_seconds(e.compute_seconds + e.seconds.tp + e.seconds.pp, l.pp, e.microbatches, e.virtual_stages);
+  e.bubble_seconds = pipeline_bubble_seconds(e.compute_seconds + e.seconds.tp + e.seconds.pp + e.seconds.ep, l.pp,
+                                             e.microbatches, e.virtual_stages);
 }
 
 }  // namespace
@@ -108,7 +120,7 @@ double stage_flops_per_token(const DecoderShape& s, int pp, int tp, int stage, b
   // Forward 4 s h (twice with checkpointing), backward 8 s h, + 2 s h for
   // flash attention's recomputed scores (FlashAttention's backward, Dao et al. 2022, §3.1).
   const double per_score = 2 * per_weight + (attention == Attention::kFlash ? 2.0 : 0.0);
-  double weights = blocks * block_parameter_count(s, tp);
+  double weights = blocks * block_active_parameter_count(s, tp);
   if (stage == pp - 1) weights += static_cast<double>(embedding_rows(s) / tp) * s.hidden;  // the LM head's matmul
   return per_weight * weights + per_score * scores;
 }
@@ -136,6 +148,15 @@ int64_t tp_comm_bytes(const DecoderShape& s, int64_t micro_batch, int tp, int64_
                       Precision precision, bool checkpointing) {
   const int64_t one = hidden_state_values(s, micro_batch) * activation_bytes_per_value(precision);
   return (checkpointing ? 6 : 4) * blocks * microbatches * ring_all_reduce_bytes(one, tp);
+}
+
+int64_t ep_bytes_per_block(const DecoderShape& local, int64_t micro_batch, int ep, Precision precision,
+                           bool checkpointing) {
+  if (ep <= 1 || local.experts == 0) return 0;
+  const double routes = static_cast<double>(micro_batch * local.seq_len * local.top_k) * (ep - 1) / ep;
+  const double rows = routes * static_cast<double>(local.hidden) * activation_bytes_per_value(precision);
+  const double dispatches = checkpointing ? 2.0 : 1.0;
+  return std::llround((2 * dispatches + 2) * rows + dispatches * routes * 8.0);
 }
 
 DecoderShape cp_local_shape(const DecoderShape& shape, int cp) {
@@ -171,7 +192,10 @@ std::vector<Layout> candidate_layouts(const PlanInput& in) {
         const int dp = devices / tp / pp;
         if (in.shape && !layout_problem(*in.shape, Layout{dp, pp, tp, 0, cp}).empty()) continue;
         if (micro_steps % dp != 0) continue;
-        for (int zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero) layouts.push_back({dp, pp, tp, zero, cp});
+        for (int ep = 1; ep <= std::min(dp * cp, in.shape ? std::max(1, in.max_ep) : 1); ++ep) {
+          if (ep > 1 && !layout_problem(*in.shape, Layout{dp, pp, tp, 0, cp, ep}).empty()) continue;
+          for (int zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero) layouts.push_back({dp, pp, tp, zero, cp, ep});
+        }
       }
     }
   }
@@ -180,12 +204,13 @@ std::vector<Layout> candidate_layouts(const PlanInput& in) {
 
 MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_t microbatches) {
   const int64_t psi = stage_params(in, l, stage);
-  const ModelStateBytes state =
-      zero_model_state(psi, state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0), l.zero, l.replicas());
+  const StateBytesPerParam per = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
+  const ModelStateBytes state = zero_model_state(psi, per, l.zero, l.replicas());
+  const ModelStateBytes experts = zero_model_state(stage_experts(in, l, stage), per, 0, 1);  // whole on each replica
   MemoryBytes m;
-  m.parameters = state.parameters;
-  m.gradients = state.gradients;
-  m.optimizer = state.optimizer;
+  m.parameters = state.parameters + experts.parameters;
+  m.gradients = state.gradients + experts.gradients;
+  m.optimizer = state.optimizer + experts.optimizer;
   m.activations = stage_activation_bytes(in, l, stage, microbatches);
   m.buffers = stage_buffers(in, l, stage, psi);
   return m;
@@ -197,6 +222,8 @@ Estimate estimate_layout(const PlanInput& given, const Layout& l) {
                   l.pp, " tp=", l.tp, l.cp > 1 ? str_cat(" cp=", l.cp) : "", " does not fit ", given.devices,
                   " devices and ", micro_steps, " micro-batches per step");
   MESHTRAIN_CHECK(l.cp == 1 || given.shape, "context parallelism (cp ", l.cp, ") needs the model's shape, not --params");
+  MESHTRAIN_CHECK(l.ep == 1 || (given.shape && layout_problem(*given.shape, l).empty()), "expert parallelism (ep ",
+                  l.ep, ") needs a model with --experts divisible by ep, and ep dividing dp x cp");
   const PlanInput in = cp_rank_input(given, l.cp);  // every figure below is one rank's
   Estimate e;
   e.layout = l;

@@ -162,6 +162,10 @@ flags::Group model_flags(Draft& d) {
             shape_field(d, &DecoderShape::kv_heads)},
            {"--ffn-hidden", "F", "the MLP's inner size (default: 4 x hidden; llama: 8/3 x hidden rounded up to 32)",
             shape_field(d, &DecoderShape::ffn_hidden)},
+           {"--experts", "E", "a mixture of experts: every block's MLP becomes E expert MLPs and a router (default 0: "
+            "dense)", shape_field(d, &DecoderShape::experts)},
+           {"--top-k", "K", "with --experts: experts each token is computed by (default 2)",
+            shape_field(d, &DecoderShape::top_k)},
            {"--vocab", "V", "vocabulary", shape_field(d, &DecoderShape::vocab)},
            {"--seq-len", "T", "sequence length", shape_field(d, &DecoderShape::seq_len)},
            {"--max-positions", "P", "positions the model takes (default: --seq-len)",
@@ -203,6 +207,8 @@ flags::Parser plan_parser(Draft& d) {
                     in.grad_overlap, false),
         {"--max-cp", "C", "also consider context parallelism, each sequence split over up to C ranks (ring "
          "attention; for long sequences; default 1: none)", set(in.max_cp, as_int)},
+        {"--max-ep", "E", "with --experts: also consider expert parallelism, each block's experts split over up "
+         "to E ranks of dp x cp (default 1: none)", set(in.max_ep, as_int)},
         {"--attention", "eager|flash",
          "eager keeps the T x T softmax; flash only a log-sum-exp per row (default eager); the command passes it to the trainer",
          set(in.attention, parse_attention)}}},
@@ -283,6 +289,11 @@ void check_plan_input(const PlanInput& in) {
   MESHTRAIN_CHECK(in.max_cp >= 1, "--max-cp ", in.max_cp, " must be at least 1 (1: no context parallelism)");
   MESHTRAIN_CHECK(in.max_cp == 1 || in.shape, "--max-cp ", in.max_cp, " splits sequences, and with --params the "
                   "planner knows none; give the model's shape (--model, --seq-len, ...)");
+  MESHTRAIN_CHECK(in.max_ep >= 1, "--max-ep ", in.max_ep, " must be at least 1 (1: no expert parallelism)");
+  MESHTRAIN_CHECK(in.max_ep == 1 || (in.shape && in.shape->experts > 0), "--max-ep ", in.max_ep, " splits the "
+                  "experts of a mixture of experts; the model has none: give --experts E");
+  MESHTRAIN_CHECK(!in.shape || (in.shape->experts >= 0 && (in.shape->experts == 0 || (in.shape->top_k >= 1 &&
+                  in.shape->top_k <= in.shape->experts))), "--top-k must be between 1 and --experts");
   MESHTRAIN_CHECK(in.device_memory > 0,
                   "--device-memory is missing: the memory of one device, e.g. --device-memory 80GB");
   const int per_node = devices_per_node_of(in);

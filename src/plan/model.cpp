@@ -88,7 +88,9 @@ std::string layout_problem(const DecoderShape& s, const Layout& l) {
                                                    {"the MLP's inner size (--ffn-hidden) ", ffn_hidden_of(s)},
                                                    {rows, embedding_rows(s)}};
   for (const auto& [what, n] : split)
-    if (n % l.tp != 0) return str_cat("tp ", l.tp, " does not divide ", what, n, "; choose tp in ", divisors_of(n));
+    if (n % l.tp != 0 && !(s.experts > 0 && what.rfind("the MLP", 0) == 0)) return str_cat("tp ", l.tp, " does not divide ", what, n, "; choose tp in ", divisors_of(n));
+  if (l.ep < 1 || (l.ep > 1 && (s.experts % l.ep != 0 || l.replicas() % l.ep != 0)))
+    return str_cat("ep ", l.ep, " must divide --experts ", s.experts, " and dp x cp = ", l.replicas());
   if (l.pp > num_pieces(s))
     return str_cat("pp ", l.pp, " is more than the ", num_pieces(s), " pieces of the model (embedding, ", s.layers,
                    " blocks, head); choose pp <= ", num_pieces(s));
@@ -101,21 +103,46 @@ int64_t parameter_count(const DecoderShape& s) {
   return n;
 }
 
-int64_t block_parameter_count(const DecoderShape& s, int tp) {
+namespace {
+
+// One block's MLP per tp rank: dense (cut over tp), or the router and
+// `computed` experts (whole on every tp rank).
+int64_t mlp_parameter_count(const DecoderShape& s, int tp, int64_t computed) {
   const int64_t h = s.hidden, f = ffn_hidden_of(s);
+  const bool llama = s.kind == ModelKind::kLlama;
+  if (s.experts > 0) return s.experts * h + computed * (llama ? 3 : 2) * h * f;
+  if (llama) return 3 * f * h / tp;                // gate, up column-, down row-parallel
+  return (f * h / tp + f / tp) + (f * h / tp + h);  // fc1 column-, fc2 row-parallel (bias replicated)
+}
+
+}  // namespace
+
+int64_t block_parameter_count(const DecoderShape& s, int tp) {
+  const int64_t h = s.hidden;
   if (s.kind == ModelKind::kLlama) {
     const int64_t kv = kv_heads_of(s) * (h / s.heads);  // rows of k and of v
     const int64_t norms = 2 * h;                         // RMSNorm: a weight, no bias
     const int64_t attention = (h * h + 2 * kv * h) / tp + h * h / tp;  // q, k, v column-, o row-parallel
-    const int64_t mlp = 3 * f * h / tp;                                // gate, up column-, down row-parallel
-    return norms + attention + mlp;
+    return norms + attention + mlp_parameter_count(s, tp, s.experts);
   }
   const int64_t layer_norms = 2 * 2 * h;
   const int64_t qkv = 3 * (h * h / tp + h / tp);  // column-parallel: weight and bias split
   const int64_t proj = h * h / tp + h;            // row-parallel: bias replicated
-  const int64_t fc1 = f * h / tp + f / tp;        // column-parallel
-  const int64_t fc2 = f * h / tp + h;             // row-parallel
-  return layer_norms + qkv + proj + fc1 + fc2;
+  return layer_norms + qkv + proj + mlp_parameter_count(s, tp, s.experts);
+}
+
+int64_t expert_parameter_count(const DecoderShape& s) {
+  return s.experts * (s.kind == ModelKind::kLlama ? 3 : 2) * s.hidden * ffn_hidden_of(s);
+}
+
+int64_t block_active_parameter_count(const DecoderShape& s, int tp) {
+  if (s.experts == 0) return block_parameter_count(s, tp);
+  return block_parameter_count(s, tp) - mlp_parameter_count(s, tp, s.experts) + mlp_parameter_count(s, tp, s.top_k);
+}
+
+int64_t stage_expert_parameter_count(const DecoderShape& s, const Layout& l, int stage) {
+  if (l.ep <= 1) return 0;
+  return blocks_on_stage(s, l.pp, stage) * expert_parameter_count(s) / l.ep;
 }
 
 int64_t num_pieces(const DecoderShape& s) { return s.layers + 2; }
@@ -145,11 +172,12 @@ const std::vector<int64_t>& stage_bounds(const DecoderShape& s, int pp) {
   // The planner asks for the same few partitions for every layout and cluster
   // size it tries: remember them (the dynamic program is O(pp * pieces^2)).
   // Entries are never erased, so the references handed out stay valid.
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int>;
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int64_t>;
   static std::mutex mutex;
   static std::map<Key, std::vector<int64_t>> cache;
   const Key key{static_cast<int>(s.kind), s.layers,    s.hidden,           s.heads,          kv_heads_of(s),
-                ffn_hidden_of(s),         s.vocab,     max_positions_of(s), s.tie_embeddings, pp};
+                ffn_hidden_of(s),         s.vocab,     max_positions_of(s), s.tie_embeddings, pp,
+                s.experts};
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it == cache.end()) it = cache.emplace(key, pp::partition_balanced(piece_costs(s), pp)).first;
@@ -223,9 +251,15 @@ ModelStateBytes predict_rank_state_bytes(const DecoderShape& shape, const Layout
   // tp splits every split tensor evenly (tp divides heads and vocab), so all
   // tp ranks of a stage hold the same number of parameters.
   MESHTRAIN_CHECK(tp_rank >= 0 && tp_rank < layout.tp, "tp_rank ", tp_rank, " is outside [0, ", layout.tp, ")");
-  const int64_t psi = stage_parameter_count(shape, layout.pp, layout.tp, stage);
-  return zero_model_state(psi, state_bytes_per_param(precision, OptimizerKind::kAdam, false), layout.zero, layout.dp,
-                          dp_rank);
+  const int64_t experts = stage_expert_parameter_count(shape, layout, stage);
+  const int64_t psi = stage_parameter_count(shape, layout.pp, layout.tp, stage) - experts * layout.ep;
+  const StateBytesPerParam bytes = state_bytes_per_param(precision, OptimizerKind::kAdam, false);
+  ModelStateBytes m = zero_model_state(psi, bytes, layout.zero, layout.dp, dp_rank);
+  const ModelStateBytes held_apart = zero_model_state(experts, bytes, 0, 1);  // whole on each replica
+  m.parameters += held_apart.parameters;
+  m.gradients += held_apart.gradients;
+  m.optimizer += held_apart.optimizer;
+  return m;
 }
 
 }  // namespace plan

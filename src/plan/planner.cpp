@@ -154,7 +154,8 @@ void add_command(Plan& plan) {
 
 std::string describe_layout(const Layout& l) {
   static const char* kZeroNames[] = {"DDP", "optimizer state sharded", "+ gradients sharded", "fully sharded"};
-  return str_cat("dp=", l.dp, " pp=", l.pp, " tp=", l.tp, l.cp > 1 ? str_cat(" cp=", l.cp) : "", " ZeRO-", l.zero,
+  return str_cat("dp=", l.dp, " pp=", l.pp, " tp=", l.tp, l.cp > 1 ? str_cat(" cp=", l.cp) : "",
+                 l.ep > 1 ? str_cat(" ep=", l.ep) : "", " ZeRO-", l.zero,
                  l.replicas() > 1 ? str_cat(" (", kZeroNames[l.zero], ")") : "");
 }
 

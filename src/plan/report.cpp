@@ -16,7 +16,7 @@ namespace plan {
 namespace {
 
 bool same_layout(const Layout& a, const Layout& b) {
-  return a.dp == b.dp && a.pp == b.pp && a.tp == b.tp && a.zero == b.zero && a.cp == b.cp;
+  return a.dp == b.dp && a.pp == b.pp && a.tp == b.tp && a.zero == b.zero && a.cp == b.cp && a.ep == b.ep;
 }
 
 std::string model_line(const PlanInput& in) {
@@ -30,8 +30,9 @@ std::string model_line(const PlanInput& in) {
                               : "";
   const std::string rows =
       embedding_rows(s) != s.vocab ? str_cat(" (", with_commas(embedding_rows(s)), " rows)") : "";
+  const std::string experts = s.experts > 0 ? str_cat(" x ", s.experts, " experts, top-", s.top_k) : "";
   return str_cat(names[static_cast<int>(s.kind)], ", ", s.layers, " layers, hidden ", with_commas(s.hidden), ", ",
-                 s.heads, " heads", kv, ffn, ", vocab ", with_commas(s.vocab), rows, ", seq-len ",
+                 s.heads, " heads", kv, ffn, experts, ", vocab ", with_commas(s.vocab), rows, ", seq-len ",
                  with_commas(s.seq_len), s.tie_embeddings ? ", tied" : ", untied", " head: ", with_commas(in.params),
                  " parameters");
 }
@@ -59,24 +60,30 @@ std::string header(const PlanInput& in) {
   return os.str();
 }
 
-// The layout columns: dp pp tp (cp) zero.
-std::string layout_cells(const Layout& l, bool recommended, bool show_cp) {
+// The optional layout columns: cp (with --max-cp), ep (with --max-ep).
+struct Columns {
+  bool cp = false, ep = false;
+};
+
+// The layout columns: dp pp tp (cp) (ep) zero.
+std::string layout_cells(const Layout& l, bool recommended, Columns show) {
   char buf[64];
-  if (show_cp) {
-    std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d %4d", recommended ? "*" : " ", l.dp, l.pp, l.tp, l.cp, l.zero);
-  } else {
-    std::snprintf(buf, sizeof buf, "%s %5d %4d %4d %4d", recommended ? "*" : " ", l.dp, l.pp, l.tp, l.zero);
-  }
-  return buf;
+  std::string out = recommended ? "*" : " ";
+  std::snprintf(buf, sizeof buf, " %5d %4d %4d", l.dp, l.pp, l.tp);
+  out += buf;
+  if (show.cp) out += str_cat(" ", std::string(4 - std::to_string(l.cp).size(), ' '), l.cp);
+  if (show.ep) out += str_cat(" ", std::string(4 - std::to_string(l.ep).size(), ' '), l.ep);
+  std::snprintf(buf, sizeof buf, " %4d", l.zero);
+  return out + buf;
 }
 
-std::string table_row(const Estimate& e, int devices, bool recommended, bool show_cp) {
+std::string table_row(const Estimate& e, int devices, bool recommended, Columns show) {
   auto gb = [](int64_t bytes) { return gigabytes(static_cast<double>(bytes), 2); };
   const MemoryBytes& m = e.memory;
-  const double exposed = e.seconds.tp + e.seconds.pp + e.seconds.cp + e.dp_exposed_seconds;
+  const double exposed = e.seconds.tp + e.seconds.pp + e.seconds.cp + e.seconds.ep + e.dp_exposed_seconds;
   char buf[320];
   std::snprintf(buf, sizeof buf, "%s | %8s %8s %8s %8s %8s %9s  %-4s | %10s %9s %9s %9s %11s %8s\n",
-                layout_cells(e.layout, recommended, show_cp).c_str(), gb(m.parameters).c_str(),
+                layout_cells(e.layout, recommended, show).c_str(), gb(m.parameters).c_str(),
                 gb(m.gradients).c_str(), gb(m.optimizer).c_str(), gb(m.activations).c_str(), gb(m.buffers).c_str(),
                 gb(m.total()).c_str(), e.fits ? "yes" : "no", gb(e.comm.total()).c_str(), seconds_text(exposed).c_str(),
                 seconds_text(e.bubble_seconds).c_str(), seconds_text(e.step_seconds()).c_str(),
@@ -86,17 +93,18 @@ std::string table_row(const Estimate& e, int devices, bool recommended, bool sho
 }
 
 std::string table(const Plan& plan) {
-  // Widths follow table_row: 23 characters of layout (28 with cp), 61 of memory.
-  const bool show_cp = plan.input.max_cp > 1;
-  std::string out = std::string(show_cp ? 28 : 23, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') +
-                    (show_cp ? "| per step, predicted (comm s: tp + pp + cp + exposed dp)\n"
-                             : "| per step, predicted (comm s: tp + pp + exposed dp)\n") +
-                    (show_cp ? "     dp   pp   tp   cp zero" : "     dp   pp   tp zero") +
+  // Widths follow table_row: 23 characters of layout (5 more per optional column), 61 of memory.
+  const Columns show{plan.input.max_cp > 1, plan.input.max_ep > 1};
+  const int layout_width = 23 + (show.cp ? 5 : 0) + (show.ep ? 5 : 0);
+  std::string out = std::string(layout_width, ' ') + "| memory per device, GB" + std::string(61 - 21, ' ') +
+                    str_cat("| per step, predicted (comm s: tp + pp", show.cp ? " + cp" : "", show.ep ? " + ep" : "",
+                            " + exposed dp)\n") +
+                    "     dp   pp   tp" + (show.cp ? "   cp" : "") + (show.ep ? "   ep" : "") + " zero" +
                     " |   params    grads    optim    activ  buffers     total  fits |    comm GB"
                     "    comm s  bubble s    step s    tokens/s  TFLOP/s\n";
   for (const Estimate& e : plan.candidates) {
     const bool chosen = plan.recommendation && same_layout(plan.recommendation->estimate.layout, e.layout);
-    out += table_row(e, plan.input.devices, chosen, show_cp);
+    out += table_row(e, plan.input.devices, chosen, show);
   }
   return out;
 }
@@ -114,7 +122,7 @@ std::string memory_json(const MemoryBytes& m) {
 
 std::string layout_json(const Layout& l) {
   return json::Object().integer("dp", l.dp).integer("pp", l.pp).integer("tp", l.tp).integer("cp", l.cp)
-      .integer("zero", l.zero).str();
+      .integer("ep", l.ep).integer("zero", l.zero).str();
 }
 
 std::string estimate_json(const Estimate& e, int devices) {
@@ -130,6 +138,7 @@ std::string estimate_json(const Estimate& e, int devices) {
                              .integer("pp", e.comm.pp)
                              .integer("tp", e.comm.tp)
                              .integer("cp", e.comm.cp)
+                             .integer("ep", e.comm.ep)
                              .integer("total", e.comm.total())
                              .str())
       .raw("comm_seconds", json::Object()
@@ -137,6 +146,7 @@ std::string estimate_json(const Estimate& e, int devices) {
                                .num("pp", e.seconds.pp)
                                .num("tp", e.seconds.tp)
                                .num("cp", e.seconds.cp)
+                               .num("ep", e.seconds.ep)
                                .num("total", e.seconds.total())
                                .num("dp_exposed", e.dp_exposed_seconds)
                                .str())

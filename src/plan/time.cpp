@@ -141,7 +141,18 @@ StageTime stage_time(const PlanInput& in, const Layout& l, int stage, int64_t m)
     const double bytes = static_cast<double>(cp_bytes_per_block(s, in.micro_batch, l.tp, l.cp, in.precision, ckpt));
     t.cp = blocks * static_cast<double>(m) * (hops * link.latency + bytes / link.bandwidth);
   }
-  dp_time(in, l, stage_parameter_count(s, l.pp, l.tp, stage), m, backward_per_mb, t);
+  if (l.ep > 1) {
+    // All-to-alls per block and micro-batch: dispatch and combine forward
+    // (twice with recomputation) and backward, each ep - 1 messages. An ep
+    // group is ep consecutive ranks of dp x cp, which span at most ep pp cp tp ranks.
+    const Link link = devices_per_node_of(in) % (l.ep * l.pp * l.cp * l.tp) == 0 ? intra(in) : inter(in);
+    const double messages = (ckpt ? 6.0 : 4.0) * (l.ep - 1);
+    const double bytes = static_cast<double>(ep_bytes_per_block(s, in.micro_batch, l.ep, in.precision, ckpt));
+    t.ep = blocks * static_cast<double>(m) * (messages * link.latency + bytes / link.bandwidth);
+  }
+  // The experts' gradients go over their replicas (dp x cp / ep), the rest over dp x cp.
+  const int64_t experts = stage_expert_parameter_count(s, l, stage);
+  dp_time(in, l, stage_parameter_count(s, l.pp, l.tp, stage) - experts * l.ep + experts, m, backward_per_mb, t);
   return t;
 }
 

@@ -50,7 +50,7 @@ std::string suggestion(const TrainConfig& c, int world, int local_ranks, int64_t
     if (p.recommendation) {
       const plan::Layout& l = p.recommendation->estimate.layout;
       return str_cat("the planner suggests --dp ", l.dp, " --pp ", l.pp, " --tp ", l.tp,
-                     l.cp > 1 ? str_cat(" --cp ", l.cp) : "", " --zero ", l.zero,
+                     l.cp > 1 ? str_cat(" --cp ", l.cp) : "", l.ep > 1 ? str_cat(" --ep ", l.ep) : "", " --zero ", l.zero,
                      " (about ", gib(p.recommendation->estimate.memory.total()), " per rank)");
     }
     if (p.smallest_cluster) {
@@ -82,6 +82,8 @@ plan::DecoderShape decoder_shape(const models::ModelConfig& m) {
   s.seq_len = m.seq_len;
   s.max_positions = models::max_positions(m);
   s.tie_embeddings = m.tie_embeddings;
+  s.experts = m.experts;
+  s.top_k = m.top_k;
   return s;
 }
 
@@ -100,6 +102,7 @@ plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_
   in.momentum = c.optimizer == "sgd" ? c.momentum : 0;
   in.activation_checkpointing = c.activation_checkpointing != "none";  // every-N: between none and blocks
   in.max_cp = c.cp;  // a run that splits sequences may be told a split that fits
+  in.max_ep = c.ep;
   in.devices = devices;
   in.devices_per_node = devices;
   in.device_memory = device_memory;
@@ -122,7 +125,7 @@ int64_t available_memory_bytes() {
 
 int64_t estimated_rank_bytes(const TrainConfig& c) {
   const plan::PlanInput in = planner_input(c, c.dp * c.pp * c.tp * c.cp, std::numeric_limits<int64_t>::max() / 4);
-  if (in.shape) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero, c.cp}).memory.total();
+  if (in.shape) return plan::estimate_layout(in, plan::Layout{c.dp, c.pp, c.tp, c.zero, c.cp, c.ep}).memory.total();
   // The MLP: no shape the planner knows; its model state, shared by the stages and tp slices
   // (estimated as dp ranks of the whole model, then divided).
   const plan::PlanInput whole = planner_input(c, c.dp, std::numeric_limits<int64_t>::max() / 4);

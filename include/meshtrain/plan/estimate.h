@@ -23,14 +23,14 @@ struct MemoryBytes {
 
 // Bytes one device sends per optimizer step, by mesh axis.
 struct CommBytes {
-  int64_t dp = 0, pp = 0, tp = 0, cp = 0;
-  int64_t total() const { return dp + pp + tp + cp; }
+  int64_t dp = 0, pp = 0, tp = 0, cp = 0, ep = 0;
+  int64_t total() const { return dp + pp + tp + cp + ep; }
 };
 
 // Seconds those bytes take on the link each axis uses (no overlap assumed).
 struct CommSeconds {
-  double dp = 0, pp = 0, tp = 0, cp = 0;
-  double total() const { return dp + pp + tp + cp; }
+  double dp = 0, pp = 0, tp = 0, cp = 0, ep = 0;
+  double total() const { return dp + pp + tp + cp + ep; }
 };
 
 struct Estimate {
@@ -52,7 +52,7 @@ struct Estimate {
   // Predicted step time: compute, bubble, tp and pp communication (on the
   // critical path) and the exposed part of dp (Note [What the step time overlaps]).
   double step_seconds() const {
-    return compute_seconds + bubble_seconds + seconds.tp + seconds.pp + seconds.cp + dp_exposed_seconds;
+    return compute_seconds + bubble_seconds + seconds.tp + seconds.pp + seconds.cp + seconds.ep + dp_exposed_seconds;
   }
   double tokens_per_second() const { return step_seconds() > 0 ? tokens / step_seconds() : 0; }
   // Model FLOP/s per device (the convention of Narayanan et al.: recomputation counts).
@@ -135,6 +135,14 @@ int64_t tp_comm_bytes(const DecoderShape& shape, int64_t micro_batch, int tp, in
 // a recomputed forward repeats the first. Counted as not overlapped.
 int64_t cp_bytes_per_block(const DecoderShape& local, int64_t micro_batch, int tp, int cp, Precision precision,
                            bool checkpointing = false);
+// The expert axis (models::MoE under ep, ep/all_to_all.h), per block and
+// micro-batch: each token's top_k routes go to the experts' ranks and their
+// results come back, (ep - 1) / ep of them to other ranks (routes spread
+// evenly): dispatch and combine forward (twice with recomputation) and their
+// gradients backward, 4 (6) x b s k H values, plus the routes' expert ids
+// (8 bytes each) with each dispatch.
+int64_t ep_bytes_per_block(const DecoderShape& local, int64_t micro_batch, int ep, Precision precision,
+                           bool checkpointing);
 // The shape one cp rank computes on: seq_len / cp positions.
 DecoderShape cp_local_shape(const DecoderShape& shape, int cp);
 

@@ -29,6 +29,9 @@ struct PlanInput {
   // sequence (--max-cp; 1: none). Layouts with cp > 1 run ring attention,
   // whose activations are flash attention's on seq_len / cp positions.
   int max_cp = 1;
+  // Expert parallelism the planner may use for a mixture of experts, up to
+  // this many ranks per expert group (--max-ep; 1: none).
+  int max_ep = 1;
 
   // Training.
   int64_t micro_batch = 1;

@@ -44,6 +44,11 @@ struct DecoderShape {
   int64_t seq_len = 0;        // tokens per sample
   int64_t max_positions = 0;  // gpt, gpt2: rows of the position table; 0: seq_len
   bool tie_embeddings = true;  // the LM head reuses the token embedding (meshtrain's default for gpt, gpt2)
+  // Mixture of experts (the trainer's --experts, --top-k): every block's MLP
+  // is `experts` MLPs of ffn_hidden and a router [experts, H]; each token is
+  // computed by top_k of them. 0: dense.
+  int64_t experts = 0;
+  int64_t top_k = 2;
 };
 
 // "gpt", "gpt2", "llama" (the trainer's --model).
@@ -65,6 +70,10 @@ struct Layout {
   // flash activations of seq_len / cp positions); ZeRO and the gradients'
   // reduction span dp x cp, the ranks that hold the same parameters.
   int cp = 1;
+  // Expert parallelism (mixtures of experts): each block's experts split over
+  // ep consecutive ranks of dp x cp, whole (not ZeRO-sharded) on each of their
+  // replicas dp x cp / ep; tokens sent to them by all-to-all.
+  int ep = 1;
   // The ranks holding the same parameters, which ZeRO shards and the gradients reduce over.
   int replicas() const { return dp * cp; }
 };
@@ -113,7 +122,17 @@ int64_t parameter_count(const DecoderShape& shape);
 // models::tp_plan): q, k, v, fc1 (gate, up) column-parallel, weight and bias
 // divided by tp; proj (o) and fc2 (down) row-parallel, weight divided, bias
 // replicated; the norms replicated.
+// With experts: the router and every expert's MLP, whole on every tp rank
+// (models::MoE is not cut over tp).
 int64_t block_parameter_count(const DecoderShape& shape, int tp);
+// The weights of one block's experts (all of them; 0 for a dense block):
+// experts x (3 H F (SwiGLU) or 2 H F (GELU, no biases)).
+int64_t expert_parameter_count(const DecoderShape& shape);
+// What one token computes with in a block: the block less the experts it skips.
+int64_t block_active_parameter_count(const DecoderShape& shape, int tp);
+// The experts' weights one rank of `stage` holds under expert parallelism:
+// its blocks' experts / ep (0 when ep is 1: they are ordinary parameters then).
+int64_t stage_expert_parameter_count(const DecoderShape& shape, const Layout& layout, int stage);
 
 // The model as meshtrain's pipeline cuts it (models::num_pieces): piece 0 the
 // embeddings, pieces 1..layers the blocks, piece layers + 1 the final norm

@@ -75,7 +75,8 @@ struct StageTime {
   double dp = 0;          // data-parallel collectives, in full
   double dp_exposed = 0;  // what of dp is not hidden behind backward
   double cp = 0;          // ring attention's keys and values (critical path, not overlapped)
-  double busy() const { return compute + tp + pp + cp + dp_exposed; }
+  double ep = 0;          // the experts' all-to-alls (critical path)
+  double busy() const { return compute + tp + pp + cp + ep + dp_exposed; }
 };
 
 // Stage `stage` of layout `l` with m micro-batches per step (per dp rank).
