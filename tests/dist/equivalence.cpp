@@ -4,6 +4,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <unistd.h>
 
 #include "harness.h"
 #include "meshtrain/comm/rendezvous.h"
@@ -20,6 +22,16 @@ constexpr double kTestAdamEps = 1e-6;
 
 double adam_weight_floor(const train::TrainConfig& config) {
   return 1e-2 * config.lr * (1e-8 / config.adam_eps);  // the amplification scales with 1 / eps
+}
+
+std::string checkpoint_dir(const std::string& test) {
+  const int parent = in_rank_process() ? getppid() : getpid();
+  const std::string dir = "/tmp/meshtrain-ckpt-" + std::to_string(parent) + "-" + test;
+  if (!in_rank_process()) {
+    std::system(("rm -rf " + dir).c_str());
+    files::make_directories(dir);
+  }
+  return dir;
 }
 
 train::TrainConfig tiny_gpt() {

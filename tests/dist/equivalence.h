@@ -77,6 +77,11 @@ json::Value metrics_on_ranks(const train::TrainConfig& config, int world, const 
 // match `want` within the tolerance (exact with a zero tolerance).
 void expect_same_training(const TrainOutput& got, const TrainOutput& want, const Tolerance& tol, const std::string& what);
 
+// A checkpoint directory per test, made by the parent and handed to the ranks
+// in the configuration (the test body reruns in each rank with the same path:
+// it is derived from the parent's pid, which the ranks see as their parent).
+std::string checkpoint_dir(const std::string& test);
+
 // A tiny GPT that trains in seconds on two cores with 8 ranks.
 train::TrainConfig tiny_gpt();
 train::TrainConfig tiny_mlp();

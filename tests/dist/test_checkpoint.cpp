@@ -17,6 +17,7 @@
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/tensor_io.h"
 
+using meshtrain::testing::checkpoint_dir;
 using meshtrain::testing::expect_same_training;
 using meshtrain::testing::tiny_gpt;
 using meshtrain::testing::Tolerance;
@@ -25,19 +26,6 @@ using meshtrain::testing::train_on_ranks;
 using meshtrain::train::TrainConfig;
 
 namespace {
-
-// A checkpoint directory per test, made by the parent and handed to the ranks
-// in the configuration (the test body reruns in each rank with the same path:
-// it is derived from the parent's pid, which the ranks see as their parent).
-std::string checkpoint_dir(const std::string& test) {
-  const int parent = meshtrain::testing::in_rank_process() ? getppid() : getpid();
-  const std::string dir = "/tmp/meshtrain-ckpt-" + std::to_string(parent) + "-" + test;
-  if (!meshtrain::testing::in_rank_process()) {
-    std::system(("rm -rf " + dir).c_str());
-    meshtrain::files::make_directories(dir);
-  }
-  return dir;
-}
 
 TrainConfig layout(int dp, int pp, int tp, int zero) {
   auto c = tiny_gpt();

@@ -9,6 +9,8 @@
 // the metrics' router load equals one process's, route for route.
 #include <gtest/gtest.h>
 
+#include <array>
+
 #include "equivalence.h"
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/train/trainer.h"
@@ -62,6 +64,34 @@ TEST(Experts, CapacityDropsLikeOneProcess) {
   train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
   c.model.capacity_factor = 1.0;
   expect_trains_like_one_process(c, 2, {}, RankOptions(), 12);
+}
+
+// Checkpoints hold each expert tensor whole (each ep rank writes its slice):
+// a run saved under ep 2 resumes under ep 1 with ZeRO-3, and one saved under
+// ep 1 with ZeRO-1 resumes under ep 2, both as if never stopped.
+TEST(Experts, CheckpointsResumeUnderAnotherEp) {
+  const train::TrainConfig base = with_experts(tiny_llama(), 4);
+  train::TrainConfig one = base;
+  one.steps = 6;
+  one.micro_batch = 12;  // the ranks' micro-batches (dp 2)
+  const TrainOutput reference = in_rank_process() ? TrainOutput{} : train_in_one_process(one);
+  for (const auto& [from_ep, from_zero, to_ep, to_zero] : {std::array<int, 4>{2, 0, 1, 3}, {1, 1, 2, 0}}) {
+    train::TrainConfig from = base, to = base;
+    from.dp = to.dp = 2;
+    from.ep = from_ep;
+    from.zero = from_zero;
+    to.ep = to_ep;
+    to.zero = to_zero;
+    from.save_dir = to.save_dir = checkpoint_dir("experts-ep" + std::to_string(from_ep));
+    from.steps = from.save_every = 3;
+    to.steps = 6;
+    to.resume = true;
+    train_on_ranks(from, 2);
+    const TrainOutput got = train_on_ranks(to, 2);
+    if (in_rank_process()) continue;
+    EXPECT_EQ(got.first_step, 3);
+    expect_same_training(got, reference, Tolerance{}, "ep " + std::to_string(from_ep) + " -> " + std::to_string(to_ep));
+  }
 }
 
 // Routes per layer and expert over the global batch: each layer's routes and
