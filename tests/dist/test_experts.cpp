@@ -40,6 +40,9 @@ TEST(Experts, ExpertParallelOverDataParallel) {
   expect_trains_like_one_process(c, 2, {}, RankOptions(), 12);  // ep 2 = dp 2
   c.zero = 1;
   expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);  // ep 2 within dp 4: two replicas of each expert
+  c.ep = 4;
+  c.zero = 0;
+  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);  // ep 4 = dp 4: one expert per rank
   train::TrainConfig g = with_experts(tiny_gpt(), 6, 3);  // GELU experts, odd ep
   expect_trains_like_one_process(g, 3, {}, RankOptions(), 8);
 }
@@ -49,6 +52,8 @@ TEST(Experts, BalanceLossOnEveryPipelineStage) {
   c.pp = 2;
   c.microbatches = 2;  // per rank: micro-batches of 6 samples
   expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);
+  c.ep = 4;  // dp 4 x pp 2: micro-batches of 3
+  expect_trains_like_one_process(c, 8, {}, RankOptions(), 3);
 }
 
 TEST(Experts, WithTensorAndContextParallelism) {
