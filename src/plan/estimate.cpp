@@ -63,8 +63,10 @@ int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t p
     // A head tied to an embedding on another stage receives its weight each step and sends back the gradient.
     bytes += (b.parameters + b.gradients) * tied_weight_copy_count(*in.shape, l.pp, l.tp, stage);
   }
-  // Experts held apart: DDP's buckets over their replicas.
-  if (l.replicas() / l.ep > 1) bytes += b.gradients * stage_experts(in, l, stage);
+  // Experts held apart, over their replicas: DDP's buckets, or ZeRO-2's (ZeRO-3 reduces them as ZeRO-2).
+  if (l.replicas() / l.ep > 1 && l.zero == 0) bytes += b.gradients * stage_experts(in, l, stage);
+  if (l.replicas() / l.ep > 1 && l.zero >= 2)
+    bytes += std::min<int64_t>(2 * kBucketCapBytes, b.gradients * stage_experts(in, l, stage));
   if (l.pp > 1 && in.shape) {
     // One receive and one send buffer of b*s*h values.
     bytes += 2 * hidden_state_values(*in.shape, in.micro_batch) * activation_bytes_per_value(in.precision);
@@ -76,7 +78,8 @@ CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t mi
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   CommBytes c;
   c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.replicas(), microbatches) +
-         dp_comm_bytes(stage_experts(in, l, stage), b.gradients, 0, l.replicas() / l.ep, microbatches);
+         dp_comm_bytes(stage_experts(in, l, stage), b.gradients, std::min(l.zero, 2), l.replicas() / l.ep,
+                       microbatches);
   if (in.shape) {
     const int64_t blocks = blocks_on_stage(*in.shape, l.pp, stage);
     c.ep = blocks * microbatches *
@@ -206,7 +209,9 @@ MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_
   const int64_t psi = stage_params(in, l, stage);
   const StateBytesPerParam per = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   const ModelStateBytes state = zero_model_state(psi, per, l.zero, l.replicas());
-  const ModelStateBytes experts = zero_model_state(stage_experts(in, l, stage), per, 0, 1);  // whole on each replica
+  // The experts held apart: ZeRO 1 or 2 over their replicas (2 under ZeRO-3).
+  const ModelStateBytes experts =
+      zero_model_state(stage_experts(in, l, stage), per, std::min(l.zero, 2), l.replicas() / l.ep);
   MemoryBytes m;
   m.parameters = state.parameters + experts.parameters;
   m.gradients = state.gradients + experts.gradients;

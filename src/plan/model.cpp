@@ -255,7 +255,9 @@ ModelStateBytes predict_rank_state_bytes(const DecoderShape& shape, const Layout
   const int64_t psi = stage_parameter_count(shape, layout.pp, layout.tp, stage) - experts * layout.ep;
   const StateBytesPerParam bytes = state_bytes_per_param(precision, OptimizerKind::kAdam, false);
   ModelStateBytes m = zero_model_state(psi, bytes, layout.zero, layout.dp, dp_rank);
-  const ModelStateBytes held_apart = zero_model_state(experts, bytes, 0, 1);  // whole on each replica
+  const int replicas = layout.replicas() / layout.ep;  // the ranks holding the same experts: dp_rank / ep is ours
+  const ModelStateBytes held_apart =
+      zero_model_state(experts, bytes, std::min(layout.zero, 2), replicas, dp_rank / layout.ep);
   m.parameters += held_apart.parameters;
   m.gradients += held_apart.gradients;
   m.optimizer += held_apart.optimizer;

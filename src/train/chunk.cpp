@@ -378,6 +378,11 @@ std::unique_ptr<ChunkTrainer> make_expert_chunk_trainer(const TrainerOptions& op
                                                         const Trainer::MakeOptimizer& make_optimizer,
                                                         std::shared_ptr<torch::nn::Module> experts,
                                                         comm::CommPtr replicas) {
+  if (options.zero() > 0) {  // ZeRO-3 keeps them whole (no forward of their own to gather in): stage 2
+    TrainerOptions experts_options = options;
+    experts_options.zero(std::min(options.zero(), 2));
+    return std::make_unique<ZeroChunk>(experts_options, make_optimizer, std::move(experts), std::move(replicas));
+  }
   std::set<const void*> stepped;
   return std::make_unique<WholeChunk>(options, make_optimizer, std::move(experts), std::move(replicas), stepped);
 }

@@ -84,8 +84,10 @@ std::unique_ptr<ChunkTrainer> make_chunk_trainer(const TrainerOptions& options,
                                                  std::shared_ptr<torch::nn::Module> chunk, comm::CommPtr dp,
                                                  std::set<const void*>& stepped_elsewhere);
 
-// Expert parallelism's held-apart experts (train/experts.h): whole on each of
-// their replicas, DDP over `replicas` whatever the ZeRO stage.
+// Expert parallelism's held-apart experts (train/experts.h), over their
+// `replicas`: DDP under ZeRO 0, ZeRO-1 or 2 as the stage says, ZeRO-2 under
+// ZeRO-3 (their weights stay whole: the module holding them never runs a
+// forward of its own in which to gather them).
 std::unique_ptr<ChunkTrainer> make_expert_chunk_trainer(const TrainerOptions& options,
                                                         const Trainer::MakeOptimizer& make_optimizer,
                                                         std::shared_ptr<torch::nn::Module> experts,

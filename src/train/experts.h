@@ -4,9 +4,10 @@
 // (models::MoEImpl::expert_parameters), so that the chunks' wrappers along
 // dp x cp (DDP, ZeRO 1-3), which average over ranks holding *other* experts,
 // never see them. The trainer gathers them into one module of their own,
-// nested by their full names ("blocks.3.moe.gate"), and trains it as a whole
-// chunk (DDP, no ZeRO) over the expert replicas: the ranks of dp x cp with
-// the same ep rank, which hold the same experts. Their gradients arrive as
+// nested by their full names ("blocks.3.moe.gate"), and trains it as a chunk
+// of its own over the expert replicas, the ranks of dp x cp with the same ep
+// rank, which hold the same experts: DDP, or ZeRO-1/2 (ZeRO-2 under ZeRO-3;
+// make_expert_chunk_trainer). Their gradients arrive as
 // the mean over the ep group's losses (the layer scales them by 1 / ep), so
 // that the replicas' average is the mean over all of dp x cp, as for every
 // other parameter.

@@ -40,8 +40,12 @@ TEST(Experts, ExpertParallelOverDataParallel) {
   expect_trains_like_one_process(c, 2, {}, RankOptions(), 12);  // ep 2 = dp 2
   c.zero = 1;
   expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);  // ep 2 within dp 4: two replicas of each expert
+  c.zero = 3;  // the rest fully sharded, the experts ZeRO-2 over their replicas, recomputed blocks
+  c.activation_checkpointing = "blocks";
+  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);
   c.ep = 4;
   c.zero = 0;
+  c.activation_checkpointing = "none";
   expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);  // ep 4 = dp 4: one expert per rank
   train::TrainConfig g = with_experts(tiny_gpt(), 6, 3);  // GELU experts, odd ep
   expect_trains_like_one_process(g, 3, {}, RankOptions(), 8);

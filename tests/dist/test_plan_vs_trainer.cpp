@@ -183,7 +183,8 @@ TEST(PlanVsTrainer, PredictedLlamaAndGpt2StateMatchEveryRankWithinFivePercent) {
 }
 
 // Mixtures of experts: the experts (Llama's SwiGLU experts, 4 per block) held
-// apart under ep, whole on each replica, the rest sharded by ZeRO over dp.
+// apart under ep, ZeRO 1/2 over their replicas (2 under ZeRO-3), the rest
+// sharded by ZeRO over dp.
 TEST(PlanVsTrainer, PredictedExpertStateMatchesEveryRankWithinFivePercent) {
   auto c = meshtrain::testing::tiny_llama();
   c.steps = 1;
@@ -191,7 +192,8 @@ TEST(PlanVsTrainer, PredictedExpertStateMatchesEveryRankWithinFivePercent) {
   c.model.experts = 4;
   const std::vector<std::pair<plan::Layout, bool>> runs = {
       {plan::Layout{4, 1, 1, 0, 1, 2}, false},  // ep 2, two replicas of each expert, DDP
-      {plan::Layout{4, 1, 1, 1, 1, 4}, false},  // ep 4, ZeRO-1 for the rest
+      {plan::Layout{4, 1, 1, 1, 1, 4}, false},  // ep 4, ZeRO-1 (the experts' replicas: each rank alone)
+      {plan::Layout{4, 1, 1, 2, 1, 2}, false},  // ep 2, ZeRO-2: the experts' gradients sharded over 2 replicas
       {plan::Layout{2, 2, 1, 3, 1, 2}, false},  // pp 2, ZeRO-3 for the rest
       {plan::Layout{2, 1, 2, 0, 1, 2}, false},  // tp 2: the experts whole on both tp ranks
       {plan::Layout{4, 1, 1, 3, 1, 1}, false}}; // ep 1: the experts ZeRO-3-sharded with the rest

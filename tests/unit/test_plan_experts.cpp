@@ -57,10 +57,15 @@ TEST(PlanExperts, CountsEqualTheModelsAndFlopsCountTheActiveExperts) {
 TEST(PlanExperts, ExpertsWholeOnEachReplicaTheRestShardedAndAllToAllBytesByHand) {
   const plan::DecoderShape s = train::decoder_shape(moe_model("llama"));
   const int64_t experts = 3 * plan::expert_parameter_count(s), rest = plan::parameter_count(s) - experts;
-  // dp 4, ep 2, ZeRO-1: the rest's Adam state sharded 4 ways, each rank's 4 experts (of 8) whole.
+  // dp 4, ep 2, ZeRO-1: the rest's Adam state sharded 4 ways; each rank's 4 experts (of 8) whole,
+  // their Adam state sharded over their 2 replicas.
   const plan::ModelStateBytes m = plan::predict_rank_state_bytes(s, plan::Layout{4, 1, 1, 1, 1, 2}, 0, 0, 0);
   EXPECT_EQ(m.parameters, 4 * (rest + experts / 2));
-  EXPECT_EQ(m.optimizer, 8 * ((rest + 3) / 4 + experts / 2));  // shard_of: the first ranks one more
+  EXPECT_EQ(m.optimizer, 8 * ((rest + 3) / 4 + (experts / 2 + 1) / 2));  // shard_of: the first ranks one more
+  // ZeRO-3: the rest sharded 4 ways, the experts as ZeRO-2 (weights whole, gradients and state sharded).
+  const plan::ModelStateBytes z3 = plan::predict_rank_state_bytes(s, plan::Layout{4, 1, 1, 3, 1, 2}, 0, 0, 0);
+  EXPECT_EQ(z3.parameters, 4 * ((rest + 3) / 4 + experts / 2));
+  EXPECT_EQ(z3.gradients, 4 * ((rest + 3) / 4 + (experts / 2 + 1) / 2));
   EXPECT_EQ(plan::stage_expert_parameter_count(s, plan::Layout{4, 1, 1, 1, 1, 2}, 0), experts / 2);
   // Per block and micro-batch of 2 x 32 tokens, top-2, ep 4: 3/4 of the 128 routes leave the rank,
   // dispatch + combine forward and backward of H = 64 fp32 values, and the routes' ids.
