@@ -211,8 +211,9 @@ std::optional<Recommendation> recommend(const PlanInput& in, const std::vector<E
       fitting == 1 ? " layout that fits" : " layouts that fit", ", it has the shortest predicted step, ",
       seconds_text(best->step_seconds()), " s (compute ", seconds_text(best->compute_seconds), ", pipeline bubble ",
       seconds_text(best->bubble_seconds), ", tp ", seconds_text(best->seconds.tp), ", pp ",
-      seconds_text(best->seconds.pp), ", dp exposed ", seconds_text(best->dp_exposed_seconds), " of ",
-      seconds_text(best->seconds.dp), ")");
+      seconds_text(best->seconds.pp), l.cp > 1 ? str_cat(", cp ", seconds_text(best->seconds.cp)) : "",
+      l.ep > 1 ? str_cat(", ep ", seconds_text(best->seconds.ep)) : "", ", dp exposed ",
+      seconds_text(best->dp_exposed_seconds), " of ", seconds_text(best->seconds.dp), ")");
   if (in.shape)
     reason += str_cat(": ", with_commas(std::llround(best->tokens_per_second())), " tokens/s, ",
                       tflops_text(best->flops_per_device(in.devices)), " model TFLOP/s per device");
