@@ -50,6 +50,12 @@ models::ModelConfig model_config_from_json(const json::Value& m) {
   if (m.has("max_positions")) c.max_positions = m["max_positions"].i64();
   if (m.has("norm_eps")) c.norm_eps = m["norm_eps"].num();
   if (m.has("rope_theta")) c.rope_theta = m["rope_theta"].num();
+  if (m.has("experts")) {  // a mixture of experts (written with --experts)
+    c.experts = m["experts"].i64();
+    c.top_k = m["top_k"].i64();
+    c.capacity_factor = m["capacity_factor"].num();
+    c.aux_loss_coef = m["aux_loss_coef"].num();
+  }
   return c;
 }
 
@@ -96,6 +102,9 @@ int run_export_command(const std::vector<std::string>& args, std::ostream& out) 
   MESHTRAIN_CHECK(model.config.kind == "gpt2" || model.config.kind == "llama", "meshtrain export: ", model.step_dir,
                   " holds a --model ", model.config.kind, ", which no published format describes; export gpt2 or "
                   "llama models");
+  MESHTRAIN_CHECK(model.config.experts == 0, "meshtrain export: ", model.step_dir, " holds a mixture of experts "
+                  "(--experts ", model.config.experts, "), which meshtrain's gpt2 and llama formats do not describe; "
+                  "generate from the checkpoint with meshtrain generate --resume ", resume);
   io::save_weights(target, format, model.config, model.parameters, dtype == "float32" ? at::kFloat : at::kBFloat16);
   out << "wrote " << target << " (" << (format == "hf" ? "Hugging Face directory" : "llm.c checkpoint") << ", "
       << dtype << ") from " << model.step_dir << ": " << model.config.kind << ", "

@@ -10,9 +10,12 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <sstream>
 
 #include "equivalence.h"
 #include "meshtrain/comm/rendezvous.h"
+#include "../unit/config_error.h"
+#include "meshtrain/train/export.h"
 #include "meshtrain/train/trainer.h"
 
 namespace meshtrain {
@@ -94,12 +97,23 @@ TEST(Experts, CheckpointsResumeUnderAnotherEp) {
     from.save_dir = to.save_dir = checkpoint_dir("experts-ep" + std::to_string(from_ep));
     from.steps = from.save_every = 3;
     to.steps = 6;
+    to.save_every = 3;  // and the end, which generate reads below
     to.resume = true;
     train_on_ranks(from, 2);
     const TrainOutput got = train_on_ranks(to, 2);
     if (in_rank_process()) continue;
     EXPECT_EQ(got.first_step, 3);
     expect_same_training(got, reference, Tolerance{}, "ep " + std::to_string(from_ep) + " -> " + std::to_string(to_ep));
+    // What generate reads from the checkpoint: the mixture, every expert whole, the trained values.
+    const train::CheckpointModel saved = train::load_checkpoint_model(to.save_dir);
+    EXPECT_EQ(saved.config.experts, 4);
+    EXPECT_EQ(saved.config.top_k, 2);
+    ASSERT_TRUE(saved.parameters.count("blocks.1.moe.gate"));
+    EXPECT_TRUE(at::equal(saved.parameters.at("blocks.1.moe.gate"), got.parameters.at("blocks.1.moe.gate")));
+    std::ostringstream out;
+    const std::string refused = config_error_of(
+        [&] { train::run_export_command({"--resume", to.save_dir, "--out", to.save_dir + "/hf"}, out); });
+    EXPECT_NE(refused.find("mixture of experts (--experts 4)"), std::string::npos) << refused;
   }
 }
 
