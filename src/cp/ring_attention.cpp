@@ -81,7 +81,7 @@ comm::Communicator& comm_of(AutogradContext* ctx) {
   return *reinterpret_cast<comm::Communicator*>(ctx->saved_data["comm"].toInt());
 }
 
-// Keeps q (kernel layout), this rank's keys and values, the output and the log-sum-exp.
+// Keeps q (kernel layout), this rank's keys and values, the output ([B, T, H, d]) and the log-sum-exp.
 struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             int64_t comm_handle, int64_t query_block, int64_t key_block) {
@@ -105,19 +105,24 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       if (hop) kv = hop->finish();
     }
     // Every query chunk saw its own (diagonal) chunk at step 0: both are defined.
-    const at::Tensor out = at::cat({acc[0].out, acc[1].out}, 2).to(q.scalar_type());
+    // The output is kept as [B, T, KV, G, d], the layout the models' output
+    // projection reads (as flash_attention keeps it): the projection's input is
+    // then a view of it, not a second copy.
+    const at::Tensor out_bthd =
+        at::cat({acc[0].out, acc[1].out}, 2).to(q.scalar_type()).permute({0, 2, 1, 3, 4}).contiguous();
     const at::Tensor lse = at::cat({acc[0].lse, acc[1].lse}, 2);
-    ctx->save_for_backward({q5, own_kv, out, lse});
+    ctx->save_for_backward({q5, own_kv, out_bthd, lse});
     ctx->saved_data["comm"] = comm_handle;
     ctx->saved_data["query_block"] = query_block;
     ctx->saved_data["key_block"] = key_block;
-    return models::from_kernel_layout(out);
+    return out_bthd.view({q.size(0), q.size(2), q.size(1), q.size(3)}).transpose(1, 2);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     comm::Communicator& c = comm_of(ctx);
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &q5 = saved[0], &out = saved[2], &lse = saved[3];
+    const at::Tensor &q5 = saved[0], &lse = saved[3];
+    const at::Tensor out = saved[2].permute({0, 2, 1, 3, 4});  // [B, KV, T, G, d], the kernel's layout
     at::Tensor kv = saved[1];
     const models::FlashOptions options{ctx->saved_data["query_block"].toInt(), ctx->saved_data["key_block"].toInt()};
     const int n = c.size(), r = c.rank();
