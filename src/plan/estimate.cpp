@@ -33,7 +33,7 @@ PlanInput cp_rank_input(const PlanInput& in, int cp) {
 // Under expert parallelism, without the experts (stage_experts).
 int64_t stage_params(const PlanInput& in, const Layout& l, int stage) {
   if (!in.shape) return in.params;
-  return stage_parameter_count(*in.shape, l.pp, l.tp, stage) - l.ep * stage_expert_parameter_count(*in.shape, l, stage);
+  return stage_replicated_parameter_count(*in.shape, l, stage);
 }
 
 // The experts one rank holds apart under expert parallelism (0 otherwise).
@@ -64,8 +64,8 @@ int64_t stage_buffers(const PlanInput& in, const Layout& l, int stage, int64_t p
     bytes += (b.parameters + b.gradients) * tied_weight_copy_count(*in.shape, l.pp, l.tp, stage);
   }
   // Experts held apart, over their replicas: DDP's buckets, or ZeRO-2's (ZeRO-3 reduces them as ZeRO-2).
-  if (l.replicas() / l.ep > 1 && l.zero == 0) bytes += b.gradients * stage_experts(in, l, stage);
-  if (l.replicas() / l.ep > 1 && l.zero >= 2)
+  if (l.expert_replicas() > 1 && l.zero == 0) bytes += b.gradients * stage_experts(in, l, stage);
+  if (l.expert_replicas() > 1 && l.zero >= 2)
     bytes += std::min<int64_t>(2 * kBucketCapBytes, b.gradients * stage_experts(in, l, stage));
   if (l.pp > 1 && in.shape) {
     // One receive and one send buffer of b*s*h values.
@@ -78,7 +78,7 @@ CommBytes stage_comm(const PlanInput& in, const Layout& l, int stage, int64_t mi
   const StateBytesPerParam b = state_bytes_per_param(in.precision, in.optimizer, in.momentum > 0);
   CommBytes c;
   c.dp = dp_comm_bytes(stage_params(in, l, stage), b.gradients, l.zero, l.replicas(), microbatches) +
-         dp_comm_bytes(stage_experts(in, l, stage), b.gradients, std::min(l.zero, 2), l.replicas() / l.ep,
+         dp_comm_bytes(stage_experts(in, l, stage), b.gradients, std::min(l.zero, 2), l.expert_replicas(),
                        microbatches);
   if (in.shape) {
     const int64_t blocks = blocks_on_stage(*in.shape, l.pp, stage);
@@ -211,7 +211,7 @@ MemoryBytes stage_memory(const PlanInput& in, const Layout& l, int stage, int64_
   const ModelStateBytes state = zero_model_state(psi, per, l.zero, l.replicas());
   // The experts held apart: ZeRO 1 or 2 over their replicas (2 under ZeRO-3).
   const ModelStateBytes experts =
-      zero_model_state(stage_experts(in, l, stage), per, std::min(l.zero, 2), l.replicas() / l.ep);
+      zero_model_state(stage_experts(in, l, stage), per, std::min(l.zero, 2), l.expert_replicas());
   MemoryBytes m;
   m.parameters = state.parameters + experts.parameters;
   m.gradients = state.gradients + experts.gradients;

@@ -145,6 +145,11 @@ int64_t stage_expert_parameter_count(const DecoderShape& s, const Layout& l, int
   return blocks_on_stage(s, l.pp, stage) * expert_parameter_count(s) / l.ep;
 }
 
+int64_t stage_replicated_parameter_count(const DecoderShape& s, const Layout& l, int stage) {
+  const int64_t held_apart = l.ep > 1 ? blocks_on_stage(s, l.pp, stage) * expert_parameter_count(s) : 0;
+  return stage_parameter_count(s, l.pp, l.tp, stage) - held_apart;
+}
+
 int64_t num_pieces(const DecoderShape& s) { return s.layers + 2; }
 
 int64_t piece_parameter_count(const DecoderShape& s, int tp, int64_t piece) {
@@ -251,13 +256,13 @@ ModelStateBytes predict_rank_state_bytes(const DecoderShape& shape, const Layout
   // tp splits every split tensor evenly (tp divides heads and vocab), so all
   // tp ranks of a stage hold the same number of parameters.
   MESHTRAIN_CHECK(tp_rank >= 0 && tp_rank < layout.tp, "tp_rank ", tp_rank, " is outside [0, ", layout.tp, ")");
-  const int64_t experts = stage_expert_parameter_count(shape, layout, stage);
-  const int64_t psi = stage_parameter_count(shape, layout.pp, layout.tp, stage) - experts * layout.ep;
+  const int64_t psi = stage_replicated_parameter_count(shape, layout, stage);
   const StateBytesPerParam bytes = state_bytes_per_param(precision, OptimizerKind::kAdam, false);
   ModelStateBytes m = zero_model_state(psi, bytes, layout.zero, layout.dp, dp_rank);
-  const int replicas = layout.replicas() / layout.ep;  // the ranks holding the same experts: dp_rank / ep is ours
-  const ModelStateBytes held_apart =
-      zero_model_state(experts, bytes, std::min(layout.zero, 2), replicas, dp_rank / layout.ep);
+  // The experts' replicas: dp_rank / ep is this rank's place among them.
+  const ModelStateBytes held_apart = zero_model_state(stage_expert_parameter_count(shape, layout, stage), bytes,
+                                                      std::min(layout.zero, 2), layout.expert_replicas(),
+                                                      dp_rank / layout.ep);
   m.parameters += held_apart.parameters;
   m.gradients += held_apart.gradients;
   m.optimizer += held_apart.optimizer;

@@ -67,14 +67,15 @@ struct Columns {
 
 // The layout columns: dp pp tp (cp) (ep) zero.
 std::string layout_cells(const Layout& l, bool recommended, Columns show) {
-  char buf[64];
-  std::string out = recommended ? "*" : " ";
-  std::snprintf(buf, sizeof buf, " %5d %4d %4d", l.dp, l.pp, l.tp);
-  out += buf;
-  if (show.cp) out += str_cat(" ", std::string(4 - std::to_string(l.cp).size(), ' '), l.cp);
-  if (show.ep) out += str_cat(" ", std::string(4 - std::to_string(l.ep).size(), ' '), l.ep);
-  std::snprintf(buf, sizeof buf, " %4d", l.zero);
-  return out + buf;
+  auto cell = [](int value) {
+    char buf[16];
+    std::snprintf(buf, sizeof buf, " %4d", value);
+    return std::string(buf);
+  };
+  std::string out = std::string(recommended ? "*" : " ") + " " + cell(l.dp) + cell(l.pp) + cell(l.tp);
+  if (show.cp) out += cell(l.cp);
+  if (show.ep) out += cell(l.ep);
+  return out + cell(l.zero);
 }
 
 std::string table_row(const Estimate& e, int devices, bool recommended, Columns show) {

@@ -151,8 +151,8 @@ StageTime stage_time(const PlanInput& in, const Layout& l, int stage, int64_t m)
     t.ep = blocks * static_cast<double>(m) * (messages * link.latency + bytes / link.bandwidth);
   }
   // The experts' gradients go over their replicas (dp x cp / ep), the rest over dp x cp.
-  const int64_t experts = stage_expert_parameter_count(s, l, stage);
-  dp_time(in, l, stage_parameter_count(s, l.pp, l.tp, stage) - experts * l.ep + experts, m, backward_per_mb, t);
+  dp_time(in, l, stage_replicated_parameter_count(s, l, stage) + stage_expert_parameter_count(s, l, stage), m,
+          backward_per_mb, t);
   return t;
 }
 

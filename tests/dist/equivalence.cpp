@@ -24,6 +24,24 @@ double adam_weight_floor(const train::TrainConfig& config) {
   return 1e-2 * config.lr * (1e-8 / config.adam_eps);  // the amplification scales with 1 / eps
 }
 
+train::TrainConfig one_process(const train::TrainConfig& config, int64_t micro_batch) {
+  train::TrainConfig single = config;
+  single.dp = 0;
+  single.pp = 1;
+  single.tp = 1;
+  single.cp = 1;
+  single.ep = 1;
+  single.zero = 0;
+  single.strategy = "ddp";
+  single.micro_batch = micro_batch;
+  single.sequence_parallel = false;
+  single.microbatches = 0;
+  single.virtual_stages = 1;
+  single.stage_boundaries.clear();
+  single.activation_checkpointing = "none";  // recomputing must change nothing
+  return single;
+}
+
 std::string checkpoint_dir(const std::string& test) {
   const int parent = in_rank_process() ? getppid() : getpid();
   const std::string dir = "/tmp/meshtrain-ckpt-" + std::to_string(parent) + "-" + test;
@@ -161,21 +179,8 @@ void expect_trains_like_one_process(const train::TrainConfig& config, int world,
   }, options);
   if (in_rank_process() || ::testing::Test::HasFailure()) return;
 
-  train::TrainConfig single = config;
-  single.dp = 0;
-  single.pp = 1;
-  single.tp = 1;
-  single.cp = 1;
-  single.zero = 0;
-  single.strategy = "ddp";
-  single.micro_batch = reference_micro_batch;
-  single.ep = 1;
-  single.sequence_parallel = false;
-  single.microbatches = 0;
-  single.virtual_stages = 1;
-  single.stage_boundaries.clear();
-  single.activation_checkpointing = "none";  // recomputing must change nothing
-  train::TrainResult ref = train::run_training(train::resolve(single, 1), comm::make_single_process_world(), quiet);
+  train::TrainResult ref = train::run_training(train::resolve(one_process(config, reference_micro_batch), 1),
+                                               comm::make_single_process_world(), quiet);
   auto got = load_tensors(run.file("result.bin"));
   at::Tensor losses = got.at("__losses__");
   ASSERT_EQ(losses.numel(), static_cast<int64_t>(ref.losses.size()));

@@ -60,6 +60,10 @@ double adam_weight_floor(const train::TrainConfig& config);
 void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol = {},
                                     const RankOptions& options = RankOptions(), int64_t reference_micro_batch = 0);
 
+// `config` on one process: every axis 1, plain training, no recomputation,
+// micro-batches of `micro_batch` samples (0: the global batch at once).
+train::TrainConfig one_process(const train::TrainConfig& config, int64_t micro_batch = 0);
+
 // What rank 0 of a run_training reported, handed back to the test process.
 struct TrainOutput {
   int64_t first_step = 0;

@@ -127,17 +127,11 @@ TEST(Experts, MetricsRouterLoadEqualsOneProcess) {
   c.microbatches = 2;
   const json::Value m = metrics_on_ranks(c, 4);
   if (m.type == json::Value::Type::kNull) return;  // in a rank process
-  train::TrainConfig single = c;
-  single.dp = 0;
-  single.pp = 1;
-  single.ep = 1;
-  single.microbatches = 0;
-  single.micro_batch = 6;
   train::RunOptions quiet;
   quiet.verbose = false;
   quiet.evaluate = false;
   const train::TrainResult ref =
-      train::run_training(train::resolve(single, 1), comm::make_single_process_world(), quiet);
+      train::run_training(train::resolve(one_process(c, 6), 1), comm::make_single_process_world(), quiet);
   const json::Value& loads = m["experts"]["router_load"];
   ASSERT_EQ(loads.items.size(), ref.router_load.size());
   double dropped = 0;

@@ -110,10 +110,12 @@ TEST(PlanCp, TheCommandPassesCp) {
   }
 }
 
+// What resolving the trainer's flags on `world` ranks raises ("" when it does not).
+std::string error(const std::string& args, int world) {
+  return config_error_of([&] { train::resolve(train::parse_train_args(split_args(args)), world); });
+}
+
 TEST(TrainCp, FlagsAreCheckedBeforeAnyCommunication) {
-  auto error = [](const std::string& args, int world) {
-    return config_error_of([&] { train::resolve(train::parse_train_args(split_args(args)), world); });
-  };
   const train::TrainConfig c = train::resolve(train::parse_train_args(split_args("--cp 2 --seq-len 16")), 4);
   EXPECT_EQ(c.cp, 2);
   EXPECT_EQ(c.dp, 2);  // the world over pp x tp x cp
@@ -128,9 +130,6 @@ TEST(TrainCp, FlagsAreCheckedBeforeAnyCommunication) {
 
 // --experts and --ep: refused before any communication, naming the value and the fix.
 TEST(TrainExperts, FlagsAreCheckedBeforeAnyCommunication) {
-  auto error = [](const std::string& args, int world) {
-    return config_error_of([&] { train::resolve(train::parse_train_args(split_args(args)), world); });
-  };
   const train::TrainConfig c = train::resolve(train::parse_train_args(split_args("--experts 8 --top-k 2 --ep 4")), 4);
   EXPECT_EQ(c.ep, 4);
   EXPECT_EQ(c.dp, 4);  // ep uses the data-parallel ranks

@@ -71,11 +71,13 @@ struct Layout {
   // reduction span dp x cp, the ranks that hold the same parameters.
   int cp = 1;
   // Expert parallelism (mixtures of experts): each block's experts split over
-  // ep consecutive ranks of dp x cp, whole (not ZeRO-sharded) on each of their
-  // replicas dp x cp / ep; tokens sent to them by all-to-all.
+  // ep consecutive ranks of dp x cp, ZeRO 1/2 over their replicas (2 under
+  // ZeRO-3); tokens sent to them by all-to-all.
   int ep = 1;
   // The ranks holding the same parameters, which ZeRO shards and the gradients reduce over.
   int replicas() const { return dp * cp; }
+  // The ranks holding the same experts under expert parallelism.
+  int expert_replicas() const { return replicas() / ep; }
 };
 
 // Why meshtrain cannot cut `shape` this way (tp must divide the heads, the
@@ -133,6 +135,9 @@ int64_t block_active_parameter_count(const DecoderShape& shape, int tp);
 // The experts' weights one rank of `stage` holds under expert parallelism:
 // its blocks' experts / ep (0 when ep is 1: they are ordinary parameters then).
 int64_t stage_expert_parameter_count(const DecoderShape& shape, const Layout& layout, int stage);
+// The rest of the stage's parameters one tp rank holds, which ZeRO shards over
+// dp x cp: all of them without expert parallelism.
+int64_t stage_replicated_parameter_count(const DecoderShape& shape, const Layout& layout, int stage);
 
 // The model as meshtrain's pipeline cuts it (models::num_pieces): piece 0 the
 // embeddings, pieces 1..layers the blocks, piece layers + 1 the final norm
