@@ -1,5 +1,8 @@
 #include "backend.h"
 
+#include <sched.h>
+#include <unistd.h>
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -154,14 +157,33 @@ CommPtr split_communicator(Communicator& parent, const std::shared_ptr<Process>&
                            str_cat(prefix, "/s", split_id, "c", color), std::move(options));
 }
 
-int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb, int64_t max_kb) {
+namespace {
+
+int64_t env_integer(const char* name, int64_t fallback, int64_t min, int64_t max, const char* what) {
   const char* v = std::getenv(name);
-  if (!v || !*v) return fallback_bytes;
+  if (!v || !*v) return fallback;
   char* end = nullptr;
-  const long long kb = std::strtoll(v, &end, 10);
-  const std::string range = max_kb == kNoMaxKib ? str_cat(min_kb, " or more") : str_cat("between ", min_kb, " and ", max_kb);
-  MESHTRAIN_CHECK(end && *end == '\0' && kb >= min_kb && kb <= max_kb, name, "='", v, "' must be a size in KiB (", range, ")");
-  return static_cast<int64_t>(kb) << 10;
+  const long long x = std::strtoll(v, &end, 10);
+  const std::string range = max == kNoMaxKib ? str_cat(min, " or more") : str_cat("between ", min, " and ", max);
+  MESHTRAIN_CHECK(end && *end == '\0' && x >= min && x <= max, name, "='", v, "' must be ", what, " (", range, ")");
+  return x;
+}
+
+}  // namespace
+
+int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb, int64_t max_kb) {
+  const int64_t kb = env_integer(name, -1, min_kb, max_kb, "a size in KiB");
+  return kb < 0 ? fallback_bytes : kb << 10;
+}
+
+std::chrono::microseconds env_us(const char* name, std::chrono::microseconds fallback) {
+  return std::chrono::microseconds(env_integer(name, fallback.count(), 0, 1000000, "a time in microseconds"));
+}
+
+int available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
 }
 
 }  // namespace comm

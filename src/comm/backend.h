@@ -14,6 +14,7 @@
 // "hosts" on one machine.
 
 #include <cstdint>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -65,6 +66,10 @@ CommPtr split_communicator(Communicator& parent, const std::shared_ptr<Process>&
 // accepted range for anything but an integer in [min_kb, max_kb].
 constexpr int64_t kNoMaxKib = INT64_MAX >> 10;
 int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb = 0, int64_t max_kb = kNoMaxKib);
+// A spin budget: the environment variable `name` in microseconds (0 to 1 s), or `fallback`.
+std::chrono::microseconds env_us(const char* name, std::chrono::microseconds fallback);
+// Cores this process may run on (its affinity mask).
+int available_cores();
 
 }  // namespace comm
 }  // namespace meshtrain

@@ -145,22 +145,19 @@ int Process::rank_of_label(const std::string& label) {
   }
 }
 
-void Process::register_wait(gloo::transport::UnboundBuffer* buf, int peer,
-                            std::chrono::steady_clock::duration long_after) {
+void Process::register_wait(const void* key, int peer, std::chrono::steady_clock::duration long_after,
+                            std::function<void()> abort) {
   std::lock_guard<std::mutex> lock(mutex_);
-  waiting_[buf] = GlooWait{peer, std::chrono::steady_clock::now() + long_after};
+  if (failure_) abort();
+  waiting_[key] = GlooWait{peer, std::chrono::steady_clock::now() + long_after, std::move(abort)};
   if (!recorder_.joinable()) recorder_ = std::thread([this] { record_long_waits(); });
-  if (failure_) {
-    buf->abortWaitRecv();
-    buf->abortWaitSend();
-  }
 }
 
-void Process::unregister_wait(gloo::transport::UnboundBuffer* buf, bool completed) {
+void Process::unregister_wait(const void* key, bool completed) {
   bool was_long = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = waiting_.find(buf);
+    auto it = waiting_.find(key);
     if (it != waiting_.end()) {
       was_long = std::chrono::steady_clock::now() >= it->second.long_at;
       waiting_.erase(it);
@@ -290,10 +287,7 @@ void Process::on_failure(const FailureReport& report) {
   if (failure_) return;
   failure_ = report;
   failed_.store(true, std::memory_order_release);
-  for (auto& kv : waiting_) {
-    kv.first->abortWaitRecv();
-    kv.first->abortWaitSend();
-  }
+  for (auto& kv : waiting_) kv.second.abort();
   for (auto& kv : listeners_) kv.second();
 }
 

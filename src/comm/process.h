@@ -86,13 +86,15 @@ class Process {
   // and the watcher may name the dead rank a moment later).
   std::optional<FailureReport> await_failure(std::chrono::milliseconds grace) const;
 
-  // Gloo waits registered here are aborted (abortWaitRecv/Send) when a
-  // failure arrives. A wait for global rank `peer` still registered after
+  // Blocking waits (Gloo's, the TCP links') registered here under `key` are
+  // aborted (`abort`, called once, under this object's lock) when a failure
+  // arrives. A wait for global rank `peer` still registered after
   // `long_after` is recorded with note_waiting by a recorder thread (a Gloo
   // wait is one blocking call); the record is cleared when it completes and
   // kept when it fails.
-  void register_wait(gloo::transport::UnboundBuffer* buf, int peer, std::chrono::steady_clock::duration long_after);
-  void unregister_wait(gloo::transport::UnboundBuffer* buf, bool completed);
+  void register_wait(const void* key, int peer, std::chrono::steady_clock::duration long_after,
+                     std::function<void()> abort);
+  void unregister_wait(const void* key, bool completed);
   // Other backends register a callback that wakes their waiters (called once,
   // from the watcher's thread, after failed() became true). Returns an id.
   int add_failure_listener(std::function<void()> wake);
@@ -121,9 +123,10 @@ class Process {
   struct GlooWait {
     int peer = -1;
     std::chrono::steady_clock::time_point long_at;
+    std::function<void()> abort;
   };
   void record_long_waits();  // the recorder thread's loop
-  std::map<gloo::transport::UnboundBuffer*, GlooWait> waiting_;
+  std::map<const void*, GlooWait> waiting_;
   std::thread recorder_;
   std::condition_variable recorder_wake_;
   bool stopping_ = false;

@@ -71,6 +71,9 @@ meshtrain::testing::RankOptions options_for(const Case& c) {
     if (c.large) options.env.push_back("MESHTRAIN_HIER_MIN_KB=0");  // every all_reduce takes the hierarchical path
   } else if (backend == "gloo_direct") {
     options.env.push_back("MESHTRAIN_BACKEND=gloo");  // the default algorithms above inline_bytes
+  } else if (backend == "libgloo") {  // the Gloo backend on libgloo's transport (Note [Gloo transports])
+    options.env.push_back("MESHTRAIN_BACKEND=gloo");
+    options.env.push_back("MESHTRAIN_GLOO_TRANSPORT=gloo");
   } else {
     options.env.push_back("MESHTRAIN_BACKEND=" + backend);
     if (backend == "gloo" && c.large) options.env.push_back("MESHTRAIN_GLOO_RING_KB=0");  // the ring
@@ -452,6 +455,7 @@ std::vector<Case> every_case(bool large) {
   // Gloo's large path is the ring above (MESHTRAIN_GLOO_RING_KB=0); its
   // default above inline_bytes, the direct algorithms, differ from it from 3 ranks on.
   if (large) cases.push_back({"gloo_direct", 3, large});
+  cases.push_back({"libgloo", 3, large});
   return cases;
 }
 

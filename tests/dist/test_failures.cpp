@@ -41,7 +41,13 @@ class Failures : public ::testing::TestWithParam<const char*> {
  protected:
   RankOptions options() const {
     RankOptions o;
-    o.env.push_back(std::string("MESHTRAIN_BACKEND=") + GetParam());
+    const std::string backend = GetParam();
+    if (backend == "libgloo") {  // the Gloo backend on libgloo's transport (Note [Gloo transports])
+      o.env.push_back("MESHTRAIN_BACKEND=gloo");
+      o.env.push_back("MESHTRAIN_GLOO_TRANSPORT=gloo");
+    } else {
+      o.env.push_back("MESHTRAIN_BACKEND=" + backend);
+    }
     return o;
   }
 };
@@ -349,11 +355,11 @@ TEST_P(Split, ByColorAndByRankListConcurrentWithParent) {
   }, options());
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, Failures, ::testing::Values("shm", "gloo", "mpi"),
+INSTANTIATE_TEST_SUITE_P(Backends, Failures, ::testing::Values("shm", "gloo", "libgloo", "mpi"),
                          [](const auto& info) { return std::string(info.param); });
-INSTANTIATE_TEST_SUITE_P(Backends, WaitChain, ::testing::Values("shm", "gloo"),
+INSTANTIATE_TEST_SUITE_P(Backends, WaitChain, ::testing::Values("shm", "gloo", "libgloo"),
                          [](const ::testing::TestParamInfo<const char*>& info) { return std::string(info.param); });
-INSTANTIATE_TEST_SUITE_P(Backends, PeerDeath, ::testing::Values("shm", "gloo"),
+INSTANTIATE_TEST_SUITE_P(Backends, PeerDeath, ::testing::Values("shm", "gloo", "libgloo"),
                          [](const auto& info) { return std::string(info.param); });
 INSTANTIATE_TEST_SUITE_P(Backends, Split, ::testing::Values("shm", "gloo", "mpi"),
                          [](const auto& info) { return std::string(info.param); });

@@ -67,40 +67,76 @@ std::string pair_proof(const std::string& token, const std::string& nonce, int f
 }
 
 // Sends `mine[p]` to every peer p and receives `theirs[p]` (same sizes) on `slot`.
-void exchange_with_peers(gloo::rendezvous::Context& ctx, const std::vector<std::string>& mine,
-                         std::vector<std::string>& theirs, uint64_t slot, std::chrono::milliseconds timeout) {
-  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sends, recvs;
-  for (int p = 0; p < ctx.size; ++p) {
-    if (p == ctx.rank) continue;
-    sends.push_back(ctx.createUnboundBuffer(const_cast<char*>(mine[p].data()), mine[p].size()));
-    sends.back()->send(p, slot);
-    recvs.push_back(ctx.createUnboundBuffer(&theirs[p][0], theirs[p].size()));
-    recvs.back()->recv(p, slot);
-  }
-  for (auto& b : sends) b->waitSend(timeout);
-  for (auto& b : recvs) b->waitRecv(timeout);
+using Exchange = std::function<void(const std::vector<std::string>& mine, std::vector<std::string>& theirs,
+                                    uint64_t slot)>;
+
+Exchange exchange_on_gloo(gloo::rendezvous::Context& ctx, std::chrono::milliseconds timeout) {
+  return [&ctx, timeout](const std::vector<std::string>& mine, std::vector<std::string>& theirs, uint64_t slot) {
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sends, recvs;
+    for (int p = 0; p < ctx.size; ++p) {
+      if (p == ctx.rank) continue;
+      sends.push_back(ctx.createUnboundBuffer(const_cast<char*>(mine[p].data()), mine[p].size()));
+      sends.back()->send(p, slot);
+      recvs.push_back(ctx.createUnboundBuffer(&theirs[p][0], theirs[p].size()));
+      recvs.back()->recv(p, slot);
+    }
+    for (auto& b : sends) b->waitSend(timeout);
+    for (auto& b : recvs) b->waitRecv(timeout);
+  };
 }
 
-// Every peer of `ctx` proves it knows `token` (Note [Authenticated pairs]).
-// ConfigError naming the first peer that does not.
-void prove_pairs(gloo::rendezvous::Context& ctx, const std::vector<int>& global, const std::string& token,
-                 std::chrono::milliseconds timeout, const std::string& label) {
+Exchange exchange_on_links(tcp::Links& links, int rank, std::chrono::milliseconds timeout, const std::string& label) {
+  return [&links, rank, timeout, label](const std::vector<std::string>& mine, std::vector<std::string>& theirs,
+                                        uint64_t slot) {
+    std::vector<tcp::RequestPtr> requests;
+    for (int p = 0; p < static_cast<int>(mine.size()); ++p) {
+      if (p == rank) continue;
+      requests.push_back(links.send(p, slot, mine[p].data(), mine[p].size()));
+      requests.push_back(links.recv(p, slot, &theirs[p][0], theirs[p].size()));
+    }
+    for (auto& r : requests) {
+      if (links.wait(*r, timeout) == tcp::WaitResult::kDone && (!r->is_recv || r->received == r->size)) continue;
+      throw TimeoutError(str_cat("connecting communicator '", label, "': the proof exchange with rank ", r->peer,
+                                 " failed: ", links.broken_reason(r->peer)));
+    }
+  };
+}
+
+// Every peer proves it knows `token` (Note [Authenticated pairs]). ConfigError
+// naming the first peer that does not.
+void prove_pairs(const Exchange& exchange, int rank, const std::vector<int>& global, const std::string& token,
+                 const std::string& label) {
+  const int size = static_cast<int>(global.size());
   const std::string nonce = store_auth::random_bytes(32);
-  std::vector<std::string> nonces(ctx.size, nonce), theirs(ctx.size, std::string(32, '\0'));
-  exchange_with_peers(ctx, nonces, theirs, kPairProofBit, timeout);
-  std::vector<std::string> answers(ctx.size), proofs(ctx.size);
-  for (int p = 0; p < ctx.size; ++p) {
-    answers[p] = pair_proof(token, theirs[p], global[ctx.rank], global[p]);
+  std::vector<std::string> nonces(size, nonce), theirs(size, std::string(32, '\0'));
+  exchange(nonces, theirs, kPairProofBit);
+  std::vector<std::string> answers(size), proofs(size);
+  for (int p = 0; p < size; ++p) {
+    answers[p] = pair_proof(token, theirs[p], global[rank], global[p]);
     proofs[p] = std::string(answers[p].size(), '\0');
   }
-  exchange_with_peers(ctx, answers, proofs, kPairProofBit | 1, timeout);
-  for (int p = 0; p < ctx.size; ++p) {
-    if (p == ctx.rank) continue;
-    MESHTRAIN_CHECK(store_auth::same_mac(proofs[p], pair_proof(token, nonce, global[p], global[ctx.rank])),
+  exchange(answers, proofs, kPairProofBit | 1);
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    MESHTRAIN_CHECK(store_auth::same_mac(proofs[p], pair_proof(token, nonce, global[p], global[rank])),
                     "communicator '", label, "': the connection of rank ", p, " (global rank ", global[p],
                     ") did not prove it knows the job's token; refused (a process that is not this job's rank "
                     "took its place)");
   }
+}
+
+// Note [Gloo transports]
+// The Gloo backend's messages travel over meshtrain's TCP links by default
+// (tcp/links.h: progressed by the waiting thread, eager sends; Note [Links:
+// progress on the waiting thread]), or over libgloo's TCP transport with
+// MESHTRAIN_GLOO_TRANSPORT=gloo. Both carry the same messages in the same
+// slots, so every algorithm, count and error path above them is shared.
+bool use_links() {
+  const char* v = std::getenv("MESHTRAIN_GLOO_TRANSPORT");
+  const std::string value = v ? v : "";
+  if (value.empty() || value == "links") return true;
+  if (value == "gloo") return false;
+  throw ConfigError(str_cat("MESHTRAIN_GLOO_TRANSPORT='", value, "' is not a transport: use links (the default) or gloo"));
 }
 
 uint64_t p2p_slot(int tag, bool data) {
@@ -115,14 +151,45 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
       process_(std::move(process)),
       prefix_(store_prefix),
       ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)) {  // unset: never (Note [Gloo algorithms])
+  if (use_links()) {
+    connect_links();
+  } else {
+    connect_gloo();
+  }
+  const std::string& mine = process_->host_of(global_ranks_[rank_]);
+  for (int g : global_ranks_) remote_.push_back(process_->host_of(g) != mine);
+}
+
+GlooCommunicator::~GlooCommunicator() {
+  stop_worker();
+  context_.reset();
+  links_.reset();
+}
+
+void GlooCommunicator::connect_links() {
+  PrefixStore store(prefix_, process_->store());
+  links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
+                                        options_.label);
+  // Spinning only pays when every rank of this host has a core of its own (as for shared memory).
+  const bool own_core = process_->ranks_on_my_host() <= available_cores();
+  links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", std::chrono::microseconds(own_core ? 20 : 0)));
+  if (!process_->store()->token().empty()) {
+    prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
+                process_->store()->token(), options_.label);
+  }
+}
+
+void GlooCommunicator::connect_gloo() {
   auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size());
   ctx->setTimeout(options_.timeout);
   GlooStoreAdapter adapter(std::make_shared<PrefixStore>(prefix_, process_->store()));
   try {
     auto device = process_->gloo_device();
     ctx->connectFullMesh(adapter, device);
-    if (!process_->store()->token().empty())
-      prove_pairs(*ctx, global_ranks_, process_->store()->token(), options_.timeout, options_.label);
+    if (!process_->store()->token().empty()) {
+      prove_pairs(exchange_on_gloo(*ctx, options_.timeout), rank_, global_ranks_, process_->store()->token(),
+                  options_.label);
+    }
   } catch (const gloo::Exception& e) {
     if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
       const int r = Process::rank_of_label(f->label);
@@ -134,13 +201,6 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
                                " of ", size(), ") failed: ", e.what()));
   }
   context_ = ctx;
-  const std::string& mine = process_->host_of(global_ranks_[rank_]);
-  for (int g : global_ranks_) remote_.push_back(process_->host_of(g) != mine);
-}
-
-GlooCommunicator::~GlooCommunicator() {
-  stop_worker();
-  context_.reset();
 }
 
 // ---- transfers
@@ -163,12 +223,16 @@ void GlooCommunicator::post(const Transfer& t, SendOrRecv&& send_or_recv) const 
 Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind) {
   Transfer t;
-  t.buf = context_->createUnboundBuffer(const_cast<void*>(ptr), bytes);
   t.peer = peer;
   t.is_recv = false;
   t.bytes = bytes;
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
+  if (links_) {
+    t.req = links_->send(peer, slot, ptr, bytes);
+    return t;
+  }
+  t.buf = context_->createUnboundBuffer(const_cast<void*>(ptr), bytes);
   post(t, [&] { t.buf->send(peer, slot); });
   return t;
 }
@@ -176,12 +240,16 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
 Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind) {
   Transfer t;
-  t.buf = context_->createUnboundBuffer(ptr, bytes);
   t.peer = peer;
   t.is_recv = true;
   t.bytes = bytes;
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
+  if (links_) {
+    t.req = links_->recv(peer, slot, ptr, bytes);
+    return t;
+  }
+  t.buf = context_->createUnboundBuffer(ptr, bytes);
   post(t, [&] { t.buf->recv(peer, slot); });
   return t;
 }
@@ -206,10 +274,14 @@ bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration wa
 }
 
 void GlooCommunicator::wait(Transfer& t) {
+  if (t.req) return wait_on_links(t);
   if (!t.buf) return;
   // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]).
-  process_->register_wait(t.buf.get(), global_ranks_[t.peer],
-                          std::max<std::chrono::steady_clock::duration>(std::chrono::seconds(1), options_.timeout / 4));
+  auto* buf = t.buf.get();
+  process_->register_wait(buf, global_ranks_[t.peer], long_wait(), [buf] {
+    buf->abortWaitRecv();
+    buf->abortWaitSend();
+  });
   const auto start = std::chrono::steady_clock::now();
   bool completed = false;
   try {
@@ -225,6 +297,22 @@ void GlooCommunicator::wait(Transfer& t) {
   const int64_t bytes = static_cast<int64_t>(t.bytes);
   count(t.kind, t.peer, t.is_recv ? 0 : bytes, t.is_recv ? bytes : 0);
   t.buf.reset();
+}
+
+void GlooCommunicator::wait_on_links(Transfer& t) {
+  tcp::Links* links = links_.get();
+  process_->register_wait(t.req.get(), global_ranks_[t.peer], long_wait(), [links] { links->abort(); });
+  const tcp::WaitResult result = links->wait(*t.req, options_.timeout);
+  process_->unregister_wait(t.req.get(), result == tcp::WaitResult::kDone);
+  switch (result) {
+    case tcp::WaitResult::kDone: break;
+    case tcp::WaitResult::kTimeout: throw_timeout(t);
+    case tcp::WaitResult::kBroken: throw_broken_connection(t, links->broken_reason(t.peer));
+    case tcp::WaitResult::kAborted: throw_aborted(t);
+  }
+  const int64_t bytes = static_cast<int64_t>(t.bytes);
+  count(t.kind, t.peer, t.is_recv ? 0 : bytes, t.is_recv ? bytes : 0);
+  t.req.reset();
 }
 
 void GlooCommunicator::throw_timeout(const Transfer& t) const {

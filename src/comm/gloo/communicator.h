@@ -1,11 +1,12 @@
 #pragma once
-// GlooCommunicator: Communicator over libgloo's TCP transport, used directly
-// (not through c10d's ProcessGroupGloo, whose worker-thread hand-offs cost
-// ~2.6 ms per small all-reduce here against ~0.14 ms for libgloo). Collectives
-// are our own algorithms over gloo's unbound buffers (ring reduce-scatter /
-// all-gather / all-reduce, direct sends for the rest), so that every byte is
-// counted, every wait has a timeout and failure hook, and reduce-scatter exists
-// at all (gloo in libtorch 1.13 has none).
+// GlooCommunicator: the Communicator for ranks that reach one another over
+// TCP (not c10d's ProcessGroupGloo, whose worker-thread hand-offs cost ~2.6 ms
+// per small all-reduce here). Collectives are our own algorithms over
+// messages addressed by (peer, slot) (ring reduce-scatter / all-gather /
+// all-reduce, direct sends for the rest), so that every byte is counted, every
+// wait has a timeout and failure hook, and reduce-scatter exists at all (gloo
+// in libtorch 1.13 has none). The messages travel over meshtrain's TCP links
+// (tcp/links.h), or libgloo's unbound buffers: Note [Gloo transports].
 //
 // Execution (QueuedCommunicator): one operation at a time, in submission order;
 // the running operation's sequence number, identical on every rank, names its
@@ -23,6 +24,7 @@
 #include "../header.h"
 #include "../process.h"
 #include "../queued.h"
+#include "../tcp/links.h"
 
 namespace meshtrain {
 namespace comm {
@@ -78,9 +80,10 @@ struct InPlace {
   Flow flow;
 };
 
-// One posted send or receive.
+// One posted send or receive, on libgloo's transport (buf) or the links (req).
 struct Transfer {
   std::unique_ptr<gloo::transport::UnboundBuffer> buf;
+  tcp::RequestPtr req;
   int peer = -1;
   bool is_recv = false;
   size_t bytes = 0;
@@ -130,6 +133,13 @@ class GlooCommunicator final : public QueuedCommunicator {
   // Waits for `t` up to the communicator's timeout; a TimeoutError, or a
   // PeerFailure naming the dead rank, otherwise. See Note [Classifying gloo errors].
   void wait(Transfer& t);
+  void wait_on_links(Transfer& t);
+  // How long a wait runs before it is recorded (Note [Naming a stuck rank]).
+  std::chrono::steady_clock::duration long_wait() const {
+    return std::max<std::chrono::steady_clock::duration>(std::chrono::seconds(1), options_.timeout / 4);
+  }
+  void connect_links();
+  void connect_gloo();
   [[noreturn]] void throw_timeout(const Transfer& t) const;
   [[noreturn]] void throw_broken_connection(const Transfer& t, const std::string& what) const;
   [[noreturn]] void throw_aborted(const Transfer& t) const;
@@ -208,6 +218,8 @@ class GlooCommunicator final : public QueuedCommunicator {
   bool use_ring(int64_t bytes) const { return size() > 2 && bytes >= ring_bytes_; }
 
   std::shared_ptr<Process> process_;
+  // The transport (Note [Gloo transports]): meshtrain's TCP links, or libgloo's.
+  std::unique_ptr<tcp::Links> links_;
   std::shared_ptr<gloo::Context> context_;
   std::string prefix_;
   int splits_ = 0;

@@ -20,16 +20,6 @@ namespace meshtrain {
 namespace comm {
 namespace shm_backend {
 
-namespace {
-
-int available_cores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-}
-
-}  // namespace
-
 ShmSettings ShmSettings::from_env() {
   ShmSettings s;
   s.buffer_bytes = env_kib("MESHTRAIN_SHM_BUFFER_KB", s.buffer_bytes, 1, 1 << 20);
@@ -45,11 +35,9 @@ ShmCommunicator::ShmCommunicator(std::shared_ptr<Process> process, std::vector<i
       prefix_(store_prefix) {
   // Spinning only pays when every rank of this host has a core of its own;
   // otherwise a spinning rank takes the core its peer needs to make progress.
-  const char* spin = std::getenv("MESHTRAIN_SHM_SPIN_US");
-  const char* yield = std::getenv("MESHTRAIN_SHM_YIELD_US");
   const bool own_core = process_->ranks_on_my_host() <= available_cores();
-  spin_us_ = spin && *spin ? std::atoi(spin) : (own_core ? 20 : 0);
-  yield_us_ = yield && *yield ? std::atoi(yield) : (own_core ? 0 : 50);
+  spin_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_SPIN_US", std::chrono::microseconds(own_core ? 20 : 0)).count());
+  yield_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_YIELD_US", std::chrono::microseconds(own_core ? 0 : 50)).count());
   listener_ = process_->add_failure_listener([this] {
     if (!base_) return;
     ctrl(rank_).wake.fetch_add(1);

@@ -1,0 +1,444 @@
+// tcp::Links: see Note [Links: progress on the waiting thread] in links.h.
+
+#include "links.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "../socket.h"
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace comm {
+namespace tcp {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kStage = 64 << 10;  // per-peer read buffer; larger payloads are read into their buffer directly
+constexpr uint32_t kHelloMagic = 0x6d6c6e6b;  // "mlnk"
+
+struct Hello {
+  uint32_t magic;
+  int32_t rank;
+};
+
+int ms_until(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>(left + 1, 0, 1 << 30));
+}
+
+void configure(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  net::watch_link(fd);  // a silent peer breaks the connection (Note [Silent links])
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+// Accepts the next connection before `deadline`; -1 when none came.
+int accept_before(int listen_fd, Clock::time_point deadline) {
+  for (;;) {
+    pollfd pfd{listen_fd, POLLIN, 0};
+    const int rc = ::poll(&pfd, 1, ms_until(deadline));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0) return -1;
+    const int fd = ::accept(listen_fd, nullptr, nullptr);
+    if (fd >= 0 || (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED)) return fd;
+  }
+}
+
+}  // namespace
+
+struct Links::Peer {
+  int rank = -1;
+  int fd = -1;
+  std::string broken;  // why the connection broke; "" while it works
+  // Outgoing: queued sends, the front one written up to out_offset bytes of (Wire + payload).
+  std::deque<RequestPtr> sends;
+  size_t out_offset = 0;
+  // Incoming: the message being read, into its posted receive or a spare buffer.
+  Wire in_wire{};
+  size_t in_wire_got = 0;
+  bool in_body = false;
+  RequestPtr in_target;
+  std::vector<uint8_t> in_spare;
+  uint8_t* in_dst = nullptr;
+  size_t in_got = 0;
+  std::vector<uint8_t> stage;  // bytes read from the socket, not yet consumed
+  size_t stage_pos = 0, stage_len = 0;
+  std::map<uint64_t, std::deque<RequestPtr>> posted;               // receives by slot, oldest first
+  std::map<uint64_t, std::deque<std::vector<uint8_t>>> early;      // messages before their receive
+};
+
+Links::Links(Store& store, int rank, int size, const std::string& bind_host, std::chrono::milliseconds timeout,
+             const std::string& label)
+    : rank_(rank), size_(size), peers_(size) {
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    peers_[p] = std::make_unique<Peer>();
+    peers_[p]->rank = p;
+  }
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  MESHTRAIN_CHECK(wake_fd_ >= 0, "communicator '", label, "': eventfd failed: ", std::strerror(errno));
+  try {
+    connect_mesh(store, bind_host, timeout, label);
+  } catch (...) {
+    for (auto& p : peers_)
+      if (p && p->fd >= 0) ::close(p->fd);
+    ::close(wake_fd_);
+    throw;
+  }
+}
+
+Links::~Links() {
+  for (auto& p : peers_)
+    if (p && p->fd >= 0) ::close(p->fd);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+// The higher rank of each pair connects and says who it is; the lower accepts.
+// Connections complete in the kernel's backlog, so every rank connects first
+// and accepts after, without waiting for one another in turn.
+void Links::connect_mesh(Store& store, const std::string& bind_host, std::chrono::milliseconds timeout,
+                         const std::string& label) {
+  const auto deadline = Clock::now() + timeout;
+  int port = 0;
+  const int listen_fd = net::listen_on(bind_host, 0, &port);
+  store.set("links/" + std::to_string(rank_), bind_host + " " + std::to_string(port));
+  try {
+    for (int p = 0; p < rank_; ++p) {
+      const std::string address = store.get("links/" + std::to_string(p));
+      const auto space = address.rfind(' ');
+      const std::string host = address.substr(0, space);
+      const int peer_port = std::stoi(address.substr(space + 1));
+      const int fd = net::connect_to(host, peer_port, deadline,
+                                     str_cat("communicator '", label, "': rank ", p, "'s link at ", address));
+      peers_[p]->fd = fd;
+      const Hello hello{kHelloMagic, rank_};
+      MESHTRAIN_CHECK(net::write_all(fd, &hello, sizeof(hello)), "communicator '", label,
+                      "': the link to rank ", p, " closed while connecting");
+    }
+    for (int expected = size_ - 1 - rank_; expected > 0;) {
+      const int fd = accept_before(listen_fd, deadline);
+      if (fd < 0) {
+        throw TimeoutError(str_cat("communicator '", label, "' (rank ", rank_, " of ", size_, "): ", expected,
+                                   " higher rank(s) did not connect within ", timeout.count(), " ms"));
+      }
+      Hello hello{};
+      const bool read = net::read_exact(fd, &hello, sizeof(hello), deadline);
+      if (!read || hello.magic != kHelloMagic || hello.rank <= rank_ || hello.rank >= size_ ||
+          peers_[hello.rank]->fd >= 0) {
+        ::close(fd);  // not one of ours: keep waiting for the ranks
+        continue;
+      }
+      peers_[hello.rank]->fd = fd;
+      --expected;
+    }
+  } catch (...) {
+    ::close(listen_fd);
+    throw;
+  }
+  ::close(listen_fd);
+  for (auto& p : peers_)
+    if (p) configure(p->fd);
+}
+
+RequestPtr Links::send(int peer, uint64_t slot, const void* data, size_t bytes) {
+  auto r = std::make_shared<Request>();
+  r->peer = peer;
+  r->slot = slot;
+  r->data = static_cast<uint8_t*>(const_cast<void*>(data));
+  r->size = bytes;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Peer& p = *peers_.at(peer);
+  if (!p.broken.empty()) {
+    r->failed = true;
+    return r;
+  }
+  p.sends.push_back(r);
+  if (p.sends.size() == 1) write_pending(p);
+  if (!r->done && polling_) wake_poller();  // the poller adds this socket's POLLOUT
+  return r;
+}
+
+RequestPtr Links::recv(int peer, uint64_t slot, void* data, size_t capacity) {
+  auto r = std::make_shared<Request>();
+  r->peer = peer;
+  r->slot = slot;
+  r->is_recv = true;
+  r->data = static_cast<uint8_t*>(data);
+  r->size = capacity;
+  std::lock_guard<std::mutex> lock(mutex_);
+  Peer& p = *peers_.at(peer);
+  auto e = p.early.find(slot);
+  if (e != p.early.end()) {  // it arrived already
+    std::vector<uint8_t> message = std::move(e->second.front());
+    e->second.pop_front();
+    if (e->second.empty()) p.early.erase(e);
+    if (message.size() > capacity) {
+      break_peer(p, str_cat("a message of ", message.size(), " bytes arrived for a buffer of ", capacity));
+      r->failed = true;
+      return r;
+    }
+    std::memcpy(r->data, message.data(), message.size());
+    r->received = message.size();
+    r->done = true;
+    return r;
+  }
+  if (!p.broken.empty()) {
+    r->failed = true;
+    return r;
+  }
+  p.posted[slot].push_back(r);
+  return r;
+}
+
+void Links::write_pending(Peer& p) {
+  while (!p.sends.empty() && p.broken.empty()) {
+    Request& r = *p.sends.front();
+    const Wire wire{r.slot, r.size};
+    iovec iov[2];
+    int n = 0;
+    if (p.out_offset < sizeof(Wire)) {
+      iov[n++] = {const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(&wire)) + p.out_offset,
+                  sizeof(Wire) - p.out_offset};
+      if (r.size > 0) iov[n++] = {r.data, r.size};
+    } else {
+      const size_t done = p.out_offset - sizeof(Wire);
+      iov[n++] = {r.data + done, r.size - done};
+    }
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = n;
+    const ssize_t k = ::sendmsg(p.fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      const int error = errno;
+      break_peer(p, net::link_went_silent(error) ? net::silent_link_reason(str_cat("rank ", p.rank))
+                                                 : str_cat("send failed: ", std::strerror(error)));
+      return;
+    }
+    p.out_offset += static_cast<size_t>(k);
+    if (p.out_offset < sizeof(Wire) + r.size) return;  // the socket is full
+    r.done = true;
+    p.sends.pop_front();
+    p.out_offset = 0;
+  }
+}
+
+void Links::read_available(Peer& p) {
+  if (p.stage.empty()) p.stage.resize(kStage);
+  while (p.broken.empty()) {
+    if (p.stage_pos == p.stage_len) {
+      uint8_t* dst = p.stage.data();
+      size_t want = kStage;
+      const bool direct = p.in_body && p.in_wire.bytes - p.in_got >= kStage;
+      if (direct) dst = p.in_dst + p.in_got, want = p.in_wire.bytes - p.in_got;  // straight into the buffer
+      const ssize_t k = ::recv(p.fd, dst, want, MSG_DONTWAIT);
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (k <= 0) {
+        const int error = k == 0 ? 0 : errno;
+        break_peer(p, k == 0 ? std::string("the peer closed the connection")
+                      : net::link_went_silent(error) ? net::silent_link_reason(str_cat("rank ", p.rank))
+                                                     : str_cat("receive failed: ", std::strerror(error)));
+        return;
+      }
+      const bool drained = static_cast<size_t>(k) < want;  // the socket had no more
+      if (direct) {
+        p.in_got += static_cast<size_t>(k);
+        if (p.in_got == p.in_wire.bytes) finish_message(p);
+      } else {
+        p.stage_pos = 0;
+        p.stage_len = static_cast<size_t>(k);
+        while (p.stage_pos < p.stage_len && p.broken.empty()) {
+          const uint8_t* src = p.stage.data() + p.stage_pos;
+          const size_t avail = p.stage_len - p.stage_pos;
+          if (!p.in_body) {
+            const size_t take = std::min(sizeof(Wire) - p.in_wire_got, avail);
+            std::memcpy(reinterpret_cast<uint8_t*>(&p.in_wire) + p.in_wire_got, src, take);
+            p.in_wire_got += take;
+            p.stage_pos += take;
+            if (p.in_wire_got == sizeof(Wire)) start_message(p);
+          } else {
+            const size_t take = std::min<size_t>(p.in_wire.bytes - p.in_got, avail);
+            std::memcpy(p.in_dst + p.in_got, src, take);
+            p.in_got += take;
+            p.stage_pos += take;
+            if (p.in_got == p.in_wire.bytes) finish_message(p);
+          }
+        }
+      }
+      if (drained) return;
+    }
+  }
+}
+
+void Links::start_message(Peer& p) {
+  p.in_wire_got = 0;
+  p.in_body = true;
+  p.in_got = 0;
+  auto it = p.posted.find(p.in_wire.slot);
+  if (it != p.posted.end()) {
+    RequestPtr target = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) p.posted.erase(it);
+    if (p.in_wire.bytes > target->size) {
+      target->failed = true;
+      break_peer(p, str_cat("a message of ", p.in_wire.bytes, " bytes arrived for a buffer of ", target->size));
+      return;
+    }
+    p.in_target = std::move(target);
+    p.in_dst = p.in_target->data;
+  } else {
+    p.in_spare.assign(p.in_wire.bytes, 0);
+    p.in_dst = p.in_spare.data();
+  }
+  if (p.in_wire.bytes == 0) finish_message(p);
+}
+
+void Links::finish_message(Peer& p) {
+  p.in_body = false;
+  p.in_dst = nullptr;
+  if (!p.in_target) {  // a receive may have been posted while it arrived
+    auto it = p.posted.find(p.in_wire.slot);
+    if (it != p.posted.end()) {
+      p.in_target = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) p.posted.erase(it);
+      if (p.in_spare.size() > p.in_target->size) {
+        p.in_target->failed = true;
+        p.in_target.reset();
+        break_peer(p, str_cat("a message of ", p.in_spare.size(), " bytes arrived for a smaller buffer"));
+        return;
+      }
+      std::memcpy(p.in_target->data, p.in_spare.data(), p.in_spare.size());
+    }
+  }
+  if (p.in_target) {
+    p.in_target->received = p.in_wire.bytes;
+    p.in_target->done = true;
+    p.in_target.reset();
+    p.in_spare = {};
+  } else {
+    p.early[p.in_wire.slot].push_back(std::move(p.in_spare));
+    p.in_spare = {};
+  }
+}
+
+void Links::break_peer(Peer& p, const std::string& why) {
+  if (!p.broken.empty()) return;
+  p.broken = why;
+  for (auto& r : p.sends) r->failed = true;
+  p.sends.clear();
+  for (auto& kv : p.posted)
+    for (auto& r : kv.second) r->failed = true;
+  p.posted.clear();
+  if (p.in_target) p.in_target->failed = true;
+  p.in_target.reset();
+  p.in_body = false;
+}
+
+std::string Links::broken_reason(int peer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peers_.at(peer) ? peers_[peer]->broken : std::string();
+}
+
+void Links::wake_poller() {
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof(one));
+}
+
+void Links::abort() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    aborted_ = true;
+  }
+  wake_poller();
+  rounds_.notify_all();
+}
+
+void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
+  std::vector<pollfd> fds;
+  std::vector<Peer*> who;
+  fds.reserve(peers_.size() + 1);
+  fds.push_back({wake_fd_, POLLIN, 0});
+  who.push_back(nullptr);
+  for (auto& p : peers_) {
+    if (!p || !p->broken.empty()) continue;
+    fds.push_back({p->fd, static_cast<short>(POLLIN | (p->sends.empty() ? 0 : POLLOUT)), 0});
+    who.push_back(p.get());
+  }
+  polling_ = true;
+  lock.unlock();
+  const int rc = ::poll(fds.data(), fds.size(), ms_until(deadline));
+  lock.lock();
+  polling_ = false;
+  if (rc > 0) {
+    if (fds[0].revents & POLLIN) {
+      uint64_t v;
+      (void)!::read(wake_fd_, &v, sizeof(v));
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents & POLLOUT) write_pending(*who[i]);
+      if (fds[i].revents & (POLLIN | POLLERR | POLLHUP)) read_available(*who[i]);
+    }
+  }
+  rounds_.notify_all();
+}
+
+void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
+  const auto until = Clock::now() + spin_;
+  polling_ = true;  // the others wait for this round as for a poll
+  while (!r.done && !r.failed && !aborted_ && Clock::now() < until) {
+    for (auto& p : peers_) {
+      if (!p || !p->broken.empty()) continue;
+      if (!p->sends.empty()) write_pending(*p);
+      read_available(*p);
+    }
+    if (r.done || r.failed) break;
+    lock.unlock();  // let a poster in
+    lock.lock();
+  }
+  polling_ = false;
+  rounds_.notify_all();
+}
+
+WaitResult Links::wait(Request& r, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::unique_lock<std::mutex> lock(mutex_);
+  bool spun = spin_.count() == 0;
+  for (;;) {
+    if (r.done) return WaitResult::kDone;
+    if (r.failed) return WaitResult::kBroken;
+    if (aborted_) return WaitResult::kAborted;
+    if (Clock::now() >= deadline) return WaitResult::kTimeout;
+    if (polling_) {  // another thread polls: its rounds progress this request too
+      rounds_.wait_until(lock, deadline);
+      continue;
+    }
+    if (!spun) {
+      spin_round(lock, r);
+      spun = true;
+      continue;
+    }
+    poll_round(lock, deadline);
+  }
+}
+
+}  // namespace tcp
+}  // namespace comm
+}  // namespace meshtrain

@@ -1,0 +1,122 @@
+#pragma once
+// tcp::Links: one TCP connection to every peer of a communicator, carrying
+// messages addressed by (peer, slot), progressed by the thread that waits.
+//
+// Note [Links: progress on the waiting thread]
+// libgloo's TCP transport runs every socket from an event-loop thread and
+// sends a message only after the receiver announced its buffer (a rendezvous:
+// "recv ready", then the data, written by the loop thread when the notice
+// arrives). A small exchange between two ranks then costs three to four thread
+// hand-offs per rank and two extra messages (a 4 KiB all-reduce: ~12 system
+// calls per rank where the kernel needs 2), and on a 2-core host with four
+// such threads per pair of ranks the waits that miss a core wait for the
+// scheduler's tick: 4 to 12 ms tails, measured. OpenMPI's TCP transport instead
+// progresses its sockets on the calling thread.
+//
+// Links do the same. A send is written at once, from the poster's thread,
+// header and payload in one writev (eager: the receiver need not have posted
+// its buffer); what the socket does not take is written while someone waits.
+// A waiting thread reads every connection: a message whose (peer, slot) has a
+// posted receive goes straight into that buffer (large payloads are read from
+// the socket into it directly), any other is kept until its receive is posted
+// (messages of one peer and slot match in order, as in gloo). With nothing to
+// do it blocks in poll() on every connection, so a message wakes the waiting
+// thread itself: one wake-up, no hand-off, no thread of our own. One thread
+// polls at a time; others wait for its rounds. An abort (the failure watcher)
+// wakes the poller through an eventfd. Where every rank of the host has a core
+// of its own, the waiting thread first reads without blocking for a few
+// microseconds (set_spin), as the shared-memory backend spins: a reply that
+// comes within them costs no sleep and no wake-up.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/store.h"
+
+namespace meshtrain {
+namespace comm {
+namespace tcp {
+
+// A posted send or receive. Filled in by Links; read after wait() returns kDone.
+struct Request {
+  int peer = -1;
+  uint64_t slot = 0;
+  bool is_recv = false;
+  uint8_t* data = nullptr;
+  size_t size = 0;      // send: bytes to send; recv: the buffer's capacity
+  size_t received = 0;  // recv: bytes the message carried (<= size)
+  bool done = false;
+  bool failed = false;  // the connection broke (Links::broken_reason says why)
+};
+using RequestPtr = std::shared_ptr<Request>;
+
+enum class WaitResult { kDone, kBroken, kTimeout, kAborted };
+
+class Links {
+ public:
+  // Connects `rank` with every other of `size` ranks: each listens on
+  // `bind_host` and publishes its address in `store`; the higher rank of a
+  // pair connects. ConfigError/TimeoutError naming `label` on failure.
+  Links(Store& store, int rank, int size, const std::string& bind_host, std::chrono::milliseconds timeout,
+        const std::string& label);
+  // A waiting thread reads the sockets without blocking for up to `us`
+  // microseconds before it sleeps in poll() (0: it sleeps at once).
+  void set_spin(std::chrono::microseconds us) { spin_ = us; }
+  ~Links();
+  Links(const Links&) = delete;
+  Links& operator=(const Links&) = delete;
+
+  RequestPtr send(int peer, uint64_t slot, const void* data, size_t bytes);
+  RequestPtr recv(int peer, uint64_t slot, void* data, size_t capacity);
+  // Progresses every connection until `r` completes, its connection breaks,
+  // `timeout` passes with `r` incomplete, or abort() is called.
+  WaitResult wait(Request& r, std::chrono::milliseconds timeout);
+  // Thread-safe: every wait, current and later, returns kAborted.
+  void abort();
+  // Why the connection to `peer` broke ("" when it has not).
+  std::string broken_reason(int peer) const;
+
+ private:
+  struct Wire {
+    uint64_t slot;
+    uint64_t bytes;
+  };
+  struct Peer;
+
+  void connect_mesh(Store& store, const std::string& bind_host, std::chrono::milliseconds timeout,
+                    const std::string& label);
+  // Nonblocking I/O on every connection; under mutex_.
+  void pump();
+  void write_pending(Peer& p);
+  void read_available(Peer& p);
+  void start_message(Peer& p);
+  void finish_message(Peer& p);
+  void break_peer(Peer& p, const std::string& why);
+  // One blocking poll() round over every connection; called with mutex_ held
+  // (released while blocked) by the one polling thread.
+  void poll_round(std::unique_lock<std::mutex>& lock, std::chrono::steady_clock::time_point deadline);
+  void wake_poller();
+  // Reads every connection without blocking until `r` completes or the spin budget is spent.
+  void spin_round(std::unique_lock<std::mutex>& lock, const Request& r);
+
+  int rank_;
+  int size_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // by rank; null for this rank
+  int wake_fd_ = -1;                          // eventfd: a new send to write, or abort()
+  mutable std::mutex mutex_;
+  std::condition_variable rounds_;  // a poll round ended (other waiters re-check)
+  bool polling_ = false;
+  bool aborted_ = false;
+  std::chrono::microseconds spin_{0};
+};
+
+}  // namespace tcp
+}  // namespace comm
+}  // namespace meshtrain

@@ -1,0 +1,160 @@
+// tcp::Links (the Gloo backend's default transport) between threads of one
+// process over 127.0.0.1: matching by peer and slot whatever the order of
+// sends and receives, large messages both ways at once, and each way a wait
+// ends without its message (closed peer, timeout, abort, a buffer too small).
+
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "comm/tcp/links.h"
+
+using namespace meshtrain::comm;
+using namespace std::chrono_literals;
+
+namespace {
+
+// The store the ranks meet in, in memory.
+class MemoryStore : public Store {
+ public:
+  void set(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    values_[key] = value;
+    changed_.notify_all();
+  }
+  std::string get(const std::string& key) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return values_.count(key) > 0; });
+    return values_[key];
+  }
+  int64_t add(const std::string&, int64_t) override { return 0; }
+  bool check(const std::string& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return values_.count(key) > 0;
+  }
+  void wait(const std::vector<std::string>& keys) override {
+    for (const auto& k : keys) get(k);
+  }
+  std::chrono::milliseconds timeout() const override { return 10s; }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::string, std::string> values_;
+};
+
+// `size` ranks' links, connected by threads (each constructor waits for the others).
+std::vector<std::unique_ptr<tcp::Links>> connect(int size, std::chrono::milliseconds timeout = 10s) {
+  MemoryStore store;
+  std::vector<std::unique_ptr<tcp::Links>> links(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] { links[r] = std::make_unique<tcp::Links>(store, r, size, "127.0.0.1", timeout, "test"); });
+  }
+  for (auto& t : threads) t.join();
+  return links;
+}
+
+std::vector<int32_t> iota_from(int32_t start, size_t n) {
+  std::vector<int32_t> v(n);
+  std::iota(v.begin(), v.end(), start);
+  return v;
+}
+
+}  // namespace
+
+TEST(TcpLinks, MessagesMatchByPeerAndSlotWhicheverComesFirst) {
+  auto links = connect(3);
+  const auto a = iota_from(0, 100), b = iota_from(1000, 7), c = iota_from(-50, 3);
+  // Rank 1 sends slot 5 twice and slot 9 once before rank 0 posts anything,
+  // rank 2 a zero-byte message on slot 5.
+  auto s1 = links[1]->send(0, 5, a.data(), a.size() * 4);
+  auto s2 = links[1]->send(0, 9, b.data(), b.size() * 4);
+  auto s3 = links[1]->send(0, 5, c.data(), c.size() * 4);
+  auto s4 = links[2]->send(0, 5, nullptr, 0);
+  std::vector<int32_t> got9(7), got5a(100), got5b(3), big(200);
+  auto r9 = links[0]->recv(1, 9, got9.data(), got9.size() * 4);
+  auto r5a = links[0]->recv(1, 5, got5a.data(), got5a.size() * 4);
+  auto r2 = links[0]->recv(2, 5, big.data(), big.size() * 4);  // a larger buffer takes a smaller message
+  auto r5b = links[0]->recv(1, 5, got5b.data(), got5b.size() * 4);
+  for (auto* r : {r9.get(), r5a.get(), r2.get(), r5b.get()}) EXPECT_EQ(links[0]->wait(*r, 5s), tcp::WaitResult::kDone);
+  for (auto* s : {s1.get(), s2.get(), s3.get()}) EXPECT_EQ(links[1]->wait(*s, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[2]->wait(*s4, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(got9, b);
+  EXPECT_EQ(got5a, a);  // the first message of slot 5 to the first receive of slot 5
+  EXPECT_EQ(got5b, c);
+  EXPECT_EQ(r2->received, 0u);
+  EXPECT_EQ(r5a->received, 400u);
+}
+
+TEST(TcpLinks, LargeMessagesBothWaysAtOnceWhileReceivesArePostedLate) {
+  auto links = connect(2);
+  const size_t n = 6 << 20;  // 24 MiB each way: far beyond the sockets' buffers
+  const auto out0 = iota_from(0, n), out1 = iota_from(7, n);
+  std::vector<int32_t> in0(n), in1(n);
+  auto run = [&](int r, const std::vector<int32_t>& out, std::vector<int32_t>& in) {
+    auto s = links[r]->send(1 - r, 3, out.data(), n * 4);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 * r));  // rank 1 posts its receive late
+    auto rc = links[r]->recv(1 - r, 3, in.data(), n * 4);
+    EXPECT_EQ(links[r]->wait(*rc, 20s), tcp::WaitResult::kDone);
+    EXPECT_EQ(links[r]->wait(*s, 20s), tcp::WaitResult::kDone);
+  };
+  std::thread t0(run, 0, std::cref(out0), std::ref(in0)), t1(run, 1, std::cref(out1), std::ref(in1));
+  t0.join();
+  t1.join();
+  EXPECT_EQ(in0, out1);
+  EXPECT_EQ(in1, out0);
+}
+
+TEST(TcpLinks, TwoThreadsWaitingOnOneRankBothComplete) {
+  auto links = connect(2);
+  const auto a = iota_from(1, 1000), b = iota_from(2, 1000);
+  std::vector<int32_t> ga(1000), gb(1000);
+  auto ra = links[0]->recv(1, 1, ga.data(), 4000);
+  auto rb = links[0]->recv(1, 2, gb.data(), 4000);
+  std::thread waiter([&] { EXPECT_EQ(links[0]->wait(*rb, 5s), tcp::WaitResult::kDone); });
+  std::thread sender([&] {
+    std::this_thread::sleep_for(20ms);
+    auto s1 = links[1]->send(0, 2, b.data(), 4000);
+    auto s2 = links[1]->send(0, 1, a.data(), 4000);
+    EXPECT_EQ(links[1]->wait(*s1, 5s), tcp::WaitResult::kDone);
+    EXPECT_EQ(links[1]->wait(*s2, 5s), tcp::WaitResult::kDone);
+  });
+  EXPECT_EQ(links[0]->wait(*ra, 5s), tcp::WaitResult::kDone);
+  waiter.join();
+  sender.join();
+  EXPECT_EQ(ga, a);
+  EXPECT_EQ(gb, b);
+}
+
+TEST(TcpLinks, AWaitEndsWithoutItsMessageOnTimeoutAbortClosedPeerOrSmallBuffer) {
+  auto links = connect(3);
+  int32_t x = 0;
+  auto r = links[0]->recv(1, 1, &x, 4);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(links[0]->wait(*r, 200ms), tcp::WaitResult::kTimeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 200ms);
+
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(50ms);
+    links[0]->abort();
+  });
+  EXPECT_EQ(links[0]->wait(*r, 10s), tcp::WaitResult::kAborted);
+  aborter.join();
+
+  const std::vector<int32_t> eight = iota_from(0, 8);
+  auto s = links[2]->send(1, 4, eight.data(), 32);
+  auto small = links[1]->recv(2, 4, &x, 4);
+  EXPECT_EQ(links[1]->wait(*small, 5s), tcp::WaitResult::kBroken);
+  EXPECT_NE(links[1]->broken_reason(2).find("a message of 32 bytes arrived for a buffer of 4"), std::string::npos);
+
+  auto from2 = links[1]->recv(0, 2, &x, 4);
+  links[0].reset();  // rank 0 goes away
+  EXPECT_EQ(links[1]->wait(*from2, 5s), tcp::WaitResult::kBroken);
+  EXPECT_EQ(links[1]->broken_reason(0), "the peer closed the connection");
+}
