@@ -17,6 +17,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "meshtrain/comm/host_profile.h"
 #include "meshtrain/comm/rendezvous.h"
 
 using namespace meshtrain;
@@ -131,11 +132,16 @@ int main(int argc, char** argv) {
   if (inline_kb >= 0) options.inline_bytes = inline_kb << 10;
   auto c = comm::init_from_env(options);
   torch::set_num_threads(1);
+  // What this host's waits cost and the budgets chosen from it (Note [Self-tuned waits]);
+  // the ranks of this benchmark share one host.
+  const comm::HostProfile& host = comm::host_profile();
+  const comm::WaitTuning waits = comm::choose_wait(host, c->size() <= host.cores);
+  if (c->rank() == 0) std::cout << "host: " << comm::describe(host) << "\nwaits: " << waits.why << std::endl;
   std::ostringstream json;
   // The impl names the backend: "meshtrain shm", "meshtrain gloo", "meshtrain mpi" (whose peer is bench_mpi_peer).
   json << "{\"impl\": \"meshtrain " << c->backend() << (verify ? "" : " (verify off)")
-       << "\", \"world_size\": " << c->size()
-       << ", \"rows\": [";
+       << "\", \"world_size\": " << c->size() << ", \"host\": \"" << comm::describe(host) << "\", \"waits\": \""
+       << waits.why << "\", \"rows\": [";
   bool first = true;
   std::stringstream ops_ss(ops);
   std::string op;

@@ -13,6 +13,7 @@
 #include "comm/header.h"
 #include "comm/hier/communicator.h"
 #include "comm/reduce.h"
+#include "meshtrain/comm/host_profile.h"
 #include "comm/shm/layout.h"
 #include "config_error.h"
 #include "meshtrain/util/error.h"
@@ -197,4 +198,39 @@ TEST(Headers, MismatchNamesGroupAndGlobalRanks) {
   const std::vector<Header> kinds = {all[0], header_of(torch::ones({4}), OpKind::kBroadcast)};
   EXPECT_NE(header_mismatch(kinds, true, {0, 2}).find("rank 1 (global rank 2) called broadcast while rank 0 called"),
             std::string::npos);
+}
+
+// Note [Self-tuned waits]: the spin budget is twice the host's measured
+// wake-up, within 5-200 us, only where every rank has a core; otherwise waiters
+// yield for that long instead (20-200 us).
+TEST(SelfTunedWaits, SpinTwiceTheWakeUpWithACorePerRankElseYield) {
+  HostProfile host;
+  host.wake_us = 18.2;
+  WaitTuning own = choose_wait(host, true);
+  EXPECT_EQ(own.spin.count(), 36);
+  EXPECT_EQ(own.yield.count(), 0);
+  EXPECT_NE(own.why.find("18.2 us"), std::string::npos) << own.why;
+  WaitTuning shared = choose_wait(host, false);
+  EXPECT_EQ(shared.spin.count(), 0);
+  EXPECT_EQ(shared.yield.count(), 36);
+  host.wake_us = 0.8;
+  EXPECT_EQ(choose_wait(host, true).spin.count(), 5);
+  EXPECT_EQ(choose_wait(host, false).yield.count(), 20);
+  host.wake_us = 900;
+  EXPECT_EQ(choose_wait(host, true).spin.count(), 200);
+  EXPECT_EQ(choose_wait(host, false).yield.count(), 200);
+}
+
+TEST(SelfTunedWaits, MeasuringTheHostGivesPositiveFiguresAndTheCacheRepeatsThem) {
+  const HostProfile measured = measure_host();
+  EXPECT_GT(measured.wake_us, 0.0);
+  EXPECT_LT(measured.wake_us, 100000.0);
+  EXPECT_GT(measured.copy_gbs, 0.0);
+  EXPECT_GE(measured.cores, 1);
+  EXPECT_FALSE(measured.cpu.empty());
+  const HostProfile& first = host_profile();
+  const HostProfile& again = host_profile();
+  EXPECT_EQ(&first, &again);  // once per process
+  EXPECT_GT(first.wake_us, 0.0);
+  EXPECT_NE(describe(first).find("wake-up"), std::string::npos);
 }

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "../backend.h"
+#include "meshtrain/comm/host_profile.h"
 #include "../store_auth.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
@@ -170,9 +171,10 @@ void GlooCommunicator::connect_links() {
   PrefixStore store(prefix_, process_->store());
   links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
                                         options_.label);
-  // Spinning only pays when every rank of this host has a core of its own (as for shared memory).
+  // Spinning only pays when every rank of this host has a core of its own, for
+  // as long as this host's wake-up costs (Note [Self-tuned waits]).
   const bool own_core = process_->ranks_on_my_host() <= available_cores();
-  links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", std::chrono::microseconds(own_core ? 20 : 0)));
+  links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", choose_wait(host_profile(), own_core).spin));
   if (!process_->store()->token().empty()) {
     prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
                 process_->store()->token(), options_.label);

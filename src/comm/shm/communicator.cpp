@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "../backend.h"
+#include "meshtrain/comm/host_profile.h"
 #include "futex.h"
 #include "p2p.h"
 #include "meshtrain/comm/errors.h"
@@ -35,9 +36,10 @@ ShmCommunicator::ShmCommunicator(std::shared_ptr<Process> process, std::vector<i
       prefix_(store_prefix) {
   // Spinning only pays when every rank of this host has a core of its own;
   // otherwise a spinning rank takes the core its peer needs to make progress.
-  const bool own_core = process_->ranks_on_my_host() <= available_cores();
-  spin_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_SPIN_US", std::chrono::microseconds(own_core ? 20 : 0)).count());
-  yield_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_YIELD_US", std::chrono::microseconds(own_core ? 0 : 50)).count());
+  // The budgets follow this host's measured wake-up (Note [Self-tuned waits]).
+  const WaitTuning tuning = choose_wait(host_profile(), process_->ranks_on_my_host() <= available_cores());
+  spin_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_SPIN_US", tuning.spin).count());
+  yield_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_YIELD_US", tuning.yield).count());
   listener_ = process_->add_failure_listener([this] {
     if (!base_) return;
     ctrl(rank_).wake.fetch_add(1);

@@ -1,0 +1,59 @@
+#pragma once
+// What waiting costs on this host, measured, and the spin budgets chosen from it.
+//
+// Note [Self-tuned waits]
+// A rank that waits for a peer can spin (burn its core, see the peer's write
+// within nanoseconds) or sleep (free the core, pay a wake-up when the peer
+// comes). Which is cheaper depends on the host: the wake-up costs 5 us on one
+// machine and 50 on another (a VM's idle vCPU, a paravirtualised interrupt),
+// and a fixed spin budget tuned on one host either sleeps too early or burns
+// too long on the next. So each host is measured once — a futex ping-pong
+// between two threads (the wake-up), a cache line bounced between two cores,
+// the copy bandwidth — and the budget follows the ski-rental rule: spin for
+// as long as a sleep and wake-up would cost (twice the one-way wake-up, from
+// 5 to 200 us), then sleep, so that a wait never costs more than twice the
+// best choice made in hindsight. It applies only where every rank of the host
+// has a core of its own; where ranks share cores nobody spins (a spinning rank
+// takes the core its peer needs) and waiters yield first instead.
+//
+// The figures are measured on first use in a process (~10 ms) and cached in
+// /dev/shm (or $TMPDIR) under a key of the CPU model, the core count and the
+// kernel's boot id, so the ranks of a job and later jobs on the same boot
+// read them instead of measuring again. MESHTRAIN_SHM_SPIN_US,
+// MESHTRAIN_SHM_YIELD_US and MESHTRAIN_TCP_SPIN_US still override the choice;
+// bench_collectives prints the figures and the choices.
+
+#include <chrono>
+#include <string>
+
+namespace meshtrain {
+namespace comm {
+
+struct HostProfile {
+  std::string cpu;          // the CPU's model name
+  int cores = 1;            // cores this process may run on
+  double wake_us = 0;       // one futex wake-up, sleeper asleep to running (median)
+  double cache_line_ns = 0; // a cache line from one core to another, one way (median; 0 with one core)
+  double copy_gbs = 0;      // memcpy of 4 MiB blocks
+  bool cached = false;      // read from the cache file rather than measured by this process
+};
+
+// Measures this host now (~10 ms).
+HostProfile measure_host();
+// This host's profile: measured once per process, or read from the cache file.
+const HostProfile& host_profile();
+
+struct WaitTuning {
+  std::chrono::microseconds spin{0};   // busy-wait this long before sleeping
+  std::chrono::microseconds yield{0};  // then (cores shared) sched_yield this long before sleeping
+  std::string why;                     // one line: the rule and the figures it used
+};
+
+// The spin budgets for a waiter on a host measured as `host` (pure; see the Note).
+WaitTuning choose_wait(const HostProfile& host, bool own_core);
+
+// "AMD EPYC, 2 cores: wake-up 18.2 us, cache line 95 ns, copy 9.6 GB/s (cached)"
+std::string describe(const HostProfile& host);
+
+}  // namespace comm
+}  // namespace meshtrain
