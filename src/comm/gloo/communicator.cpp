@@ -172,9 +172,11 @@ void GlooCommunicator::connect_links() {
   links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
                                         options_.label);
   // Spinning only pays when every rank of this host has a core of its own, for
-  // as long as this host's wake-up costs (Note [Self-tuned waits]).
+  // as long as this host's wake-up costs; otherwise waiters yield that long
+  // (Note [Self-tuned waits]).
   const bool own_core = process_->ranks_on_my_host() <= available_cores();
-  links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", choose_wait(host_profile(), own_core).spin));
+  const WaitTuning tuning = choose_wait(host_profile(), own_core);
+  links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", tuning.spin), env_us("MESHTRAIN_TCP_YIELD_US", tuning.yield));
   if (!process_->store()->token().empty()) {
     prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
                 process_->store()->token(), options_.label);

@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -401,7 +402,8 @@ void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point dea
 }
 
 void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
-  const auto until = Clock::now() + spin_;
+  const auto start = Clock::now();
+  const auto spin_until = start + spin_, until = spin_until + yield_;
   polling_ = true;  // the others wait for this round as for a poll
   while (!r.done && !r.failed && !aborted_ && Clock::now() < until) {
     for (auto& p : peers_) {
@@ -411,6 +413,7 @@ void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
     }
     if (r.done || r.failed) break;
     lock.unlock();  // let a poster in
+    if (Clock::now() >= spin_until) sched_yield();  // cores shared: let the peer run
     lock.lock();
   }
   polling_ = false;
@@ -420,7 +423,7 @@ void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
 WaitResult Links::wait(Request& r, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   std::unique_lock<std::mutex> lock(mutex_);
-  bool spun = spin_.count() == 0;
+  bool spun = spin_.count() == 0 && yield_.count() == 0;
   for (;;) {
     if (r.done) return WaitResult::kDone;
     if (r.failed) return WaitResult::kBroken;

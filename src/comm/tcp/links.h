@@ -26,7 +26,8 @@
 // wakes the poller through an eventfd. Where every rank of the host has a core
 // of its own, the waiting thread first reads without blocking for a few
 // microseconds (set_spin), as the shared-memory backend spins: a reply that
-// comes within them costs no sleep and no wake-up.
+// comes within them costs no sleep and no wake-up; where ranks share cores it
+// yields its core between reads instead (Note [Self-tuned waits]).
 
 #include <chrono>
 #include <condition_variable>
@@ -66,9 +67,13 @@ class Links {
   // pair connects. ConfigError/TimeoutError naming `label` on failure.
   Links(Store& store, int rank, int size, const std::string& bind_host, std::chrono::milliseconds timeout,
         const std::string& label);
-  // A waiting thread reads the sockets without blocking for up to `us`
-  // microseconds before it sleeps in poll() (0: it sleeps at once).
-  void set_spin(std::chrono::microseconds us) { spin_ = us; }
+  // A waiting thread reads the sockets without blocking for up to `spin`
+  // microseconds, then for up to `yield` more giving its core away
+  // (sched_yield) between reads, before it sleeps in poll() (0, 0: at once).
+  void set_spin(std::chrono::microseconds spin, std::chrono::microseconds yield) {
+    spin_ = spin;
+    yield_ = yield;
+  }
   ~Links();
   Links(const Links&) = delete;
   Links& operator=(const Links&) = delete;
@@ -115,6 +120,7 @@ class Links {
   bool polling_ = false;
   bool aborted_ = false;
   std::chrono::microseconds spin_{0};
+  std::chrono::microseconds yield_{0};
 };
 
 }  // namespace tcp
