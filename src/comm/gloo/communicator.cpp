@@ -167,10 +167,23 @@ GlooCommunicator::~GlooCommunicator() {
   links_.reset();
 }
 
+// A rank that died while the others connected: the failure watcher names it.
+void GlooCommunicator::throw_failed_peer_if_any() const {
+  if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
+    const int r = Process::rank_of_label(f->label);
+    throw PeerFailure(str_cat("connecting communicator '", options_.label, "': rank ", r, " failed: ", f->reason), r);
+  }
+}
+
 void GlooCommunicator::connect_links() {
   PrefixStore store(prefix_, process_->store());
-  links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
-                                        options_.label);
+  try {
+    links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
+                                          options_.label);
+  } catch (const TimeoutError&) {
+    throw_failed_peer_if_any();
+    throw;
+  }
   // Spinning only pays when every rank of this host has a core of its own, for
   // as long as this host's wake-up costs; otherwise waiters yield that long
   // (Note [Self-tuned waits]).
@@ -195,12 +208,7 @@ void GlooCommunicator::connect_gloo() {
                   options_.label);
     }
   } catch (const gloo::Exception& e) {
-    if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
-      const int r = Process::rank_of_label(f->label);
-      throw PeerFailure(str_cat("connecting communicator '", options_.label, "': rank ", r,
-                                " failed: ", f->reason),
-                        r);
-    }
+    throw_failed_peer_if_any();
     throw TimeoutError(str_cat("connecting communicator '", options_.label, "' (rank ", rank_,
                                " of ", size(), ") failed: ", e.what()));
   }

@@ -140,6 +140,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   }
   void connect_links();
   void connect_gloo();
+  void throw_failed_peer_if_any() const;
   [[noreturn]] void throw_timeout(const Transfer& t) const;
   [[noreturn]] void throw_broken_connection(const Transfer& t, const std::string& what) const;
   [[noreturn]] void throw_aborted(const Transfer& t) const;

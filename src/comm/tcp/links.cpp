@@ -156,6 +156,12 @@ void Links::connect_mesh(Store& store, const std::string& bind_host, std::chrono
     if (p) configure(p->fd);
 }
 
+Links::Peer& Links::peer_at(int peer) const {
+  MESHTRAIN_CHECK(peer >= 0 && peer < size_ && peers_[peer], "tcp::Links of rank ", rank_, " of ", size_,
+                  ": no link to rank ", peer, " (a rank has no link to itself)");
+  return *peers_[peer];
+}
+
 RequestPtr Links::send(int peer, uint64_t slot, const void* data, size_t bytes) {
   auto r = std::make_shared<Request>();
   r->peer = peer;
@@ -163,7 +169,7 @@ RequestPtr Links::send(int peer, uint64_t slot, const void* data, size_t bytes) 
   r->data = static_cast<uint8_t*>(const_cast<void*>(data));
   r->size = bytes;
   std::lock_guard<std::mutex> lock(mutex_);
-  Peer& p = *peers_.at(peer);
+  Peer& p = peer_at(peer);
   if (!p.broken.empty()) {
     r->failed = true;
     return r;
@@ -182,7 +188,7 @@ RequestPtr Links::recv(int peer, uint64_t slot, void* data, size_t capacity) {
   r->data = static_cast<uint8_t*>(data);
   r->size = capacity;
   std::lock_guard<std::mutex> lock(mutex_);
-  Peer& p = *peers_.at(peer);
+  Peer& p = peer_at(peer);
   auto e = p.early.find(slot);
   if (e != p.early.end()) {  // it arrived already
     std::vector<uint8_t> message = std::move(e->second.front());

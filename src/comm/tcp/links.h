@@ -95,6 +95,7 @@ class Links {
   };
   struct Peer;
 
+  Peer& peer_at(int peer) const;  // ConfigError for this rank or one out of range
   void connect_mesh(Store& store, const std::string& bind_host, std::chrono::milliseconds timeout,
                     const std::string& label);
   // Nonblocking I/O on every connection; under mutex_.
