@@ -158,3 +158,16 @@ TEST(TcpLinks, AWaitEndsWithoutItsMessageOnTimeoutAbortClosedPeerOrSmallBuffer) 
   EXPECT_EQ(links[1]->wait(*from2, 5s), tcp::WaitResult::kBroken);
   EXPECT_EQ(links[1]->broken_reason(0), "the peer closed the connection");
 }
+
+TEST(TcpLinks, ALinkToItselfOrOutOfRangeIsRefusedNamingTheRank) {
+  auto links = connect(2);
+  int32_t x = 0;
+  for (int peer : {0, 2, -1}) {
+    try {
+      links[0]->send(peer, 1, &x, 4);
+      ADD_FAILURE() << "no error for peer " << peer;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("no link to rank " + std::to_string(peer)), std::string::npos) << e.what();
+    }
+  }
+}
