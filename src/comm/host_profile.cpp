@@ -151,17 +151,20 @@ bool read_cache(const std::string& path, HostProfile& p) {
   std::string line;
   if (!std::getline(in, line)) return false;
   std::istringstream fields(line);
-  return static_cast<bool>(fields >> p.wake_us >> p.cache_line_ns >> p.copy_gbs) && p.wake_us > 0;
+  // Anyone may write there: figures outside what a machine can measure are not taken.
+  return static_cast<bool>(fields >> p.wake_us >> p.cache_line_ns >> p.copy_gbs) && p.wake_us > 0 &&
+         p.wake_us < 1e6 && p.cache_line_ns >= 0 && p.cache_line_ns < 1e6 && p.copy_gbs >= 0 && p.copy_gbs < 1e6;
 }
 
 void write_cache(const std::string& path, const HostProfile& p) {
-  const std::string tmp = str_cat(path, ".", getpid());
-  {
-    std::ofstream out(tmp);
-    out << p.wake_us << " " << p.cache_line_ns << " " << p.copy_gbs << "\n";
-    if (!out) return;
-  }
-  std::rename(tmp.c_str(), path.c_str());  // whole or not at all, whoever writes last
+  std::string tmp = path + ".XXXXXX";
+  const int fd = ::mkstemp(&tmp[0]);  // a fresh file of our own, never a link someone left
+  if (fd < 0) return;
+  char line[128];
+  const int n = std::snprintf(line, sizeof line, "%.3f %.3f %.3f\n", p.wake_us, p.cache_line_ns, p.copy_gbs);
+  const bool written = n > 0 && ::write(fd, line, n) == n;
+  ::close(fd);
+  if (!written || std::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());  // whole or not at all
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <algorithm>
 #include <numeric>
 #include <thread>
 
@@ -170,4 +171,80 @@ TEST(TcpLinks, ALinkToItselfOrOutOfRangeIsRefusedNamingTheRank) {
       EXPECT_NE(std::string(e.what()).find("no link to rank " + std::to_string(peer)), std::string::npos) << e.what();
     }
   }
+}
+
+// Error paths free buffers without waiting for their requests: a dropped
+// request is withdrawn, and the stream stays whole for the messages after it.
+TEST(TcpLinks, DroppedRequestsAreWithdrawnAndTheStreamStaysWhole) {
+  auto links = connect(2);
+  const size_t n = 6 << 20;  // 24 MiB: more than the sockets hold
+  // A receive dropped before its message: the message goes to the next receive of its slot.
+  {
+    std::vector<int32_t> dropped(4);
+    tcp::Posted withdrawn(links[0].get(), links[0]->recv(1, 7, dropped.data(), 16));
+  }
+  const auto four = iota_from(40, 4);
+  auto s = links[1]->send(0, 7, four.data(), 16);
+  std::vector<int32_t> got(4);
+  auto r = links[0]->recv(1, 7, got.data(), 16);
+  ASSERT_EQ(links[0]->wait(*r, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(got, four);
+
+  // A send dropped half-written: the peer still gets the whole payload as it was posted.
+  auto big = std::make_unique<std::vector<int32_t>>(iota_from(3, n));
+  {
+    tcp::Posted half(links[1].get(), links[1]->send(0, 8, big->data(), n * 4));
+    EXPECT_FALSE(half.get()->done);  // the socket took only part of it
+  }
+  std::fill(big->begin(), big->end(), -1);
+  big.reset();
+  // A receive dropped while its message arrives: the rest is read and dropped.
+  std::vector<int32_t> into(n);
+  {
+    tcp::Posted arriving(links[0].get(), links[0]->recv(1, 8, into.data(), n * 4));
+    EXPECT_EQ(links[0]->wait(*arriving, std::chrono::milliseconds(1)), tcp::WaitResult::kTimeout);
+  }
+  std::fill(into.begin(), into.end(), 0);
+  // The messages after them arrive intact.
+  const auto after = iota_from(-9, 5);
+  auto s2 = links[1]->send(0, 9, after.data(), 20);
+  std::vector<int32_t> got2(5);
+  auto r2 = links[0]->recv(1, 9, got2.data(), 20);
+  std::thread rest([&] {  // the sender writes the rest of the dropped send, then this one
+    EXPECT_EQ(links[1]->wait(*s2, 10s), tcp::WaitResult::kDone) << links[1]->broken_reason(0);
+  });
+  EXPECT_EQ(links[0]->wait(*r2, 10s), tcp::WaitResult::kDone) << links[0]->broken_reason(1);
+  rest.join();
+  EXPECT_EQ(got2, after);
+  EXPECT_TRUE(std::all_of(into.begin(), into.end(), [](int32_t v) { return v == 0; }));  // nothing written after the drop
+  // And a large message after them arrives whole (the communicator never
+  // reuses a slot: a withdrawn receive's message that had not begun to arrive
+  // is kept for its slot, as any early message).
+  auto again = iota_from(5, n);
+  auto s3 = links[1]->send(0, 10, again.data(), n * 4);
+  std::vector<int32_t> got3(n);
+  auto r3 = links[0]->recv(1, 10, got3.data(), n * 4);
+  std::thread sender([&] { EXPECT_EQ(links[1]->wait(*s3, 20s), tcp::WaitResult::kDone); });
+  EXPECT_EQ(links[0]->wait(*r3, 20s), tcp::WaitResult::kDone);
+  sender.join();
+  EXPECT_EQ(got3, again);
+  (void)s;
+}
+
+// A receiver busy for longer than the store's link timeout (MESHTRAIN_LINK_TIMEOUT_S,
+// 8 s; here 2 s) while an eager send waits behind its full window: the link holds.
+TEST(TcpLinks, ASendWaitingOnABusyReceiverOutlastsTheLinkTimeout) {
+  setenv("MESHTRAIN_LINK_TIMEOUT_S", "2", 1);
+  auto links = connect(2);
+  unsetenv("MESHTRAIN_LINK_TIMEOUT_S");
+  const size_t n = 8 << 20;  // 32 MiB: the rest waits on a zero window
+  const auto out = iota_from(1, n);
+  auto s = links[1]->send(0, 1, out.data(), n * 4);
+  EXPECT_EQ(links[1]->wait(*s, std::chrono::milliseconds(4000)), tcp::WaitResult::kTimeout);  // nobody reads
+  std::vector<int32_t> in(n);
+  auto r = links[0]->recv(1, 1, in.data(), n * 4);
+  std::thread sender([&] { EXPECT_EQ(links[1]->wait(*s, 20s), tcp::WaitResult::kDone) << links[1]->broken_reason(0); });
+  EXPECT_EQ(links[0]->wait(*r, 20s), tcp::WaitResult::kDone) << links[0]->broken_reason(1);
+  sender.join();
+  EXPECT_EQ(in, out);
 }

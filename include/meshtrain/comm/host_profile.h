@@ -17,9 +17,11 @@
 // takes the core its peer needs) and waiters yield first instead.
 //
 // The figures are measured on first use in a process (~10 ms) and cached in
-// /dev/shm (or $TMPDIR) under a key of the CPU model, the core count and the
+// $TMPDIR (else /tmp) under a key of the CPU model, the core count and the
 // kernel's boot id, so the ranks of a job and later jobs on the same boot
-// read them instead of measuring again. MESHTRAIN_SHM_SPIN_US,
+// read them instead of measuring again (figures out of range are measured
+// again). Ranks that start together on shared cores measure a busy host: the
+// budgets' bounds (200 us) limit what that costs. MESHTRAIN_SHM_SPIN_US,
 // MESHTRAIN_SHM_YIELD_US and MESHTRAIN_TCP_SPIN_US still override the choice;
 // bench_collectives prints the figures and the choices.
 

@@ -89,16 +89,23 @@ Exchange exchange_on_gloo(gloo::rendezvous::Context& ctx, std::chrono::milliseco
 Exchange exchange_on_links(tcp::Links& links, int rank, std::chrono::milliseconds timeout, const std::string& label) {
   return [&links, rank, timeout, label](const std::vector<std::string>& mine, std::vector<std::string>& theirs,
                                         uint64_t slot) {
-    std::vector<tcp::RequestPtr> requests;
+    std::vector<tcp::Posted> requests;
     for (int p = 0; p < static_cast<int>(mine.size()); ++p) {
       if (p == rank) continue;
-      requests.push_back(links.send(p, slot, mine[p].data(), mine[p].size()));
-      requests.push_back(links.recv(p, slot, &theirs[p][0], theirs[p].size()));
+      requests.emplace_back(&links, links.send(p, slot, mine[p].data(), mine[p].size()));
+      requests.emplace_back(&links, links.recv(p, slot, &theirs[p][0], theirs[p].size()));
     }
     for (auto& r : requests) {
-      if (links.wait(*r, timeout) == tcp::WaitResult::kDone && (!r->is_recv || r->received == r->size)) continue;
-      throw TimeoutError(str_cat("connecting communicator '", label, "': the proof exchange with rank ", r->peer,
-                                 " failed: ", links.broken_reason(r->peer)));
+      const tcp::WaitResult result = links.wait(*r, timeout);
+      if (result == tcp::WaitResult::kDone && (!r.get()->is_recv || r.get()->received == r.get()->size)) {
+        r.reset();
+        continue;
+      }
+      const std::string why = result == tcp::WaitResult::kTimeout
+                                  ? str_cat("no reply within ", timeout.count(), " ms")
+                                  : links.broken_reason(r.get()->peer);
+      throw TimeoutError(str_cat("connecting communicator '", label, "': the proof exchange with rank ",
+                                 r.get()->peer, " failed: ", why));
     }
   };
 }
@@ -180,19 +187,19 @@ void GlooCommunicator::connect_links() {
   try {
     links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
                                           options_.label);
+    // Spinning only pays when every rank of this host has a core of its own, for
+    // as long as this host's wake-up costs; otherwise waiters yield that long
+    // (Note [Self-tuned waits]).
+    const bool own_core = process_->ranks_on_my_host() <= available_cores();
+    const WaitTuning tuning = choose_wait(host_profile(), own_core);
+    links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", tuning.spin), env_us("MESHTRAIN_TCP_YIELD_US", tuning.yield));
+    if (!process_->store()->token().empty()) {
+      prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
+                  process_->store()->token(), options_.label);
+    }
   } catch (const TimeoutError&) {
-    throw_failed_peer_if_any();
+    throw_failed_peer_if_any();  // a rank died while the others connected: named
     throw;
-  }
-  // Spinning only pays when every rank of this host has a core of its own, for
-  // as long as this host's wake-up costs; otherwise waiters yield that long
-  // (Note [Self-tuned waits]).
-  const bool own_core = process_->ranks_on_my_host() <= available_cores();
-  const WaitTuning tuning = choose_wait(host_profile(), own_core);
-  links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", tuning.spin), env_us("MESHTRAIN_TCP_YIELD_US", tuning.yield));
-  if (!process_->store()->token().empty()) {
-    prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
-                process_->store()->token(), options_.label);
   }
 }
 
@@ -241,7 +248,7 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
   if (links_) {
-    t.req = links_->send(peer, slot, ptr, bytes);
+    t.req = tcp::Posted(links_.get(), links_->send(peer, slot, ptr, bytes));
     return t;
   }
   t.buf = context_->createUnboundBuffer(const_cast<void*>(ptr), bytes);
@@ -258,7 +265,7 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
   if (links_) {
-    t.req = links_->recv(peer, slot, ptr, bytes);
+    t.req = tcp::Posted(links_.get(), links_->recv(peer, slot, ptr, bytes));
     return t;
   }
   t.buf = context_->createUnboundBuffer(ptr, bytes);

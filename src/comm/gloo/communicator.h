@@ -83,7 +83,7 @@ struct InPlace {
 // One posted send or receive, on libgloo's transport (buf) or the links (req).
 struct Transfer {
   std::unique_ptr<gloo::transport::UnboundBuffer> buf;
-  tcp::RequestPtr req;
+  tcp::Posted req;  // withdrawn if dropped unfinished (an error path)
   int peer = -1;
   bool is_recv = false;
   size_t bytes = 0;

@@ -41,12 +41,33 @@ int ms_until(Clock::time_point deadline) {
   return static_cast<int>(std::clamp<int64_t>(left + 1, 0, 1 << 30));
 }
 
+// No TCP_USER_TIMEOUT here (unlike the store's links, Note [Silent links]):
+// a receiver that computes for longer than it while an eager send waits
+// behind its full window would have the kernel abort a healthy connection
+// (Linux applies the user timeout to zero-window probing). Dead and
+// unreachable hosts are named through the store's links and heartbeats, which
+// abort these waits, and the communicator's timeout bounds every wait.
 void configure(int fd) {
-  int one = 1;
+  int one = 1, none = 0;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  net::watch_link(fd);  // a silent peer breaks the connection (Note [Silent links])
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &none, sizeof(none));  // net::connect_to set one
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
+
+// A header announcing more than this is a corrupt stream, refused before any allocation.
+constexpr uint64_t kMaxMessage = uint64_t(1) << 40;
+
+// Marks the polling thread's round over, whichever way it ends (an exception
+// included), so that the other waiters do not sleep on a poller that left.
+struct PollingRound {
+  PollingRound(bool& polling, std::condition_variable& rounds) : polling(polling), rounds(rounds) { polling = true; }
+  ~PollingRound() {
+    polling = false;
+    rounds.notify_all();
+  }
+  bool& polling;
+  std::condition_variable& rounds;
+};
 
 // Accepts the next connection before `deadline`; -1 when none came.
 int accept_before(int listen_fd, Clock::time_point deadline) {
@@ -75,6 +96,7 @@ struct Links::Peer {
   bool in_body = false;
   RequestPtr in_target;
   std::vector<uint8_t> in_spare;
+  bool in_discard = false;  // the message's receive was cancelled: read it and drop it
   uint8_t* in_dst = nullptr;
   size_t in_got = 0;
   std::vector<uint8_t> stage;  // bytes read from the socket, not yet consumed
@@ -138,7 +160,11 @@ void Links::connect_mesh(Store& store, const std::string& bind_host, std::chrono
                                    " higher rank(s) did not connect within ", timeout.count(), " ms"));
       }
       Hello hello{};
-      const bool read = net::read_exact(fd, &hello, sizeof(hello), deadline);
+      bool read = false;
+      try {  // a connection that says nothing is not one of ours: a short deadline of its own
+        read = net::read_exact(fd, &hello, sizeof(hello), std::min(deadline, Clock::now() + std::chrono::seconds(2)));
+      } catch (const TimeoutError&) {
+      }
       if (!read || hello.magic != kHelloMagic || hello.rank <= rank_ || hello.rank >= size_ ||
           peers_[hello.rank]->fd >= 0) {
         ::close(fd);  // not one of ours: keep waiting for the ranks
@@ -298,6 +324,11 @@ void Links::start_message(Peer& p) {
   p.in_wire_got = 0;
   p.in_body = true;
   p.in_got = 0;
+  p.in_discard = false;
+  if (p.in_wire.bytes > kMaxMessage) {
+    break_peer(p, str_cat("a message header announced ", p.in_wire.bytes, " bytes: a corrupt stream"));
+    return;
+  }
   auto it = p.posted.find(p.in_wire.slot);
   if (it != p.posted.end()) {
     RequestPtr target = std::move(it->second.front());
@@ -320,6 +351,11 @@ void Links::start_message(Peer& p) {
 void Links::finish_message(Peer& p) {
   p.in_body = false;
   p.in_dst = nullptr;
+  if (p.in_discard) {  // its receive was cancelled while it arrived
+    p.in_discard = false;
+    p.in_spare = {};
+    return;
+  }
   if (!p.in_target) {  // a receive may have been posted while it arrived
     auto it = p.posted.find(p.in_wire.slot);
     if (it != p.posted.end()) {
@@ -357,6 +393,47 @@ void Links::break_peer(Peer& p, const std::string& why) {
   if (p.in_target) p.in_target->failed = true;
   p.in_target.reset();
   p.in_body = false;
+  // The peer learns at once (its reads end), and every waiter here re-checks.
+  if (p.fd >= 0) ::shutdown(p.fd, SHUT_RDWR);
+  wake_poller();
+  rounds_.notify_all();
+}
+
+void Links::cancel(Request& r) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (r.done || r.failed) return;
+  Peer& p = peer_at(r.peer);
+  r.failed = true;  // whoever still holds it sees a failure, never data
+  if (r.is_recv) {
+    if (p.in_target.get() == &r) {  // arriving now: the rest goes nowhere
+      p.in_spare.assign(p.in_wire.bytes, 0);
+      p.in_dst = p.in_spare.data();
+      p.in_discard = true;
+      p.in_target.reset();
+      return;
+    }
+    auto it = p.posted.find(r.slot);
+    if (it == p.posted.end()) return;
+    auto& queue = it->second;
+    queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const RequestPtr& q) { return q.get() == &r; }),
+                queue.end());
+    if (queue.empty()) p.posted.erase(it);
+    return;
+  }
+  for (auto it = p.sends.begin(); it != p.sends.end(); ++it) {
+    if (it->get() != &r) continue;
+    if (it == p.sends.begin() && p.out_offset > 0) {
+      // Partly written: the peer expects the rest, so the rest is sent from a copy.
+      auto copy = std::make_shared<Request>(r);
+      copy->owned.assign(r.data, r.data + r.size);  // an error path: the whole payload, offsets unchanged
+      copy->data = copy->owned.data();
+      copy->failed = false;
+      *it = copy;
+    } else {
+      p.sends.erase(it);
+    }
+    return;
+  }
 }
 
 std::string Links::broken_reason(int peer) const {
@@ -389,11 +466,10 @@ void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point dea
     fds.push_back({p->fd, static_cast<short>(POLLIN | (p->sends.empty() ? 0 : POLLOUT)), 0});
     who.push_back(p.get());
   }
-  polling_ = true;
+  PollingRound round(polling_, rounds_);
   lock.unlock();
   const int rc = ::poll(fds.data(), fds.size(), ms_until(deadline));
   lock.lock();
-  polling_ = false;
   if (rc > 0) {
     if (fds[0].revents & POLLIN) {
       uint64_t v;
@@ -404,13 +480,12 @@ void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point dea
       if (fds[i].revents & (POLLIN | POLLERR | POLLHUP)) read_available(*who[i]);
     }
   }
-  rounds_.notify_all();
 }
 
 void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
   const auto start = Clock::now();
   const auto spin_until = start + spin_, until = spin_until + yield_;
-  polling_ = true;  // the others wait for this round as for a poll
+  PollingRound round(polling_, rounds_);  // the others wait for this round as for a poll
   while (!r.done && !r.failed && !aborted_ && Clock::now() < until) {
     for (auto& p : peers_) {
       if (!p || !p->broken.empty()) continue;
@@ -422,8 +497,6 @@ void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
     if (Clock::now() >= spin_until) sched_yield();  // cores shared: let the peer run
     lock.lock();
   }
-  polling_ = false;
-  rounds_.notify_all();
 }
 
 WaitResult Links::wait(Request& r, std::chrono::milliseconds timeout) {

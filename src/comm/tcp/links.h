@@ -28,6 +28,14 @@
 // microseconds (set_spin), as the shared-memory backend spins: a reply that
 // comes within them costs no sleep and no wake-up; where ranks share cores it
 // yields its core between reads instead (Note [Self-tuned waits]).
+//
+// What follows from having no thread of its own: a send larger than the
+// sockets' buffers finishes only while some thread waits on these links (its
+// Work's wait(), or any later operation of the communicator), where libgloo's
+// loop thread finished it alone; every meshtrain caller waits. A request
+// dropped unfinished (an error path freeing its buffer) must be withdrawn
+// first: tcp::Posted does it (Links::cancel). No TCP_USER_TIMEOUT on these
+// sockets: a busy receiver's full window must not look like a dead host.
 
 #include <chrono>
 #include <condition_variable>
@@ -54,7 +62,8 @@ struct Request {
   size_t size = 0;      // send: bytes to send; recv: the buffer's capacity
   size_t received = 0;  // recv: bytes the message carried (<= size)
   bool done = false;
-  bool failed = false;  // the connection broke (Links::broken_reason says why)
+  bool failed = false;  // the connection broke (Links::broken_reason says why), or cancelled
+  std::vector<uint8_t> owned;  // a cancelled send's unsent rest (Links::cancel)
 };
 using RequestPtr = std::shared_ptr<Request>;
 
@@ -85,6 +94,11 @@ class Links {
   WaitResult wait(Request& r, std::chrono::milliseconds timeout);
   // Thread-safe: every wait, current and later, returns kAborted.
   void abort();
+  // The caller is about to free `r`'s buffer without waiting for it (an error
+  // path): a posted receive is withdrawn (a message arriving for it now is
+  // read and dropped), a queued send is dropped, one partly written is finished
+  // from a copy of its rest (the peer expects those bytes). Completed ones: nothing.
+  void cancel(Request& r);
   // Why the connection to `peer` broke ("" when it has not).
   std::string broken_reason(int peer) const;
 
@@ -122,6 +136,38 @@ class Links {
   bool aborted_ = false;
   std::chrono::microseconds spin_{0};
   std::chrono::microseconds yield_{0};
+};
+
+// A posted request that is withdrawn (Links::cancel) when dropped before it
+// completed: the owner of its buffer may free the buffer after an error
+// without the links writing into it or reading from it later.
+class Posted {
+ public:
+  Posted() = default;
+  Posted(Links* links, RequestPtr r) : links_(links), r_(std::move(r)) {}
+  Posted(Posted&& o) noexcept : links_(o.links_), r_(std::move(o.r_)) {}
+  Posted& operator=(Posted&& o) noexcept {
+    withdraw();
+    links_ = o.links_;
+    r_ = std::move(o.r_);
+    return *this;
+  }
+  ~Posted() { withdraw(); }
+  Request* get() const { return r_.get(); }
+  Request& operator*() const { return *r_; }
+  explicit operator bool() const { return r_ != nullptr; }
+  void reset() { r_.reset(); }  // completed: nothing to withdraw
+
+ private:
+  void withdraw() noexcept {
+    try {
+      if (r_ && links_) links_->cancel(*r_);
+    } catch (...) {
+    }
+    r_.reset();
+  }
+  Links* links_ = nullptr;
+  RequestPtr r_;
 };
 
 }  // namespace tcp
