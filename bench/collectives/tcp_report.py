@@ -8,6 +8,9 @@ links are faster). With --doc, replaces the tcp-collectives section of that
 markdown file. Standard library only."""
 import argparse, collections, json, os, statistics, sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ddp"))
+from report import replace_section  # noqa: E402  (the section writer every bench report shares)
+
 IMPLS = [("mt_gloo_links", "meshtrain gloo (links)"), ("mt_gloo_gloo", "meshtrain gloo (libgloo)"),
          ("ompi_tcp", "OpenMPI (TCP)"), ("torch", "torch Gloo")]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
@@ -63,14 +66,7 @@ def main():
     text = "\n".join(lines) + "\n"
     print(text)
     if a.doc:
-        begin, end = "<!-- tcp-collectives:begin -->", "<!-- tcp-collectives:end -->"
-        doc = open(a.doc).read()
-        block = f"{begin}\n{text}{end}"
-        if begin in doc:
-            doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
-        else:
-            doc = doc.rstrip("\n") + "\n\n## Collectives over TCP\n\n" + block + "\n"
-        open(a.doc, "w").write(doc)
+        replace_section(a.doc, "tcp-collectives", "Collectives over TCP", text)
 
 
 if __name__ == "__main__":

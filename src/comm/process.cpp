@@ -149,7 +149,7 @@ void Process::register_wait(const void* key, int peer, std::chrono::steady_clock
                             std::function<void()> abort) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (failure_) abort();
-  waiting_[key] = GlooWait{peer, std::chrono::steady_clock::now() + long_after, std::move(abort)};
+  waiting_[key] = BlockingWait{peer, std::chrono::steady_clock::now() + long_after, std::move(abort)};
   if (!recorder_.joinable()) recorder_ = std::thread([this] { record_long_waits(); });
 }
 

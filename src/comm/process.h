@@ -120,17 +120,17 @@ class Process {
   std::optional<FailureReport> failure_;
   std::atomic<bool> failed_{false};
   std::atomic<bool> reported_stuck_{false};
-  struct GlooWait {
+  struct BlockingWait {  // a Gloo or TCP-links wait (register_wait)
     int peer = -1;
     std::chrono::steady_clock::time_point long_at;
     std::function<void()> abort;
   };
   void record_long_waits();  // the recorder thread's loop
-  std::map<const void*, GlooWait> waiting_;
+  std::map<const void*, BlockingWait> waiting_;
   std::thread recorder_;
   std::condition_variable recorder_wake_;
   bool stopping_ = false;
-  bool keep_wait_record_ = false;  // a Gloo wait failed: its record stays
+  bool keep_wait_record_ = false;  // a blocking wait failed: its record stays
   std::map<int, std::function<void()>> listeners_;
   int next_listener_ = 0;
   std::vector<std::string> hosts_;  // by global rank, loaded on first use

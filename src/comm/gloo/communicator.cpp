@@ -97,15 +97,15 @@ Exchange exchange_on_links(tcp::Links& links, int rank, std::chrono::millisecond
     }
     for (auto& r : requests) {
       const tcp::WaitResult result = links.wait(*r, timeout);
-      if (result == tcp::WaitResult::kDone && (!r.get()->is_recv || r.get()->received == r.get()->size)) {
+      if (result == tcp::WaitResult::kDone && (!r->is_recv || r->received == r->size)) {
         r.reset();
         continue;
       }
       const std::string why = result == tcp::WaitResult::kTimeout
                                   ? str_cat("no reply within ", timeout.count(), " ms")
-                                  : links.broken_reason(r.get()->peer);
+                                  : links.broken_reason(r->peer);
       throw TimeoutError(str_cat("connecting communicator '", label, "': the proof exchange with rank ",
-                                 r.get()->peer, " failed: ", why));
+                                 r->peer, " failed: ", why));
     }
   };
 }

@@ -456,11 +456,11 @@ void Links::abort() {
 }
 
 void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
-  std::vector<pollfd> fds;
-  std::vector<Peer*> who;
-  fds.reserve(peers_.size() + 1);
-  fds.push_back({wake_fd_, POLLIN, 0});
-  who.push_back(nullptr);
+  // Reused across rounds: only the polling thread touches them.
+  std::vector<pollfd>& fds = poll_fds_;
+  std::vector<Peer*>& who = poll_peers_;
+  fds.assign(1, pollfd{wake_fd_, POLLIN, 0});
+  who.assign(1, nullptr);
   for (auto& p : peers_) {
     if (!p || !p->broken.empty()) continue;
     fds.push_back({p->fd, static_cast<short>(POLLIN | (p->sends.empty() ? 0 : POLLOUT)), 0});

@@ -37,6 +37,8 @@
 // first: tcp::Posted does it (Links::cancel). No TCP_USER_TIMEOUT on these
 // sockets: a busy receiver's full window must not look like a dead host.
 
+#include <poll.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -133,6 +135,8 @@ class Links {
   mutable std::mutex mutex_;
   std::condition_variable rounds_;  // a poll round ended (other waiters re-check)
   bool polling_ = false;
+  std::vector<pollfd> poll_fds_;  // poll_round's, kept between rounds
+  std::vector<Peer*> poll_peers_;
   bool aborted_ = false;
   std::chrono::microseconds spin_{0};
   std::chrono::microseconds yield_{0};
@@ -155,6 +159,7 @@ class Posted {
   ~Posted() { withdraw(); }
   Request* get() const { return r_.get(); }
   Request& operator*() const { return *r_; }
+  Request* operator->() const { return r_.get(); }
   explicit operator bool() const { return r_ != nullptr; }
   void reset() { r_.reset(); }  // completed: nothing to withdraw
 
