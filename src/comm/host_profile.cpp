@@ -136,6 +136,16 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
+// What the CPU reports (cpuid through glibc), else what sysfs says.
+int64_t l2_cache_bytes() {
+  const long reported = ::sysconf(_SC_LEVEL2_CACHE_SIZE);
+  if (reported > 0) return reported;
+  std::ifstream in("/sys/devices/system/cpu/cpu0/cache/index2/size");
+  int64_t kb = 0;
+  std::string unit;
+  return in >> kb >> unit && kb > 0 ? kb << 10 : 0;  // "1024K"
+}
+
 std::string cache_path(const std::string& cpu, int cores) {
   std::string boot_id;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
@@ -176,6 +186,7 @@ HostProfile measure_host() {
   p.wake_us = measure_wake_us(60);
   p.cache_line_ns = measure_cache_line_ns(p.cores);
   p.copy_gbs = measure_copy_gbs();
+  p.l2_bytes = l2_cache_bytes();
   return p;
 }
 
@@ -191,6 +202,7 @@ const HostProfile& host_profile() {
     p.cores = cores;
     if (read_cache(path, p)) {
       p.cached = true;
+      p.l2_bytes = l2_cache_bytes();
     } else {
       p = measure_host();
       write_cache(path, p);
@@ -219,11 +231,27 @@ WaitTuning choose_wait(const HostProfile& host, bool own_core) {
   return t;
 }
 
+LinkBuffer choose_link_buffer(const HostProfile& host, int peers_on_host) {
+  LinkBuffer b;
+  char buf[200];
+  if (host.l2_bytes <= 0) {
+    b.why = "links: the L2's size is unknown: the kernel's autotuning";
+    return b;
+  }
+  const int peers = std::max(1, peers_on_host);
+  b.bytes = std::clamp<int64_t>(host.l2_bytes / peers, 128 << 10, 4 << 20);
+  std::snprintf(buf, sizeof buf, "links on this host: %lld KiB in flight each, the L2 (%lld KiB) / %d peer%s here",
+                static_cast<long long>(b.bytes >> 10), static_cast<long long>(host.l2_bytes >> 10), peers,
+                peers == 1 ? "" : "s");
+  b.why = buf;
+  return b;
+}
+
 std::string describe(const HostProfile& h) {
   char buf[300];
-  std::snprintf(buf, sizeof buf, "%s, %d core%s: wake-up %.1f us, cache line %.0f ns, copy %.1f GB/s%s", h.cpu.c_str(),
-                h.cores, h.cores == 1 ? "" : "s", h.wake_us, h.cache_line_ns, h.copy_gbs,
-                h.cached ? " (cached)" : "");
+  std::snprintf(buf, sizeof buf, "%s, %d core%s: wake-up %.1f us, cache line %.0f ns, copy %.1f GB/s, L2 %lld KiB%s",
+                h.cpu.c_str(), h.cores, h.cores == 1 ? "" : "s", h.wake_us, h.cache_line_ns, h.copy_gbs,
+                static_cast<long long>(h.l2_bytes >> 10), h.cached ? " (cached)" : "");
   return buf;
 }
 

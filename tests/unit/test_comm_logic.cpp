@@ -221,6 +221,23 @@ TEST(SelfTunedWaits, SpinTwiceTheWakeUpWithACorePerRankElseYield) {
   EXPECT_EQ(choose_wait(host, false).yield.count(), 200);
 }
 
+// Note [Link buffers sized to the cache]: the L2 shared by the peers that
+// send to a rank at once, within 128 KiB - 4 MiB; unknown L2: the kernel's.
+TEST(SelfTunedWaits, LinkBuffersAreTheL2SharedByThePeersOnTheHost) {
+  HostProfile host;
+  host.l2_bytes = 1 << 20;
+  const LinkBuffer one = choose_link_buffer(host, 1);
+  EXPECT_EQ(one.bytes, 1 << 20);
+  EXPECT_NE(one.why.find("1024 KiB"), std::string::npos) << one.why;
+  EXPECT_EQ(choose_link_buffer(host, 3).bytes, (1 << 20) / 3);
+  EXPECT_EQ(choose_link_buffer(host, 0).bytes, 1 << 20);    // a rank alone on its host: no division by 0
+  EXPECT_EQ(choose_link_buffer(host, 64).bytes, 128 << 10);  // never below 128 KiB
+  host.l2_bytes = 32 << 20;
+  EXPECT_EQ(choose_link_buffer(host, 1).bytes, 4 << 20);
+  host.l2_bytes = 0;
+  EXPECT_EQ(choose_link_buffer(host, 1).bytes, 0);
+}
+
 TEST(SelfTunedWaits, MeasuringTheHostGivesPositiveFiguresAndTheCacheRepeatsThem) {
   const HostProfile measured = measure_host();
   EXPECT_GT(measured.wake_us, 0.0);

@@ -112,6 +112,28 @@ TEST(TcpLinks, LargeMessagesBothWaysAtOnceWhileReceivesArePostedLate) {
   EXPECT_EQ(in1, out0);
 }
 
+// Note [Link buffers sized to the cache]: every link over 127.0.0.1 stays on
+// this host, so each is bounded, and large messages still pass whole.
+TEST(TcpLinks, LinksOnThisHostAreBoundedAndStillCarryLargeMessages) {
+  auto links = connect(3);
+  for (auto& l : links) EXPECT_EQ(l->set_local_buffer(256 << 10), 2);
+  EXPECT_EQ(links[0]->set_local_buffer(0), 0);  // 0: the kernel's autotuning, nothing set
+  const size_t n = 3 << 20;  // 12 MiB to the next rank: 48 times what a link holds
+  std::vector<std::vector<int32_t>> out, in(3, std::vector<int32_t>(n));
+  for (int r = 0; r < 3; ++r) out.push_back(iota_from(100 * r, n));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.emplace_back([&, r] {
+      auto s = links[r]->send((r + 1) % 3, 4, out[r].data(), n * 4);
+      auto rc = links[r]->recv((r + 2) % 3, 4, in[r].data(), n * 4);
+      EXPECT_EQ(links[r]->wait(*rc, 20s), tcp::WaitResult::kDone);
+      EXPECT_EQ(links[r]->wait(*s, 20s), tcp::WaitResult::kDone);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(in[r], out[(r + 2) % 3]) << "rank " << r;
+}
+
 TEST(TcpLinks, TwoThreadsWaitingOnOneRankBothComplete) {
   auto links = connect(2);
   const auto a = iota_from(1, 1000), b = iota_from(2, 1000);

@@ -26,6 +26,7 @@
 // bench_collectives prints the figures and the choices.
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 namespace meshtrain {
@@ -37,6 +38,7 @@ struct HostProfile {
   double wake_us = 0;       // one futex wake-up, sleeper asleep to running (median)
   double cache_line_ns = 0; // a cache line from one core to another, one way (median; 0 with one core)
   double copy_gbs = 0;      // memcpy of 4 MiB blocks
+  int64_t l2_bytes = 0;     // one core's level-2 cache, as the CPU reports it (0: unknown)
   bool cached = false;      // read from the cache file rather than measured by this process
 };
 
@@ -54,7 +56,27 @@ struct WaitTuning {
 // The spin budgets for a waiter on a host measured as `host` (pure; see the Note).
 WaitTuning choose_wait(const HostProfile& host, bool own_core);
 
-// "AMD EPYC, 2 cores: wake-up 18.2 us, cache line 95 ns, copy 9.6 GB/s (cached)"
+// Note [Link buffers sized to the cache]
+// Between two ranks of one host a TCP connection is two copies through the
+// kernel: the sender's into socket buffers, the receiver's out of them. With
+// the kernel's autotuning a loopback connection lets up to 4 MiB wait in
+// those buffers, more than a core's cache, so the receiver copies from memory
+// what the sender wrote a while before; bounded to about the receiver's L2
+// the bytes are still in cache when read. Measured on a 2-vCPU AMD EPYC (L2
+// 1 MiB), 16 MiB over two ranks, medians of 3: broadcast 4.0-5.6 -> 2.2-2.8
+// ms, all-gather 4.1-5.3 -> 2.4-2.5, all-reduce 6.7-8.5 -> 4.7-5.2; on 4
+// ranks all-reduce 25 -> 15. So each link to a rank of the same host may hold
+// the L2's size divided by the ranks that send to it at once (its peers on
+// the host), at least 128 KiB; links that leave the host keep the kernel's
+// autotuning, which sizes them to the path's bandwidth and delay.
+// MESHTRAIN_TCP_BUFFER_KB overrides the choice (0: the kernel's autotuning).
+struct LinkBuffer {
+  int64_t bytes = 0;  // in flight per link to a rank of this host (0: the kernel's autotuning)
+  std::string why;    // one line: the rule and the figures it used
+};
+LinkBuffer choose_link_buffer(const HostProfile& host, int peers_on_host);
+
+// "AMD EPYC, 2 cores: wake-up 18.2 us, cache line 95 ns, copy 9.6 GB/s, L2 1 MiB (cached)"
 std::string describe(const HostProfile& host);
 
 }  // namespace comm

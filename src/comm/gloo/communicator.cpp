@@ -193,6 +193,9 @@ void GlooCommunicator::connect_links() {
     const bool own_core = process_->ranks_on_my_host() <= available_cores();
     const WaitTuning tuning = choose_wait(host_profile(), own_core);
     links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", tuning.spin), env_us("MESHTRAIN_TCP_YIELD_US", tuning.yield));
+    // Bytes in flight to a rank of this host fit its cache (Note [Link buffers sized to the cache]).
+    const LinkBuffer buffer = choose_link_buffer(host_profile(), process_->ranks_on_my_host() - 1);
+    links_->set_local_buffer(env_kib("MESHTRAIN_TCP_BUFFER_KB", buffer.bytes, 0, 1 << 20));
     if (!process_->store()->token().empty()) {
       prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
                   process_->store()->token(), options_.label);

@@ -54,6 +54,24 @@ void configure(int fd) {
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
+// Whether the connection's two ends have one address: both ends on this host.
+bool stays_on_host(int fd) {
+  sockaddr_storage mine{}, theirs{};
+  socklen_t a = sizeof mine, b = sizeof theirs;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &a) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&theirs), &b) != 0 || mine.ss_family != theirs.ss_family) {
+    return false;
+  }
+  if (mine.ss_family == AF_INET) {
+    return reinterpret_cast<sockaddr_in&>(mine).sin_addr.s_addr == reinterpret_cast<sockaddr_in&>(theirs).sin_addr.s_addr;
+  }
+  if (mine.ss_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<sockaddr_in6&>(mine).sin6_addr, &reinterpret_cast<sockaddr_in6&>(theirs).sin6_addr,
+                       sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
 // A header announcing more than this is a corrupt stream, refused before any allocation.
 constexpr uint64_t kMaxMessage = uint64_t(1) << 40;
 
@@ -123,6 +141,20 @@ Links::Links(Store& store, int rank, int size, const std::string& bind_host, std
     ::close(wake_fd_);
     throw;
   }
+}
+
+int Links::set_local_buffer(int64_t bytes) {
+  if (bytes <= 0) return 0;
+  // The kernel doubles what it is given (half is its bookkeeping), so in
+  // flight is about twice the value set.
+  const int half = static_cast<int>(std::min<int64_t>(bytes / 2, 1 << 30));
+  int bounded = 0;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& p : peers_) {
+    if (!p || !stays_on_host(p->fd)) continue;
+    if (::setsockopt(p->fd, SOL_SOCKET, SO_SNDBUF, &half, sizeof half) == 0) ++bounded;
+  }
+  return bounded;
 }
 
 Links::~Links() {

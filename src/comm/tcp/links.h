@@ -85,6 +85,11 @@ class Links {
     spin_ = spin;
     yield_ = yield;
   }
+  // Bounds what each connection to a rank of this host holds in flight to
+  // `bytes` (0: the kernel's autotuning); links that leave the host keep
+  // the kernel's (Note [Link buffers sized to the cache] in host_profile.h).
+  // Returns how many links it bounded.
+  int set_local_buffer(int64_t bytes);
   ~Links();
   Links(const Links&) = delete;
   Links& operator=(const Links&) = delete;
