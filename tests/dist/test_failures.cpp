@@ -293,6 +293,28 @@ TEST_P(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
       auto d = torch::ones({r == 0 ? 10 : 12});
       EXPECT_THROW(comm->reduce_scatter(d), MismatchError);
     }
+    // Large buffers: on the TCP links their data leaves beside the header
+    // round (Note [Verification beside the data]); a mismatch still raises
+    // on both ranks, whichever rank's messages are the larger.
+    if (auto comm = pair("large sizes")) {
+      auto big = torch::ones({r == 0 ? 100000 : 120000});
+      try {
+        comm->all_reduce(big);
+        ADD_FAILURE() << "no error for all_reduce sizes that differ";
+      } catch (const MismatchError& e) {
+        EXPECT_NE(std::string(e.what()).find("Float[120000]"), std::string::npos) << e.what();
+      }
+    }
+    if (auto comm = pair("large kind")) {
+      auto c = torch::ones({200000});
+      try {
+        if (r == 0) comm->reduce_scatter(c); else comm->broadcast(c, 1);
+        ADD_FAILURE() << "no error for different collectives on large buffers";
+      } catch (const MismatchError& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called reduce_scatter"),
+                  std::string::npos) << e.what();
+      }
+    }
     if (auto comm = pair("p2p")) {
       // A receive into a tensor of another shape: the receiver raises. (A small
       // message was delivered whole, so the sender's send completes; a large

@@ -296,6 +296,11 @@ bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration wa
 }
 
 void GlooCommunicator::wait(Transfer& t) {
+  // A deferred header round first: no collective's data is used unverified.
+  // Only a collective's own waits settle it (they run on the thread that
+  // deferred it; point-to-point waits run on their callers' threads).
+  const bool collective_data = t.kind != OpKind::kSend && t.kind != OpKind::kRecv && t.kind != OpKind::kVerify;
+  if (collective_data) settle_round();
   if (t.req) return wait_on_links(t);
   if (!t.buf) return;
   // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]).
@@ -331,6 +336,10 @@ void GlooCommunicator::wait_on_links(Transfer& t) {
     case tcp::WaitResult::kTimeout: throw_timeout(t);
     case tcp::WaitResult::kBroken: throw_broken_connection(t, links->broken_reason(t.peer));
     case tcp::WaitResult::kAborted: throw_aborted(t);
+    case tcp::WaitResult::kTooLarge:
+      throw MismatchError(str_cat(where(t.op), ": ", peer_name(t.peer), " sent ", t.req->received,
+                                  " bytes where this rank expected at most ", t.bytes,
+                                  " (the ranks passed different sizes)"));
   }
   const int64_t bytes = static_cast<int64_t>(t.bytes);
   count(t.kind, t.peer, t.is_recv ? 0 : bytes, t.is_recv ? bytes : 0);

@@ -52,6 +52,9 @@ struct Opening {
   // sizes that differ by rank.
   bool needed = false;
   bool same_shape = true;  // every rank must pass the same shape (not for uneven gathers)
+  // The algorithm needs nothing from the round: on the TCP links it may post
+  // its first messages before the round completes (Note [Verification beside the data]).
+  bool deferrable = false;
   // Clears the fields that may differ by rank before the comparison.
   void (*ignore)(Header&) = nullptr;
 };
@@ -89,6 +92,16 @@ struct Transfer {
   size_t bytes = 0;
   OpKind kind = OpKind::kSend;
   const char* op = "";  // the operation it belongs to, for error messages
+};
+
+// A header round posted but not yet waited for (Note [Verification beside the data]).
+struct PendingRound {
+  std::vector<Transfer> transfers;
+  std::vector<int64_t> inline_sent;  // by peer
+  Header mine;
+  const char* op = "";
+  bool same_shape = true;
+  void (*ignore)(Header&) = nullptr;
 };
 
 // Whether `e`, thrown by a wait that ran for `waited` with `timeout`, reports
@@ -155,6 +168,10 @@ class GlooCommunicator final : public QueuedCommunicator {
   // Sends `mine` to every peer, with payload inline_for(peer) (or none) in the
   // same message; receives every peer's. One round of small messages.
   Round header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for);
+  PendingRound post_header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for);
+  Round finish_header_round(PendingRound& pending);
+  // Waits for a deferred round and verifies it (MismatchError); nothing when none is pending.
+  void settle_round();
   // What the round posts to receive from each peer: a header and the most inline payload.
   int64_t round_capacity() const { return static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes; }
   void prepare_round_buffers();
@@ -229,6 +246,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
   at::Tensor scratch_;  // see scratch()
+  std::unique_ptr<PendingRound> pending_;  // a deferred header round, settled by the next wait
 };
 
 }  // namespace gloo_backend

@@ -105,6 +105,10 @@ struct Links::Peer {
   int rank = -1;
   int fd = -1;
   std::string broken;  // why the connection broke; "" while it works
+  // Why writing to the peer failed ("" while it works). Reads go on until the
+  // stream ends: what the peer sent before it closed (the header that says
+  // why it stopped, Note [Verification beside the data]) is still read.
+  std::string send_broken;
   // Outgoing: queued sends, the front one written up to out_offset bytes of (Wire + payload).
   std::deque<RequestPtr> sends;
   size_t out_offset = 0;
@@ -228,7 +232,7 @@ RequestPtr Links::send(int peer, uint64_t slot, const void* data, size_t bytes) 
   r->size = bytes;
   std::lock_guard<std::mutex> lock(mutex_);
   Peer& p = peer_at(peer);
-  if (!p.broken.empty()) {
+  if (!p.broken.empty() || !p.send_broken.empty()) {
     r->failed = true;
     return r;
   }
@@ -253,8 +257,7 @@ RequestPtr Links::recv(int peer, uint64_t slot, void* data, size_t capacity) {
     e->second.pop_front();
     if (e->second.empty()) p.early.erase(e);
     if (message.size() > capacity) {
-      break_peer(p, str_cat("a message of ", message.size(), " bytes arrived for a buffer of ", capacity));
-      r->failed = true;
+      too_large(*r, message.size());
       return r;
     }
     std::memcpy(r->data, message.data(), message.size());
@@ -292,8 +295,11 @@ void Links::write_pending(Peer& p) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       const int error = errno;
-      break_peer(p, net::link_went_silent(error) ? net::silent_link_reason(str_cat("rank ", p.rank))
-                                                 : str_cat("send failed: ", std::strerror(error)));
+      if (net::link_went_silent(error)) {
+        break_peer(p, net::silent_link_reason(str_cat("rank ", p.rank)));
+      } else {
+        break_sends(p, str_cat("send failed: ", std::strerror(error)));
+      }
       return;
     }
     p.out_offset += static_cast<size_t>(k);
@@ -310,7 +316,7 @@ void Links::read_available(Peer& p) {
     if (p.stage_pos == p.stage_len) {
       uint8_t* dst = p.stage.data();
       size_t want = kStage;
-      const bool direct = p.in_body && p.in_wire.bytes - p.in_got >= kStage;
+      const bool direct = p.in_body && p.in_dst && p.in_wire.bytes - p.in_got >= kStage;
       if (direct) dst = p.in_dst + p.in_got, want = p.in_wire.bytes - p.in_got;  // straight into the buffer
       const ssize_t k = ::recv(p.fd, dst, want, MSG_DONTWAIT);
       if (k < 0 && errno == EINTR) continue;
@@ -340,7 +346,7 @@ void Links::read_available(Peer& p) {
             if (p.in_wire_got == sizeof(Wire)) start_message(p);
           } else {
             const size_t take = std::min<size_t>(p.in_wire.bytes - p.in_got, avail);
-            std::memcpy(p.in_dst + p.in_got, src, take);
+            if (p.in_dst) std::memcpy(p.in_dst + p.in_got, src, take);  // none: a message dropped
             p.in_got += take;
             p.stage_pos += take;
             if (p.in_got == p.in_wire.bytes) finish_message(p);
@@ -366,13 +372,13 @@ void Links::start_message(Peer& p) {
     RequestPtr target = std::move(it->second.front());
     it->second.pop_front();
     if (it->second.empty()) p.posted.erase(it);
-    if (p.in_wire.bytes > target->size) {
-      target->failed = true;
-      break_peer(p, str_cat("a message of ", p.in_wire.bytes, " bytes arrived for a buffer of ", target->size));
-      return;
+    if (p.in_wire.bytes > target->size) {  // read past, to keep the stream whole
+      too_large(*target, p.in_wire.bytes);
+      p.in_discard = true;
+    } else {
+      p.in_target = std::move(target);
+      p.in_dst = p.in_target->data;
     }
-    p.in_target = std::move(target);
-    p.in_dst = p.in_target->data;
   } else {
     p.in_spare.assign(p.in_wire.bytes, 0);
     p.in_dst = p.in_spare.data();
@@ -383,9 +389,8 @@ void Links::start_message(Peer& p) {
 void Links::finish_message(Peer& p) {
   p.in_body = false;
   p.in_dst = nullptr;
-  if (p.in_discard) {  // its receive was cancelled while it arrived
+  if (p.in_discard) {  // its receive was cancelled, or too small
     p.in_discard = false;
-    p.in_spare = {};
     return;
   }
   if (!p.in_target) {  // a receive may have been posted while it arrived
@@ -395,9 +400,9 @@ void Links::finish_message(Peer& p) {
       it->second.pop_front();
       if (it->second.empty()) p.posted.erase(it);
       if (p.in_spare.size() > p.in_target->size) {
-        p.in_target->failed = true;
+        too_large(*p.in_target, p.in_spare.size());
         p.in_target.reset();
-        break_peer(p, str_cat("a message of ", p.in_spare.size(), " bytes arrived for a smaller buffer"));
+        p.in_spare = {};
         return;
       }
       std::memcpy(p.in_target->data, p.in_spare.data(), p.in_spare.size());
@@ -412,6 +417,22 @@ void Links::finish_message(Peer& p) {
     p.early[p.in_wire.slot].push_back(std::move(p.in_spare));
     p.in_spare = {};
   }
+}
+
+void Links::too_large(Request& r, size_t bytes) {
+  r.too_large = true;
+  r.failed = true;
+  r.received = bytes;
+  rounds_.notify_all();
+}
+
+void Links::break_sends(Peer& p, const std::string& why) {
+  if (!p.send_broken.empty()) return;
+  p.send_broken = why;
+  for (auto& r : p.sends) r->failed = true;
+  p.sends.clear();
+  p.out_offset = 0;
+  rounds_.notify_all();
 }
 
 void Links::break_peer(Peer& p, const std::string& why) {
@@ -438,8 +459,7 @@ void Links::cancel(Request& r) {
   r.failed = true;  // whoever still holds it sees a failure, never data
   if (r.is_recv) {
     if (p.in_target.get() == &r) {  // arriving now: the rest goes nowhere
-      p.in_spare.assign(p.in_wire.bytes, 0);
-      p.in_dst = p.in_spare.data();
+      p.in_dst = nullptr;
       p.in_discard = true;
       p.in_target.reset();
       return;
@@ -470,7 +490,9 @@ void Links::cancel(Request& r) {
 
 std::string Links::broken_reason(int peer) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return peers_.at(peer) ? peers_[peer]->broken : std::string();
+  if (!peers_.at(peer)) return std::string();
+  const Peer& p = *peers_[peer];
+  return p.broken.empty() ? p.send_broken : p.broken;
 }
 
 void Links::wake_poller() {
@@ -537,6 +559,7 @@ WaitResult Links::wait(Request& r, std::chrono::milliseconds timeout) {
   bool spun = spin_.count() == 0 && yield_.count() == 0;
   for (;;) {
     if (r.done) return WaitResult::kDone;
+    if (r.too_large) return WaitResult::kTooLarge;
     if (r.failed) return WaitResult::kBroken;
     if (aborted_) return WaitResult::kAborted;
     if (Clock::now() >= deadline) return WaitResult::kTimeout;

@@ -62,14 +62,17 @@ struct Request {
   bool is_recv = false;
   uint8_t* data = nullptr;
   size_t size = 0;      // send: bytes to send; recv: the buffer's capacity
-  size_t received = 0;  // recv: bytes the message carried (<= size)
+  size_t received = 0;  // recv: bytes the message carried (<= size); kTooLarge: what it carried
   bool done = false;
   bool failed = false;  // the connection broke (Links::broken_reason says why), or cancelled
+  bool too_large = false;  // recv: the message did not fit (it was read and dropped; the link works)
   std::vector<uint8_t> owned;  // a cancelled send's unsent rest (Links::cancel)
 };
 using RequestPtr = std::shared_ptr<Request>;
 
-enum class WaitResult { kDone, kBroken, kTimeout, kAborted };
+// kTooLarge: the message matched to a receive was larger than its buffer
+// (ranks that disagree on a size); it was read and dropped, the link works on.
+enum class WaitResult { kDone, kBroken, kTimeout, kAborted, kTooLarge };
 
 class Links {
  public:
@@ -126,6 +129,10 @@ class Links {
   void start_message(Peer& p);
   void finish_message(Peer& p);
   void break_peer(Peer& p, const std::string& why);
+  // Writing failed (the peer closed): sends fail, reads go on to the stream's end.
+  void break_sends(Peer& p, const std::string& why);
+  // `r`'s message of `bytes` does not fit: it fails alone (the caller drops the message).
+  void too_large(Request& r, size_t bytes);
   // One blocking poll() round over every connection; called with mutex_ held
   // (released while blocked) by the one polling thread.
   void poll_round(std::unique_lock<std::mutex>& lock, std::chrono::steady_clock::time_point deadline);
