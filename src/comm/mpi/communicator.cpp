@@ -44,6 +44,13 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::vector<int> global_ranks, C
   // Errors come back as codes (CommError naming the call) instead of aborting the job.
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   headers_ = at::empty({static_cast<int64_t>(size() * sizeof(Header))}, at::kByte);
+  if (direct_round() && size() > 1) {
+    MPI_Comm_dup(comm_, &round_comm_);  // collective: every member constructs together
+    MPI_Comm_set_errhandler(round_comm_, MPI_ERRORS_RETURN);
+    const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+    round_send_ = at::empty({capacity}, at::kByte);
+    round_recv_ = at::empty({size() * capacity}, at::kByte);
+  }
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -57,9 +64,10 @@ MpiCommunicator::~MpiCommunicator() {
     drain_p2p();
     if (abandoned_) {
       // A request that will never complete may still use the communicator and the headers.
-      abandon({headers_});
+      abandon({headers_, round_send_, round_recv_});
     } else {
       MPI_Comm_free(&comm_);
+      if (round_comm_ != MPI_COMM_NULL) MPI_Comm_free(&round_comm_);
     }
   }
   detach();

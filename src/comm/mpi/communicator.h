@@ -16,12 +16,13 @@
 // whole job (mpirun's doing, see docs/comm.md): there is no PeerFailure here.
 //
 // Verification (CommOptions::verify, on by default): each collective starts
-// with an MPI_Iallgather of every rank's Header (120 bytes each), compared on
-// every rank, so mismatched arguments raise the same MismatchError everywhere
-// instead of MPI's undefined behaviour. Cost: one small all-gather per
-// collective (a few microseconds over shared memory). Operations whose sizes
-// differ by rank (all_gather, gather, scatter, all_to_all) exchange headers
-// regardless.
+// with a round of every rank's Header (120 bytes each), compared on every
+// rank, so mismatched arguments raise the same MismatchError everywhere
+// instead of MPI's undefined behaviour: point to point in groups of up to
+// kDirectRoundMax ranks, where a small all_reduce's data rides in it (Note
+// [MPI header round] in collectives.cpp), else one MPI_Iallgather. Operations
+// whose sizes differ by rank (all_gather, gather, scatter, all_to_all)
+// exchange headers regardless.
 //
 // Reductions: Note [MPI reductions] in runtime.cpp (bfloat16 and float16
 // through MPI user operations running meshtrain's reduce_into).
@@ -103,8 +104,21 @@ class MpiCommunicator final : public QueuedCommunicator {
   void wait(MPI_Request request, const char* op, std::vector<at::Tensor> buffers);
 
   // ---- verification and the collectives' shared steps (collectives.cpp)
-  // Every rank's header, in rank order: one MPI_Iallgather.
+  // Every rank's header, in rank order (Note [MPI header round]).
   std::vector<Header> exchange_headers(const Header& mine, const char* op);
+  // The round's headers, and each peer's inline payload (nullptr where it sent
+  // none): with `payload`, this rank's rides with its header (it must fit
+  // CommOptions::inline_bytes, and groups of up to kDirectRoundMax ranks only).
+  struct Round {
+    std::vector<Header> headers;
+    std::vector<const uint8_t*> payload;
+  };
+  Round header_round(const Header& mine, const char* op, const at::Tensor* payload);
+  std::vector<Header> allgather_headers(const Header& mine, const char* op);
+  // all_reduce of a buffer that fits the round: the round is the collective.
+  void small_all_reduce(at::Tensor data, ReduceOp op);
+  bool direct_round() const { return size() <= kDirectRoundMax; }
+  static constexpr int kDirectRoundMax = 16;
   void verify(const std::vector<Header>& all, const char* op, bool same_shape) const;
   // all_gather's body, also split's exchange of (color, key): `splitting`
   // marks the headers, so a rank splitting while another gathers is a MismatchError.
@@ -132,6 +146,10 @@ class MpiCommunicator final : public QueuedCommunicator {
   // A request that will never complete may use comm_: never free it.
   std::atomic<bool> abandoned_{false};
   at::Tensor headers_;  // the verification round's buffer: size() headers, reused
+  // The direct header round's messages travel on a duplicate of comm_, apart
+  // from point-to-point tags; its buffers (header + inline payload) are reused.
+  MPI_Comm round_comm_ = MPI_COMM_NULL;
+  at::Tensor round_send_, round_recv_;
 
   // Point-to-point state: the receives posted per (source, tag).
   struct Channel {
