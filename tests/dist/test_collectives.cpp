@@ -469,9 +469,11 @@ INSTANTIATE_TEST_SUITE_P(Small, SmallPayloads, ::testing::ValuesIn(every_case(fa
 // job per world size: a job costs ~1 s to start (mpirun, then libtorch's
 // start-up in every rank, which the zygote cannot spare ranks that mpirun
 // starts), so a job per test would add a minute to the suite (measured: 64 s
-// for the ten tests at worlds 1-4). MPI has one path, so there is no large
-// case (OpenMPI picks its algorithms by size itself).
-class MpiCollectives : public ::testing::TestWithParam<int> {};
+// for the ten tests at worlds 1-4). Two paths: payloads up to inline_bytes
+// ride in the header round (Note [MPI header round]); with inline_bytes 0
+// (the "large" jobs) every collective is OpenMPI's own (which picks its
+// algorithms by size itself).
+class MpiCollectives : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MpiCollectives, EveryTestInOneJob) {
   const std::vector<std::pair<const char*, void (*)(Communicator&)>> tests = {
@@ -489,7 +491,8 @@ TEST_P(MpiCollectives, EveryTestInOneJob) {
   };
   meshtrain::testing::RankOptions options;
   options.env.push_back("MESHTRAIN_BACKEND=mpi");
-  run_ranks(GetParam(), [&](Communicator& comm) {
+  if (GetParam().large) options.inline_bytes = 0;
+  run_ranks(GetParam().world, [&](Communicator& comm) {
     for (const auto& test : tests) {
       SCOPED_TRACE(test.first);
       test.second(comm);
@@ -497,7 +500,10 @@ TEST_P(MpiCollectives, EveryTestInOneJob) {
   }, options);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, MpiCollectives, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) { return "mpi_world" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Worlds, MpiCollectives,
+                         ::testing::Values(Case{"mpi", 1, false}, Case{"mpi", 2, false}, Case{"mpi", 3, false},
+                                           Case{"mpi", 4, false}, Case{"mpi", 2, true}, Case{"mpi", 3, true},
+                                           Case{"mpi", 4, true}),
+                         case_name);
 
 }  // namespace

@@ -73,7 +73,12 @@ std::vector<Header> MpiCommunicator::exchange_headers(const Header& mine, const 
   return header_round(mine, op, nullptr).headers;
 }
 
-MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const char* op, const at::Tensor* payload) {
+at::Tensor MpiCommunicator::Round::inline_from(int peer, const at::Tensor& like) const {
+  return at::from_blob(const_cast<uint8_t*>(payload[peer]), like.sizes(), like.options());
+}
+
+MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const char* op,
+                                                     const PayloadFor& payload_for) {
   const int n = size();
   Round round;
   round.payload.assign(n, nullptr);
@@ -82,14 +87,7 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
     return round;
   }
   const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
-  Header h = mine;
-  h.inline_bytes = payload ? static_cast<int64_t>(payload->nbytes()) : 0;
-  MESHTRAIN_CHECK(h.inline_bytes <= options_.inline_bytes, where(op), ": an inline payload of ", h.inline_bytes,
-                  " bytes exceeds ", options_.inline_bytes);
-  uint8_t* out = round_send_.data_ptr<uint8_t>();
   uint8_t* in = round_recv_.data_ptr<uint8_t>();
-  std::memcpy(out, &h, sizeof(Header));
-  if (h.inline_bytes > 0) std::memcpy(out + sizeof(Header), payload->data_ptr(), h.inline_bytes);
   std::vector<MPI_Request> requests;
   for (int p = 0; p < n; ++p) {
     if (p == rank_) continue;
@@ -99,6 +97,14 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
   }
   for (int p = 0; p < n; ++p) {
     if (p == rank_) continue;
+    const at::Tensor* payload = payload_for ? payload_for(p) : nullptr;
+    Header h = mine;
+    h.inline_bytes = payload ? static_cast<int64_t>(payload->nbytes()) : 0;
+    MESHTRAIN_CHECK(h.inline_bytes <= options_.inline_bytes, where(op), ": an inline payload of ", h.inline_bytes,
+                    " bytes exceeds ", options_.inline_bytes);
+    uint8_t* out = round_send_.data_ptr<uint8_t>() + p * capacity;
+    std::memcpy(out, &h, sizeof(Header));
+    if (h.inline_bytes > 0) std::memcpy(out + sizeof(Header), payload->data_ptr(), h.inline_bytes);
     requests.emplace_back();
     check(MPI_Isend(out, static_cast<int>(sizeof(Header) + h.inline_bytes), MPI_BYTE, p, 0, round_comm_,
                     &requests.back()),
@@ -156,7 +162,7 @@ WorkPtr MpiCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   const int count = mpi_count(tensor.numel(), "all_reduce");
   return enqueue(OpKind::kAllReduce, "all_reduce", [this, tensor, op, count](std::vector<at::Tensor>& result) {
     at::Tensor data = contiguous(tensor);
-    if (size() > 1 && direct_round() && static_cast<int64_t>(data.nbytes()) <= options_.inline_bytes) {
+    if (fits_round(data.nbytes())) {
       small_all_reduce(data, op);  // Note [MPI header round]
       if (!tensor.is_contiguous()) tensor.copy_(data);
       result = {tensor};
@@ -179,7 +185,7 @@ void MpiCommunicator::small_all_reduce(at::Tensor data, ReduceOp op) {
   const int n = size();
   Header h = header_of(data, OpKind::kAllReduce, op);
   h.inlined = 1;
-  const Round round = header_round(h, "all_reduce", &data);
+  const Round round = header_round(h, "all_reduce", [&](int) { return &data; });
   verify(round.headers, "all_reduce", true);  // free here: the headers came anyway
   std::vector<const void*> inputs(n);
   for (int p = 0; p < n; ++p) inputs[p] = p == rank_ ? data.data_ptr() : round.payload[p];
@@ -192,12 +198,59 @@ void MpiCommunicator::small_all_reduce(at::Tensor data, ReduceOp op) {
   add_traffic(OpKind::kAllReduce, data.nbytes(), data.nbytes());
 }
 
+void MpiCommunicator::small_broadcast(at::Tensor data, int root) {
+  Header h = header_of(data, OpKind::kBroadcast, ReduceOp::kSum, root);
+  h.inlined = 1;
+  const Round round = header_round(h, "broadcast", [&](int) { return rank_ == root ? &data : nullptr; });
+  verify(round.headers, "broadcast", true);
+  const int64_t bytes = data.nbytes();
+  if (rank_ != root && bytes > 0) data.copy_(round.inline_from(root, data));
+  add_traffic(OpKind::kBroadcast, rank_ == root ? bytes : 0, rank_ == root ? 0 : bytes);
+}
+
+// Each peer receives only its own shard of this rank's input; this rank's
+// shard is every rank's contribution reduced in rank order.
+void MpiCommunicator::small_reduce_scatter(const at::Tensor& flat, at::Tensor out, const std::vector<int64_t>& counts,
+                                           ReduceOp op) {
+  const int n = size();
+  Header h = header_of(flat, OpKind::kReduceScatter, op);
+  h.aux = hash_sizes(counts);
+  h.inlined = 1;
+  const auto offsets = offsets_of(counts);
+  std::vector<at::Tensor> shards(n);
+  for (int p = 0; p < n; ++p) shards[p] = flat.narrow(0, offsets[p], counts[p]);
+  const Round round = header_round(h, "reduce_scatter", [&](int p) { return counts[p] > 0 ? &shards[p] : nullptr; });
+  verify(round.headers, "reduce_scatter", true);
+  const at::Tensor& mine = shards[rank_];
+  if (mine.numel() > 0) {
+    std::vector<at::Tensor> pieces(n);  // alive while reduced
+    std::vector<const void*> inputs(n);
+    for (int p = 0; p < n; ++p) {
+      pieces[p] = p == rank_ ? mine : round.inline_from(p, mine);
+      inputs[p] = pieces[p].data_ptr();
+    }
+    at::Tensor reduced = at::empty_like(mine);  // `out` may alias this rank's shard of the input
+    reduce_into(reduced.data_ptr(), inputs.data(), n, mine.numel(), mine.scalar_type(),
+                op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+    if (op == ReduceOp::kAvg) reduced.div_(n);
+    out.view(-1).copy_(reduced);
+  }
+  const int64_t elem = flat.element_size();
+  add_traffic(OpKind::kReduceScatter, (flat.numel() - counts[rank_]) * elem, counts[rank_] * elem);
+}
+
 WorkPtr MpiCommunicator::broadcast_async(at::Tensor tensor, int root) {
   check_tensor(tensor, "broadcast", "tensor");
   check_root(root, "broadcast");
   const int count = mpi_count(tensor.numel(), "broadcast");
   return enqueue(OpKind::kBroadcast, "broadcast", [this, tensor, root, count](std::vector<at::Tensor>& result) {
     at::Tensor data = contiguous(tensor);
+    if (fits_round(data.nbytes())) {
+      small_broadcast(data, root);  // Note [MPI header round]
+      if (!tensor.is_contiguous()) tensor.copy_(data);
+      result = {tensor};
+      return;
+    }
     if (options_.verify) {
       verify(exchange_headers(header_of(data, OpKind::kBroadcast, ReduceOp::kSum, root), "broadcast"), "broadcast", true);
     }
@@ -245,7 +298,9 @@ void MpiCommunicator::gather_flat(const at::Tensor& input, const at::Tensor& out
   const at::Tensor mine = contiguous(input);
   Header h = header_of(mine, OpKind::kAllGather);
   h.aux = splitting ? kSplitting : output.defined() ? output.numel() : -1;
-  const std::vector<Header> all = exchange_headers(h, op);
+  h.inlined = fits_round(mine.nbytes()) ? 1 : 0;  // sizes may differ: each rank inlines what fits
+  const Round round = header_round(h, op, [&](int) { return h.inlined ? &mine : nullptr; });
+  const std::vector<Header>& all = round.headers;
   auto name = [&](int q) { return all[q].aux == kSplitting ? "split" : "all_gather"; };
   for (int q = 1; q < n; ++q) {
     if ((all[q].aux == kSplitting) != (all[0].aux == kSplitting)) {
@@ -254,7 +309,7 @@ void MpiCommunicator::gather_flat(const at::Tensor& input, const at::Tensor& out
     }
   }
   std::vector<Header> kinds = all;  // sizes may differ by rank; kinds and dtypes may not
-  for (auto& k : kinds) k.aux = 0;
+  for (auto& k : kinds) k.aux = k.inlined = 0;
   verify(kinds, op, false);
   std::vector<int64_t> counts(n);
   int64_t total = 0;
@@ -269,6 +324,16 @@ void MpiCommunicator::gather_flat(const at::Tensor& input, const at::Tensor& out
   at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1) : at::empty({total}, input.options());
   const auto offsets = offsets_of(counts);
   flat.narrow(0, offsets[me], counts[me]).copy_(mine.view(-1));
+  const bool every_rank_inlined = std::all_of(all.begin(), all.end(), [](const Header& x) { return x.inlined != 0; });
+  if (every_rank_inlined) {  // the round was the collective (Note [MPI header round])
+    for (int q = 0; q < n; ++q) {
+      if (q != me && counts[q] > 0) {
+        flat.narrow(0, offsets[q], counts[q]).copy_(round.inline_from(q, flat.narrow(0, 0, counts[q])));
+      }
+    }
+    finish_gather(input, output, flat, all, counts, result);
+    return;
+  }
   const MPI_Datatype type = datatype_of(input.scalar_type());
   at::Tensor rcounts = int_array(counts), displs = int_array(offsets);
   MPI_Request request;
@@ -282,11 +347,18 @@ void MpiCommunicator::gather_flat(const at::Tensor& input, const at::Tensor& out
           op, "MPI_Iallgatherv");
   }
   wait(request, op, {flat, rcounts, displs});
-  const int64_t elem = input.element_size();
-  add_traffic(OpKind::kAllGather, counts[me] * elem, (total - counts[me]) * elem);
+  finish_gather(input, output, flat, all, counts, result);
+}
+
+void MpiCommunicator::finish_gather(const at::Tensor& input, const at::Tensor& output, const at::Tensor& flat,
+                                    const std::vector<Header>& all, const std::vector<int64_t>& counts,
+                                    std::vector<at::Tensor>& result) {
+  const int64_t elem = input.element_size(), total = flat.numel();
+  add_traffic(OpKind::kAllGather, counts[rank_] * elem, (total - counts[rank_]) * elem);
   if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
   result = {output.defined() ? output : flat};
-  for (int q = 0; q < n; ++q) result.push_back(flat.narrow(0, offsets[q], counts[q]).view(shape_of(all[q])));
+  const auto offsets = offsets_of(counts);
+  for (int q = 0; q < size(); ++q) result.push_back(flat.narrow(0, offsets[q], counts[q]).view(shape_of(all[q])));
 }
 
 WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
@@ -306,6 +378,12 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp 
   return enqueue(OpKind::kReduceScatter, "reduce_scatter",
                  [this, input, op, output, counts](std::vector<at::Tensor>& result) {
     const at::Tensor flat = input.contiguous().view(-1);
+    if (fits_round(*std::max_element(counts.begin(), counts.end()) * flat.element_size())) {
+      at::Tensor out = output.defined() ? output : at::empty({counts[rank_]}, input.options());
+      small_reduce_scatter(flat, out, counts, op);  // Note [MPI header round]
+      result = {out};
+      return;
+    }
     if (options_.verify) {
       Header h = header_of(flat, OpKind::kReduceScatter, op);
       h.aux = hash_sizes(counts);

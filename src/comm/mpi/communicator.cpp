@@ -48,7 +48,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::vector<int> global_ranks, C
     MPI_Comm_dup(comm_, &round_comm_);  // collective: every member constructs together
     MPI_Comm_set_errhandler(round_comm_, MPI_ERRORS_RETURN);
     const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
-    round_send_ = at::empty({capacity}, at::kByte);
+    round_send_ = at::empty({size() * capacity}, at::kByte);  // a message per peer
     round_recv_ = at::empty({size() * capacity}, at::kByte);
   }
 }

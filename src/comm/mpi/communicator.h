@@ -44,6 +44,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -107,16 +108,21 @@ class MpiCommunicator final : public QueuedCommunicator {
   // Every rank's header, in rank order (Note [MPI header round]).
   std::vector<Header> exchange_headers(const Header& mine, const char* op);
   // The round's headers, and each peer's inline payload (nullptr where it sent
-  // none): with `payload`, this rank's rides with its header (it must fit
-  // CommOptions::inline_bytes, and groups of up to kDirectRoundMax ranks only).
+  // none): `payload_for(p)` rides with this rank's header to peer p (it must
+  // fit CommOptions::inline_bytes; groups of up to kDirectRoundMax ranks only).
   struct Round {
     std::vector<Header> headers;
     std::vector<const uint8_t*> payload;
+    at::Tensor inline_from(int peer, const at::Tensor& like) const;  // peer's payload shaped like `like`
   };
-  Round header_round(const Header& mine, const char* op, const at::Tensor* payload);
+  using PayloadFor = std::function<const at::Tensor*(int)>;
+  Round header_round(const Header& mine, const char* op, const PayloadFor& payload_for);
   std::vector<Header> allgather_headers(const Header& mine, const char* op);
-  // all_reduce of a buffer that fits the round: the round is the collective.
+  bool fits_round(int64_t bytes) const { return size() > 1 && direct_round() && bytes <= options_.inline_bytes; }
+  // Collectives whose data fits the round: the round is the collective.
   void small_all_reduce(at::Tensor data, ReduceOp op);
+  void small_broadcast(at::Tensor data, int root);
+  void small_reduce_scatter(const at::Tensor& flat, at::Tensor out, const std::vector<int64_t>& counts, ReduceOp op);
   bool direct_round() const { return size() <= kDirectRoundMax; }
   static constexpr int kDirectRoundMax = 16;
   void verify(const std::vector<Header>& all, const char* op, bool same_shape) const;
@@ -124,6 +130,10 @@ class MpiCommunicator final : public QueuedCommunicator {
   // marks the headers, so a rank splitting while another gathers is a MismatchError.
   void gather_flat(const at::Tensor& input, const at::Tensor& output, bool splitting,
                    std::vector<at::Tensor>& result);
+  // all_gather's result from `flat` (every rank's input at its offset), and its traffic.
+  void finish_gather(const at::Tensor& input, const at::Tensor& output, const at::Tensor& flat,
+                     const std::vector<Header>& all, const std::vector<int64_t>& counts,
+                     std::vector<at::Tensor>& result);
   // Counts traffic by Note [MPI traffic] (nothing for one rank alone).
   void add_traffic(OpKind kind, int64_t sent, int64_t received);
   // `numel` as an MPI count (an int); ConfigError beyond.
