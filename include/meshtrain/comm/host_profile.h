@@ -59,17 +59,21 @@ WaitTuning choose_wait(const HostProfile& host, bool own_core);
 // Note [Link buffers sized to the cache]
 // Between two ranks of one host a TCP connection is two copies through the
 // kernel: the sender's into socket buffers, the receiver's out of them. With
-// the kernel's autotuning a loopback connection lets up to 4 MiB wait in
-// those buffers, more than a core's cache, so the receiver copies from memory
-// what the sender wrote a while before; bounded to about the receiver's L2
-// the bytes are still in cache when read. Measured on a 2-vCPU AMD EPYC (L2
-// 1 MiB), 16 MiB over two ranks, medians of 3: broadcast 4.0-5.6 -> 2.2-2.8
-// ms, all-gather 4.1-5.3 -> 2.4-2.5, all-reduce 6.7-8.5 -> 4.7-5.2; on 4
-// ranks all-reduce 25 -> 15. So each link to a rank of the same host may hold
-// the L2's size divided by the ranks that send to it at once (its peers on
-// the host), at least 128 KiB; links that leave the host keep the kernel's
-// autotuning, which sizes them to the path's bandwidth and delay.
-// MESHTRAIN_TCP_BUFFER_KB overrides the choice (0: the kernel's autotuning).
+// the kernel's autotuning a loopback sender's socket grows to 4 MiB
+// (net.ipv4.tcp_wmem here), more than a core's cache; bounding it (SO_SNDBUF,
+// which also ends the autotuning) to about the L2 made large transfers much
+// faster. Measured on a 2-vCPU AMD EPYC (L2 1 MiB), 16 MiB over two ranks,
+// several interleaved runs: broadcast 4.0-5.6 -> 2.1-2.8 ms, all-gather
+// 4.1-5.3 -> 2.4-2.8, all-reduce 6.7-8.5 -> 4.7-5.5; on 4 ranks all-reduce
+// 24 -> 17; every bound from 128 KiB to 1 MiB beat the autotuning. Our
+// reading is that the receiver then copies bytes still in cache; it is not
+// confirmed with cache counters. So each link to a rank of the same host is
+// bounded to the L2's size divided by the ranks that send to it at once (its
+// peers on the host), at least 128 KiB; links that leave the host keep the
+// kernel's autotuning, which sizes them to the path's bandwidth and delay.
+// The kernel caps the bound at twice net.core.wmem_max (4 MiB here, 416 KiB
+// with Linux's default 212992). MESHTRAIN_TCP_BUFFER_KB overrides the choice
+// (0: the kernel's autotuning).
 struct LinkBuffer {
   int64_t bytes = 0;  // in flight per link to a rank of this host (0: the kernel's autotuning)
   std::string why;    // one line: the rule and the figures it used

@@ -101,9 +101,10 @@ Exchange exchange_on_links(tcp::Links& links, int rank, std::chrono::millisecond
         r.reset();
         continue;
       }
-      const std::string why = result == tcp::WaitResult::kTimeout
-                                  ? str_cat("no reply within ", timeout.count(), " ms")
-                                  : links.broken_reason(r->peer);
+      const bool wrong_size = result == tcp::WaitResult::kDone || result == tcp::WaitResult::kTooLarge;
+      const std::string why = result == tcp::WaitResult::kTimeout ? str_cat("no reply within ", timeout.count(), " ms")
+                              : wrong_size ? str_cat("a reply of ", r->received, " bytes where ", r->size, " were expected")
+                                           : links.broken_reason(r->peer);
       throw TimeoutError(str_cat("connecting communicator '", label, "': the proof exchange with rank ",
                                  r->peer, " failed: ", why));
     }

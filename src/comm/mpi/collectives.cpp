@@ -65,10 +65,12 @@ bool all_equal(const std::vector<int64_t>& v) {
 // data in rank order (identical bits everywhere), where it was an
 // MPI_Iallgather of the headers and an MPI_Iallreduce after it, two
 // collectives of OpenMPI's non-blocking library (libnbc) at ~7 us each here
-// for a 4 KiB all-reduce on 2 ranks. Larger groups keep MPI_Iallgather: n - 1
-// messages per rank per collective stop paying beyond a few ranks. Every
-// collective of a group opens with the same round, so ranks that call
-// different collectives still meet and raise MismatchError.
+// for a 4 KiB all-reduce on 2 ranks; broadcast, all_gather and reduce_scatter
+// (each peer its shard) ride the same way. Larger groups keep MPI_Iallgather:
+// n - 1 messages per rank per collective stop paying beyond a few ranks.
+// Every verified collective of a group opens with the same round (and those
+// whose data rides in it, verified or not), so ranks that call different
+// collectives still meet and raise MismatchError.
 std::vector<Header> MpiCommunicator::exchange_headers(const Header& mine, const char* op) {
   return header_round(mine, op, nullptr).headers;
 }
@@ -88,6 +90,11 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
   }
   const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
   uint8_t* in = round_recv_.data_ptr<uint8_t>();
+  for (int p = 0; p < n; ++p) {  // before anything is posted: a refusal leaves nothing behind
+    const at::Tensor* payload = p != rank_ && payload_for ? payload_for(p) : nullptr;
+    MESHTRAIN_CHECK(!payload || static_cast<int64_t>(payload->nbytes()) <= options_.inline_bytes, where(op),
+                    ": an inline payload of ", payload->nbytes(), " bytes exceeds ", options_.inline_bytes);
+  }
   std::vector<MPI_Request> requests;
   for (int p = 0; p < n; ++p) {
     if (p == rank_) continue;
@@ -100,8 +107,6 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
     const at::Tensor* payload = payload_for ? payload_for(p) : nullptr;
     Header h = mine;
     h.inline_bytes = payload ? static_cast<int64_t>(payload->nbytes()) : 0;
-    MESHTRAIN_CHECK(h.inline_bytes <= options_.inline_bytes, where(op), ": an inline payload of ", h.inline_bytes,
-                    " bytes exceeds ", options_.inline_bytes);
     uint8_t* out = round_send_.data_ptr<uint8_t>() + p * capacity;
     std::memcpy(out, &h, sizeof(Header));
     if (h.inline_bytes > 0) std::memcpy(out + sizeof(Header), payload->data_ptr(), h.inline_bytes);

@@ -28,6 +28,27 @@ int rank_in(MPI_Comm comm) {
   return rank;
 }
 
+// A duplicate of `comm` for the header round (Note [MPI header round] in
+// collectives.cpp), or none where the round is an MPI_Iallgather. Made
+// without blocking, as the world is, so that a member that never gets here
+// (one that failed between MPI_Comm_split and this) is a TimeoutError.
+MPI_Comm round_comm_for(MPI_Comm comm, const CommOptions& options, const std::string& where) {
+  int n = 0;
+  MPI_Comm_size(comm, &n);
+  if (n == 1 || n > MpiCommunicator::kDirectRoundMax) return MPI_COMM_NULL;
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request request;
+  int rc = MPI_Comm_idup(comm, &dup, &request);
+  if (rc == MPI_SUCCESS && !poll_all(&request, 1, Clock::now() + options.timeout, spin_us(), rc)) {
+    note_failure(str_cat(where, ": the header round's communicator was never made"));
+    throw TimeoutError(str_cat(where, ": not every member made the new communicator within ",
+                               options.timeout.count(), " ms"));
+  }
+  if (rc != MPI_SUCCESS) throw CommError(str_cat(where, ": MPI_Comm_idup failed: ", error_string(rc)));
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  return dup;
+}
+
 bool mpi_finalized() {
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -37,16 +58,16 @@ bool mpi_finalized() {
 }  // namespace
 
 // The creator of `comm` has attached (runtime.h) on this communicator's behalf.
-MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::vector<int> global_ranks, CommOptions options)
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, MPI_Comm round_comm, std::vector<int> global_ranks,
+                                 CommOptions options)
     : QueuedCommunicator(std::move(global_ranks), rank_in(comm), std::move(options)),
       comm_(comm),
-      spin_us_(spin_us()) {
+      spin_us_(spin_us()),
+      round_comm_(round_comm) {
   // Errors come back as codes (CommError naming the call) instead of aborting the job.
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   headers_ = at::empty({static_cast<int64_t>(size() * sizeof(Header))}, at::kByte);
-  if (direct_round() && size() > 1) {
-    MPI_Comm_dup(comm_, &round_comm_);  // collective: every member constructs together
-    MPI_Comm_set_errhandler(round_comm_, MPI_ERRORS_RETURN);
+  if (direct_round()) {
     const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
     round_send_ = at::empty({size() * capacity}, at::kByte);  // a message per peer
     round_recv_ = at::empty({size() * capacity}, at::kByte);
@@ -132,7 +153,8 @@ std::shared_ptr<Communicator> MpiCommunicator::split(int color, int key, const s
   }
   CommOptions options = options_;
   options.label = label;
-  return std::make_shared<MpiCommunicator>(*child, std::move(group->global_ranks), std::move(options));
+  const MPI_Comm round = round_comm_for(*child, options, where("split"));
+  return std::make_shared<MpiCommunicator>(*child, round, std::move(group->global_ranks), std::move(options));
 }
 
 // ---- the world
@@ -155,7 +177,9 @@ CommPtr make_world(CommOptions options) {
     MPI_Comm_size(world, &n);
     std::vector<int> ranks(n);
     std::iota(ranks.begin(), ranks.end(), 0);
-    return std::make_shared<MpiCommunicator>(world, std::move(ranks), std::move(options));
+    const MPI_Comm round =
+        round_comm_for(world, options, str_cat("connecting communicator '", options.label, "' (backend mpi)"));
+    return std::make_shared<MpiCommunicator>(world, round, std::move(ranks), std::move(options));
   } catch (...) {
     detach();
     throw;

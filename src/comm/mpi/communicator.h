@@ -19,8 +19,9 @@
 // with a round of every rank's Header (120 bytes each), compared on every
 // rank, so mismatched arguments raise the same MismatchError everywhere
 // instead of MPI's undefined behaviour: point to point in groups of up to
-// kDirectRoundMax ranks, where a small all_reduce's data rides in it (Note
-// [MPI header round] in collectives.cpp), else one MPI_Iallgather. Operations
+// kDirectRoundMax ranks, where the data of a small all_reduce, broadcast,
+// all_gather or reduce_scatter rides in it (Note [MPI header round] in
+// collectives.cpp), else one MPI_Iallgather. Operations
 // whose sizes differ by rank (all_gather, gather, scatter, all_to_all)
 // exchange headers regardless.
 //
@@ -65,9 +66,12 @@ class SendWork;
 
 class MpiCommunicator final : public QueuedCommunicator {
  public:
-  // Takes ownership of `comm`, a communicator of its own (duplicated or split);
-  // this process is global_ranks[rank of comm].
-  MpiCommunicator(MPI_Comm comm, std::vector<int> global_ranks, CommOptions options);
+  // Takes ownership of `comm`, a communicator of its own (duplicated or split),
+  // and of `round_comm`, its duplicate for the header round (MPI_COMM_NULL
+  // alone or beyond kDirectRoundMax ranks); this process is global_ranks[rank of comm].
+  MpiCommunicator(MPI_Comm comm, MPI_Comm round_comm, std::vector<int> global_ranks, CommOptions options);
+  // Groups up to this size exchange headers point to point (Note [MPI header round]).
+  static constexpr int kDirectRoundMax = 16;
   ~MpiCommunicator() override;
 
   std::string backend() const override { return "mpi"; }
@@ -123,8 +127,7 @@ class MpiCommunicator final : public QueuedCommunicator {
   void small_all_reduce(at::Tensor data, ReduceOp op);
   void small_broadcast(at::Tensor data, int root);
   void small_reduce_scatter(const at::Tensor& flat, at::Tensor out, const std::vector<int64_t>& counts, ReduceOp op);
-  bool direct_round() const { return size() <= kDirectRoundMax; }
-  static constexpr int kDirectRoundMax = 16;
+  bool direct_round() const { return round_comm_ != MPI_COMM_NULL; }
   void verify(const std::vector<Header>& all, const char* op, bool same_shape) const;
   // all_gather's body, also split's exchange of (color, key): `splitting`
   // marks the headers, so a rank splitting while another gathers is a MismatchError.

@@ -149,8 +149,8 @@ Links::Links(Store& store, int rank, int size, const std::string& bind_host, std
 
 int Links::set_local_buffer(int64_t bytes) {
   if (bytes <= 0) return 0;
-  // The kernel doubles what it is given (half is its bookkeeping), so in
-  // flight is about twice the value set.
+  // The kernel doubles what it is given (half is its bookkeeping) and caps it
+  // at net.core.wmem_max (twice that once doubled).
   const int half = static_cast<int>(std::min<int64_t>(bytes / 2, 1 << 30));
   int bounded = 0;
   std::lock_guard<std::mutex> lock(mutex_);
@@ -432,6 +432,7 @@ void Links::break_sends(Peer& p, const std::string& why) {
   for (auto& r : p.sends) r->failed = true;
   p.sends.clear();
   p.out_offset = 0;
+  if (p.fd >= 0) ::shutdown(p.fd, SHUT_WR);  // the peer learns at once (a half-written message ends there)
   rounds_.notify_all();
 }
 

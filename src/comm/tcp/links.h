@@ -64,7 +64,7 @@ struct Request {
   size_t size = 0;      // send: bytes to send; recv: the buffer's capacity
   size_t received = 0;  // recv: bytes the message carried (<= size); kTooLarge: what it carried
   bool done = false;
-  bool failed = false;  // the connection broke (Links::broken_reason says why), or cancelled
+  bool failed = false;  // the connection broke or stopped sending (Links::broken_reason says why), cancelled, or too_large
   bool too_large = false;  // recv: the message did not fit (it was read and dropped; the link works)
   std::vector<uint8_t> owned;  // a cancelled send's unsent rest (Links::cancel)
 };
