@@ -191,7 +191,7 @@ void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* o
 
 Round GlooCommunicator::open(const char* op, const Opening& opening) {
   if (!opening.needed && !options_.verify) return Round();
-  if (opening.deferrable && !opening.needed && links_) {  // Note [Verification beside the data]
+  if (opening.deferrable && links_) {  // Note [Verification beside the data]
     pending_ = std::make_unique<PendingRound>(post_header_round(opening.header, opening.inline_for));
     pending_->op = op;
     pending_->same_shape = opening.same_shape;

@@ -186,20 +186,24 @@ WorkPtr MpiCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   });
 }
 
+// out := every rank's piece reduced in rank order (this rank's is `mine`, the
+// peers' came in the round), the same bits on every rank; `out` may be `mine`
+// (each element is read before it is written).
+void MpiCommunicator::reduce_round(const at::Tensor& out, const at::Tensor& mine, const Round& round, ReduceOp op) {
+  if (mine.numel() == 0) return;
+  std::vector<const void*> inputs(size());
+  for (int p = 0; p < size(); ++p) inputs[p] = p == rank_ ? mine.data_ptr() : round.payload[p];
+  reduce_into(out.data_ptr(), inputs.data(), size(), mine.numel(), mine.scalar_type(),
+              op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+  if (op == ReduceOp::kAvg) out.div_(size());
+}
+
 void MpiCommunicator::small_all_reduce(at::Tensor data, ReduceOp op) {
-  const int n = size();
   Header h = header_of(data, OpKind::kAllReduce, op);
   h.inlined = 1;
   const Round round = header_round(h, "all_reduce", [&](int) { return &data; });
   verify(round.headers, "all_reduce", true);  // free here: the headers came anyway
-  std::vector<const void*> inputs(n);
-  for (int p = 0; p < n; ++p) inputs[p] = p == rank_ ? data.data_ptr() : round.payload[p];
-  if (data.numel() > 0) {
-    // In rank order into this rank's own buffer (read before written, element by element).
-    reduce_into(data.data_ptr(), inputs.data(), n, data.numel(), data.scalar_type(),
-                op == ReduceOp::kAvg ? ReduceOp::kSum : op);
-  }
-  if (op == ReduceOp::kAvg) data.div_(n);
+  reduce_round(data, data, round, op);
   add_traffic(OpKind::kAllReduce, data.nbytes(), data.nbytes());
 }
 
@@ -228,16 +232,8 @@ void MpiCommunicator::small_reduce_scatter(const at::Tensor& flat, at::Tensor ou
   verify(round.headers, "reduce_scatter", true);
   const at::Tensor& mine = shards[rank_];
   if (mine.numel() > 0) {
-    std::vector<at::Tensor> pieces(n);  // alive while reduced
-    std::vector<const void*> inputs(n);
-    for (int p = 0; p < n; ++p) {
-      pieces[p] = p == rank_ ? mine : round.inline_from(p, mine);
-      inputs[p] = pieces[p].data_ptr();
-    }
     at::Tensor reduced = at::empty_like(mine);  // `out` may alias this rank's shard of the input
-    reduce_into(reduced.data_ptr(), inputs.data(), n, mine.numel(), mine.scalar_type(),
-                op == ReduceOp::kAvg ? ReduceOp::kSum : op);
-    if (op == ReduceOp::kAvg) reduced.div_(n);
+    reduce_round(reduced, mine, round, op);
     out.view(-1).copy_(reduced);
   }
   const int64_t elem = flat.element_size();

@@ -3,7 +3,8 @@
 // collective one non-blocking MPI call (MPI_Iallreduce, MPI_Ibcast,
 // MPI_Ireduce_scatter, MPI_Iallgatherv, ...) on an MPI_Comm of its own, so
 // OpenMPI picks the algorithm and the transport (shared memory, TCP, the
-// cluster's interconnect). Sub-communicators come from MPI_Comm_split.
+// cluster's interconnect); small ones travel in the header round instead
+// (Note [MPI header round]). Sub-communicators come from MPI_Comm_split.
 //
 // Waiting: the running operation polls its requests with MPI_Testall, back to
 // back for 200 us, then sleeping with a growing backoff (Backoff in
@@ -123,6 +124,8 @@ class MpiCommunicator final : public QueuedCommunicator {
   Round header_round(const Header& mine, const char* op, const PayloadFor& payload_for);
   std::vector<Header> allgather_headers(const Header& mine, const char* op);
   bool fits_round(int64_t bytes) const { return size() > 1 && direct_round() && bytes <= options_.inline_bytes; }
+  // out := every rank's piece in rank order: `mine`, and the peers' from `round`.
+  void reduce_round(const at::Tensor& out, const at::Tensor& mine, const Round& round, ReduceOp op);
   // Collectives whose data fits the round: the round is the collective.
   void small_all_reduce(at::Tensor data, ReduceOp op);
   void small_broadcast(at::Tensor data, int root);

@@ -426,12 +426,16 @@ void Links::too_large(Request& r, size_t bytes) {
   rounds_.notify_all();
 }
 
-void Links::break_sends(Peer& p, const std::string& why) {
-  if (!p.send_broken.empty()) return;
-  p.send_broken = why;
+void Links::fail_sends(Peer& p) {
   for (auto& r : p.sends) r->failed = true;
   p.sends.clear();
   p.out_offset = 0;
+}
+
+void Links::break_sends(Peer& p, const std::string& why) {
+  if (!p.send_broken.empty()) return;
+  p.send_broken = why;
+  fail_sends(p);
   if (p.fd >= 0) ::shutdown(p.fd, SHUT_WR);  // the peer learns at once (a half-written message ends there)
   rounds_.notify_all();
 }
@@ -439,8 +443,7 @@ void Links::break_sends(Peer& p, const std::string& why) {
 void Links::break_peer(Peer& p, const std::string& why) {
   if (!p.broken.empty()) return;
   p.broken = why;
-  for (auto& r : p.sends) r->failed = true;
-  p.sends.clear();
+  fail_sends(p);
   for (auto& kv : p.posted)
     for (auto& r : kv.second) r->failed = true;
   p.posted.clear();

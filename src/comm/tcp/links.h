@@ -129,6 +129,8 @@ class Links {
   void start_message(Peer& p);
   void finish_message(Peer& p);
   void break_peer(Peer& p, const std::string& why);
+  // Every queued send fails; the next message would start afresh.
+  void fail_sends(Peer& p);
   // Writing failed (the peer closed): sends fail, reads go on to the stream's end.
   void break_sends(Peer& p, const std::string& why);
   // `r`'s message of `bytes` does not fit: it fails alone (the caller drops the message).
