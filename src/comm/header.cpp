@@ -31,6 +31,12 @@ std::vector<int64_t> shape_of(const Header& h) {
   return std::vector<int64_t>(h.shape, h.shape + std::min(std::max(h.ndim, 0), 8));
 }
 
+at::Tensor view_at(const at::Tensor& flat, int64_t offset, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+  return flat.as_strided(shape, strides, flat.storage_offset() + offset);
+}
+
 int64_t hash_sizes(const std::vector<int64_t>& sizes) {
   uint64_t h = 1469598103934665603ull;
   for (int64_t v : sizes) {

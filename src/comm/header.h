@@ -28,7 +28,7 @@ struct Header {
   int64_t shape[8] = {0};
   int64_t inline_bytes = 0;  // payload bytes that follow this header in the same message
   int32_t inlined = 0;       // 1: this rank sends its data inline (small-message path)
-  int32_t pad = 0;
+  int32_t inline_after = 0;  // of inline_bytes, those that follow in a second message (MPI: Note [MPI header round])
 };
 
 // The header describing `t` (undefined: a header with no data) for operation `kind`.
@@ -37,6 +37,9 @@ Header header_of(const at::Tensor& t, OpKind kind, ReduceOp op = ReduceOp::kSum,
 std::string describe(const Header& h);
 // The shape a header carries.
 std::vector<int64_t> shape_of(const Header& h);
+// A contiguous view of `shape` at element `offset` of a contiguous flat
+// tensor (one dispatcher call, where narrow + view are two).
+at::Tensor view_at(const at::Tensor& flat, int64_t offset, const std::vector<int64_t>& shape);
 // FNV-1a over a list of sizes: lets ranks compare per-rank size lists in one field.
 int64_t hash_sizes(const std::vector<int64_t>& sizes);
 // Compares every rank's header with rank 0's: the first difference as a

@@ -260,6 +260,18 @@ void non_contiguous_and_async(Communicator& comm) {
   auto b = (torch::arange(6, torch::kFloat64).view({2, 3}) + r).t();
   comm.broadcast(b, 0);
   expect_equal(b, torch::arange(6, torch::kFloat64).view({2, 3}).t(), "non-contiguous broadcast");
+  // Transposed outputs: rank p's piece at [6p, 6p + 6) of the output's logical (row-major) order.
+  auto gathered = torch::zeros({3, 2 * n}, torch::kFloat32).t();
+  ASSERT_FALSE(gathered.is_contiguous());
+  comm.all_gather_into(gathered, torch::arange(6, torch::kFloat32) + 10 * r);
+  for (int p = 0; p < n; ++p) {
+    expect_equal(gathered.reshape(-1).slice(0, 6 * p, 6 * p + 6), torch::arange(6, torch::kFloat32) + 10 * p,
+                 "all_gather into a transposed output");
+  }
+  auto shard = torch::zeros({3, 2}, torch::kFloat64).t();
+  comm.reduce_scatter_into(shard, torch::arange(6 * n, torch::kFloat64) * (r + 1));
+  expect_equal(shard.reshape(-1), torch::arange(6 * r, 6 * r + 6, torch::kFloat64) * (n * (n + 1) / 2),
+               "reduce_scatter into a transposed output");
   // Several operations in flight, completed in order.
   std::vector<torch::Tensor> ts;
   std::vector<meshtrain::comm::WorkPtr> works;
@@ -444,6 +456,45 @@ void small_payloads_travel_in_one_round(Communicator& comm) {
 }
 TEST_P(SmallPayloads, TravelInOneRound) { run(small_payloads_travel_in_one_round); }
 
+// Sizes around the MPI round's split (a round message larger than OpenMPI's
+// eager size goes in two: Note [MPI header round]) and up to inline_bytes:
+// every element is rank- and position-dependent, so a misplaced part shows.
+void payloads_across_the_round_split(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  for (int64_t numel : {900, 990, 1000, 1005, 1010, 1020, 1040, 2000, 4000, 8192}) {
+    const auto mine = torch::arange(numel, torch::kFloat64) + 1e5 * r;
+    auto sum = mine.clone();
+    comm.all_reduce(sum);
+    expect_equal(sum, torch::arange(numel, torch::kFloat64) * n + 1e5 * (n * (n - 1) / 2), tag("all_reduce", torch::kFloat64, numel));
+    auto b = mine.to(torch::kFloat32);
+    comm.broadcast(b, static_cast<int>(numel % n));
+    expect_equal(b, (torch::arange(numel, torch::kFloat64) + 1e5 * (numel % n)).to(torch::kFloat32), tag("broadcast", torch::kFloat32, numel));
+    auto gathered = comm.all_gather_flat(mine.to(torch::kFloat32));
+    for (int p = 0; p < n; ++p) {
+      expect_equal(gathered.slice(0, p * numel, (p + 1) * numel),
+                   (torch::arange(numel, torch::kFloat64) + 1e5 * p).to(torch::kFloat32), tag("all_gather", torch::kFloat32, numel));
+    }
+    const auto everyone = torch::arange(numel * n, torch::kFloat64) + 1e5 * r;
+    auto shard = comm.reduce_scatter(everyone);
+    expect_equal(shard, torch::arange(numel * r, numel * (r + 1), torch::kFloat64) * n + 1e5 * (n * (n - 1) / 2),
+                 tag("reduce_scatter", torch::kFloat64, numel * n));
+    if (n == 1) continue;
+    // Point to point, the same sizes (Note [MPI messages]): two in flight per pair, one into a
+    // given tensor, one of a shape the receiver learns from the message.
+    const int right = (r + 1) % n, left = (r + n - 1) % n;
+    auto a = comm.isend(mine, right, 3);
+    auto c = comm.isend(mine.view({1, -1}).to(torch::kFloat32), right, 4);
+    auto got = torch::zeros({numel}, torch::kFloat64);
+    comm.recv(got, left, 3);
+    auto any = comm.recv_any(left, 4);
+    a->wait();
+    c->wait();
+    const auto theirs = torch::arange(numel, torch::kFloat64) + 1e5 * left;
+    expect_equal(got, theirs, tag("send/recv", torch::kFloat64, numel));
+    expect_equal(any, theirs.view({1, -1}).to(torch::kFloat32), tag("send/recv_any", torch::kFloat32, numel));
+  }
+}
+
 std::vector<Case> every_case(bool large) {
   std::vector<Case> cases;
   for (const char* backend : {"shm", "gloo"}) {
@@ -488,6 +539,7 @@ TEST_P(MpiCollectives, EveryTestInOneJob) {
       {"ReceivePostedWhileItsMessageIsHalfRead", receive_posted_while_its_message_is_half_read},
       {"TrafficCountsTheAlgorithmsBytes", traffic_counts_the_algorithms_bytes},
       {"SmallPayloadsTravelInOneRound", small_payloads_travel_in_one_round},
+      {"PayloadsAcrossTheRoundSplit", payloads_across_the_round_split},
   };
   meshtrain::testing::RankOptions options;
   options.env.push_back("MESHTRAIN_BACKEND=mpi");

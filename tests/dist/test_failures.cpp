@@ -288,6 +288,18 @@ TEST_P(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
         EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called all_reduce"), std::string::npos) << e.what();
       }
     }
+    if (auto comm = pair("inline kind")) {
+      // Payloads inline in the header round, larger than MPI's eager size: rank 0's
+      // round message has a second part, rank 1's (a broadcast's receiver) none.
+      auto e = torch::ones({1500});
+      try {
+        if (r == 0) comm->all_gather(e); else comm->broadcast(e, 0);
+        ADD_FAILURE() << "no error for different collectives on inline payloads";
+      } catch (const MismatchError& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called all_gather"),
+                  std::string::npos) << e.what();
+      }
+    }
     if (auto comm = pair("sizes")) {
       // reduce_scatter inputs of different sizes
       auto d = torch::ones({r == 0 ? 10 : 12});

@@ -48,7 +48,7 @@ at::Tensor flat_output(const at::Tensor& output, int64_t numel, const at::Tensor
 }
 
 void copy_back(const at::Tensor& output, const at::Tensor& flat) {
-  if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
+  if (output.defined() && !output.is_contiguous()) output.copy_(flat.view(output.sizes()));
 }
 
 // Drops a deferred header round that an error left unsettled (its requests

@@ -75,10 +75,6 @@ std::vector<Header> MpiCommunicator::exchange_headers(const Header& mine, const 
   return header_round(mine, op, nullptr).headers;
 }
 
-at::Tensor MpiCommunicator::Round::inline_from(int peer, const at::Tensor& like) const {
-  return at::from_blob(const_cast<uint8_t*>(payload[peer]), like.sizes(), like.options());
-}
-
 MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const char* op,
                                                      const PayloadFor& payload_for) {
   const int n = size();
@@ -88,18 +84,34 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
     round.headers = allgather_headers(mine, op);
     return round;
   }
-  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
-  uint8_t* in = round_recv_.data_ptr<uint8_t>();
   for (int p = 0; p < n; ++p) {  // before anything is posted: a refusal leaves nothing behind
     const at::Tensor* payload = p != rank_ && payload_for ? payload_for(p) : nullptr;
     MESHTRAIN_CHECK(!payload || static_cast<int64_t>(payload->nbytes()) <= options_.inline_bytes, where(op),
                     ": an inline payload of ", payload->nbytes(), " bytes exceeds ", options_.inline_bytes);
   }
-  std::vector<MPI_Request> requests;
+  std::vector<MPI_Request> first, second;  // the first messages; the seconds (sends only, until the headers came)
+  post_round_messages(mine, op, payload_for, first, second);
+  wait(first, op, {round_send_, round_recv_}, "every rank's header");
+  round.headers.assign(n, mine);
+  read_round_headers(round, op, second);
+  wait(second, op, {round_send_, round_recv_}, "the rest of every rank's inline data");
+  add_traffic(OpKind::kVerify, sizeof(Header), (n - 1) * static_cast<int64_t>(sizeof(Header)));
+  return round;
+}
+
+// Posts the receives of every peer's first message (a whole header and
+// inline payload fit) and this rank's messages: to each peer its header and
+// as much of its payload as goes in first_message_bytes_, the rest in a second
+// message (tag 1), whose send joins `second`.
+void MpiCommunicator::post_round_messages(const Header& mine, const char* op, const PayloadFor& payload_for,
+                                          std::vector<MPI_Request>& first, std::vector<MPI_Request>& second) {
+  const int n = size();
+  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+  uint8_t* in = round_recv_.data_ptr<uint8_t>();
   for (int p = 0; p < n; ++p) {
     if (p == rank_) continue;
-    requests.emplace_back();
-    check(MPI_Irecv(in + p * capacity, static_cast<int>(capacity), MPI_BYTE, p, 0, round_comm_, &requests.back()), op,
+    first.emplace_back();
+    check(MPI_Irecv(in + p * capacity, static_cast<int>(capacity), MPI_BYTE, p, 0, round_comm_, &first.back()), op,
           "MPI_Irecv");
   }
   for (int p = 0; p < n; ++p) {
@@ -107,27 +119,44 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
     const at::Tensor* payload = payload_for ? payload_for(p) : nullptr;
     Header h = mine;
     h.inline_bytes = payload ? static_cast<int64_t>(payload->nbytes()) : 0;
+    const int64_t total = static_cast<int64_t>(sizeof(Header)) + h.inline_bytes;
+    const int64_t head = std::min(total, first_message_bytes_);
+    h.inline_after = static_cast<int32_t>(total - head);
     uint8_t* out = round_send_.data_ptr<uint8_t>() + p * capacity;
     std::memcpy(out, &h, sizeof(Header));
     if (h.inline_bytes > 0) std::memcpy(out + sizeof(Header), payload->data_ptr(), h.inline_bytes);
-    requests.emplace_back();
-    check(MPI_Isend(out, static_cast<int>(sizeof(Header) + h.inline_bytes), MPI_BYTE, p, 0, round_comm_,
-                    &requests.back()),
-          op, "MPI_Isend");
+    first.emplace_back();
+    check(MPI_Isend(out, static_cast<int>(head), MPI_BYTE, p, 0, round_comm_, &first.back()), op, "MPI_Isend");
+    if (h.inline_after == 0) continue;
+    second.emplace_back();
+    check(MPI_Isend(out + head, h.inline_after, MPI_BYTE, p, 1, round_comm_, &second.back()), op, "MPI_Isend");
   }
-  wait(requests, op, {round_send_, round_recv_}, "every rank's header");
-  round.headers.assign(n, mine);
+}
+
+// Reads the peers' headers out of their first messages, and posts the
+// receive of each second message a header announces (whatever this rank
+// expected: ranks that called different collectives still drain each other).
+void MpiCommunicator::read_round_headers(Round& round, const char* op, std::vector<MPI_Request>& second) {
+  const int n = size();
+  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+  uint8_t* in = round_recv_.data_ptr<uint8_t>();
   for (int p = 0; p < n; ++p) {
     if (p == rank_) continue;
     std::memcpy(&round.headers[p], in + p * capacity, sizeof(Header));
     const Header& theirs = round.headers[p];
-    if (theirs.magic != Header().magic || theirs.inline_bytes < 0 || theirs.inline_bytes > options_.inline_bytes) {
+    if (theirs.magic != Header().magic || theirs.inline_bytes < 0 || theirs.inline_bytes > options_.inline_bytes ||
+        theirs.inline_after < 0 || theirs.inline_after > theirs.inline_bytes) {
+      abandoned_ = true;  // this rank's second messages may still be in flight
+      abandon({round_send_, round_recv_});
       throw CommError(str_cat(where(op), ": malformed header from ", peer_name(p)));
     }
     if (theirs.inline_bytes > 0) round.payload[p] = in + p * capacity + sizeof(Header);
+    if (theirs.inline_after == 0) continue;
+    second.emplace_back();
+    check(MPI_Irecv(in + p * capacity + sizeof(Header) + theirs.inline_bytes - theirs.inline_after,
+                    theirs.inline_after, MPI_BYTE, p, 1, round_comm_, &second.back()),
+          op, "MPI_Irecv");
   }
-  add_traffic(OpKind::kVerify, sizeof(Header), (n - 1) * static_cast<int64_t>(sizeof(Header)));
-  return round;
 }
 
 std::vector<Header> MpiCommunicator::allgather_headers(const Header& mine, const char* op) {
@@ -213,7 +242,7 @@ void MpiCommunicator::small_broadcast(at::Tensor data, int root) {
   const Round round = header_round(h, "broadcast", [&](int) { return rank_ == root ? &data : nullptr; });
   verify(round.headers, "broadcast", true);
   const int64_t bytes = data.nbytes();
-  if (rank_ != root && bytes > 0) data.copy_(round.inline_from(root, data));
+  if (rank_ != root && bytes > 0) std::memcpy(data.data_ptr(), round.payload[root], bytes);
   add_traffic(OpKind::kBroadcast, rank_ == root ? bytes : 0, rank_ == root ? 0 : bytes);
 }
 
@@ -232,9 +261,11 @@ void MpiCommunicator::small_reduce_scatter(const at::Tensor& flat, at::Tensor ou
   verify(round.headers, "reduce_scatter", true);
   const at::Tensor& mine = shards[rank_];
   if (mine.numel() > 0) {
-    at::Tensor reduced = at::empty_like(mine);  // `out` may alias this rank's shard of the input
+    // reduce_round may write over `mine` itself, not over another part of the input.
+    const bool direct = out.is_contiguous() && (out.data_ptr() == mine.data_ptr() || !overlap(out, flat));
+    at::Tensor reduced = direct ? out : at::empty_like(mine);
     reduce_round(reduced, mine, round, op);
-    out.view(-1).copy_(reduced);
+    if (!direct) out.copy_(reduced.view(out.sizes()));
   }
   const int64_t elem = flat.element_size();
   add_traffic(OpKind::kReduceScatter, (flat.numel() - counts[rank_]) * elem, counts[rank_] * elem);
@@ -324,13 +355,12 @@ void MpiCommunicator::gather_flat(const at::Tensor& input, const at::Tensor& out
   mpi_count(total, op);
   at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1) : at::empty({total}, input.options());
   const auto offsets = offsets_of(counts);
-  flat.narrow(0, offsets[me], counts[me]).copy_(mine.view(-1));
+  const int64_t elem = mine.element_size();
+  std::memcpy(bytes_of(flat) + offsets[me] * elem, mine.data_ptr(), mine.nbytes());
   const bool every_rank_inlined = std::all_of(all.begin(), all.end(), [](const Header& x) { return x.inlined != 0; });
   if (every_rank_inlined) {  // the round was the collective (Note [MPI header round])
     for (int q = 0; q < n; ++q) {
-      if (q != me && counts[q] > 0) {
-        flat.narrow(0, offsets[q], counts[q]).copy_(round.inline_from(q, flat.narrow(0, 0, counts[q])));
-      }
+      if (q != me && counts[q] > 0) std::memcpy(bytes_of(flat) + offsets[q] * elem, round.payload[q], counts[q] * elem);
     }
     finish_gather(input, output, flat, all, counts, result);
     return;
@@ -356,10 +386,10 @@ void MpiCommunicator::finish_gather(const at::Tensor& input, const at::Tensor& o
                                     std::vector<at::Tensor>& result) {
   const int64_t elem = input.element_size(), total = flat.numel();
   add_traffic(OpKind::kAllGather, counts[rank_] * elem, (total - counts[rank_]) * elem);
-  if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
+  if (output.defined() && !output.is_contiguous()) output.copy_(flat.view(output.sizes()));
   result = {output.defined() ? output : flat};
   const auto offsets = offsets_of(counts);
-  for (int q = 0; q < size(); ++q) result.push_back(flat.narrow(0, offsets[q], counts[q]).view(shape_of(all[q])));
+  for (int q = 0; q < size(); ++q) result.push_back(view_at(flat, offsets[q], shape_of(all[q])));
 }
 
 WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
@@ -409,7 +439,7 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp 
     if (op == ReduceOp::kAvg) out.div_(size());
     const int64_t elem = input.element_size();
     add_traffic(OpKind::kReduceScatter, (flat.numel() - counts[rank_]) * elem, counts[rank_] * elem);
-    if (output.defined() && !direct) output.view(-1).copy_(out);
+    if (output.defined() && !direct) output.copy_(out.view(output.sizes()));
     result = {output.defined() ? output : out};
   });
 }

@@ -118,10 +118,12 @@ class MpiCommunicator final : public QueuedCommunicator {
   struct Round {
     std::vector<Header> headers;
     std::vector<const uint8_t*> payload;
-    at::Tensor inline_from(int peer, const at::Tensor& like) const;  // peer's payload shaped like `like`
   };
   using PayloadFor = std::function<const at::Tensor*(int)>;
   Round header_round(const Header& mine, const char* op, const PayloadFor& payload_for);
+  void post_round_messages(const Header& mine, const char* op, const PayloadFor& payload_for,
+                           std::vector<MPI_Request>& first, std::vector<MPI_Request>& second);
+  void read_round_headers(Round& round, const char* op, std::vector<MPI_Request>& second);
   std::vector<Header> allgather_headers(const Header& mine, const char* op);
   bool fits_round(int64_t bytes) const { return size() > 1 && direct_round() && bytes <= options_.inline_bytes; }
   // out := every rank's piece in rank order: `mine`, and the peers' from `round`.
@@ -166,6 +168,10 @@ class MpiCommunicator final : public QueuedCommunicator {
   // from point-to-point tags; its buffers (header + inline payload) are reused.
   MPI_Comm round_comm_ = MPI_COMM_NULL;
   at::Tensor round_send_, round_recv_;
+  // A message's bytes (header and inline payload, of the round or point to
+  // point) that travel in its first MPI message: what OpenMPI sends eagerly,
+  // less its own headers; the rest follows in a second (Note [MPI header round]).
+  int64_t first_message_bytes_ = 0;
 
   // Point-to-point state: the receives posted per (source, tag).
   struct Channel {

@@ -4,7 +4,9 @@
 // A message is a Header (dtype, shape) on MPI tag 2t, followed, when the
 // payload does not fit CommOptions::inline_bytes, by the payload on tag
 // 2t + 1 (small payloads travel inside the header's message: one MPI message,
-// as pipeline activations of small models mostly are). A receive posts its
+// as pipeline activations of small models mostly are; where header and
+// payload exceed what MPI sends eagerly, the payload's rest follows on tag
+// 2t + 1, as the header round's does: Note [MPI header round]). A receive posts its
 // header receive at once, into a buffer of header + inline_bytes, so a
 // message can never overrun it; the header names the payload's dtype and
 // shape, so irecv_any receives a tensor of any shape, and a receive into a
@@ -26,6 +28,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "communicator.h"
@@ -160,15 +163,22 @@ WorkPtr MpiCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
   const int64_t bytes = data.nbytes();
   const bool inline_payload = bytes <= options_.inline_bytes;
   h.inline_bytes = inline_payload ? bytes : 0;
-  op->message = at::empty({static_cast<int64_t>(sizeof(Header)) + h.inline_bytes}, at::kByte);
-  std::memcpy(op->message.data_ptr(), &h, sizeof(Header));
-  if (inline_payload && bytes > 0) std::memcpy(static_cast<char*>(op->message.data_ptr()) + sizeof(Header), data.data_ptr(), bytes);
+  const int64_t total = static_cast<int64_t>(sizeof(Header)) + h.inline_bytes;
+  const int64_t head = std::min(total, first_message_bytes_);
+  h.inline_after = static_cast<int32_t>(total - head);  // beyond the eager size: a second message
+  op->message = at::empty({total}, at::kByte);
+  char* message = static_cast<char*>(op->message.data_ptr());
+  std::memcpy(message, &h, sizeof(Header));
+  if (inline_payload && bytes > 0) std::memcpy(message + sizeof(Header), data.data_ptr(), bytes);
   if (!inline_payload && bytes > 0) op->data = data;
   {
     std::lock_guard<std::mutex> lock(post_mutex_);
-    check(MPI_Isend(op->message.data_ptr(), static_cast<int>(op->message.nbytes()), MPI_BYTE, dst, header_tag(tag),
-                    comm_, &op->requests[0]),
-          "send", "MPI_Isend");
+    check(MPI_Isend(message, static_cast<int>(head), MPI_BYTE, dst, header_tag(tag), comm_, &op->requests[0]), "send",
+          "MPI_Isend");
+    if (h.inline_after > 0) {
+      check(MPI_Isend(message + head, h.inline_after, MPI_BYTE, dst, payload_tag(tag), comm_, &op->requests[1]),
+            "send", "MPI_Isend");
+    }
     if (op->data.defined()) {
       check(MPI_Isend(op->data.data_ptr(), count, datatype_of(data.scalar_type()), dst, payload_tag(tag), comm_,
                       &op->requests[1]),
@@ -272,7 +282,8 @@ void MpiCommunicator::advance(Channel& ch, int src, int tag) {
       const Header& h = *static_cast<const Header*>(op->header.data_ptr());
       const bool sane = bytes >= static_cast<int>(sizeof(Header)) && h.magic == Header().magic && h.ndim >= 0 &&
                         h.ndim <= 8 && supported_dtype(static_cast<at::ScalarType>(h.dtype)) &&
-                        h.inline_bytes == bytes - static_cast<int64_t>(sizeof(Header));
+                        h.inline_after >= 0 && h.inline_after <= h.inline_bytes &&
+                        h.inline_bytes - h.inline_after == bytes - static_cast<int64_t>(sizeof(Header));
       if (!sane) throw CommError(str_cat(where("recv"), ": malformed message header from ", peer_name(src)));
       const auto dtype = static_cast<at::ScalarType>(h.dtype);
       const std::vector<int64_t> shape = shape_of(h);
@@ -283,7 +294,13 @@ void MpiCommunicator::advance(Channel& ch, int src, int tag) {
       counter_.add_received(OpKind::kVerify, sizeof(Header));
       if (h.inline_bytes > 0) {
         if (h.inline_bytes != payload) throw CommError(str_cat(where("recv"), ": inconsistent header from ", peer_name(src)));
-        std::memcpy(op->landing.data_ptr(), static_cast<const char*>(op->header.data_ptr()) + sizeof(Header), payload);
+        char* landing = static_cast<char*>(op->landing.data_ptr());
+        const int64_t first = payload - h.inline_after;
+        std::memcpy(landing, static_cast<const char*>(op->header.data_ptr()) + sizeof(Header), first);
+        if (h.inline_after > 0) {  // the rest of an inline payload larger than MPI's eager size
+          check(MPI_Irecv(landing + first, h.inline_after, MPI_BYTE, src, payload_tag(tag), comm_, &op->payload_request),
+                "recv", "MPI_Irecv");
+        }
       } else if (payload > 0) {
         check(MPI_Irecv(op->landing.data_ptr(), static_cast<int>(op->landing.numel()), datatype_of(dtype), src,
                         payload_tag(tag), comm_, &op->payload_request),

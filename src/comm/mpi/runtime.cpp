@@ -293,6 +293,59 @@ int spin_us() {
   return spin && *spin ? std::max(0, std::atoi(spin)) : 200;
 }
 
+namespace {
+
+// One control variable of the MPI tool interface as an integer, or 0.
+int64_t read_cvar(int index, MPI_Datatype type) {
+  MPI_T_cvar_handle handle;
+  int count = 0;
+  if (MPI_T_cvar_handle_alloc(index, nullptr, &handle, &count) != MPI_SUCCESS) return 0;
+  int64_t value = 0;
+  if (count == 1) {
+    if (type == MPI_INT || type == MPI_UNSIGNED) {
+      int32_t v = 0;
+      if (MPI_T_cvar_read(handle, &v) == MPI_SUCCESS) value = v;
+    } else if (type == MPI_UNSIGNED_LONG || type == MPI_UNSIGNED_LONG_LONG || type == MPI_LONG ||
+               type == MPI_LONG_LONG || type == MPI_COUNT) {
+      int64_t v = 0;
+      if (MPI_T_cvar_read(handle, &v) == MPI_SUCCESS) value = v;
+    }
+  }
+  MPI_T_cvar_handle_free(&handle);
+  return value;
+}
+
+int64_t read_eager_limit() {
+  int provided = 0, n = 0;
+  if (MPI_T_init_thread(MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) return 0;
+  int64_t limit = 0;
+  if (MPI_T_cvar_get_num(&n) == MPI_SUCCESS) {
+    for (int i = 0; i < n && limit == 0; ++i) {
+      char name[256], desc[8];
+      int name_len = sizeof name, desc_len = sizeof desc, verbosity = 0, binding = 0, scope = 0;
+      MPI_Datatype type;
+      MPI_T_enum enumtype;
+      if (MPI_T_cvar_get_info(i, name, &name_len, &verbosity, &type, &enumtype, desc, &desc_len, &binding, &scope) !=
+          MPI_SUCCESS) {
+        continue;
+      }
+      const std::string var(name);
+      if (binding == MPI_T_BIND_NO_OBJECT && (var == "btl_vader_eager_limit" || var == "btl_sm_eager_limit")) {
+        limit = read_cvar(i, type);
+      }
+    }
+  }
+  MPI_T_finalize();
+  return std::max<int64_t>(0, limit);
+}
+
+}  // namespace
+
+int64_t shared_memory_eager_limit() {
+  static const int64_t limit = read_eager_limit();
+  return limit;
+}
+
 std::string error_string(int code) {
   char text[MPI_MAX_ERROR_STRING] = {0};
   int len = 0;

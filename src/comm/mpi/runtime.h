@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,13 @@ bool poll_all(MPI_Request* requests, int count, std::chrono::steady_clock::time_
 // (yielding the core while polling was slower in both cases). A wait burns a
 // core for at most spin_us, then sleeps.
 int spin_us();
+
+// The largest message OpenMPI's shared-memory transport sends eagerly (one
+// copy in, one out, no handshake), as the library reports it through the MPI
+// tool interface (MCA variable btl_vader_eager_limit, btl_sm_eager_limit in
+// OpenMPI 5, 4096 bytes by default), including the library's own headers;
+// 0 when the library does not say (another MPI). Read once per process.
+int64_t shared_memory_eager_limit();
 
 // "MPI_ERR_TRUNCATE: message truncated".
 std::string error_string(int code);

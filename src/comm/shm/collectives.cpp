@@ -55,13 +55,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 char* bytes_of(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
-// A contiguous view of `shape` at element `offset` of a flat tensor (one dispatcher call, not narrow + view).
-at::Tensor view_at(const at::Tensor& flat, int64_t offset, const std::vector<int64_t>& shape) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
-  return flat.as_strided(shape, strides, flat.storage_offset() + offset);
-}
-
 }  // namespace
 
 // ---- steps
@@ -272,7 +265,7 @@ WorkPtr ShmCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp 
     } else {
       reduce_scatter_chunked(flat, out, counts, op, h);
     }
-    if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(out);
+    if (output.defined() && !output.is_contiguous()) output.copy_(out.view(output.sizes()));
     result = {output.defined() ? output : out};
   });
 }
@@ -328,7 +321,7 @@ WorkPtr ShmCommunicator::all_gather_async(const at::Tensor& input, at::Tensor ou
     }
     counter_.add_sent(OpKind::kAllGather, my_bytes * (n - 1));
     counter_.add_received(OpKind::kAllGather, (total - counts[me]) * elem);
-    if (output.defined() && !output.is_contiguous()) output.view(-1).copy_(flat);
+    if (output.defined() && !output.is_contiguous()) output.copy_(flat.view(output.sizes()));
     result = {output.defined() ? output : flat};
     for (int q = 0; q < n; ++q) result.push_back(view_at(flat, offs[q], shape_of(all[q])));
   });
