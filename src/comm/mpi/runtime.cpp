@@ -342,7 +342,10 @@ int64_t read_eager_limit() {
 }  // namespace
 
 int64_t shared_memory_eager_limit() {
-  static const int64_t limit = read_eager_limit();
+  static const int64_t limit = [] {
+    const char* set = std::getenv("MESHTRAIN_MPI_EAGER_BYTES");
+    return set && *set ? std::max<int64_t>(0, std::atoll(set)) : read_eager_limit();
+  }();
   return limit;
 }
 

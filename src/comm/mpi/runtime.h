@@ -80,7 +80,8 @@ int spin_us();
 // copy in, one out, no handshake), as the library reports it through the MPI
 // tool interface (MCA variable btl_vader_eager_limit, btl_sm_eager_limit in
 // OpenMPI 5, 4096 bytes by default), including the library's own headers;
-// 0 when the library does not say (another MPI). Read once per process.
+// 0 when the library does not say (another MPI). Read once per process;
+// MESHTRAIN_MPI_EAGER_BYTES overrides it (0: never split a message in two).
 int64_t shared_memory_eager_limit();
 
 // "MPI_ERR_TRUNCATE: message truncated".
