@@ -140,10 +140,18 @@ std::string cpu_model() {
 int64_t l2_cache_bytes() {
   const long reported = ::sysconf(_SC_LEVEL2_CACHE_SIZE);
   if (reported > 0) return reported;
-  std::ifstream in("/sys/devices/system/cpu/cpu0/cache/index2/size");
-  int64_t kb = 0;
-  std::string unit;
-  return in >> kb >> unit && kb > 0 ? kb << 10 : 0;  // "1024K"
+  for (int i = 0; i < 8; ++i) {  // the level-2 data or unified cache, wherever sysfs lists it
+    const std::string dir = str_cat("/sys/devices/system/cpu/cpu0/cache/index", i, "/");
+    int level = 0;
+    std::string type;
+    if (!(std::ifstream(dir + "level") >> level) || level != 2) continue;
+    if (!(std::ifstream(dir + "type") >> type) || type == "Instruction") continue;
+    std::ifstream in(dir + "size");
+    int64_t kb = 0;
+    std::string unit;
+    return in >> kb >> unit && kb > 0 ? kb << 10 : 0;  // "1024K"
+  }
+  return 0;
 }
 
 std::string cache_path(const std::string& cpu, int cores) {

@@ -10,6 +10,7 @@
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -194,8 +195,12 @@ void GlooCommunicator::connect_links() {
     const bool own_core = process_->ranks_on_my_host() <= available_cores();
     const WaitTuning tuning = choose_wait(host_profile(), own_core);
     links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", tuning.spin), env_us("MESHTRAIN_TCP_YIELD_US", tuning.yield));
-    // Bytes in flight to a rank of this host fit its cache (Note [Link buffers sized to the cache]).
-    const LinkBuffer buffer = choose_link_buffer(host_profile(), process_->ranks_on_my_host() - 1);
+    // Bytes in flight to a rank of this host fit its cache (Note [Link buffers sized to the cache]):
+    // the peers that send to it at once are this communicator's members on the host.
+    const std::string& my_host = process_->host_of(global_ranks_[rank_]);
+    const auto peers_here = std::count_if(global_ranks_.begin(), global_ranks_.end(),
+                                          [&](int g) { return process_->host_of(g) == my_host; }) - 1;
+    const LinkBuffer buffer = choose_link_buffer(host_profile(), static_cast<int>(peers_here));
     links_->set_local_buffer(env_kib("MESHTRAIN_TCP_BUFFER_KB", buffer.bytes, 0, 1 << 20));
     if (!process_->store()->token().empty()) {
       prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
