@@ -26,7 +26,7 @@ struct Header {
   int64_t numel = 0;
   int64_t aux = 0;  // operation-specific (output size, hash of per-rank sizes)
   int64_t shape[8] = {0};
-  int64_t inline_bytes = 0;  // payload bytes that follow this header in the same message
+  int64_t inline_bytes = 0;  // payload bytes that follow this header (in the same message, but for inline_after)
   int32_t inlined = 0;       // 1: this rank sends its data inline (small-message path)
   int32_t inline_after = 0;  // of inline_bytes, those that follow in a second message (MPI: Note [MPI header round])
 };

@@ -59,7 +59,7 @@ class TreeOrderCommunicator : public Communicator {
     if (output.defined()) {
       MESHTRAIN_CHECK(output.numel() == shard.numel(), "reduce_scatter on communicator '", label(), "': output holds ",
                       output.numel(), " elements but this rank's shard has ", shard.numel());
-      output.view({-1}).copy_(shard);
+      output.copy_(shard.view(output.sizes()));
       shard = output;
     }
     return std::make_shared<DoneWork>(std::vector<at::Tensor>{shard});

@@ -300,6 +300,16 @@ TEST_P(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
                   std::string::npos) << e.what();
       }
     }
+    if (auto comm = pair("inline kind, both sending")) {
+      auto e = torch::ones({1500});  // both ranks' round messages go in two
+      try {
+        if (r == 0) comm->all_reduce(e); else comm->broadcast(e, 1);
+        ADD_FAILURE() << "no error for different collectives on inline payloads";
+      } catch (const MismatchError& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called all_reduce"),
+                  std::string::npos) << e.what();
+      }
+    }
     if (auto comm = pair("sizes")) {
       // reduce_scatter inputs of different sizes
       auto d = torch::ones({r == 0 ? 10 : 12});

@@ -71,6 +71,16 @@ bool all_equal(const std::vector<int64_t>& v) {
 // Every verified collective of a group opens with the same round (and those
 // whose data rides in it, verified or not), so ranks that call different
 // collectives still meet and raise MismatchError.
+//
+// A message goes in two MPI messages where one would exceed what OpenMPI
+// sends eagerly (first_message_bytes_: its shared-memory eager limit, read
+// through the MPI tool interface, less its own headers) and the rest fits it:
+// the header and the payload's first part on tag 0, the rest on tag 1, both
+// eager, where one message of header + 4 KiB went by rendezvous (a handshake,
+// ~7 us more here). The header says how much follows (inline_after), so the
+// receiver posts for exactly that, whatever it expected: ranks that called
+// different collectives still drain each other. Point-to-point messages with
+// an inline payload split the same way (Note [MPI messages] in p2p.cpp).
 std::vector<Header> MpiCommunicator::exchange_headers(const Header& mine, const char* op) {
   return header_round(mine, op, nullptr).headers;
 }
@@ -94,7 +104,7 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
   wait(first, op, {round_send_, round_recv_}, "every rank's header");
   round.headers.assign(n, mine);
   read_round_headers(round, op, second);
-  wait(second, op, {round_send_, round_recv_}, "the rest of every rank's inline data");
+  if (!second.empty()) wait(second, op, {round_send_, round_recv_}, "the rest of every rank's inline data");
   add_traffic(OpKind::kVerify, sizeof(Header), (n - 1) * static_cast<int64_t>(sizeof(Header)));
   return round;
 }
@@ -120,7 +130,7 @@ void MpiCommunicator::post_round_messages(const Header& mine, const char* op, co
     Header h = mine;
     h.inline_bytes = payload ? static_cast<int64_t>(payload->nbytes()) : 0;
     const int64_t total = static_cast<int64_t>(sizeof(Header)) + h.inline_bytes;
-    const int64_t head = std::min(total, first_message_bytes_);
+    const int64_t head = first_part(total);
     h.inline_after = static_cast<int32_t>(total - head);
     uint8_t* out = round_send_.data_ptr<uint8_t>() + p * capacity;
     std::memcpy(out, &h, sizeof(Header));
@@ -356,7 +366,8 @@ void MpiCommunicator::gather_flat(const at::Tensor& input, const at::Tensor& out
   at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1) : at::empty({total}, input.options());
   const auto offsets = offsets_of(counts);
   const int64_t elem = mine.element_size();
-  std::memcpy(bytes_of(flat) + offsets[me] * elem, mine.data_ptr(), mine.nbytes());
+  char* my_slot = bytes_of(flat) + offsets[me] * elem;  // the input may be this very slot (in place)
+  if (mine.nbytes() > 0 && my_slot != bytes_of(mine)) std::memmove(my_slot, mine.data_ptr(), mine.nbytes());
   const bool every_rank_inlined = std::all_of(all.begin(), all.end(), [](const Header& x) { return x.inlined != 0; });
   if (every_rank_inlined) {  // the round was the collective (Note [MPI header round])
     for (int q = 0; q < n; ++q) {

@@ -172,11 +172,18 @@ class MpiCommunicator final : public QueuedCommunicator {
   // point) that travel in its first MPI message: what OpenMPI sends eagerly,
   // less its own headers; the rest follows in a second (Note [MPI header round]).
   int64_t first_message_bytes_ = 0;
+  // Of a message of `total` bytes, those sent first: all of it, unless it
+  // exceeds first_message_bytes_ and the rest fits that too (two eager
+  // messages; a rest that would go by rendezvous gains nothing over one).
+  int64_t first_part(int64_t total) const {
+    return total > first_message_bytes_ && total <= 2 * first_message_bytes_ ? first_message_bytes_ : total;
+  }
 
   // Point-to-point state: the receives posted per (source, tag).
   struct Channel {
     std::mutex mutex;
     std::deque<std::shared_ptr<RecvOp>> posted;  // in post order
+    std::string broken;  // a malformed message came: later ones cannot be told apart
   };
   std::mutex channels_mutex_;
   std::map<std::pair<int, int>, std::unique_ptr<Channel>> channels_;  // by (src, tag)

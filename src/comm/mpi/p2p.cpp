@@ -164,7 +164,7 @@ WorkPtr MpiCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
   const bool inline_payload = bytes <= options_.inline_bytes;
   h.inline_bytes = inline_payload ? bytes : 0;
   const int64_t total = static_cast<int64_t>(sizeof(Header)) + h.inline_bytes;
-  const int64_t head = std::min(total, first_message_bytes_);
+  const int64_t head = first_part(total);
   h.inline_after = static_cast<int32_t>(total - head);  // beyond the eager size: a second message
   op->message = at::empty({total}, at::kByte);
   char* message = static_cast<char*>(op->message.data_ptr());
@@ -175,15 +175,17 @@ WorkPtr MpiCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
     std::lock_guard<std::mutex> lock(post_mutex_);
     check(MPI_Isend(message, static_cast<int>(head), MPI_BYTE, dst, header_tag(tag), comm_, &op->requests[0]), "send",
           "MPI_Isend");
+    // The second part: the rest of an inline payload, or the payload itself. If posting it fails,
+    // the first part may still be read from op's buffers: they are kept for good.
+    int rc = MPI_SUCCESS;
     if (h.inline_after > 0) {
-      check(MPI_Isend(message + head, h.inline_after, MPI_BYTE, dst, payload_tag(tag), comm_, &op->requests[1]),
-            "send", "MPI_Isend");
+      rc = MPI_Isend(message + head, h.inline_after, MPI_BYTE, dst, payload_tag(tag), comm_, &op->requests[1]);
+    } else if (op->data.defined()) {
+      rc = MPI_Isend(op->data.data_ptr(), count, datatype_of(data.scalar_type()), dst, payload_tag(tag), comm_,
+                     &op->requests[1]);
     }
-    if (op->data.defined()) {
-      check(MPI_Isend(op->data.data_ptr(), count, datatype_of(data.scalar_type()), dst, payload_tag(tag), comm_,
-                      &op->requests[1]),
-            "send", "MPI_Isend");
-    }
+    if (rc != MPI_SUCCESS) abandon({op->message, op->data});
+    check(rc, "send", "MPI_Isend");
   }
   counter_.add_sent(OpKind::kSend, bytes);
   counter_.add_sent(OpKind::kVerify, sizeof(Header));
@@ -270,6 +272,16 @@ void deliver(RecvOp& op, const std::string& where, const std::string& from) {
 }  // namespace
 
 void MpiCommunicator::advance(Channel& ch, int src, int tag) {
+  if (!ch.broken.empty()) throw CommError(ch.broken);
+  // A malformed header leaves the channel's stream unreadable (the message's
+  // other part, if any, is still to come): this receive and every later one fail.
+  auto corrupt = [&](RecvOp& op, const char* what) {
+    ch.broken = str_cat(where("recv"), ": ", what, " from ", peer_name(src), " (tag ", tag, ")");
+    op.error = std::make_exception_ptr(CommError(ch.broken));
+    op.done = true;
+    abandoned_ = true;  // its other part may never be received
+    throw CommError(ch.broken);
+  };
   for (auto& op : ch.posted) {
     if (!op->header_done) {
       int flag = 0;
@@ -284,7 +296,7 @@ void MpiCommunicator::advance(Channel& ch, int src, int tag) {
                         h.ndim <= 8 && supported_dtype(static_cast<at::ScalarType>(h.dtype)) &&
                         h.inline_after >= 0 && h.inline_after <= h.inline_bytes &&
                         h.inline_bytes - h.inline_after == bytes - static_cast<int64_t>(sizeof(Header));
-      if (!sane) throw CommError(str_cat(where("recv"), ": malformed message header from ", peer_name(src)));
+      if (!sane) corrupt(*op, "malformed message header");
       const auto dtype = static_cast<at::ScalarType>(h.dtype);
       const std::vector<int64_t> shape = shape_of(h);
       const at::Tensor& t = op->target;
@@ -293,7 +305,7 @@ void MpiCommunicator::advance(Channel& ch, int src, int tag) {
       const int64_t payload = op->landing.nbytes();
       counter_.add_received(OpKind::kVerify, sizeof(Header));
       if (h.inline_bytes > 0) {
-        if (h.inline_bytes != payload) throw CommError(str_cat(where("recv"), ": inconsistent header from ", peer_name(src)));
+        if (h.inline_bytes != payload) corrupt(*op, "inconsistent header");
         char* landing = static_cast<char*>(op->landing.data_ptr());
         const int64_t first = payload - h.inline_after;
         std::memcpy(landing, static_cast<const char*>(op->header.data_ptr()) + sizeof(Header), first);

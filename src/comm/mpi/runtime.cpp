@@ -301,31 +301,35 @@ int64_t read_cvar(int index, MPI_Datatype type) {
   int count = 0;
   if (MPI_T_cvar_handle_alloc(index, nullptr, &handle, &count) != MPI_SUCCESS) return 0;
   int64_t value = 0;
-  if (count == 1) {
-    if (type == MPI_INT || type == MPI_UNSIGNED) {
-      int32_t v = 0;
+  int size = 0;
+  const bool integer = type != MPI_FLOAT && type != MPI_DOUBLE && type != MPI_CHAR;
+  if (count == 1 && integer && MPI_Type_size(type, &size) == MPI_SUCCESS) {
+    if (size == 4) {
+      uint32_t v = 0;
       if (MPI_T_cvar_read(handle, &v) == MPI_SUCCESS) value = v;
-    } else if (type == MPI_UNSIGNED_LONG || type == MPI_UNSIGNED_LONG_LONG || type == MPI_LONG ||
-               type == MPI_LONG_LONG || type == MPI_COUNT) {
-      int64_t v = 0;
-      if (MPI_T_cvar_read(handle, &v) == MPI_SUCCESS) value = v;
+    } else if (size == 8) {
+      uint64_t v = 0;
+      if (MPI_T_cvar_read(handle, &v) == MPI_SUCCESS && v < (uint64_t{1} << 40)) value = static_cast<int64_t>(v);
     }
   }
   MPI_T_cvar_handle_free(&handle);
   return value;
 }
 
+// Called after MPI_Init_thread. OpenMPI 4.1's MPI_T_init_thread records the
+// thread level it is given as MPI's own: it must be the level MPI was started
+// with (attach() requires MPI_THREAD_MULTIPLE).
 int64_t read_eager_limit() {
   int provided = 0, n = 0;
   if (MPI_T_init_thread(MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) return 0;
   int64_t limit = 0;
   if (MPI_T_cvar_get_num(&n) == MPI_SUCCESS) {
     for (int i = 0; i < n && limit == 0; ++i) {
-      char name[256], desc[8];
-      int name_len = sizeof name, desc_len = sizeof desc, verbosity = 0, binding = 0, scope = 0;
+      char name[256];
+      int name_len = sizeof name, desc_len = 0, verbosity = 0, binding = 0, scope = 0;
       MPI_Datatype type;
       MPI_T_enum enumtype;
-      if (MPI_T_cvar_get_info(i, name, &name_len, &verbosity, &type, &enumtype, desc, &desc_len, &binding, &scope) !=
+      if (MPI_T_cvar_get_info(i, name, &name_len, &verbosity, &type, &enumtype, nullptr, &desc_len, &binding, &scope) !=
           MPI_SUCCESS) {
         continue;
       }

@@ -304,7 +304,8 @@ WorkPtr ShmCommunicator::all_gather_async(const at::Tensor& input, at::Tensor ou
     at::Tensor flat = output.defined() && output.is_contiguous() ? output.view(-1) : at::empty({total}, input.options());
     const auto offs = offsets_of(counts);
     const int64_t elem = input.element_size();
-    std::memcpy(bytes_of(flat) + offs[me] * elem, mine.data_ptr(), my_bytes);
+    char* my_slot = bytes_of(flat) + offs[me] * elem;  // the input may be this very slot (in place)
+    if (my_bytes > 0 && my_slot != bytes_of(mine)) std::memmove(my_slot, mine.data_ptr(), my_bytes);
     const int64_t chunks = std::max<int64_t>(1, ceil_div(largest * elem, B));
     const uint64_t base = steps_ - 1;  // a_k = base + 1 + k: chunk k published
     for (int64_t k = 0; k < chunks; ++k) {
