@@ -279,37 +279,32 @@ TEST_P(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
       auto b = torch::ones({r == 0 ? 4 : 1 << 20});
       EXPECT_THROW(comm->all_reduce(b), MismatchError);
     }
-    if (auto comm = pair("kind")) {
-      auto c = torch::ones({5});
+    // `call` on a fresh pair must raise MismatchError naming `expected` on both ranks.
+    auto expect_mismatch = [&](const char* label, const std::function<void(Communicator&)>& call,
+                               const std::string& expected) {
+      auto comm = pair(label);
+      if (!comm) return;
       try {
-        if (r == 0) comm->all_reduce(c); else comm->broadcast(c, 0);
-        ADD_FAILURE() << "no error for different collectives";
+        call(*comm);
+        ADD_FAILURE() << "no error for " << label;
       } catch (const MismatchError& e) {
-        EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called all_reduce"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
       }
-    }
-    if (auto comm = pair("inline kind")) {
-      // Payloads inline in the header round, larger than MPI's eager size: rank 0's
-      // round message has a second part, rank 1's (a broadcast's receiver) none.
-      auto e = torch::ones({1500});
-      try {
-        if (r == 0) comm->all_gather(e); else comm->broadcast(e, 0);
-        ADD_FAILURE() << "no error for different collectives on inline payloads";
-      } catch (const MismatchError& e) {
-        EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called all_gather"),
-                  std::string::npos) << e.what();
-      }
-    }
-    if (auto comm = pair("inline kind, both sending")) {
-      auto e = torch::ones({1500});  // both ranks' round messages go in two
-      try {
-        if (r == 0) comm->all_reduce(e); else comm->broadcast(e, 1);
-        ADD_FAILURE() << "no error for different collectives on inline payloads";
-      } catch (const MismatchError& e) {
-        EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called all_reduce"),
-                  std::string::npos) << e.what();
-      }
-    }
+    };
+    expect_mismatch("kind", [&](Communicator& c) {
+      auto t = torch::ones({5});
+      if (r == 0) c.all_reduce(t); else c.broadcast(t, 0);
+    }, "rank 1 called broadcast while rank 0 called all_reduce");
+    // Payloads inline in the header round, larger than MPI's eager size: rank 0's
+    // round message has a second part, rank 1's (a broadcast's receiver) none.
+    expect_mismatch("inline kind", [&](Communicator& c) {
+      auto t = torch::ones({1500});
+      if (r == 0) c.all_gather(t); else c.broadcast(t, 0);
+    }, "rank 1 called broadcast while rank 0 called all_gather");
+    expect_mismatch("inline kind, both sending", [&](Communicator& c) {  // both ranks' round messages go in two
+      auto t = torch::ones({1500});
+      if (r == 0) c.all_reduce(t); else c.broadcast(t, 1);
+    }, "rank 1 called broadcast while rank 0 called all_reduce");
     if (auto comm = pair("sizes")) {
       // reduce_scatter inputs of different sizes
       auto d = torch::ones({r == 0 ? 10 : 12});
@@ -318,25 +313,14 @@ TEST_P(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
     // Large buffers: on the TCP links their data leaves beside the header
     // round (Note [Verification beside the data]); a mismatch still raises
     // on both ranks, whichever rank's messages are the larger.
-    if (auto comm = pair("large sizes")) {
+    expect_mismatch("large sizes", [&](Communicator& c) {
       auto big = torch::ones({r == 0 ? 100000 : 120000});
-      try {
-        comm->all_reduce(big);
-        ADD_FAILURE() << "no error for all_reduce sizes that differ";
-      } catch (const MismatchError& e) {
-        EXPECT_NE(std::string(e.what()).find("Float[120000]"), std::string::npos) << e.what();
-      }
-    }
-    if (auto comm = pair("large kind")) {
-      auto c = torch::ones({200000});
-      try {
-        if (r == 0) comm->reduce_scatter(c); else comm->broadcast(c, 1);
-        ADD_FAILURE() << "no error for different collectives on large buffers";
-      } catch (const MismatchError& e) {
-        EXPECT_NE(std::string(e.what()).find("rank 1 called broadcast while rank 0 called reduce_scatter"),
-                  std::string::npos) << e.what();
-      }
-    }
+      c.all_reduce(big);
+    }, "Float[120000]");
+    expect_mismatch("large kind", [&](Communicator& c) {
+      auto t = torch::ones({200000});
+      if (r == 0) c.reduce_scatter(t); else c.broadcast(t, 1);
+    }, "rank 1 called broadcast while rank 0 called reduce_scatter");
     if (auto comm = pair("p2p")) {
       // A receive into a tensor of another shape: the receiver raises. (A small
       // message was delivered whole, so the sender's send completes; a large

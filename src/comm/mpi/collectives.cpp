@@ -116,7 +116,7 @@ MpiCommunicator::Round MpiCommunicator::header_round(const Header& mine, const c
 void MpiCommunicator::post_round_messages(const Header& mine, const char* op, const PayloadFor& payload_for,
                                           std::vector<MPI_Request>& first, std::vector<MPI_Request>& second) {
   const int n = size();
-  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+  const int64_t capacity = message_capacity();
   uint8_t* in = round_recv_.data_ptr<uint8_t>();
   for (int p = 0; p < n; ++p) {
     if (p == rank_) continue;
@@ -148,7 +148,7 @@ void MpiCommunicator::post_round_messages(const Header& mine, const char* op, co
 // expected: ranks that called different collectives still drain each other).
 void MpiCommunicator::read_round_headers(Round& round, const char* op, std::vector<MPI_Request>& second) {
   const int n = size();
-  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+  const int64_t capacity = message_capacity();
   uint8_t* in = round_recv_.data_ptr<uint8_t>();
   for (int p = 0; p < n; ++p) {
     if (p == rank_) continue;

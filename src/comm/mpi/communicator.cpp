@@ -68,7 +68,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, MPI_Comm round_comm, std::vector
   // Errors come back as codes (CommError naming the call) instead of aborting the job.
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   headers_ = at::empty({static_cast<int64_t>(size() * sizeof(Header))}, at::kByte);
-  const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
+  const int64_t capacity = message_capacity();
   if (direct_round()) {
     round_send_ = at::empty({size() * capacity}, at::kByte);  // a message per peer
     round_recv_ = at::empty({size() * capacity}, at::kByte);

@@ -126,6 +126,8 @@ class MpiCommunicator final : public QueuedCommunicator {
   void read_round_headers(Round& round, const char* op, std::vector<MPI_Request>& second);
   std::vector<Header> allgather_headers(const Header& mine, const char* op);
   bool fits_round(int64_t bytes) const { return size() > 1 && direct_round() && bytes <= options_.inline_bytes; }
+  // The largest message a peer may send: a header and inline_bytes of payload.
+  int64_t message_capacity() const { return static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes; }
   // out := every rank's piece in rank order: `mine`, and the peers' from `round`.
   void reduce_round(const at::Tensor& out, const at::Tensor& mine, const Round& round, ReduceOp op);
   // Collectives whose data fits the round: the round is the collective.

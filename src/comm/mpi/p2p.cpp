@@ -28,7 +28,6 @@
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <cstring>
 
 #include "communicator.h"
@@ -236,7 +235,7 @@ WorkPtr MpiCommunicator::post_recv(int src, int tag, at::Tensor target) {
   auto op = std::make_shared<RecvOp>();
   op->tag = tag;
   op->target = std::move(target);
-  op->header = at::empty({static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes}, at::kByte);
+  op->header = at::empty({message_capacity()}, at::kByte);
   Channel& ch = channel(src, tag);
   {
     std::lock_guard<std::mutex> lock(ch.mutex);
