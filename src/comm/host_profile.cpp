@@ -154,38 +154,48 @@ int64_t l2_cache_bytes() {
   return 0;
 }
 
-std::string cache_path(const std::string& cpu, int cores) {
+std::string cache_path(const std::string& key) {
   std::string boot_id;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
-  const size_t key = std::hash<std::string>()(str_cat(cpu, "|", cores, "|", boot_id));
+  const size_t hash = std::hash<std::string>()(str_cat(cpu_model(), "|", available_cores(), "|", boot_id, "|", key));
   const char* tmp = std::getenv("TMPDIR");
   char name[64];
-  std::snprintf(name, sizeof name, "meshtrain-host-%016zx.txt", key);
+  std::snprintf(name, sizeof name, "meshtrain-host-%016zx.txt", hash);
   return str_cat(tmp && *tmp ? tmp : "/tmp", "/", name);
 }
 
-bool read_cache(const std::string& path, HostProfile& p) {
-  std::ifstream in(path);
-  std::string line;
-  if (!std::getline(in, line)) return false;
-  std::istringstream fields(line);
+bool read_profile(HostProfile& p) {
+  std::istringstream fields(read_host_cache("host"));
   // Anyone may write there: figures outside what a machine can measure are not taken.
   return static_cast<bool>(fields >> p.wake_us >> p.cache_line_ns >> p.copy_gbs) && p.wake_us > 0 &&
          p.wake_us < 1e6 && p.cache_line_ns >= 0 && p.cache_line_ns < 1e6 && p.copy_gbs >= 0 && p.copy_gbs < 1e6;
 }
 
-void write_cache(const std::string& path, const HostProfile& p) {
-  std::string tmp = path + ".XXXXXX";
-  const int fd = ::mkstemp(&tmp[0]);  // a fresh file of our own, never a link someone left
-  if (fd < 0) return;
+void write_profile(const HostProfile& p) {
   char line[128];
-  const int n = std::snprintf(line, sizeof line, "%.3f %.3f %.3f\n", p.wake_us, p.cache_line_ns, p.copy_gbs);
-  const bool written = n > 0 && ::write(fd, line, n) == n;
-  ::close(fd);
-  if (!written || std::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());  // whole or not at all
+  std::snprintf(line, sizeof line, "%.3f %.3f %.3f", p.wake_us, p.cache_line_ns, p.copy_gbs);
+  write_host_cache("host", line);
 }
 
 }  // namespace
+
+std::string read_host_cache(const std::string& key) {
+  std::ifstream in(cache_path(key));
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+void write_host_cache(const std::string& key, const std::string& line) {
+  const std::string path = cache_path(key);
+  std::string tmp = path + ".XXXXXX";
+  const int fd = ::mkstemp(&tmp[0]);  // a fresh file of our own, never a link someone left
+  if (fd < 0) return;
+  const std::string text = line + "\n";
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!written || std::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());  // whole or not at all
+}
 
 HostProfile measure_host() {
   HostProfile p;
@@ -202,18 +212,15 @@ const HostProfile& host_profile() {
   static HostProfile profile;
   static std::once_flag once;
   std::call_once(once, [] {
-    const std::string cpu = cpu_model();
-    const int cores = available_cores();
-    const std::string path = cache_path(cpu, cores);
     HostProfile p;
-    p.cpu = cpu;
-    p.cores = cores;
-    if (read_cache(path, p)) {
+    p.cpu = cpu_model();
+    p.cores = available_cores();
+    if (read_profile(p)) {
       p.cached = true;
       p.l2_bytes = l2_cache_bytes();
     } else {
       p = measure_host();
-      write_cache(path, p);
+      write_profile(p);
     }
     profile = p;
   });

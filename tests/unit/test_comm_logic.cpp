@@ -1,11 +1,12 @@
 // Pure logic of the communication layer, without processes: which backend a
 // communicator gets, where the hierarchical backend places its members, the
-// shared-memory segment's layout, the reduction kernels against ATen, and how
+// shared-memory segment's layout and its measured one-step threshold, the reduction kernels against ATen, and how
 // the gloo backend tells a timeout from a broken connection.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <set>
 
 #include "comm/backend.h"
@@ -15,6 +16,7 @@
 #include "comm/reduce.h"
 #include "meshtrain/comm/host_profile.h"
 #include "comm/shm/layout.h"
+#include "comm/shm/one_step.h"
 #include "config_error.h"
 #include "meshtrain/util/error.h"
 
@@ -250,4 +252,60 @@ TEST(SelfTunedWaits, MeasuringTheHostGivesPositiveFiguresAndTheCacheRepeatsThem)
   EXPECT_EQ(&first, &again);  // once per process
   EXPECT_GT(first.wake_us, 0.0);
   EXPECT_NE(describe(first).find("wake-up"), std::string::npos);
+}
+
+namespace {
+std::vector<shm_backend::OneStepTiming> timings_of(const std::vector<std::array<double, 2>>& us) {
+  std::vector<shm_backend::OneStepTiming> t;
+  for (size_t i = 0; i < us.size(); ++i) t.push_back({int64_t{4096} << i, us[i][0], us[i][1]});
+  return t;
+}
+}  // namespace
+
+TEST(OneStepThreshold, CandidatesDoubleFrom4KiBUpToTheBufferOr256KiB) {
+  using shm_backend::one_step_candidates;
+  EXPECT_EQ(one_step_candidates(256 << 10), (std::vector<int64_t>{4096, 8192, 16384, 32768, 65536, 131072, 262144}));
+  EXPECT_EQ(one_step_candidates(1 << 20).back(), 256 << 10);
+  EXPECT_EQ(one_step_candidates(20 << 10), (std::vector<int64_t>{4096, 8192, 16384}));
+  EXPECT_TRUE(one_step_candidates(2 << 10).empty());
+}
+
+TEST(OneStepThreshold, TheCrossoverWinsAndOneNoisySizeDoesNotMoveIt) {
+  using shm_backend::choose_one_step_bytes;
+  // One step faster up to 32 KiB, chunks beyond: the threshold is 32 KiB.
+  EXPECT_EQ(choose_one_step_bytes(timings_of({{2, 4}, {3, 5}, {4, 6}, {6, 7}, {10, 8}, {20, 12}, {40, 20}})), 32 << 10);
+  // Chunks faster everywhere: the smallest size (below it one step always goes).
+  EXPECT_EQ(choose_one_step_bytes(timings_of({{5, 4}, {6, 5}, {8, 6}})), 4 << 10);
+  // One step faster everywhere: the largest.
+  EXPECT_EQ(choose_one_step_bytes(timings_of({{2, 4}, {3, 5}, {4, 6}})), 16 << 10);
+  // 8 KiB measured in a noisy moment (one step 1.2x slower there): still 32 KiB,
+  // since moving the threshold below it would lose 1.5x at 16 KiB and 1.17x at 32.
+  EXPECT_EQ(choose_one_step_bytes(timings_of({{2, 4}, {6, 5}, {4, 6}, {6, 7}, {10, 8}})), 32 << 10);
+  // Each size counts by its relative loss: 10 against 8 moves the threshold down, 10 against 12 does not.
+  EXPECT_EQ(choose_one_step_bytes(timings_of({{2, 4}, {10, 8}})), 4 << 10);
+  EXPECT_EQ(choose_one_step_bytes(timings_of({{2, 4}, {10, 12}})), 8 << 10);
+}
+
+TEST(OneStepThreshold, TheCacheLineRoundTripsAndImplausibleLinesAreRefused) {
+  using namespace shm_backend;
+  const auto timings = timings_of({{2.25, 4.5}, {3.125, 5}, {4, 6.75}});
+  const std::vector<int64_t> sizes{4096, 8192, 16384};
+  std::vector<OneStepTiming> back;
+  ASSERT_TRUE(parse_timings(format_timings(timings), sizes, back));
+  ASSERT_EQ(back.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(back[i].bytes, timings[i].bytes);
+    EXPECT_DOUBLE_EQ(back[i].one_step_us, timings[i].one_step_us);
+    EXPECT_DOUBLE_EQ(back[i].chunked_us, timings[i].chunked_us);
+  }
+  EXPECT_FALSE(parse_timings("", sizes, back));
+  EXPECT_FALSE(parse_timings(format_timings(timings), {4096, 8192}, back));               // a line too long
+  EXPECT_FALSE(parse_timings(format_timings(timings), {4096, 8192, 16384, 32768}, back));  // too short
+  EXPECT_FALSE(parse_timings("4096 2 4 8192 3 5 16384 0 6", sizes, back));                 // a time of 0
+  EXPECT_FALSE(parse_timings("4096 2 4 8192 3 5 16384 nan 6", sizes, back));
+  EXPECT_FALSE(parse_timings("4096 2 4 9000 3 5 16384 4 6", sizes, back));  // another size
+  const std::string line = describe_one_step(8192, 4, timings, true);
+  EXPECT_NE(line.find("up to 8 KiB on 4 ranks"), std::string::npos) << line;
+  EXPECT_NE(line.find("4K 2.2/4.5"), std::string::npos) << line;
+  EXPECT_NE(line.find("(cached)"), std::string::npos) << line;
 }

@@ -158,6 +158,9 @@ class Communicator {
 
   // ---- accounting.
   virtual Traffic traffic() const { return counter_.snapshot(); }
+  // What this communicator chose for this host and why, one line per choice
+  // ("" when it tunes nothing); bench_collectives prints it.
+  virtual std::string tuning() const { return ""; }
   virtual void reset_traffic() { counter_.reset(); }
 
  protected:

@@ -47,6 +47,13 @@ HostProfile measure_host();
 // This host's profile: measured once per process, or read from the cache file.
 const HostProfile& host_profile();
 
+// One line cached for this host and boot under `key` (the file is keyed by
+// the CPU model, the core count, the boot id and `key`; see the Note), ""
+// when there is none. Anyone may write there: readers check what they read.
+std::string read_host_cache(const std::string& key);
+// Replaces the line, whole or not at all.
+void write_host_cache(const std::string& key, const std::string& line);
+
 struct WaitTuning {
   std::chrono::microseconds spin{0};   // busy-wait this long before sleeping
   std::chrono::microseconds yield{0};  // then (cores shared) sched_yield this long before sleeping

@@ -55,6 +55,7 @@ class HierCommunicator final : public QueuedCommunicator {
   ~HierCommunicator() override;
 
   std::string backend() const override { return "hierarchical"; }
+  std::string tuning() const override { return local_ ? local_->tuning() : ""; }
 
   WorkPtr isend(const at::Tensor& tensor, int dst, int tag) override;
   WorkPtr irecv(at::Tensor tensor, int src, int tag) override;

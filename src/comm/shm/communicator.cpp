@@ -13,6 +13,7 @@
 #include "../backend.h"
 #include "meshtrain/comm/host_profile.h"
 #include "futex.h"
+#include "one_step.h"
 #include "p2p.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
@@ -26,6 +27,8 @@ ShmSettings ShmSettings::from_env() {
   s.buffer_bytes = env_kib("MESHTRAIN_SHM_BUFFER_KB", s.buffer_bytes, 1, 1 << 20);
   s.channel_bytes = env_kib("MESHTRAIN_SHM_CHANNEL_KB", s.channel_bytes, 1, 1 << 20);
   s.small_bytes = std::min<size_t>(env_kib("MESHTRAIN_SHM_SMALL_KB", s.small_bytes, 0, 1 << 20), s.buffer_bytes);
+  const char* small = std::getenv("MESHTRAIN_SHM_SMALL_KB");
+  s.small_from_env = small && *small;
   return s;
 }
 
@@ -50,15 +53,16 @@ ShmCommunicator::ShmCommunicator(std::shared_ptr<Process> process, std::vector<i
   pending_.resize(n);
   sent_before_.assign(n, false);
   for (int q = 0; q < n; ++q) send_mutex_[q].reset(new std::mutex);
+  inbox_.resize(n);
+  for (int q = 0; q < n; ++q) inbox_[q].reset(new Inbox);
   try {
     attach(store_prefix);
+    if (measure_one_step_) measure_one_step();
   } catch (...) {
     process_->remove_failure_listener(listener_);
     stop_worker();
     throw;
   }
-  inbox_.resize(n);
-  for (int q = 0; q < n; ++q) inbox_[q].reset(new Inbox);
 }
 
 ShmCommunicator::~ShmCommunicator() {
@@ -91,8 +95,10 @@ void ShmCommunicator::attach(const std::string& store_prefix) {
     header->ranks = size();
     header->buffer_bytes = layout_.buffer_bytes;
     header->channel_bytes = layout_.channel_bytes;
-    header->small_bytes = s.small_bytes;
     header->total_bytes = layout_.total_bytes();
+    choose_one_step(s);
+    header->small_bytes = small_bytes_;
+    header->measure_one_step = measure_one_step_ ? 1 : 0;
     header->magic = kSegmentMagic;
     process_->store()->set(key, segment_->name());
   } else {
@@ -106,6 +112,10 @@ void ShmCommunicator::attach(const std::string& store_prefix) {
   }
   layout_ = SegmentLayout{size(), header->buffer_bytes, header->channel_bytes};
   small_bytes_ = header->small_bytes;
+  measure_one_step_ = header->measure_one_step != 0;
+  if (rank_ != 0 && !measure_one_step_) {
+    tuning_ = str_cat("shm one step up to ", small_bytes_ >> 10, " KiB on ", size(), " ranks (rank 0's choice)");
+  }
   base_ = segment_->base();
   ctrl(rank_).pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
   if (rank_ != 0) {
@@ -122,6 +132,72 @@ void ShmCommunicator::attach(const std::string& store_prefix) {
       },
       "connecting", [&] { return missing; }, "its mapping of the shared-memory segment");
   segment_->unlink();
+}
+
+// ---- the one-step threshold (Note [Measured one-step threshold] in one_step.h)
+
+namespace {
+
+std::string one_step_cache_key(int ranks, int ranks_on_host, size_t buffer_bytes) {
+  return str_cat("shm-one-step|", ranks, "|", ranks_on_host, "|", buffer_bytes);
+}
+
+}  // namespace
+
+void ShmCommunicator::choose_one_step(const ShmSettings& s) {
+  small_bytes_ = s.small_bytes;
+  if (s.small_from_env || size() == 1) {
+    tuning_ = str_cat("shm one step up to ", small_bytes_ >> 10, " KiB",
+                      s.small_from_env ? " (MESHTRAIN_SHM_SMALL_KB)" : " (one rank: nothing to measure)");
+    return;
+  }
+  const auto sizes = one_step_candidates(static_cast<int64_t>(layout_.buffer_bytes));
+  std::vector<OneStepTiming> timings;
+  const std::string key = one_step_cache_key(size(), process_->ranks_on_my_host(), layout_.buffer_bytes);
+  if (parse_timings(read_host_cache(key), sizes, timings)) {
+    small_bytes_ = static_cast<size_t>(choose_one_step_bytes(timings));
+    tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(), timings, true);
+  } else {
+    measure_one_step_ = !sizes.empty();
+  }
+}
+
+void ShmCommunicator::measure_one_step() {
+  using Clock = std::chrono::steady_clock;
+  constexpr int kRounds = 3, kOps = 3;
+  const auto sizes = one_step_candidates(static_cast<int64_t>(layout_.buffer_bytes));
+  const int64_t m = static_cast<int64_t>(sizes.size());
+  at::Tensor data = at::zeros({sizes.back() / 4}, at::kFloat);
+  auto run = [&](at::Tensor t, bool one_step) {
+    SyncCall sync;  // runs inline: see Note [Synchronous calls] in queued.h
+    enqueue(OpKind::kAllReduce, "all_reduce", [&](std::vector<at::Tensor>&) {
+      one_step ? all_reduce_small(t, ReduceOp::kSum) : all_reduce_chunked(t, ReduceOp::kSum);
+    })->wait();
+  };
+  at::Tensor us = at::full({2 * m}, 1e30, at::kDouble);  // [size][one step, chunked]
+  double* best = us.data_ptr<double>();
+  for (int round = 0; round < kRounds; ++round) {
+    for (int64_t i = 0; i < m; ++i) {
+      const at::Tensor t = data.narrow(0, 0, sizes[i] / 4);
+      for (int alg = 0; alg < 2; ++alg) {
+        run(t, alg == 0);  // lines the ranks up
+        const auto start = Clock::now();
+        for (int k = 0; k < kOps; ++k) run(t, alg == 0);
+        const double each = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / kOps;
+        best[2 * i + alg] = std::min(best[2 * i + alg], each);
+      }
+    }
+  }
+  run(us, true);  // every rank now holds the same sums, bit for bit
+  std::vector<OneStepTiming> timings(m);
+  for (int64_t i = 0; i < m; ++i) timings[i] = {sizes[i], best[2 * i] / size(), best[2 * i + 1] / size()};
+  small_bytes_ = static_cast<size_t>(choose_one_step_bytes(timings));
+  tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(), timings, false);
+  if (rank_ == 0) {
+    write_host_cache(one_step_cache_key(size(), process_->ranks_on_my_host(), layout_.buffer_bytes),
+                     format_timings(timings));
+  }
+  counter_.reset();  // the measurement is not the caller's traffic
 }
 
 // ---- waiting

@@ -36,11 +36,13 @@ namespace shm_backend {
 
 // Tunables, read from the environment by the rank creating the segment (all
 // members adopt its values): MESHTRAIN_SHM_BUFFER_KB, MESHTRAIN_SHM_CHANNEL_KB,
-// MESHTRAIN_SHM_SMALL_KB; MESHTRAIN_SHM_SPIN_US is per process.
+// MESHTRAIN_SHM_SMALL_KB (else measured: Note [Measured one-step threshold] in
+// one_step.h); MESHTRAIN_SHM_SPIN_US is per process.
 struct ShmSettings {
   size_t buffer_bytes = 256 << 10;
   size_t channel_bytes = 1 << 20;
   size_t small_bytes = 32 << 10;
+  bool small_from_env = false;  // MESHTRAIN_SHM_SMALL_KB was set: nothing to measure
   static ShmSettings from_env();
 };
 
@@ -55,6 +57,7 @@ class ShmCommunicator final : public QueuedCommunicator {
   ~ShmCommunicator() override;
 
   std::string backend() const override { return "shm"; }
+  std::string tuning() const override { return tuning_; }
 
   WorkPtr isend(const at::Tensor& tensor, int dst, int tag) override;
   WorkPtr irecv(at::Tensor tensor, int src, int tag) override;
@@ -86,6 +89,10 @@ class ShmCommunicator final : public QueuedCommunicator {
   }
   char* channel_data(int src, int dst) const { return base_ + layout_.channel_data_offset(src, dst); }
   void attach(const std::string& store_prefix);
+  // The one-step threshold from the cache or the environment (rank 0, in attach()),
+  // or measured by every rank (Note [Measured one-step threshold] in one_step.h).
+  void choose_one_step(const ShmSettings& s);
+  void measure_one_step();
 
   // ---- waiting (communicator.cpp)
   // Wakes rank r's sleeping threads, if any.
@@ -135,6 +142,8 @@ class ShmCommunicator final : public QueuedCommunicator {
   char* base_ = nullptr;
   SegmentLayout layout_;
   size_t small_bytes_ = 0;
+  bool measure_one_step_ = false;  // small_bytes_ is measured once the segment is mapped
+  std::string tuning_;             // what was chosen, for tuning()
   int spin_us_ = 0;   // busy-wait this long first (a core per rank)
   int yield_us_ = 0;  // then yield the core this long (more ranks than cores)
   int listener_ = -1;

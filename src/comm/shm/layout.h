@@ -29,7 +29,7 @@ constexpr size_t kLine = 64;
 struct SegmentHeader {
   uint64_t magic = 0;
   int32_t ranks = 0;
-  int32_t pad = 0;
+  int32_t measure_one_step = 0;  // the members measure the one-step threshold (small_bytes unset)
   uint64_t buffer_bytes = 0;   // one collective buffer
   uint64_t channel_bytes = 0;  // one point-to-point ring
   uint64_t small_bytes = 0;    // collectives up to this size travel in one step
