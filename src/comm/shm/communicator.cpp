@@ -138,8 +138,11 @@ void ShmCommunicator::attach(const std::string& store_prefix) {
 
 namespace {
 
-std::string one_step_cache_key(int ranks, int ranks_on_host, size_t buffer_bytes) {
-  return str_cat("shm-one-step|", ranks, "|", ranks_on_host, "|", buffer_bytes);
+// The world's size too: tests that pretend to be two hosts (MESHTRAIN_HOST_ID)
+// run more ranks on this machine than ranks_on_my_host() counts.
+std::string one_step_cache_key(Process& process, int ranks, size_t buffer_bytes) {
+  return str_cat("shm-one-step|", ranks, "|", process.ranks_on_my_host(), "|", process.config().world_size, "|",
+                 buffer_bytes);
 }
 
 }  // namespace
@@ -153,7 +156,7 @@ void ShmCommunicator::choose_one_step(const ShmSettings& s) {
   }
   const auto sizes = one_step_candidates(static_cast<int64_t>(layout_.buffer_bytes));
   std::vector<OneStepTiming> timings;
-  const std::string key = one_step_cache_key(size(), process_->ranks_on_my_host(), layout_.buffer_bytes);
+  const std::string key = one_step_cache_key(*process_, size(), layout_.buffer_bytes);
   if (parse_timings(read_host_cache(key), sizes, timings)) {
     small_bytes_ = static_cast<size_t>(choose_one_step_bytes(timings));
     tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(), timings, true);
@@ -194,7 +197,7 @@ void ShmCommunicator::measure_one_step() {
   small_bytes_ = static_cast<size_t>(choose_one_step_bytes(timings));
   tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(), timings, false);
   if (rank_ == 0) {
-    write_host_cache(one_step_cache_key(size(), process_->ranks_on_my_host(), layout_.buffer_bytes),
+    write_host_cache(one_step_cache_key(*process_, size(), layout_.buffer_bytes),
                      format_timings(timings));
   }
   counter_.reset();  // the measurement is not the caller's traffic

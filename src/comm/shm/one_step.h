@@ -20,7 +20,7 @@
 // relative to the faster algorithm there (a noisy size then weighs no more
 // than any other). Below 4 KiB one step always wins (one synchronisation
 // against at least two). The figures are cached per host and boot (host_profile.h)
-// for this number of ranks, ranks on the host and buffer size, so only the
+// for this number of ranks, ranks on the host, world size and buffer size, so only the
 // first communicator of its kind pays (~2 ms for 2 ranks with a core each, tens
 // of ms for 8 ranks on 2 cores). MESHTRAIN_SHM_SMALL_KB overrides the choice.
 
