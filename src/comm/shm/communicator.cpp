@@ -149,19 +149,21 @@ std::string one_step_cache_key(Process& process, int ranks, size_t buffer_bytes)
 
 void ShmCommunicator::choose_one_step(const ShmSettings& s) {
   small_bytes_ = s.small_bytes;
-  if (s.small_from_env || size() == 1) {
+  const auto sizes = one_step_candidates(static_cast<int64_t>(layout_.buffer_bytes));
+  if (s.small_from_env || size() == 1 || sizes.empty()) {
     tuning_ = str_cat("shm one step up to ", small_bytes_ >> 10, " KiB",
-                      s.small_from_env ? " (MESHTRAIN_SHM_SMALL_KB)" : " (one rank: nothing to measure)");
+                      s.small_from_env ? " (MESHTRAIN_SHM_SMALL_KB)"
+                      : size() == 1    ? " (one rank: nothing to measure)"
+                                       : " (a buffer under 4 KiB: nothing to measure)");
     return;
   }
-  const auto sizes = one_step_candidates(static_cast<int64_t>(layout_.buffer_bytes));
   std::vector<OneStepTiming> timings;
   const std::string key = one_step_cache_key(*process_, size(), layout_.buffer_bytes);
   if (parse_timings(read_host_cache(key), sizes, timings)) {
     small_bytes_ = static_cast<size_t>(choose_one_step_bytes(timings));
     tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(), timings, true);
   } else {
-    measure_one_step_ = !sizes.empty();
+    measure_one_step_ = true;
   }
 }
 
