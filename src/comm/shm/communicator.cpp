@@ -114,7 +114,7 @@ void ShmCommunicator::attach(const std::string& store_prefix) {
   small_bytes_ = header->small_bytes;
   measure_one_step_ = header->measure_one_step != 0;
   if (rank_ != 0 && !measure_one_step_) {
-    tuning_ = str_cat("shm one step up to ", small_bytes_ >> 10, " KiB on ", size(), " ranks (rank 0's choice)");
+    tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(), "rank 0's choice");
   }
   base_ = segment_->base();
   ctrl(rank_).pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
@@ -151,10 +151,10 @@ void ShmCommunicator::choose_one_step(const ShmSettings& s) {
   small_bytes_ = s.small_bytes;
   const auto sizes = one_step_candidates(static_cast<int64_t>(layout_.buffer_bytes));
   if (s.small_from_env || size() == 1 || sizes.empty()) {
-    tuning_ = str_cat("shm one step up to ", small_bytes_ >> 10, " KiB",
-                      s.small_from_env ? " (MESHTRAIN_SHM_SMALL_KB)"
-                      : size() == 1    ? " (one rank: nothing to measure)"
-                                       : " (a buffer under 4 KiB: nothing to measure)");
+    tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(),
+                                s.small_from_env ? "MESHTRAIN_SHM_SMALL_KB"
+                                : size() == 1    ? "nothing to measure"
+                                                 : "a buffer under 4 KiB: nothing to measure");
     return;
   }
   std::vector<OneStepTiming> timings;

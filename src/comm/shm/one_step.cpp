@@ -62,17 +62,23 @@ bool parse_timings(const std::string& line, const std::vector<int64_t>& sizes, s
   return true;
 }
 
-std::string describe_one_step(int64_t chosen, int ranks, const std::vector<OneStepTiming>& timings, bool cached) {
+std::string describe_one_step(int64_t chosen, int ranks, const std::string& why) {
   std::ostringstream out;
-  out << "shm one step up to " << (chosen >> 10) << " KiB on " << ranks << " ranks (all_reduce, us one step / chunked:";
+  out << "shm one step up to " << (chosen >> 10) << " KiB on " << ranks << " rank" << (ranks == 1 ? "" : "s") << " ("
+      << why << ")";
+  return out.str();
+}
+
+std::string describe_one_step(int64_t chosen, int ranks, const std::vector<OneStepTiming>& timings, bool cached) {
+  std::ostringstream why;
+  why << "all_reduce, us one step / chunked:";
   for (const OneStepTiming& t : timings) {
     char field[64];
     std::snprintf(field, sizeof field, " %lldK %.1f/%.1f", static_cast<long long>(t.bytes >> 10), t.one_step_us,
                   t.chunked_us);
-    out << field;
+    why << field;
   }
-  out << ")" << (cached ? " (cached)" : "");
-  return out.str();
+  return describe_one_step(chosen, ranks, why.str()) + (cached ? " (cached)" : "");
 }
 
 }  // namespace shm_backend

@@ -49,7 +49,9 @@ int64_t choose_one_step_bytes(const std::vector<OneStepTiming>& timings);
 std::string format_timings(const std::vector<OneStepTiming>& timings);
 bool parse_timings(const std::string& line, const std::vector<int64_t>& sizes, std::vector<OneStepTiming>& out);
 
-// "shm one step up to 32 KiB on 4 ranks: all_reduce us one step / chunked: 4K 2.1/3.4 ..., (cached)"
+// "shm one step up to 32 KiB on 4 ranks (<why>)"
+std::string describe_one_step(int64_t chosen, int ranks, const std::string& why);
+// "shm one step up to 32 KiB on 4 ranks (all_reduce, us one step / chunked: 4K 2.1/3.4 ...) (cached)"
 std::string describe_one_step(int64_t chosen, int ranks, const std::vector<OneStepTiming>& timings, bool cached);
 
 }  // namespace shm_backend
