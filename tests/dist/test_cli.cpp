@@ -212,10 +212,12 @@ TEST(Cli, AFinalEvaluationLongerThanTheCommunicationTimeoutEndsWell) {
   EXPECT_GT(r.seconds, 2.0) << "the evaluation no longer outlasts the timeout; raise --eval-problems";
 }
 
-// `ranks` ranks training with --comm-timeout 3 and `flags`; `stopped` is SIGSTOPped two seconds in.
+// `ranks` ranks training with --comm-timeout 3 and `flags`; `stopped` is SIGSTOPped four seconds in:
+// after the rendezvous, which took over two seconds on a loaded machine (ctest -j2), and a stop
+// before it leaves the others waiting for its address instead of naming a stuck rank.
 Shell train_with_a_stopped_rank(int ranks, int stopped, const std::string& flags) {
   return sh(kMeshrun + "--nproc-per-node " + std::to_string(ranks) + " --grace-seconds 1 -- bash -c 'if [ $RANK = " +
-            std::to_string(stopped) + " ]; then (sleep 2; kill -STOP $$) & fi; exec " + kBin + "/meshtrain" + kTiny +
+            std::to_string(stopped) + " ]; then (sleep 4; kill -STOP $$) & fi; exec " + kBin + "/meshtrain" + kTiny +
             "--steps 1000000 --comm-timeout 3 " + flags + "'");
 }
 
