@@ -136,17 +136,19 @@ int main(int argc, char** argv) {
   // the ranks of this benchmark share one host.
   const comm::HostProfile& host = comm::host_profile();
   const comm::WaitTuning waits = comm::choose_wait(host, c->size() <= host.cores);
+  const comm::WaitTuning link_waits = comm::choose_link_wait(host, c->size() <= host.cores);
   const comm::LinkBuffer links = comm::choose_link_buffer(host, c->size() - 1);
   const std::string tuning = c->tuning();  // the communicator's own choices (shm: the one-step threshold)
   if (c->rank() == 0) {
-    std::cout << "host: " << comm::describe(host) << "\nwaits: " << waits.why << "\n" << links.why << std::endl;
+    std::cout << "host: " << comm::describe(host) << "\nwaits: " << waits.why << "\nlink waits: " << link_waits.why
+              << "\n" << links.why << std::endl;
     if (!tuning.empty()) std::cout << tuning << std::endl;
   }
   std::ostringstream json;
   // The impl names the backend: "meshtrain shm", "meshtrain gloo", "meshtrain mpi" (whose peer is bench_mpi_peer).
   json << "{\"impl\": \"meshtrain " << c->backend() << (verify ? "" : " (verify off)")
        << "\", \"world_size\": " << c->size() << ", \"host\": \"" << comm::describe(host) << "\", \"waits\": \""
-       << waits.why << "\", \"links\": \"" << links.why << "\", \"tuning\": \"" << tuning << "\", \"rows\": [";
+       << waits.why << "\", \"link_waits\": \"" << link_waits.why << "\", \"links\": \"" << links.why << "\", \"tuning\": \"" << tuning << "\", \"rows\": [";
   bool first = true;
   std::stringstream ops_ss(ops);
   std::string op;

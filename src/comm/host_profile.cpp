@@ -246,6 +246,15 @@ WaitTuning choose_wait(const HostProfile& host, bool own_core) {
   return t;
 }
 
+WaitTuning choose_link_wait(const HostProfile& host, bool own_core) {
+  WaitTuning t = choose_wait(host, own_core);
+  if (own_core) return t;
+  t.yield = kLinkYield;
+  t.why = "ranks share cores: no spin; yield " + std::to_string(t.yield.count()) +
+          " us, glancing at the sockets between yields, then sleep";
+  return t;
+}
+
 LinkBuffer choose_link_buffer(const HostProfile& host, int peers_on_host) {
   LinkBuffer b;
   char buf[200];

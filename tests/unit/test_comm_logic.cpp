@@ -223,6 +223,22 @@ TEST(SelfTunedWaits, SpinTwiceTheWakeUpWithACorePerRankElseYield) {
   EXPECT_EQ(choose_wait(host, false).yield.count(), 200);
 }
 
+// Note [Link waits on shared cores]: the links spin as shared memory does with
+// a core per rank; where ranks share cores they yield 1 ms, whatever the wake-up.
+TEST(SelfTunedWaits, LinksYieldAMillisecondWhereRanksShareCores) {
+  HostProfile host;
+  for (double wake : {0.8, 4.5, 18.2, 900.0}) {
+    host.wake_us = wake;
+    const WaitTuning own = choose_link_wait(host, true), shm_own = choose_wait(host, true);
+    EXPECT_EQ(own.spin.count(), shm_own.spin.count()) << wake;
+    EXPECT_EQ(own.yield.count(), 0) << wake;
+    const WaitTuning shared = choose_link_wait(host, false);
+    EXPECT_EQ(shared.spin.count(), 0) << wake;
+    EXPECT_EQ(shared.yield.count(), 1000) << wake;
+    EXPECT_NE(shared.why.find("yield 1000 us"), std::string::npos) << shared.why;
+  }
+}
+
 // Note [Link buffers sized to the cache]: the L2 shared by the peers that
 // send to a rank at once, within 128 KiB - 4 MiB; unknown L2: the kernel's.
 TEST(SelfTunedWaits, LinkBuffersAreTheL2SharedByThePeersOnTheHost) {

@@ -63,6 +63,22 @@ struct WaitTuning {
 // The spin budgets for a waiter on a host measured as `host` (pure; see the Note).
 WaitTuning choose_wait(const HostProfile& host, bool own_core);
 
+// Note [Link waits on shared cores]
+// A waiter on the TCP links (tcp::Links) where ranks share cores yields longer
+// than one on shared memory: 1 ms, not twice the futex wake-up. Waking from a
+// sleep in poll() costs more than a futex wake-up (the loopback's softirq,
+// then poll's return), and yielding costs the peers little: sched_yield hands
+// the core to whoever is runnable, and each glance at the sockets is one
+// poll() with no timeout. OpenMPI's TCP transport, oversubscribed, yields for
+// as long as it waits. Measured on 4 ranks / 2 cores (AMD EPYC, 2026-12-06,
+// medians of 4 interleaved runs, us): a 20 us budget against 1 ms, all-gather
+// 4 KiB 119 -> 104, 64 KiB 154 -> 132; all-reduce 64 KiB 270 -> 253, 1 MiB
+// 1,104 -> 964; reduce-scatter 64 KiB 163 -> 128; on 8 ranks / 2 cores the
+// two were within the noise. With a core per rank the links spin as shared
+// memory does (choose_wait). MESHTRAIN_TCP_YIELD_US overrides it.
+constexpr std::chrono::microseconds kLinkYield{1000};
+WaitTuning choose_link_wait(const HostProfile& host, bool own_core);
+
 // Note [Link buffers sized to the cache]
 // Between two ranks of one host a TCP connection is two copies through the
 // kernel: the sender's into socket buffers, the receiver's out of them. With

@@ -190,10 +190,10 @@ void GlooCommunicator::connect_links() {
     links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
                                           options_.label);
     // Spinning only pays when every rank of this host has a core of its own, for
-    // as long as this host's wake-up costs; otherwise waiters yield that long
-    // (Note [Self-tuned waits]).
+    // as long as this host's wake-up costs (Note [Self-tuned waits]); otherwise
+    // waiters yield (Note [Link waits on shared cores]).
     const bool own_core = process_->ranks_on_my_host() <= available_cores();
-    const WaitTuning tuning = choose_wait(host_profile(), own_core);
+    const WaitTuning tuning = choose_link_wait(host_profile(), own_core);
     links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", tuning.spin), env_us("MESHTRAIN_TCP_YIELD_US", tuning.yield));
     // Bytes in flight to a rank of this host fit its cache (Note [Link buffers sized to the cache]):
     // the peers that send to it at once are this communicator's members on the host.

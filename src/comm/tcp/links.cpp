@@ -513,7 +513,7 @@ void Links::abort() {
   rounds_.notify_all();
 }
 
-void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
+void Links::prepare_poll() {
   // Reused across rounds: only the polling thread touches them.
   std::vector<pollfd>& fds = poll_fds_;
   std::vector<Peer*>& who = poll_peers_;
@@ -524,10 +524,20 @@ void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point dea
     fds.push_back({p->fd, static_cast<short>(POLLIN | (p->sends.empty() ? 0 : POLLOUT)), 0});
     who.push_back(p.get());
   }
+}
+
+void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
+  prepare_poll();
   PollingRound round(polling_, rounds_);
-  lock.unlock();
-  const int rc = ::poll(fds.data(), fds.size(), ms_until(deadline));
-  lock.lock();
+  poll_ready(lock, ms_until(deadline));
+}
+
+void Links::poll_ready(std::unique_lock<std::mutex>& lock, int timeout_ms) {
+  std::vector<pollfd>& fds = poll_fds_;
+  std::vector<Peer*>& who = poll_peers_;
+  if (timeout_ms > 0) lock.unlock();  // blocking: let posters in meanwhile
+  const int rc = ::poll(fds.data(), fds.size(), timeout_ms);
+  if (timeout_ms > 0) lock.lock();
   if (rc > 0) {
     if (fds[0].revents & POLLIN) {
       uint64_t v;
@@ -545,10 +555,15 @@ void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
   const auto spin_until = start + spin_, until = spin_until + yield_;
   PollingRound round(polling_, rounds_);  // the others wait for this round as for a poll
   while (!r.done && !r.failed && !aborted_ && Clock::now() < until) {
-    for (auto& p : peers_) {
-      if (!p || !p->broken.empty()) continue;
-      if (!p->sends.empty()) write_pending(*p);
-      read_available(*p);
+    if (Clock::now() < spin_until) {
+      for (auto& p : peers_) {
+        if (!p || !p->broken.empty()) continue;
+        if (!p->sends.empty()) write_pending(*p);
+        read_available(*p);
+      }
+    } else {  // yielding: one poll() finds the sockets with work, where reading each is a call per peer
+      prepare_poll();
+      poll_ready(lock, 0);
     }
     if (r.done || r.failed) break;
     lock.unlock();  // let a poster in

@@ -83,7 +83,8 @@ class Links {
         const std::string& label);
   // A waiting thread reads the sockets without blocking for up to `spin`
   // microseconds, then for up to `yield` more giving its core away
-  // (sched_yield) between reads, before it sleeps in poll() (0, 0: at once).
+  // (sched_yield) between glances (poll() with no timeout), before it sleeps
+  // in poll() (0, 0: at once).
   void set_spin(std::chrono::microseconds spin, std::chrono::microseconds yield) {
     spin_ = spin;
     yield_ = yield;
@@ -139,6 +140,11 @@ class Links {
   // (released while blocked) by the one polling thread.
   void poll_round(std::unique_lock<std::mutex>& lock, std::chrono::steady_clock::time_point deadline);
   void wake_poller();
+  // poll_fds_ and poll_peers_: the wake-up eventfd and every working connection.
+  void prepare_poll();
+  // poll() on them for up to `timeout_ms` (0: a glance), then writes and reads
+  // what is ready; called with mutex_ held, released only while blocked.
+  void poll_ready(std::unique_lock<std::mutex>& lock, int timeout_ms);
   // Reads every connection without blocking until `r` completes or the spin budget is spent.
   void spin_round(std::unique_lock<std::mutex>& lock, const Request& r);
 
