@@ -249,9 +249,12 @@ WaitTuning choose_wait(const HostProfile& host, bool own_core) {
 WaitTuning choose_link_wait(const HostProfile& host, bool own_core) {
   WaitTuning t = choose_wait(host, own_core);
   if (own_core) return t;
+  t.large_yield = t.yield;
+  t.large_bytes = kLinkYieldBytes;
   t.yield = kLinkYield;
-  t.why = "ranks share cores: no spin; yield " + std::to_string(t.yield.count()) +
-          " us, glancing at the sockets between yields, then sleep";
+  t.why = "ranks share cores: no spin; yield " + std::to_string(t.yield.count()) + " us (messages over " +
+          std::to_string(kLinkYieldBytes >> 10) + " KiB: " + std::to_string(t.large_yield.count()) +
+          " us), glancing at the sockets between yields, then sleep";
   return t;
 }
 

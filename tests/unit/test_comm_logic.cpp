@@ -224,7 +224,8 @@ TEST(SelfTunedWaits, SpinTwiceTheWakeUpWithACorePerRankElseYield) {
 }
 
 // Note [Link waits on shared cores]: the links spin as shared memory does with
-// a core per rank; where ranks share cores they yield 1 ms, whatever the wake-up.
+// a core per rank; where ranks share cores they yield 1 ms, whatever the wake-up,
+// for messages up to 256 KiB.
 TEST(SelfTunedWaits, LinksYieldAMillisecondWhereRanksShareCores) {
   HostProfile host;
   for (double wake : {0.8, 4.5, 18.2, 900.0}) {
@@ -235,7 +236,9 @@ TEST(SelfTunedWaits, LinksYieldAMillisecondWhereRanksShareCores) {
     const WaitTuning shared = choose_link_wait(host, false);
     EXPECT_EQ(shared.spin.count(), 0) << wake;
     EXPECT_EQ(shared.yield.count(), 1000) << wake;
-    EXPECT_NE(shared.why.find("yield 1000 us"), std::string::npos) << shared.why;
+    EXPECT_EQ(shared.large_bytes, 256 << 10) << wake;  // larger messages: what shared memory yields
+    EXPECT_EQ(shared.large_yield.count(), choose_wait(host, false).yield.count()) << wake;
+    EXPECT_NE(shared.why.find("yield 1000 us (messages over 256 KiB"), std::string::npos) << shared.why;
   }
 }
 

@@ -27,6 +27,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <climits>
 #include <string>
 
 namespace meshtrain {
@@ -57,6 +58,9 @@ void write_host_cache(const std::string& key, const std::string& line);
 struct WaitTuning {
   std::chrono::microseconds spin{0};   // busy-wait this long before sleeping
   std::chrono::microseconds yield{0};  // then (cores shared) sched_yield this long before sleeping
+  // Waits for messages over large_bytes yield only large_yield (links: Note [Link waits on shared cores]).
+  std::chrono::microseconds large_yield{0};
+  int64_t large_bytes = INT64_MAX;
   std::string why;                     // one line: the rule and the figures it used
 };
 
@@ -70,13 +74,18 @@ WaitTuning choose_wait(const HostProfile& host, bool own_core);
 // then poll's return), and yielding costs the peers little: sched_yield hands
 // the core to whoever is runnable, and each glance at the sockets is one
 // poll() with no timeout. OpenMPI's TCP transport, oversubscribed, yields for
-// as long as it waits. Measured on 4 ranks / 2 cores (AMD EPYC, 2026-12-06,
+// as long as it waits. Only for messages up to 256 KiB: a larger one streams
+// through the socket's buffer in many pieces, and four ranks yielding to each
+// other on two cores while it does took the 64 MiB broadcast from 44 to
+// 89-113 ms in one run of tcp.sh (large ones yield twice the wake-up, as
+// shared memory's waiters do). Measured on 4 ranks / 2 cores (AMD EPYC, 2026-12-06,
 // medians of 4 interleaved runs, us): a 20 us budget against 1 ms, all-gather
 // 4 KiB 119 -> 104, 64 KiB 154 -> 132; all-reduce 64 KiB 270 -> 253, 1 MiB
 // 1,104 -> 964; reduce-scatter 64 KiB 163 -> 128; on 8 ranks / 2 cores the
 // two were within the noise. With a core per rank the links spin as shared
 // memory does (choose_wait). MESHTRAIN_TCP_YIELD_US overrides it.
 constexpr std::chrono::microseconds kLinkYield{1000};
+constexpr int64_t kLinkYieldBytes = 256 << 10;
 WaitTuning choose_link_wait(const HostProfile& host, bool own_core);
 
 // Note [Link buffers sized to the cache]

@@ -41,6 +41,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -84,10 +85,14 @@ class Links {
   // A waiting thread reads the sockets without blocking for up to `spin`
   // microseconds, then for up to `yield` more giving its core away
   // (sched_yield) between glances (poll() with no timeout), before it sleeps
-  // in poll() (0, 0: at once).
-  void set_spin(std::chrono::microseconds spin, std::chrono::microseconds yield) {
+  // in poll() (0, 0: at once). A wait for a message of more than
+  // `large_bytes` yields only `large_yield` (Note [Link waits on shared cores]).
+  void set_spin(std::chrono::microseconds spin, std::chrono::microseconds yield,
+                std::chrono::microseconds large_yield, size_t large_bytes) {
     spin_ = spin;
     yield_ = yield;
+    large_yield_ = large_yield;
+    large_bytes_ = large_bytes;
   }
   // Bounds what each connection to a rank of this host holds in flight to
   // `bytes` (0: the kernel's autotuning); links that leave the host keep
@@ -160,6 +165,8 @@ class Links {
   bool aborted_ = false;
   std::chrono::microseconds spin_{0};
   std::chrono::microseconds yield_{0};
+  std::chrono::microseconds large_yield_{0};
+  size_t large_bytes_ = SIZE_MAX;
 };
 
 // A posted request that is withdrawn (Links::cancel) when dropped before it
