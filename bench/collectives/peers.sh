@@ -21,3 +21,11 @@ run_openmpi() {
   $MPIRUN -np "$n" --mca btl self,tcp --mca btl_tcp_if_include lo build/bin/bench_mpi_peer "$@" \
     --out "$OUT/ompi_tcp_w${n}_$i.json" > /dev/null
 }
+
+# PyTorch's Gloo, the peer of run.sh and tcp.sh: Debian's python3-torch, which
+# scripts/setup.sh installs with --with-peers. Said at once, not after the other runs.
+require_torch_peer() {
+  /usr/bin/python3 -c 'import torch' 2>/dev/null && return
+  echo "$0: the PyTorch peer needs Debian's python3-torch: run scripts/setup.sh --with-peers" >&2
+  exit 1
+}

@@ -15,6 +15,7 @@ cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-3}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; WORLDS=${WORLDS:-2 4}; TARGET_S=${TARGET_S:-0.3}
 OUT=${OUT:-build/bench/collectives}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
 source bench/collectives/peers.sh
+require_torch_peer
 ARGS="--sizes $SIZES --target-s $TARGET_S"
 for i in $(seq 1 "$RUNS"); do
   for n in $WORLDS; do

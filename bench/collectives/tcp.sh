@@ -11,6 +11,7 @@ cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-3}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; WORLDS=${WORLDS:-2 4}; TARGET_S=${TARGET_S:-0.3}
 OUT=${OUT:-build/bench/collectives_tcp}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
 source bench/collectives/peers.sh
+require_torch_peer
 ARGS="--sizes $SIZES --target-s $TARGET_S"
 gloo() {  # gloo N RUN TRANSPORT
   MESHTRAIN_BACKEND=gloo MESHTRAIN_GLOO_TRANSPORT=$3 build/bin/meshrun --nproc-per-node "$1" --master-port 0 \
