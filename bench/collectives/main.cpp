@@ -148,7 +148,8 @@ int main(int argc, char** argv) {
   // The impl names the backend: "meshtrain shm", "meshtrain gloo", "meshtrain mpi" (whose peer is bench_mpi_peer).
   json << "{\"impl\": \"meshtrain " << c->backend() << (verify ? "" : " (verify off)")
        << "\", \"world_size\": " << c->size() << ", \"host\": \"" << comm::describe(host) << "\", \"waits\": \""
-       << waits.why << "\", \"link_waits\": \"" << link_waits.why << "\", \"links\": \"" << links.why << "\", \"tuning\": \"" << tuning << "\", \"rows\": [";
+       << waits.why << "\", \"link_waits\": \"" << link_waits.why << "\", \"links\": \"" << links.why
+       << "\", \"tuning\": \"" << tuning << "\", \"rows\": [";
   bool first = true;
   std::stringstream ops_ss(ops);
   std::string op;

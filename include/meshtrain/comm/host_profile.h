@@ -27,7 +27,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <climits>
 #include <string>
 
 namespace meshtrain {

@@ -193,11 +193,11 @@ void GlooCommunicator::connect_links() {
     // as long as this host's wake-up costs (Note [Self-tuned waits]); otherwise
     // waiters yield (Note [Link waits on shared cores]).
     const bool own_core = process_->ranks_on_my_host() <= available_cores();
-    const WaitTuning tuning = choose_link_wait(host_profile(), own_core);
-    const auto yield = env_us("MESHTRAIN_TCP_YIELD_US", tuning.yield);
-    const bool yield_set = yield != tuning.yield;  // the variable sets every wait's budget
-    links_->set_spin(env_us("MESHTRAIN_TCP_SPIN_US", tuning.spin), yield, yield_set ? yield : tuning.large_yield,
-                     yield_set ? SIZE_MAX : static_cast<size_t>(tuning.large_bytes));
+    WaitTuning waits = choose_link_wait(host_profile(), own_core);
+    waits.spin = env_us("MESHTRAIN_TCP_SPIN_US", waits.spin);
+    const auto yield = env_us("MESHTRAIN_TCP_YIELD_US", std::chrono::microseconds(-1));
+    if (yield.count() >= 0) waits.yield = waits.large_yield = yield;  // set: every wait's budget, whatever its size
+    links_->set_waits(waits);
     // Bytes in flight to a rank of this host fit its cache (Note [Link buffers sized to the cache]):
     // the peers that send to it at once are this communicator's members on the host.
     const std::string& my_host = process_->host_of(global_ranks_[rank_]);

@@ -552,7 +552,8 @@ void Links::poll_ready(std::unique_lock<std::mutex>& lock, int timeout_ms) {
 
 void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
   const auto start = Clock::now();
-  const auto spin_until = start + spin_, until = spin_until + (r.size > large_bytes_ ? large_yield_ : yield_);
+  const bool large = static_cast<int64_t>(r.size) > waits_.large_bytes;
+  const auto spin_until = start + waits_.spin, until = spin_until + (large ? waits_.large_yield : waits_.yield);
   PollingRound round(polling_, rounds_);  // the others wait for this round as for a poll
   while (!r.done && !r.failed && !aborted_ && Clock::now() < until) {
     if (Clock::now() < spin_until) {
@@ -575,7 +576,7 @@ void Links::spin_round(std::unique_lock<std::mutex>& lock, const Request& r) {
 WaitResult Links::wait(Request& r, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   std::unique_lock<std::mutex> lock(mutex_);
-  bool spun = spin_.count() == 0 && yield_.count() == 0 && large_yield_.count() == 0;
+  bool spun = waits_.spin.count() == 0 && waits_.yield.count() == 0 && waits_.large_yield.count() == 0;
   for (;;) {
     if (r.done) return WaitResult::kDone;
     if (r.too_large) return WaitResult::kTooLarge;

@@ -25,7 +25,7 @@
 // polls at a time; others wait for its rounds. An abort (the failure watcher)
 // wakes the poller through an eventfd. Where every rank of the host has a core
 // of its own, the waiting thread first reads without blocking for a few
-// microseconds (set_spin), as the shared-memory backend spins: a reply that
+// microseconds (set_waits), as the shared-memory backend spins: a reply that
 // comes within them costs no sleep and no wake-up; where ranks share cores it
 // yields its core between reads instead (Note [Self-tuned waits]).
 //
@@ -41,7 +41,6 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -50,6 +49,7 @@
 #include <string>
 #include <vector>
 
+#include "meshtrain/comm/host_profile.h"
 #include "meshtrain/comm/store.h"
 
 namespace meshtrain {
@@ -82,18 +82,13 @@ class Links {
   // pair connects. ConfigError/TimeoutError naming `label` on failure.
   Links(Store& store, int rank, int size, const std::string& bind_host, std::chrono::milliseconds timeout,
         const std::string& label);
-  // A waiting thread reads the sockets without blocking for up to `spin`
-  // microseconds, then for up to `yield` more giving its core away
+  // A waiting thread reads the sockets without blocking for up to
+  // `waits.spin`, then for up to `waits.yield` more giving its core away
   // (sched_yield) between glances (poll() with no timeout), before it sleeps
-  // in poll() (0, 0: at once). A wait for a message of more than
-  // `large_bytes` yields only `large_yield` (Note [Link waits on shared cores]).
-  void set_spin(std::chrono::microseconds spin, std::chrono::microseconds yield,
-                std::chrono::microseconds large_yield, size_t large_bytes) {
-    spin_ = spin;
-    yield_ = yield;
-    large_yield_ = large_yield;
-    large_bytes_ = large_bytes;
-  }
+  // in poll() (all zero: at once). A wait for a message of more than
+  // `waits.large_bytes` yields only `waits.large_yield` (Note [Link waits on
+  // shared cores] in host_profile.h).
+  void set_waits(const WaitTuning& waits) { waits_ = waits; }
   // Bounds what each connection to a rank of this host holds in flight to
   // `bytes` (0: the kernel's autotuning); links that leave the host keep
   // the kernel's (Note [Link buffers sized to the cache] in host_profile.h).
@@ -163,10 +158,7 @@ class Links {
   std::vector<pollfd> poll_fds_;  // poll_round's, kept between rounds
   std::vector<Peer*> poll_peers_;
   bool aborted_ = false;
-  std::chrono::microseconds spin_{0};
-  std::chrono::microseconds yield_{0};
-  std::chrono::microseconds large_yield_{0};
-  size_t large_bytes_ = SIZE_MAX;
+  WaitTuning waits_;  // none: a waiter sleeps in poll() at once
 };
 
 // A posted request that is withdrawn (Links::cancel) when dropped before it
