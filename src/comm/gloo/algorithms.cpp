@@ -27,6 +27,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "communicator.h"
 #include "../reduce.h"
@@ -51,18 +52,23 @@ void finish_avg(at::Tensor t, ReduceOp op, int n) {
   if (op == ReduceOp::kAvg) t.div_(n);
 }
 
-// piece(0) op piece(1) op ... op piece(n - 1): in rank order, so that every
-// rank, whatever order the pieces arrived in, computes the same bits.
-at::Tensor reduce_in_rank_order(int n, const std::function<at::Tensor(int)>& piece, ReduceOp op) {
-  at::Tensor acc = piece(0).clone();
-  for (int p = 1; p < n; ++p) reduce_inplace(acc, piece(p), op);
-  return acc;
+// The address of element `offset` of contiguous `t`. The paths of small
+// collectives copy and reduce through raw pointers: an ATen narrow/copy_ costs
+// 1-2 us each here (a view's autograd metadata, a TensorIterator), which was
+// most of a 64 KiB all-gather's own work on 4 ranks.
+char* element_at(const at::Tensor& t, int64_t offset) {
+  return static_cast<char*>(t.data_ptr()) + offset * static_cast<int64_t>(t.element_size());
 }
 
-// Every rank's piece shaped like `mine`: this rank's own, the others' from
-// their inline payloads in the header round.
-std::function<at::Tensor(int)> inline_pieces(const Round& round, int me, const at::Tensor& mine) {
-  return [&round, me, &mine](int p) { return p == me ? mine : round.inline_from(p, mine); };
+// out := piece(0) op piece(1) op ... op piece(n - 1) over `count` elements, in
+// rank order, so that every rank, whatever order the pieces arrived in,
+// computes the same bits: this rank's piece is `mine`, every other rank's its
+// inline payload from the header round. `out` may be `mine`.
+void reduce_inline_pieces(void* out, const Round& round, int me, const void* mine, int64_t count,
+                          at::ScalarType dtype, ReduceOp op) {
+  std::vector<const void*> pieces(round.payload.begin(), round.payload.end());
+  pieces[me] = mine;
+  reduce_into(out, pieces.data(), static_cast<int>(pieces.size()), count, dtype, summing(op));
 }
 
 bool every_rank_inlined(const std::vector<Header>& all) {
@@ -86,7 +92,7 @@ at::Tensor GlooCommunicator::scratch(int64_t offset, int64_t numel, const at::Te
 
 void GlooCommunicator::all_reduce_algorithm(Collective& c, ReduceOp op) {
   if (c.small) {  // everyone has everything: combine in rank order, identically everywhere
-    c.work.copy_(reduce_in_rank_order(size(), inline_pieces(c.round, rank_, c.work), op));
+    reduce_inline_pieces(c.work.data_ptr(), c.round, rank_, c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op);
   } else if (use_ring(c.work.nbytes())) {
     ring_all_reduce(c.work.view(-1), op);
   } else if (size() > 1) {
@@ -97,7 +103,7 @@ void GlooCommunicator::all_reduce_algorithm(Collective& c, ReduceOp op) {
 
 void GlooCommunicator::broadcast_algorithm(Collective& c, int root) {
   if (c.small) {
-    if (rank_ != root && c.work.numel() > 0) c.work.copy_(c.round.inline_from(root, c.work));
+    if (rank_ != root && c.work.numel() > 0) std::memcpy(c.work.data_ptr(), c.round.payload[root], c.work.nbytes());
   } else if (c.work.numel() > 0 && size() > 1) {
     broadcast_direct(c.work, root);
   }
@@ -109,17 +115,19 @@ void GlooCommunicator::reduce_algorithm(Collective& c, int root, ReduceOp op) {
     return;
   }
   if (c.work.numel() == 0) return;
-  at::Tensor acc = c.small ? reduce_in_rank_order(size(), inline_pieces(c.round, rank_, c.work), op)
-                           : reduce_received(c.work, root, op);
-  finish_avg(acc, op, size());
-  c.work.copy_(acc);
+  if (c.small) {
+    reduce_inline_pieces(c.work.data_ptr(), c.round, rank_, c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op);
+  } else {
+    reduce_received(c.work, root, op);
+  }
+  finish_avg(c.work, op, size());
 }
 
 void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor out,
                                                 const std::vector<int64_t>& counts, ReduceOp op) {
-  if (c.small) {
-    const at::Tensor mine = c.work.narrow(0, offsets_of(counts)[rank_], counts[rank_]);
-    if (mine.numel() > 0) out.copy_(reduce_in_rank_order(size(), inline_pieces(c.round, rank_, mine), op));
+  if (c.small) {  // `out` is contiguous (flat_output) and may alias this rank's shard of the input
+    const void* mine = element_at(c.work, offsets_of(counts)[rank_]);
+    if (counts[rank_] > 0) reduce_inline_pieces(out.data_ptr(), c.round, rank_, mine, counts[rank_], c.work.scalar_type(), op);
   } else if (use_ring(c.work.nbytes())) {
     ring_reduce_scatter(c.work, out, counts, op);
   } else {
@@ -133,11 +141,12 @@ void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor 
 void GlooCommunicator::all_gather_algorithm(const Collective& c, at::Tensor flat,
                                             const std::vector<int64_t>& counts) {
   const auto offsets = offsets_of(counts);
-  flat.narrow(0, offsets[rank_], counts[rank_]).copy_(c.work.view(-1));
+  const size_t elem = flat.element_size();
+  // memmove: the input may be this rank's place in the output (ZeRO gathers in place)
+  std::memmove(element_at(flat, offsets[rank_]), c.work.data_ptr(), counts[rank_] * elem);
   if (every_rank_inlined(c.round.headers)) {
     for (int r = 0; r < size(); ++r) {
-      if (r == rank_ || counts[r] == 0) continue;
-      flat.narrow(0, offsets[r], counts[r]).copy_(c.round.inline_from(r, flat.narrow(0, 0, counts[r])));
+      if (r != rank_ && counts[r] > 0) std::memcpy(element_at(flat, offsets[r]), c.round.payload[r], counts[r] * elem);
     }
   } else if (size() > 1) {
     if (use_ring(flat.nbytes())) {
@@ -162,7 +171,7 @@ std::vector<at::Tensor> GlooCommunicator::gather_on_root(const Collective& c, in
     pieces[p] = at::empty(shape_of(h), c.work.options());
     if (pieces[p].numel() == 0) continue;
     if (h.inlined) {
-      pieces[p].copy_(c.round.inline_from(p, pieces[p]));
+      std::memcpy(pieces[p].data_ptr(), c.round.payload[p], pieces[p].nbytes());
     } else {
       ts.push_back(post_recv(pieces[p].data_ptr(), pieces[p].nbytes(), p, collective_slot(0), OpKind::kGather));
     }
@@ -184,7 +193,7 @@ void GlooCommunicator::scatter_algorithm(const Round& round, const std::vector<a
     }
   } else if (out.numel() > 0) {
     if (round.payload[root]) {
-      out.copy_(round.inline_from(root, out));
+      std::memcpy(out.data_ptr(), round.payload[root], out.nbytes());
     } else {
       ts.push_back(post_recv(out.data_ptr(), out.nbytes(), root, collective_slot(0), OpKind::kScatter));
     }
@@ -216,18 +225,21 @@ std::vector<at::Tensor> GlooCommunicator::all_to_all_direct(const std::vector<at
 
 // ---- building blocks
 
-// The root's reduce of large buffers: each peer's arrives in a temporary of its own.
-at::Tensor GlooCommunicator::reduce_received(const at::Tensor& mine, int root, ReduceOp op) {
+// The root's reduce of large buffers: each peer's arrives in a temporary of
+// its own, and all are combined into `work` in rank order.
+void GlooCommunicator::reduce_received(at::Tensor work, int root, ReduceOp op) {
   std::vector<at::Tensor> parts(size());
+  std::vector<const void*> inputs(size());
   std::vector<Transfer> ts;
   for (int p = 0; p < size(); ++p) {
     if (p == root) continue;
-    parts[p] = at::empty_like(mine);
-    ts.push_back(post_recv(parts[p].data_ptr(), mine.nbytes(), p, collective_slot(0), OpKind::kReduce));
+    parts[p] = at::empty_like(work);
+    inputs[p] = parts[p].data_ptr();
+    ts.push_back(post_recv(parts[p].data_ptr(), work.nbytes(), p, collective_slot(0), OpKind::kReduce));
   }
   wait_all(ts);
-  parts[root] = mine;
-  return reduce_in_rank_order(size(), [&](int p) { return parts[p]; }, op);
+  inputs[root] = work.data_ptr();
+  reduce_into(work.data_ptr(), inputs.data(), size(), work.numel(), work.scalar_type(), summing(op));
 }
 
 void GlooCommunicator::broadcast_direct(at::Tensor work, int root) {

@@ -81,10 +81,6 @@ int64_t sum_of(const std::vector<int64_t>& v) {
 // 2(n-1) steps); the data is then combined locally in rank order, which gives
 // bit-identical results on every rank.
 
-at::Tensor Round::inline_from(int peer, const at::Tensor& like) const {
-  return at::from_blob(const_cast<uint8_t*>(payload[peer]), like.sizes(), like.options());
-}
-
 Round GlooCommunicator::header_round(const Header& mine,
                                      const std::function<const at::Tensor*(int)>& inline_for) {
   PendingRound pending = post_header_round(mine, inline_for);
@@ -418,7 +414,7 @@ WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor o
     result = {output.defined() ? output : flat};
     const auto offsets = offsets_of(counts);
     for (int r = 0; r < size(); ++r) {
-      result.push_back(flat.narrow(0, offsets[r], counts[r]).view(shape_of(c.round.headers[r])));
+      result.push_back(view_at(flat, offsets[r], shape_of(c.round.headers[r])));
     }
   });
 }

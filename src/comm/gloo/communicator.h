@@ -33,10 +33,7 @@ namespace gloo_backend {
 // What the first round of a collective delivered. See Note [Header round].
 struct Round {
   std::vector<Header> headers;          // every rank's, this rank's included
-  std::vector<const uint8_t*> payload;  // inline payload received from each peer, or nullptr
-
-  // `peer`'s inline payload as a tensor shaped like `like` (valid until the next operation).
-  at::Tensor inline_from(int peer, const at::Tensor& like) const;
+  std::vector<const uint8_t*> payload;  // inline payload received from each peer, or nullptr (valid until the next operation)
 };
 
 // How a collective opens (see Note [Collective skeleton]): the header this rank
@@ -212,7 +209,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   bool scatter_inlines(const at::Tensor& piece) const { return piece.numel() > 0 && fits_inline(piece.nbytes()); }
 
   // ---- the algorithms' building blocks (algorithms.cpp)
-  at::Tensor reduce_received(const at::Tensor& mine, int root, ReduceOp op);
+  void reduce_received(at::Tensor work, int root, ReduceOp op);
   void broadcast_direct(at::Tensor work, int root);
   void direct_all_reduce(at::Tensor flat, ReduceOp op);
   void ring_all_reduce(at::Tensor flat, ReduceOp op);

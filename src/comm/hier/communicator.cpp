@@ -272,7 +272,7 @@ std::vector<at::Tensor> HierCommunicator::hierarchical_all_gather(const at::Tens
   if (!output.is_contiguous()) output.copy_(flat.view(output.sizes()));
   std::vector<at::Tensor> result = {output};
   const auto offsets = offsets_of(counts);
-  for (int q = 0; q < size(); ++q) result.push_back(flat.narrow(0, offsets[q], counts[q]).view(shape_of(headers[q])));
+  for (int q = 0; q < size(); ++q) result.push_back(view_at(flat, offsets[q], shape_of(headers[q])));
   return result;
 }
 
