@@ -93,6 +93,33 @@ TEST(TcpLinks, MessagesMatchByPeerAndSlotWhicheverComesFirst) {
   EXPECT_EQ(r5a->received, 400u);
 }
 
+// A held send (a collective's header, Note [Verification beside the data])
+// waits in the queue, then leaves with the next send to its peer, in order, or
+// when its sender waits.
+TEST(TcpLinks, HeldSendsLeaveWithTheNextSendOrWhenTheSenderWaits) {
+  auto links = connect(2);
+  const auto a = iota_from(0, 10), b = iota_from(100, 5000), c = iota_from(-7, 3);
+  std::vector<int32_t> got_a(10), got_b(5000), got_c(3);
+  auto held = links[0]->send(1, 4, a.data(), a.size() * 4, /*hold=*/true);
+  auto ra = links[1]->recv(0, 4, got_a.data(), got_a.size() * 4);
+  EXPECT_EQ(links[1]->wait(*ra, 200ms), tcp::WaitResult::kTimeout);  // nothing left rank 0
+  EXPECT_FALSE(held->done);
+  auto next = links[0]->send(1, 8, b.data(), b.size() * 4);
+  EXPECT_TRUE(held->done);  // both fit the socket: written by the send call itself
+  EXPECT_TRUE(next->done);
+  auto rb = links[1]->recv(0, 8, got_b.data(), got_b.size() * 4);
+  EXPECT_EQ(links[1]->wait(*ra, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*rb, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(got_a, a);
+  EXPECT_EQ(got_b, b);
+
+  auto alone = links[0]->send(1, 2, c.data(), c.size() * 4, /*hold=*/true);
+  auto rc = links[1]->recv(0, 2, got_c.data(), got_c.size() * 4);
+  EXPECT_EQ(links[0]->wait(*alone, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*rc, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(got_c, c);
+}
+
 TEST(TcpLinks, LargeMessagesBothWaysAtOnceWhileReceivesArePostedLate) {
   auto links = connect(2);
   const size_t n = 6 << 20;  // 24 MiB each way: far beyond the sockets' buffers

@@ -252,7 +252,7 @@ void GlooCommunicator::post(const Transfer& t, SendOrRecv&& send_or_recv) const 
 }
 
 Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
-                                     OpKind kind) {
+                                     OpKind kind, bool hold) {
   Transfer t;
   t.peer = peer;
   t.is_recv = false;
@@ -260,7 +260,7 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
   if (links_) {
-    t.req = tcp::Posted(links_.get(), links_->send(peer, slot, ptr, bytes));
+    t.req = tcp::Posted(links_.get(), links_->send(peer, slot, ptr, bytes, hold));
     return t;
   }
   t.buf = context_->createUnboundBuffer(const_cast<void*>(ptr), bytes);

@@ -134,7 +134,9 @@ class GlooCommunicator final : public QueuedCommunicator {
  private:
   // ---- transfers (communicator.cpp)
   uint64_t collective_slot(int sub) const;
-  Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
+  // `hold` (the TCP links only): the message waits for the next one to `peer`
+  // and leaves with it (tcp::Links::send).
+  Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind, bool hold = false);
   Transfer post_recv(void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
   // Runs gloo's send or recv for `t`; a gloo error there is a broken connection.
   // (A template, not std::function: it runs for every transfer.)
@@ -165,7 +167,9 @@ class GlooCommunicator final : public QueuedCommunicator {
   // Sends `mine` to every peer, with payload inline_for(peer) (or none) in the
   // same message; receives every peer's. One round of small messages.
   Round header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for);
-  PendingRound post_header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for);
+  // `hold`: the headers leave with the algorithm's first messages (Note [Verification beside the data]).
+  PendingRound post_header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for,
+                                 bool hold = false);
   Round finish_header_round(PendingRound& pending);
   // Waits for a deferred round and verifies it (MismatchError); nothing when none is pending.
   void settle_round();

@@ -74,6 +74,7 @@ bool stays_on_host(int fd) {
 
 // A header announcing more than this is a corrupt stream, refused before any allocation.
 constexpr uint64_t kMaxMessage = uint64_t(1) << 40;
+constexpr size_t kBatch = 16;  // queued sends written by one sendmsg
 
 // Marks the polling thread's round over, whichever way it ends (an exception
 // included), so that the other waiters do not sleep on a poller that left.
@@ -224,7 +225,7 @@ Links::Peer& Links::peer_at(int peer) const {
   return *peers_[peer];
 }
 
-RequestPtr Links::send(int peer, uint64_t slot, const void* data, size_t bytes) {
+RequestPtr Links::send(int peer, uint64_t slot, const void* data, size_t bytes, bool hold) {
   auto r = std::make_shared<Request>();
   r->peer = peer;
   r->slot = slot;
@@ -237,7 +238,7 @@ RequestPtr Links::send(int peer, uint64_t slot, const void* data, size_t bytes) 
     return r;
   }
   p.sends.push_back(r);
-  if (p.sends.size() == 1) write_pending(p);
+  if (!hold) write_pending(p);
   if (!r->done && polling_) wake_poller();  // the poller adds this socket's POLLOUT
   return r;
 }
@@ -273,19 +274,26 @@ RequestPtr Links::recv(int peer, uint64_t slot, void* data, size_t capacity) {
   return r;
 }
 
+// Every queued send to the peer leaves in one sendmsg (up to kBatch of them):
+// a collective's held header and its first data (Note [Verification beside
+// the data]) cost the kernel one pass through TCP, and the receiver one read.
 void Links::write_pending(Peer& p) {
   while (!p.sends.empty() && p.broken.empty()) {
-    Request& r = *p.sends.front();
-    const Wire wire{r.slot, r.size};
-    iovec iov[2];
+    const size_t count = std::min(p.sends.size(), kBatch);
+    Wire wires[kBatch];
+    iovec iov[2 * kBatch];
     int n = 0;
-    if (p.out_offset < sizeof(Wire)) {
-      iov[n++] = {const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(&wire)) + p.out_offset,
-                  sizeof(Wire) - p.out_offset};
-      if (r.size > 0) iov[n++] = {r.data, r.size};
-    } else {
-      const size_t done = p.out_offset - sizeof(Wire);
-      iov[n++] = {r.data + done, r.size - done};
+    for (size_t i = 0; i < count; ++i) {
+      Request& r = *p.sends[i];
+      wires[i] = Wire{r.slot, r.size};
+      size_t skip = i == 0 ? p.out_offset : 0;  // only the front can be partly written
+      if (skip < sizeof(Wire)) {
+        iov[n++] = {reinterpret_cast<uint8_t*>(&wires[i]) + skip, sizeof(Wire) - skip};
+        skip = 0;
+      } else {
+        skip -= sizeof(Wire);
+      }
+      if (r.size > skip) iov[n++] = {r.data + skip, r.size - skip};
     }
     msghdr m{};
     m.msg_iov = iov;
@@ -302,11 +310,19 @@ void Links::write_pending(Peer& p) {
       }
       return;
     }
-    p.out_offset += static_cast<size_t>(k);
-    if (p.out_offset < sizeof(Wire) + r.size) return;  // the socket is full
-    r.done = true;
-    p.sends.pop_front();
-    p.out_offset = 0;
+    size_t written = static_cast<size_t>(k);
+    for (size_t i = 0; i < count; ++i) {
+      Request& r = *p.sends.front();
+      const size_t left = sizeof(Wire) + r.size - p.out_offset;
+      if (written < left) {  // the socket is full
+        p.out_offset += written;
+        return;
+      }
+      written -= left;
+      r.done = true;
+      p.sends.pop_front();
+      p.out_offset = 0;
+    }
   }
 }
 

@@ -98,7 +98,9 @@ class Links {
   Links(const Links&) = delete;
   Links& operator=(const Links&) = delete;
 
-  RequestPtr send(int peer, uint64_t slot, const void* data, size_t bytes);
+  // `hold`: queue it without writing; it leaves with the next send to `peer`
+  // that is not held (in one sendmsg), or when a thread waits on these links.
+  RequestPtr send(int peer, uint64_t slot, const void* data, size_t bytes, bool hold = false);
   RequestPtr recv(int peer, uint64_t slot, void* data, size_t capacity);
   // Progresses every connection until `r` completes, its connection breaks,
   // `timeout` passes with `r` incomplete, or abort() is called.
