@@ -23,6 +23,9 @@
 // 104 vs 108 ms); on 2 ranks the two are the same messages. So the ring is off
 // by default; it stays for links where n - 1 concurrent streams into one
 // receiver would congest.
+// Every reduction combines all its inputs in one reduce_into call, in rank
+// order: float16 and bfloat16 accumulate in float32 and round once, as on
+// shared memory (the ring's steps, which reduce two at a time, round at each).
 
 #include <ATen/ATen.h>
 
@@ -131,7 +134,7 @@ void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor 
   } else if (use_ring(c.work.nbytes())) {
     ring_reduce_scatter(c.work, out, counts, op);
   } else {
-    direct_reduce_scatter(c.work, out, counts, op, OpKind::kReduceScatter, 0);
+    direct_reduce_scatter(c.work, out.data_ptr(), counts, op, OpKind::kReduceScatter, 0);
   }
   finish_avg(out, op, size());
 }
@@ -257,8 +260,7 @@ void GlooCommunicator::broadcast_direct(at::Tensor work, int root) {
 // Direct reduce-scatter into this rank's shard of `flat`, then direct all-gather of the shards.
 void GlooCommunicator::direct_all_reduce(at::Tensor flat, ReduceOp op) {
   const auto counts = shard_sizes(flat.numel(), size());
-  at::Tensor mine = flat.narrow(0, offsets_of(counts)[rank_], counts[rank_]);
-  direct_reduce_scatter(flat, mine, counts, op, OpKind::kAllReduce, 0);
+  direct_reduce_scatter(flat, element_at(flat, offsets_of(counts)[rank_]), counts, op, OpKind::kAllReduce, 0);
   direct_all_gather(flat, counts, OpKind::kAllReduce, 1);
 }
 
@@ -326,29 +328,28 @@ void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_
   }
 }
 
-void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, at::Tensor out, const std::vector<int64_t>& counts,
+void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, void* out, const std::vector<int64_t>& counts,
                                              ReduceOp op, OpKind kind, int sub) {
   const int n = size(), me = rank_;
   const auto offsets = offsets_of(counts);
-  const size_t elem = in.element_size();
+  const size_t elem = in.element_size(), shard = counts[me] * elem;
   const char* src = static_cast<const char*>(in.data_ptr());
-  std::vector<at::Tensor> parts(n);  // each peer's contribution to this rank's shard
-  const at::Tensor space = scratch(0, n * counts[me], in);
+  char* space = static_cast<char*>(scratch(0, n * counts[me], in).data_ptr());
+  std::vector<const void*> inputs(n);  // each rank's contribution to this rank's shard, in rank order
   std::vector<Transfer> ts;
   for (int q = 0; q < n; ++q) {
     if (q == me || counts[me] == 0) continue;
-    parts[q] = space.narrow(0, q * counts[me], counts[me]);
-    ts.push_back(post_recv(parts[q].data_ptr(), counts[me] * elem, q, collective_slot(sub), kind));
+    inputs[q] = space + q * shard;
+    ts.push_back(post_recv(space + q * shard, shard, q, collective_slot(sub), kind));
   }
   for (int q = 0; q < n; ++q) {
     if (q != me && counts[q] > 0) ts.push_back(post_send(src + offsets[q] * elem, counts[q] * elem, q, collective_slot(sub), kind));
   }
   wait_all(ts);
   if (counts[me] == 0) return;
-  // In rank order; `out` may alias this rank's shard of the input (read before written).
-  std::vector<const void*> inputs(n);
-  for (int q = 0; q < n; ++q) inputs[q] = q == me ? src + offsets[me] * elem : parts[q].data_ptr();
-  reduce_into(out.data_ptr(), inputs.data(), n, counts[me], in.scalar_type(), summing(op));
+  // `out` may alias this rank's shard of the input (read before written).
+  inputs[me] = src + offsets[me] * elem;
+  reduce_into(out, inputs.data(), n, counts[me], in.scalar_type(), summing(op));
 }
 
 void GlooCommunicator::direct_all_gather(at::Tensor flat, const std::vector<int64_t>& counts, OpKind kind, int sub) {
