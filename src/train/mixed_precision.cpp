@@ -7,6 +7,17 @@
 namespace meshtrain {
 namespace train {
 
+bool bf16_products_accumulate_in_float() {  // Note [bf16 products on hosts without AVX-512]
+  static const bool in_float = [] {
+    at::NoGradGuard no_grad;
+    // Both operands contiguous: the layout whose loop accumulates in bf16
+    // (with the second transposed, libtorch 1.13's loop adds in float).
+    const at::Tensor product = at::mm(at::ones({2, 4096}, at::kBFloat16), at::ones({4096, 2}, at::kBFloat16));
+    return product.to(at::kFloat).eq(4096.0f).all().item<bool>();
+  }();
+  return in_float;
+}
+
 void cast_parameters(torch::nn::Module& module, at::ScalarType dtype) {
   at::NoGradGuard no_grad;
   for (auto& p : dp::unique_parameters(module))

@@ -15,6 +15,7 @@
 #include "held_out.h"
 #include "meshtrain/train/elastic.h"
 #include "meshtrain/train/metrics.h"
+#include "meshtrain/train/mixed_precision.h"
 #include "meshtrain/util/json.h"
 #include "meshtrain/util/error.h"
 #include "run_parts.h"
@@ -176,6 +177,11 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   check_same_data(c, *metrics);    // the same path on another node may hold other bytes
   check_save_dir(c, *metrics);     // before anything is read from it or written to it
   const bool chief = world->rank() == 0;
+  if (chief && options.verbose && c.precision == "bf16-mixed" && !bf16_products_accumulate_in_float()) {
+    std::printf("warning: bf16-mixed: libtorch on this CPU (no AVX-512) accumulates bf16 matrix products in bf16, "
+                "so gradients lose accuracy as micro-batches grow; --precision fp32 avoids it "
+                "(Note [bf16 products on hosts without AVX-512])\n");
+  }
   std::unique_ptr<Engine> engine = make_engine(c, world);
   const HeldOut held_out = c.eval_every > 0 ? make_held_out(c) : HeldOut{};
   const Resumed resumed = resume_if_asked(c, *engine, *world, options.verbose);

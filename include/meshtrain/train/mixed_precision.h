@@ -27,6 +27,22 @@
 namespace meshtrain {
 namespace train {
 
+// Note [bf16 products on hosts without AVX-512]
+// Whether this host's libtorch multiplies bf16 matrices accumulating in
+// float32. libtorch 1.13 sends CPU bf16 matrix products to oneDNN only where
+// the CPU has AVX-512; elsewhere its own gemm accumulates in bf16, so a
+// product's error grows with its inner dimension (measured on an AVX2 host:
+// relative error 0.5% at K = 16, 2.2% at 384, 7.5% at 4096, where float
+// accumulation leaves bf16's one rounding, ~0.3%). A weight's gradient sums
+// over every token of the micro-batch, so bf16-mixed training then depends on
+// the micro-batch size: the same global batch in micro-batches of 12 or of 24
+// gave gradient norms 5% apart after one step. The probe: a product of
+// 2 x 4096 and 4096 x 2 matrices of ones, both contiguous (with the second
+// transposed, libtorch's loop happens to add in float): every entry exactly
+// 4096 with float accumulation, 256 in bf16 (256 + 1 rounds to 256).
+// Measured once per process.
+bool bf16_products_accumulate_in_float();
+
 // Casts the module's floating-point parameters to `dtype` in place (a rank
 // that computes in bf16 but keeps no masters).
 void cast_parameters(torch::nn::Module& module, at::ScalarType dtype);
