@@ -12,6 +12,19 @@
 namespace meshtrain {
 namespace dp {
 
+// Note [Gradients as bucket views]
+// After the all-reduce, a parameter's gradient becomes an alias of its slot in
+// the bucket (PyTorch DDP's gradient_as_bucket_view; a tensor on the bucket's
+// storage, not an autograd view, so that an optimizer's zero_grad() may detach
+// it in place as it does every gradient), where before the
+// average was copied back into the gradient: one copy of every gradient per
+// step fewer, and the next backward, where the gradient is still defined
+// (zeroed in place, or accumulated under no_sync), accumulates straight into
+// the slot, which makes the copy into the bucket a no-op as well. Two copies
+// of 16.8 MB per step and rank were ~10% of a 2-rank DDP step of the 4 x 1024
+// MLP here (perf). Where the dtypes differ (gradients reduced in float32) or
+// the parameter is not contiguous, the average is copied as before.
+
 Reducer::Reducer(std::vector<NamedParam> params, comm::CommPtr comm, DistributedDataParallelOptions options)
     : params_(std::move(params)), comm_(std::move(comm)), options_(options) {
   MESHTRAIN_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
@@ -89,7 +102,9 @@ void Reducer::mark_ready(size_t index, bool used) {
   // its own. used_ is reset only after a synchronizing backward, as PyTorch's
   // local_used_map_ is.
   if (p.grad().defined()) {
-    slot.copy_(p.grad().reshape({-1}));
+    // Note [Gradients as bucket views]: a gradient that is already its slot
+    // (accumulated into by this backward) needs no copy.
+    if (p.grad().data_ptr() != slot.data_ptr()) slot.copy_(p.grad().reshape({-1}));
   } else {
     slot.zero_();
   }
@@ -162,7 +177,12 @@ void Reducer::finalize() {
     const Bucket& b = buckets_[bucket_of_[i]];
     at::Tensor& p = params_[i].tensor;
     at::Tensor avg = b.flat.narrow(0, b.offsets[slot_of_[i]], p.numel()).view_as(p);
-    if (p.grad().defined()) {
+    if (p.grad().defined() && p.grad().data_ptr() == avg.data_ptr()) continue;  // already its slot
+    if (avg.scalar_type() == p.scalar_type() && p.is_contiguous()) {
+      // Note [Gradients as bucket views]: an alias of the slot, not an autograd
+      // view (the optimizers' zero_grad() detaches gradients in place, which a view refuses)
+      p.mutable_grad() = at::empty({0}, avg.options()).set_(avg.storage(), avg.storage_offset(), p.sizes(), p.strides());
+    } else if (p.grad().defined()) {
       p.mutable_grad().copy_(avg);
     } else {
       p.mutable_grad() = avg.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
