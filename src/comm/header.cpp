@@ -52,10 +52,16 @@ std::string rank_name(size_t r, const std::vector<int>& global) {
   return str_cat("rank ", r);
 }
 
-std::string header_mismatch(const std::vector<Header>& all, bool same_shape, const std::vector<int>& global) {
-  const Header& ref = all[0];
-  const std::string rank0 = rank_name(0, global);
-  for (size_t r = 1; r < all.size(); ++r) {
+std::string header_mismatch(const std::vector<Header>& all, bool same_shape, const std::vector<int>& global,
+                            const std::vector<bool>& known) {
+  auto is_known = [&](size_t r) { return known.empty() || (r < known.size() && known[r]); };
+  size_t first = 0;
+  while (first < all.size() && !is_known(first)) ++first;
+  if (first == all.size()) return "";
+  const Header& ref = all[first];
+  const std::string rank0 = rank_name(first, global);
+  for (size_t r = first + 1; r < all.size(); ++r) {
+    if (!is_known(r)) continue;
     const Header& h = all[r];
     const std::string rank = rank_name(r, global);
     if (h.kind != ref.kind) {

@@ -46,7 +46,9 @@ int64_t hash_sizes(const std::vector<int64_t>& sizes);
 // sentence ("rank 1 passed Double[4] but rank 0 passed Float[4]; ..."), or ""
 // when they agree. `same_shape`: shapes must match too (not for uneven gathers).
 // `global`: the communicator's global ranks, named beside its own where they differ.
-std::string header_mismatch(const std::vector<Header>& all, bool same_shape, const std::vector<int>& global = {});
+// `known` (empty: all): compares only those headers, with the first known as the reference.
+std::string header_mismatch(const std::vector<Header>& all, bool same_shape, const std::vector<int>& global = {},
+                            const std::vector<bool>& known = {});
 
 // dtypes every backend moves and reduces.
 bool supported_dtype(at::ScalarType t);

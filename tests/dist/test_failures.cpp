@@ -335,6 +335,58 @@ TEST_P(Failures, MismatchedDtypeShapeOrKindRaisesOnEveryRank) {
   }, options());
 }
 
+// On four ranks Gloo's header round goes by recursive doubling for small and
+// verifying collectives, directly for large ones (Note [Doubling round]):
+// ranks in rounds of different patterns must all raise, none hang.
+TEST_P(Failures, MismatchesOnFourRanksRaiseOnEveryRankWhateverTheRoundsPattern) {
+  run_ranks(4, [](Communicator& world) {
+    const int r = world.rank();
+    auto expect_mismatch = [&](const char* label, const std::function<void(Communicator&)>& call,
+                               const std::string& expected) {
+      auto comm = world.split(0, r, label);
+      auto t0 = Clock::now();
+      try {
+        call(*comm);
+        ADD_FAILURE() << "no error for " << label;
+      } catch (const MismatchError& e) {
+        EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << label << ": " << e.what();
+      }
+      // At once: not after a wait for a peer that left (the failure watcher's 2 s).
+      EXPECT_LT(seconds_since(t0), 1.5) << label;
+    };
+    expect_mismatch("dtype", [&](Communicator& c) {
+      auto t = r == 3 ? torch::ones({4}, torch::kFloat64) : torch::ones({4});
+      c.all_reduce(t);
+    }, "rank 3 passed Double[4]");
+    expect_mismatch("uneven all_gather, one dtype off", [&](Communicator& c) {
+      auto t = r == 1 ? torch::ones({r + 1}, torch::kInt32) : torch::ones({r + 1});
+      c.all_gather(t);
+    }, "Int[2]");
+    // Rank 0's all_reduce is large (its header round leaves beside its data),
+    // the others' small; rank 1 calls another collective.
+    expect_mismatch("large among small", [&](Communicator& c) {
+      if (r == 1) {
+        c.all_gather(torch::ones({8}));
+      } else {
+        auto t = torch::ones({r == 0 ? 100000 : 8});
+        c.all_reduce(t);
+      }
+    }, "");
+    expect_mismatch("barrier among broadcasts", [&](Communicator& c) {
+      if (r == 3) {
+        c.barrier();
+      } else {
+        auto t = torch::ones({200000});
+        c.broadcast(t, 0);
+      }
+    }, "");
+    expect_mismatch("reduce_scatter, two sizes", [&](Communicator& c) {
+      auto t = torch::ones({r < 2 ? 400000 : 40});
+      c.reduce_scatter(t);
+    }, "");
+  }, options());
+}
+
 TEST_P(Failures, BadArgumentsAreRejectedBeforeCommunication) {
   run_ranks(2, [](Communicator& comm) {
     auto t = torch::ones({4});

@@ -6,7 +6,8 @@
 // Per-rank send volume for a buffer of S bytes on n ranks, by size:
 //   per-peer payload <= CommOptions::inline_bytes (32 KiB): the data rides in
 //     the header round, one round of messages (all_reduce: the whole buffer to
-//     every peer, (n-1) S, reduced locally in rank order);
+//     every peer, (n-1) S, reduced locally in rank order; on 4..64 ranks, a
+//     power of two, the round goes by recursive doubling: Note [Doubling round]);
 //   larger: direct (pairwise) algorithms, every pair exchanging at once:
 //     reduce_scatter  each rank sends shard q to rank q      (n-1)/n * S
 //     all_gather      each rank sends its input to every peer (n-1)/n * S (total)

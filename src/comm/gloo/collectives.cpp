@@ -37,8 +37,6 @@ namespace gloo_backend {
 
 namespace {
 
-constexpr int kHeaderSub = 0xffff;
-
 at::Tensor contiguous_flat(const at::Tensor& t) { return t.contiguous().view(-1); }
 
 // Where an algorithm writes a result of `numel` elements: the caller's output
@@ -198,7 +196,7 @@ Round GlooCommunicator::open(const char* op, const Opening& opening) {
     pending_->ignore = opening.ignore;
     return Round();
   }
-  Round round = header_round(opening.header, opening.inline_for);
+  Round round = doubling_ ? doubling_round(op, opening) : header_round(opening.header, opening.inline_for);
   std::vector<Header> compared = round.headers;
   if (opening.ignore) {
     for (Header& h : compared) opening.ignore(h);

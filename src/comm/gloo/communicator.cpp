@@ -163,6 +163,7 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
       ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)) {  // unset: never (Note [Gloo algorithms])
   if (use_links()) {
     connect_links();
+    doubling_ = doubling_applies(size()) && doubling_wanted();
   } else {
     connect_gloo();
   }

@@ -25,10 +25,18 @@
 #include "../process.h"
 #include "../queued.h"
 #include "../tcp/links.h"
+#include "doubling.h"
 
 namespace meshtrain {
 namespace comm {
 namespace gloo_backend {
+
+// MESHTRAIN_GLOO_ROUND: whether header rounds go by doubling where they can
+// (doubling, the default) or direct; a ConfigError naming the value otherwise.
+bool doubling_wanted();
+
+// The slot index (collective_slot) of every collective's header round.
+constexpr int kHeaderSub = 0xffff;
 
 // What the first round of a collective delivered. See Note [Header round].
 struct Round {
@@ -171,6 +179,18 @@ class GlooCommunicator final : public QueuedCommunicator {
   PendingRound post_header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for,
                                  bool hold = false);
   Round finish_header_round(PendingRound& pending);
+  // The header round by recursive doubling (Note [Doubling round] in doubling.h), where doubling_:
+  // the same Round as header_round; a MismatchError on every rank of a round with another pattern too.
+  Round doubling_round(const char* op, const Opening& opening);
+  RoundEntry own_entry(const Opening& opening) const;
+  Transfer send_step(const RoundMessage& m, int step, int partner, const Opening& opening);
+  std::string receive_step(Transfer& in, int step, int partner, const char* op, const Opening& opening,
+                           std::vector<RoundEntry>& held);
+  std::string known_mismatch(const std::vector<RoundEntry>& held, const Opening& opening) const;
+  [[noreturn]] void alarm_and_raise(const std::string& what, const Opening& opening,
+                                    const std::vector<RoundEntry>& held, const std::vector<bool>& sent,
+                                    std::vector<Transfer>& sends);
+  Round round_of(const std::vector<RoundEntry>& held, const Opening& opening) const;
   // Waits for a deferred round and verifies it (MismatchError); nothing when none is pending.
   void settle_round();
   // What the round posts to receive from each peer: a header and the most inline payload.
@@ -246,6 +266,10 @@ class GlooCommunicator final : public QueuedCommunicator {
   int64_t ring_bytes_;        // collectives of at least this size take the ring (MESHTRAIN_GLOO_RING_KB)
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
+  // Header rounds go by doubling: the links, n = 2^L in 4..64, MESHTRAIN_GLOO_ROUND unset or doubling.
+  bool doubling_ = false;
+  std::vector<std::vector<uint8_t>> doubling_send_, doubling_recv_;  // per step, reused
+  std::vector<uint8_t> alarm_buffer_;
   at::Tensor scratch_;  // see scratch()
   std::unique_ptr<PendingRound> pending_;  // a deferred header round, settled by the next wait
 };

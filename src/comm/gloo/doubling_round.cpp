@@ -1,0 +1,211 @@
+// GlooCommunicator::doubling_round: the header round by recursive doubling,
+// on the TCP links (Note [Doubling round] in doubling.h). It returns the same
+// Round as the direct header_round (collectives.cpp), so the collectives'
+// algorithms do not know which ran.
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "communicator.h"
+#include "doubling.h"
+#include "meshtrain/comm/errors.h"
+#include "meshtrain/util/error.h"
+
+namespace meshtrain {
+namespace comm {
+namespace gloo_backend {
+
+namespace {
+
+int64_t payload_bytes(const RoundMessage& m) {
+  int64_t total = 0;
+  for (const RoundEntry& e : m.entries) {
+    for (const RoundPiece& p : e.pieces) total += p.bytes;
+  }
+  return total;
+}
+
+}  // namespace
+
+// MESHTRAIN_GLOO_ROUND: doubling (the default, where it applies) or direct.
+bool doubling_wanted() {
+  const char* v = std::getenv("MESHTRAIN_GLOO_ROUND");
+  const std::string value = v ? v : "";
+  if (value.empty() || value == "doubling") return true;
+  if (value == "direct") return false;
+  throw ConfigError(str_cat("MESHTRAIN_GLOO_ROUND='", value,
+                            "' is not a header round: use doubling (the default) or direct (Note [Doubling round])"));
+}
+
+Round GlooCommunicator::doubling_round(const char* op, const Opening& opening) {
+  const int n = size(), steps = doubling_steps(n);
+  if (static_cast<int>(doubling_recv_.size()) != steps) {
+    doubling_recv_.assign(steps, {});
+    doubling_send_.assign(steps, {});
+    for (int k = 0; k < steps; ++k) doubling_recv_[k].resize(doubling_capacity(n, k, options_.inline_bytes));
+  }
+  std::vector<RoundEntry> held(n);
+  held[rank_] = own_entry(opening);
+  std::vector<Transfer> sends;
+  std::vector<bool> sent(n, false);
+  for (int k = 0; k < steps; ++k) {
+    const int partner = doubling_partner(rank_, k);
+    Transfer in = post_recv(doubling_recv_[k].data(), doubling_recv_[k].size(), partner,
+                            collective_slot(kHeaderSub), OpKind::kVerify);
+    sends.push_back(send_step(step_message(opening.header, held, rank_, k), k, partner, opening));
+    sent[partner] = true;
+    const std::string problem = receive_step(in, k, partner, op, opening, held);
+    if (!problem.empty()) alarm_and_raise(problem, opening, held, sent, sends);
+  }
+  wait_all(sends);
+  return round_of(held, opening);
+}
+
+// This rank's entry: one payload for every peer when inline_for gives the
+// same tensor for each (all_gather, all_reduce, broadcast), else one per peer.
+RoundEntry GlooCommunicator::own_entry(const Opening& opening) const {
+  RoundEntry e;
+  e.known = true;
+  e.header = opening.header;
+  e.header.inline_bytes = 0;
+  if (!opening.inline_for) return e;
+  std::vector<const at::Tensor*> per_peer(size(), nullptr);
+  bool uniform = true;
+  const int first = rank_ == 0 ? 1 : 0;
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_) continue;
+    per_peer[p] = opening.inline_for(p);
+    uniform = uniform && per_peer[p] == per_peer[first];
+  }
+  auto piece = [](int dest, const at::Tensor* t) {
+    return RoundPiece{dest, static_cast<const uint8_t*>(t->data_ptr()), static_cast<int64_t>(t->nbytes())};
+  };
+  for (int p = 0; p < size(); ++p) {
+    const at::Tensor* t = per_peer[p];
+    if (p == rank_ || !t || t->nbytes() == 0) continue;
+    e.pieces.push_back(piece(uniform ? -1 : p, t));
+    if (uniform) break;
+  }
+  return e;
+}
+
+Transfer GlooCommunicator::send_step(const RoundMessage& m, int step, int partner, const Opening& opening) {
+  std::vector<uint8_t>& buffer = doubling_send_[step];
+  const size_t bytes = encoded_size(m);
+  if (bytes > doubling_recv_[step].size()) {
+    throw CommError(str_cat(where(running_op()), ": a round message of ", bytes, " bytes exceeds the ",
+                            doubling_recv_[step].size(), " a receiver posts (a bug: Note [Doubling round])"));
+  }
+  buffer.resize(bytes);
+  encode(m, buffer.data());
+  // Payloads count as the operation's traffic, the rest as verification.
+  const int64_t payload = payload_bytes(m);
+  count(OpKind::kVerify, partner, -payload, 0);
+  count(static_cast<OpKind>(opening.header.kind), partner, payload, 0);
+  return post_send(buffer.data(), bytes, partner, collective_slot(kHeaderSub), OpKind::kVerify);
+}
+
+// Waits for the partner's message of `step` and takes what it carries into
+// `held`; a mismatch (or the partner's alarm) as the MismatchError's text.
+std::string GlooCommunicator::receive_step(Transfer& in, int step, int partner, const char* op,
+                                           const Opening& opening, std::vector<RoundEntry>& held) {
+  const int64_t capacity = static_cast<int64_t>(in.bytes);
+  try {
+    wait(in);
+  } catch (const MismatchError& e) {  // larger than this collective's: another collective
+    return e.what();
+  }
+  const uint8_t* buffer = doubling_recv_[step].data();
+  Header sender;
+  if (decode_sender(buffer, capacity, sender) && !held[partner].known) {
+    held[partner].known = true;  // what a direct round's message says; the full one replaces it below
+    held[partner].header = sender;
+  }
+  std::string problem = known_mismatch(held, opening);
+  if (!problem.empty()) return str_cat(where(op), ": ", problem);
+  RoundMessage m;
+  if (!decode(buffer, capacity, size(), m)) {
+    return str_cat(where(op), ": ", peer_name(partner), " sent a header round this rank cannot read",
+                   " (do all ranks set MESHTRAIN_GLOO_ROUND alike?)");
+  }
+  const int64_t payload = payload_bytes(m);
+  count(OpKind::kVerify, partner, 0, static_cast<int64_t>(encoded_size(m)) - payload - capacity);
+  count(static_cast<OpKind>(opening.header.kind), partner, 0, payload);
+  absorb(held, m);
+  problem = known_mismatch(held, opening);
+  if (problem.empty() && m.alarm) {
+    problem = str_cat(peer_name(partner), " found that the ranks called different collectives or passed different ",
+                      "arguments (every rank must call collectives in the same order)");
+  }
+  return problem.empty() ? problem : str_cat(where(op), ": ", problem);
+}
+
+// The first difference among the headers this rank knows, by the rules of the final comparison.
+std::string GlooCommunicator::known_mismatch(const std::vector<RoundEntry>& held, const Opening& opening) const {
+  std::vector<Header> all(size());
+  std::vector<bool> known(size(), false);
+  for (int o = 0; o < size(); ++o) {
+    if (!held[o].known) continue;
+    all[o] = held[o].header;
+    if (opening.ignore) opening.ignore(all[o]);
+    known[o] = true;
+  }
+  return header_mismatch(all, opening.same_shape, global_ranks(), known);
+}
+
+// Tells every peer not yet sent to in this round (it may be waiting for this
+// rank in a round of another pattern), waits until every message of this
+// round has left, and raises.
+void GlooCommunicator::alarm_and_raise(const std::string& what, const Opening& opening,
+                                       const std::vector<RoundEntry>& held, const std::vector<bool>& sent,
+                                       std::vector<Transfer>& sends) {
+  RoundMessage alarm;
+  alarm.sender = opening.header;
+  alarm.sender.inline_bytes = 0;
+  alarm.alarm = true;
+  alarm.entries.resize(size());
+  for (int o = 0; o < size(); ++o) {
+    alarm.entries[o].known = held[o].known;
+    alarm.entries[o].header = held[o].header;
+  }
+  alarm_buffer_.resize(encoded_size(alarm));
+  encode(alarm, alarm_buffer_.data());
+  for (int p = 0; p < size(); ++p) {
+    if (p == rank_ || sent[p]) continue;
+    sends.push_back(post_send(alarm_buffer_.data(), alarm_buffer_.size(), p, collective_slot(kHeaderSub),
+                              OpKind::kVerify));
+  }
+  // A peer that raised first may have closed its links already: a send that
+  // fails is no news (and must not wait for the failure watcher, as wait() does).
+  for (Transfer& s : sends) {
+    if (s.req) links_->wait(*s.req, options_.timeout);
+  }
+  throw MismatchError(what);
+}
+
+Round GlooCommunicator::round_of(const std::vector<RoundEntry>& held, const Opening& opening) const {
+  Round round;
+  round.headers.assign(size(), Header());
+  round.payload.assign(size(), nullptr);
+  for (int o = 0; o < size(); ++o) {
+    if (o == rank_) {
+      round.headers[o] = opening.header;
+      continue;
+    }
+    if (!held[o].known) throw CommError(str_cat(where(running_op()), ": the header round missed rank ", o));
+    round.headers[o] = held[o].header;
+    const RoundPiece* piece = piece_for(held[o], rank_);
+    round.headers[o].inline_bytes = piece ? piece->bytes : 0;
+    if (piece && piece->bytes > options_.inline_bytes) {
+      throw CommError(str_cat(where(running_op()), ": malformed header round: ", piece->bytes,
+                              " inline bytes from rank ", o));
+    }
+    if (piece && piece->bytes > 0) round.payload[o] = piece->data;
+  }
+  return round;
+}
+
+}  // namespace gloo_backend
+}  // namespace comm
+}  // namespace meshtrain
