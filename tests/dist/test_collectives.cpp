@@ -49,7 +49,8 @@ std::string tag(const char* op, torch::Dtype dt, int64_t numel) {
 
 // A backend, a world size, and which path the tensors of these tests take:
 // small (gloo: inside the header round; shm: one step) or large (gloo: the
-// ring algorithms, inline_bytes 0, and gloo_direct: the direct ones; shm: the
+// ring algorithms and the chain broadcast, inline_bytes 0, and gloo_direct:
+// the direct ones; shm: the
 // chunked algorithms, with buffers so small that the tests' tensors span many
 // chunks and rings; hier: the three-phase all_reduce at every size). The MPI
 // backend runs the same tests as MpiCollectives (at the end of this file).
@@ -82,7 +83,10 @@ meshtrain::testing::RankOptions options_for(const Case& c) {
     options.env.push_back("MESHTRAIN_GLOO_TRANSPORT=gloo");
   } else {
     options.env.push_back("MESHTRAIN_BACKEND=" + backend);
-    if (backend == "gloo" && c.large) options.env.push_back("MESHTRAIN_GLOO_RING_KB=0");  // the ring
+    if (backend == "gloo" && c.large) {
+      options.env.push_back("MESHTRAIN_GLOO_RING_KB=0");   // the ring
+      options.env.push_back("MESHTRAIN_GLOO_CHAIN_KB=0");  // broadcasts down the chain
+    }
   }
   if (c.large) {
     options.inline_bytes = 0;

@@ -160,7 +160,8 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
       prefix_(store_prefix),
-      ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)) {  // unset: never (Note [Gloo algorithms])
+      ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)),  // unset: never (Note [Gloo algorithms])
+      chain_bytes_(env_kib("MESHTRAIN_GLOO_CHAIN_KB", int64_t(1) << 20)) {  // Note [Broadcast down a chain]
   if (use_links()) {
     connect_links();
     doubling_ = doubling_applies(size()) && doubling_wanted();

@@ -235,6 +235,9 @@ class GlooCommunicator final : public QueuedCommunicator {
   // ---- the algorithms' building blocks (algorithms.cpp)
   void reduce_received(at::Tensor work, int root, ReduceOp op);
   void broadcast_direct(at::Tensor work, int root);
+  // Root to rank +1 to rank +2 ..., in pieces each rank forwards as it
+  // receives them (Note [Broadcast down a chain]).
+  void broadcast_chain(at::Tensor work, int root);
   void direct_all_reduce(at::Tensor flat, ReduceOp op);
   void ring_all_reduce(at::Tensor flat, ReduceOp op);
   void ring_reduce_scatter(const at::Tensor& flat_in, at::Tensor out,
@@ -255,6 +258,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   at::Tensor scratch(int64_t offset, int64_t numel, const at::Tensor& like);
   // Ring or direct for a collective of `bytes` (see Note [Gloo algorithms]).
   bool use_ring(int64_t bytes) const { return size() > 2 && bytes >= ring_bytes_; }
+  bool use_chain(int64_t bytes) const { return size() > 2 && bytes >= chain_bytes_; }
 
   std::shared_ptr<Process> process_;
   // The transport (Note [Gloo transports]): meshtrain's TCP links, or libgloo's.
@@ -264,6 +268,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   int splits_ = 0;
   std::vector<bool> remote_;  // per member: on another host
   int64_t ring_bytes_;        // collectives of at least this size take the ring (MESHTRAIN_GLOO_RING_KB)
+  int64_t chain_bytes_;       // broadcasts of at least this size go down a chain (MESHTRAIN_GLOO_CHAIN_KB)
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
   // Header rounds go by doubling: the links, n = 2^L in 4..64, MESHTRAIN_GLOO_ROUND unset or doubling.
