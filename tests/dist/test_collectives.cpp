@@ -569,6 +569,8 @@ INSTANTIATE_TEST_SUITE_P(Large, CollectiveValues, ::testing::ValuesIn(every_case
 INSTANTIATE_TEST_SUITE_P(Small, Collectives, ::testing::ValuesIn(every_case(false)), case_name);
 INSTANTIATE_TEST_SUITE_P(Large, Collectives, ::testing::ValuesIn(every_case(true)), case_name);
 INSTANTIATE_TEST_SUITE_P(Small, SmallPayloads, ::testing::ValuesIn(every_case(false)), case_name);
+// 8 ranks: the doubling header round's three steps (Note [Doubling round]), 4 covering two.
+INSTANTIATE_TEST_SUITE_P(Doubling, CollectiveValues, ::testing::Values(Case{"gloo", 8, false}), case_name);
 
 // The MPI backend runs every test above, at every world size, in one mpirun
 // job per world size: a job costs ~1 s to start (mpirun, then libtorch's
