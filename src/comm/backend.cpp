@@ -180,6 +180,15 @@ std::chrono::microseconds env_us(const char* name, std::chrono::microseconds fal
   return std::chrono::microseconds(env_integer(name, fallback.count(), 0, 1000000, "a time in microseconds"));
 }
 
+bool env_choice(const char* name, const char* preferred, const char* other, const char* what, const char* see) {
+  const char* v = std::getenv(name);
+  const std::string value = v ? v : "";
+  if (value.empty() || value == preferred) return true;
+  if (value == other) return false;
+  throw ConfigError(str_cat(name, "='", value, "' is not ", what, ": use ", preferred, " (the default) or ", other, " (",
+                            see, ")"));
+}
+
 int available_cores() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);

@@ -68,6 +68,10 @@ constexpr int64_t kNoMaxKib = INT64_MAX >> 10;
 int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb = 0, int64_t max_kb = kNoMaxKib);
 // A spin budget: the environment variable `name` in microseconds (0 to 1 s), or `fallback`.
 std::chrono::microseconds env_us(const char* name, std::chrono::microseconds fallback);
+// A backend's two-way switch: true when the environment variable `name` is
+// unset or `preferred`, false when `other`; ConfigError naming the value,
+// `what` it should be, both choices and `see` (where it is explained) otherwise.
+bool env_choice(const char* name, const char* preferred, const char* other, const char* what, const char* see);
 // Cores this process may run on (its affinity mask).
 int available_cores();
 

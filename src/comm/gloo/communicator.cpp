@@ -135,25 +135,18 @@ void prove_pairs(const Exchange& exchange, int rank, const std::vector<int>& glo
   }
 }
 
+uint64_t p2p_slot(int tag, bool data) {
+  return kP2PBit | (static_cast<uint64_t>(tag) << 1) | (data ? 1 : 0);
+}
+
+}  // namespace
+
 // Note [Gloo transports]
 // The Gloo backend's messages travel over meshtrain's TCP links by default
 // (tcp/links.h: progressed by the waiting thread, eager sends; Note [Links:
 // progress on the waiting thread]), or over libgloo's TCP transport with
 // MESHTRAIN_GLOO_TRANSPORT=gloo. Both carry the same messages in the same
 // slots, so every algorithm, count and error path above them is shared.
-bool use_links() {
-  const char* v = std::getenv("MESHTRAIN_GLOO_TRANSPORT");
-  const std::string value = v ? v : "";
-  if (value.empty() || value == "links") return true;
-  if (value == "gloo") return false;
-  throw ConfigError(str_cat("MESHTRAIN_GLOO_TRANSPORT='", value, "' is not a transport: use links (the default) or gloo"));
-}
-
-uint64_t p2p_slot(int tag, bool data) {
-  return kP2PBit | (static_cast<uint64_t>(tag) << 1) | (data ? 1 : 0);
-}
-
-}  // namespace
 
 GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
                                    int rank, const std::string& store_prefix, CommOptions options)
@@ -162,9 +155,10 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
       prefix_(store_prefix),
       ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)),  // unset: never (Note [Gloo algorithms])
       chain_bytes_(env_kib("MESHTRAIN_GLOO_CHAIN_KB", int64_t(1) << 20)) {  // Note [Broadcast down a chain]
-  if (use_links()) {
+  if (env_choice("MESHTRAIN_GLOO_TRANSPORT", "links", "gloo", "a transport", "Note [Gloo transports]")) {
     connect_links();
-    doubling_ = doubling_applies(size()) && doubling_wanted();
+    doubling_ = doubling_applies(size()) &&
+                env_choice("MESHTRAIN_GLOO_ROUND", "doubling", "direct", "a header round", "Note [Doubling round]");
   } else {
     connect_gloo();
   }

@@ -31,10 +31,6 @@ namespace meshtrain {
 namespace comm {
 namespace gloo_backend {
 
-// MESHTRAIN_GLOO_ROUND: whether header rounds go by doubling where they can
-// (doubling, the default) or direct; a ConfigError naming the value otherwise.
-bool doubling_wanted();
-
 // The slot index (collective_slot) of every collective's header round.
 constexpr int kHeaderSub = 0xffff;
 

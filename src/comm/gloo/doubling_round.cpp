@@ -3,7 +3,6 @@
 // Round as the direct header_round (collectives.cpp), so the collectives'
 // algorithms do not know which ran.
 
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -27,16 +26,6 @@ int64_t payload_bytes(const RoundMessage& m) {
 }
 
 }  // namespace
-
-// MESHTRAIN_GLOO_ROUND: doubling (the default, where it applies) or direct.
-bool doubling_wanted() {
-  const char* v = std::getenv("MESHTRAIN_GLOO_ROUND");
-  const std::string value = v ? v : "";
-  if (value.empty() || value == "doubling") return true;
-  if (value == "direct") return false;
-  throw ConfigError(str_cat("MESHTRAIN_GLOO_ROUND='", value,
-                            "' is not a header round: use doubling (the default) or direct (Note [Doubling round])"));
-}
 
 Round GlooCommunicator::doubling_round(const char* op, const Opening& opening) {
   const int n = size(), steps = doubling_steps(n);
@@ -81,11 +70,13 @@ RoundEntry GlooCommunicator::own_entry(const Opening& opening) const {
   auto piece = [](int dest, const at::Tensor* t) {
     return RoundPiece{dest, static_cast<const uint8_t*>(t->data_ptr()), static_cast<int64_t>(t->nbytes())};
   };
+  auto sends = [](const at::Tensor* t) { return t && t->nbytes() > 0; };
+  if (uniform) {
+    if (sends(per_peer[first])) e.pieces.push_back(piece(-1, per_peer[first]));
+    return e;
+  }
   for (int p = 0; p < size(); ++p) {
-    const at::Tensor* t = per_peer[p];
-    if (p == rank_ || !t || t->nbytes() == 0) continue;
-    e.pieces.push_back(piece(uniform ? -1 : p, t));
-    if (uniform) break;
+    if (p != rank_ && sends(per_peer[p])) e.pieces.push_back(piece(p, per_peer[p]));
   }
   return e;
 }
