@@ -11,6 +11,7 @@
 
 #include "harness.h"
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm/tree_order.h"
 #include "meshtrain/util/shard.h"
 
 // The MPI backend's reading of OpenMPI's eager limit (src/comm/mpi/runtime.h,
@@ -456,9 +457,9 @@ void small_payloads_travel_in_one_round(Communicator& comm) {
     EXPECT_EQ(traffic[OpKind::kVerify].bytes_sent, n == 1 ? 0 : 120);
     EXPECT_EQ(traffic[OpKind::kVerify].bytes_received, 120 * (n - 1));
   } else {
-    // The whole buffer to each peer; by doubling 1 + 2 = 3 buffers (this
-    // rank's, then its partner's and its own), the same bytes.
-    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, 4 * numel * (n - 1));
+    // The whole buffer to each peer; by doubling, folded (Note [Folding
+    // round]), one buffer per step: this rank's, then its pair's sum.
+    EXPECT_EQ(traffic[OpKind::kAllReduce].bytes_sent, 4 * numel * (doubling ? 2 : n - 1));
     // Only the headers remain under "verify": one per peer each way, or by
     // doubling every header the sender knows, each way alike.
     EXPECT_EQ(traffic[OpKind::kVerify].bytes_sent, traffic[OpKind::kVerify].bytes_received);
@@ -471,15 +472,59 @@ void small_payloads_travel_in_one_round(Communicator& comm) {
   traffic = comm.traffic();
   // Each peer gets only its shard: the ring's volume, in one round (mpi: the
   // same bytes leave this rank; its shard arrives, counted once). By doubling
-  // on 4 ranks: first this rank's shards for its partner p = r ^ 1 and for
-  // p ^ 2, then its own and p's shards for r ^ 2; in, p's shards for r and
-  // r ^ 2, then two for r.
-  const int64_t sent = doubling ? counts[r ^ 1] + counts[r ^ 3] + 2 * counts[r ^ 2] : numel - counts[r];
-  const int64_t received = n == 1 ? 0 : doubling ? 3 * counts[r] + counts[r ^ 2] : counts[r] * (mpi ? 1 : n - 1);
+  // on 4 ranks, folded: first this rank's shards for its partner p = r ^ 1
+  // and for p ^ 2, then its pair's sum for r ^ 2 (the same bytes leave); in,
+  // p's shards for r and r ^ 2, then one sum for r.
+  const int64_t sent = numel - counts[r];
+  const int64_t received = n == 1 ? 0 : doubling ? 2 * counts[r] + counts[r ^ 2] : counts[r] * (mpi ? 1 : n - 1);
   EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_sent, 4 * sent);
   EXPECT_EQ(traffic[OpKind::kReduceScatter].bytes_received, 4 * received);
 }
 TEST_P(SmallPayloads, TravelInOneRound) { run(small_payloads_travel_in_one_round); }
+
+// Gloo's small all_reduce and reduce_scatter on 4 and 8 ranks reduce within
+// the doubling round (Note [Folding round]): the balanced tree's sum over rank
+// index, bit for bit what comm::sum_in_tree_order computes in one process,
+// the same bits on every rank; avg divides that sum; bfloat16 keeps the
+// rank-order sum, rounded once.
+torch::Tensor folding_values(int rank, int64_t numel, torch::Dtype dtype) {
+  torch::manual_seed(2000 + rank);  // magnitudes 2^-20 .. 2^20: another order shows in the last bits
+  return (torch::randn({numel}) * torch::pow(2.0, torch::randint(-20, 20, {numel}).to(torch::kFloat))).to(dtype);
+}
+
+void small_sums_fold_in_tree_order(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  const int64_t numel = 1003;  // inline, shards of 250 and 251 elements
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    std::vector<torch::Tensor> all;
+    for (int o = 0; o < n; ++o) all.push_back(folding_values(o, numel, dtype));
+    const auto tree = meshtrain::comm::sum_in_tree_order(all);
+    auto t = folding_values(r, numel, dtype);
+    comm.all_reduce(t);
+    EXPECT_TRUE(torch::equal(t, tree)) << "all_reduce, " << dtype;
+    auto avg = folding_values(r, numel, dtype);
+    comm.all_reduce(avg, ReduceOp::kAvg);
+    EXPECT_TRUE(torch::equal(avg, tree / n)) << "avg, " << dtype;
+    const auto counts = meshtrain::shard_sizes(numel, n);
+    int64_t offset = 0;
+    for (int o = 0; o < r; ++o) offset += counts[o];
+    auto shard = comm.reduce_scatter(folding_values(r, numel, dtype), ReduceOp::kSum, counts);
+    EXPECT_TRUE(torch::equal(shard, tree.narrow(0, offset, counts[r]))) << "reduce_scatter, " << dtype;
+  }
+  // bfloat16: every rank's values added in rank order in float32, rounded
+  // once; a sum rounded at every step of the tree differs in some elements.
+  auto bf16_of = [&](int o) { return (folding_values(o, numel, torch::kFloat) / 1024).to(torch::kBFloat16); };
+  auto exact = torch::zeros({numel});
+  for (int o = 0; o < n; ++o) exact += bf16_of(o).to(torch::kFloat);
+  auto b = bf16_of(r);
+  comm.all_reduce(b);
+  EXPECT_TRUE(torch::equal(b, exact.to(torch::kBFloat16))) << "bfloat16";
+}
+
+class FoldingRound : public CollectiveValues {};
+TEST_P(FoldingRound, SmallSumsFollowTheTree) { run(small_sums_fold_in_tree_order); }
+INSTANTIATE_TEST_SUITE_P(Doubling, FoldingRound, ::testing::Values(Case{"gloo", 4, false}, Case{"gloo", 8, false}),
+                         case_name);
 
 // Sizes around the MPI round's split (a message of header + payload larger
 // than OpenMPI's eager size, less 128 bytes, goes in two where the rest fits

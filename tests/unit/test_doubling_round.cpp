@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -184,4 +185,101 @@ TEST(Headers, AMismatchAmongKnownHeadersSkipsTheUnknown) {
   const std::string text = header_mismatch(all, true, {}, {false, true, false, true});
   EXPECT_NE(text.find("rank 3"), std::string::npos) << text;
   EXPECT_NE(text.find("rank 1"), std::string::npos) << text;
+}
+
+namespace {
+
+// Origin o's value for element i of destination d's part (d = -1: one part for
+// all): doubles whose magnitudes differ by up to 2^40, so that another order
+// of the same additions shows in the last bits.
+double folding_value(int o, int d, int i) {
+  return std::ldexp(1.0 + 0.1 * o + 0.01 * (d + 1) + 0.001 * i, ((o * 7 + d * 3 + i) % 41) - 20);
+}
+
+// The balanced tree's sum over origins [lo, lo + count): what a folding round
+// must compute for destination d.
+double tree_value(int lo, int count, int d, int i) {
+  if (count == 1) return folding_value(lo, d, i);
+  return tree_value(lo, count / 2, d, i) + tree_value(lo + count / 2, count / 2, d, i);
+}
+
+// A folding round on n ranks, simulated as on the wire: every rank ends with
+// the tree's sum for itself (per destination: its own part; else the whole),
+// having sent (n - 1) parts (per destination) or L wholes.
+void expect_folding_sums_the_tree(int n, bool per_destination) {
+  constexpr int kElems = 3;
+  const int parts = per_destination ? n : 1;
+  std::vector<std::vector<double>> own(n), out(n);
+  std::vector<Partials> partials(n);
+  std::vector<std::vector<RoundEntry>> held(n, std::vector<RoundEntry>(n));
+  for (int r = 0; r < n; ++r) {
+    own[r].resize(parts * kElems);
+    out[r].resize(parts * kElems);
+    held[r][r].known = true;
+    held[r][r].header = header_for(r);
+    partials[r].dtype = at::kDouble;
+    for (int p = 0; p < parts; ++p) {
+      const int d = per_destination ? p : -1;
+      for (int i = 0; i < kElems; ++i) own[r][p * kElems + i] = folding_value(r, d, i);
+      partials[r].pieces.push_back({d, reinterpret_cast<const uint8_t*>(&own[r][p * kElems]), kElems * 8});
+      partials[r].into.push_back(reinterpret_cast<uint8_t*>(&out[r][p * kElems]));
+    }
+  }
+  std::vector<int64_t> sent_bytes(n, 0);
+  for (int k = 0; k < doubling_steps(n); ++k) {
+    std::vector<std::vector<uint8_t>> wire(n);
+    for (int r = 0; r < n; ++r) {
+      const RoundMessage m = step_message(held[r][r].header, held[r], r, k, &partials[r].pieces);
+      wire[r].resize(encoded_size(m));
+      ASSERT_LE(static_cast<int64_t>(wire[r].size()), doubling_capacity(n, k, kElems * 8));
+      encode(m, wire[r].data());
+      for (const RoundEntry& e : m.entries)
+        for (const RoundPiece& p : e.pieces) sent_bytes[r] += p.bytes;
+    }
+    for (int r = 0; r < n; ++r) {
+      const int partner = doubling_partner(r, k);
+      RoundMessage m;
+      ASSERT_TRUE(decode(wire[partner].data(), wire[partner].size(), n, m));
+      absorb(held[r], m);
+      ASSERT_EQ(fold_step(partials[r], held[r][partner].pieces, r, k), "") << "rank " << r << " step " << k;
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    for (int o = 0; o < n; ++o) EXPECT_EQ(held[r][o].header.numel, 100 + o);  // every header, as forwarding
+    ASSERT_EQ(partials[r].pieces.size(), 1u);
+    EXPECT_EQ(partials[r].pieces[0].dest, per_destination ? r : -1);
+    const auto* got = reinterpret_cast<const double*>(partials[r].pieces[0].data);
+    for (int i = 0; i < kElems; ++i) {
+      const double want = tree_value(0, n, per_destination ? r : -1, i);
+      EXPECT_EQ(std::memcmp(&got[i], &want, 8), 0) << "element " << i << ": " << got[i] << " vs " << want;
+    }
+    EXPECT_EQ(sent_bytes[r], kElems * 8 * (per_destination ? n - 1 : doubling_steps(n)));
+  }
+}
+
+}  // namespace
+
+TEST(DoublingRound, FoldingSumsTheBalancedTreeInFewerBytes) {
+  for (int n : {4, 8, 16}) {
+    SCOPED_TRACE(n);
+    expect_folding_sums_the_tree(n, /*per_destination=*/false);
+    expect_folding_sums_the_tree(n, /*per_destination=*/true);
+  }
+  // The rank-order sum differs from the tree's in the last bits for these values (so the test can tell them apart).
+  double rank_order = 0;
+  for (int o = 0; o < 8; ++o) rank_order += folding_value(o, -1, 0);
+  EXPECT_NE(rank_order, tree_value(0, 8, -1, 0));
+}
+
+TEST(DoublingRound, AFoldRefusesPartialsOfAnotherSize) {
+  Partials mine;
+  mine.dtype = at::kFloat;
+  float a[4] = {1, 2, 3, 4}, b[3] = {1, 1, 1}, out[4];
+  mine.pieces.push_back({-1, reinterpret_cast<const uint8_t*>(a), 16});
+  mine.into.push_back(reinterpret_cast<uint8_t*>(out));
+  EXPECT_NE(fold_step(mine, {{-1, reinterpret_cast<const uint8_t*>(b), 12}}, 0, 0), "");
+  EXPECT_NE(fold_step(mine, {}, 0, 0), "");
+  EXPECT_EQ(fold_step(mine, {{-1, reinterpret_cast<const uint8_t*>(a), 16}}, 0, 0), "");
+  EXPECT_EQ(out[3], 8.0f);
 }

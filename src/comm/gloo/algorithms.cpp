@@ -96,7 +96,9 @@ at::Tensor GlooCommunicator::scratch(int64_t offset, int64_t numel, const at::Te
 // ---- each collective's algorithm
 
 void GlooCommunicator::all_reduce_algorithm(Collective& c, ReduceOp op) {
-  if (c.small) {  // everyone has everything: combine in rank order, identically everywhere
+  if (c.small && c.round.folded) {  // reduced by the round itself (Note [Folding round])
+    std::memcpy(c.work.data_ptr(), c.round.folded, c.work.nbytes());
+  } else if (c.small) {  // everyone has everything: combine in rank order, identically everywhere
     reduce_inline_pieces(c.work.data_ptr(), c.round, rank_, c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op);
   } else if (use_ring(c.work.nbytes())) {
     ring_all_reduce(c.work.view(-1), op);
@@ -134,7 +136,11 @@ void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor 
                                                 const std::vector<int64_t>& counts, ReduceOp op) {
   if (c.small) {  // `out` is contiguous (flat_output) and may alias this rank's shard of the input
     const void* mine = element_at(c.work, offsets_of(counts)[rank_]);
-    if (counts[rank_] > 0) reduce_inline_pieces(out.data_ptr(), c.round, rank_, mine, counts[rank_], c.work.scalar_type(), op);
+    if (c.round.folded) {  // Note [Folding round]
+      std::memcpy(out.data_ptr(), c.round.folded, counts[rank_] * c.work.element_size());
+    } else if (counts[rank_] > 0) {
+      reduce_inline_pieces(out.data_ptr(), c.round, rank_, mine, counts[rank_], c.work.scalar_type(), op);
+    }
   } else if (use_ring(c.work.nbytes())) {
     ring_reduce_scatter(c.work, out, counts, op);
   } else {

@@ -216,6 +216,7 @@ WorkPtr GlooCommunicator::in_place(at::Tensor tensor, const InPlace& spec,
     opening.inline_for = [&](int p) { return inline_payload(spec, c, p); };
     opening.needed = c.small;
     opening.deferrable = !c.small;
+    opening.fold = c.small && spec.kind == OpKind::kAllReduce && may_fold(c.work.scalar_type());
     DeferredRound deferred(pending_);
     c.round = open(spec.name, opening);
     algorithm(c);
@@ -261,6 +262,7 @@ Collective GlooCommunicator::open_reduce_scatter(const at::Tensor& input, Reduce
   opening.inline_for = [&](int p) { return c.small && counts[p] > 0 ? &shards[p] : nullptr; };
   opening.needed = c.small;
   opening.deferrable = !c.small;
+  opening.fold = c.small && may_fold(c.work.scalar_type());
   c.round = open("reduce_scatter", opening);
   return c;
 }

@@ -38,6 +38,9 @@ constexpr int kHeaderSub = 0xffff;
 struct Round {
   std::vector<Header> headers;          // every rank's, this rank's included
   std::vector<const uint8_t*> payload;  // inline payload received from each peer, or nullptr (valid until the next operation)
+  // A folding round's result for this rank (all_reduce: the whole; reduce_scatter:
+  // its shard), or nullptr (Note [Folding round]; valid until the next operation).
+  const uint8_t* folded = nullptr;
 };
 
 // How a collective opens (see Note [Collective skeleton]): the header this rank
@@ -58,6 +61,9 @@ struct Opening {
   bool deferrable = false;
   // Clears the fields that may differ by rank before the comparison.
   void (*ignore)(Header&) = nullptr;
+  // A doubling round reduces the payloads as it goes (all_reduce, reduce_scatter:
+  // Note [Folding round]); set where the round goes by doubling (GlooCommunicator::may_fold).
+  bool fold = false;
 };
 
 // A running collective, as the skeleton hands it to an algorithm.
@@ -179,6 +185,9 @@ class GlooCommunicator final : public QueuedCommunicator {
   // the same Round as header_round; a MismatchError on every rank of a round with another pattern too.
   Round doubling_round(const char* op, const Opening& opening);
   RoundEntry own_entry(const Opening& opening) const;
+  Partials own_partials(const Opening& opening);
+  // Whether a small collective of `dtype` with its payload in the round folds it.
+  bool may_fold(at::ScalarType dtype) const { return doubling_ && folds(dtype); }
   Transfer send_step(const RoundMessage& m, int step, int partner, const Opening& opening);
   std::string receive_step(Transfer& in, int step, int partner, const char* op, const Opening& opening,
                            std::vector<RoundEntry>& held);
@@ -271,6 +280,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   bool doubling_ = false;
   std::vector<std::vector<uint8_t>> doubling_send_, doubling_recv_;  // per step, reused
   std::vector<uint8_t> alarm_buffer_;
+  std::vector<uint8_t> fold_buffer_;  // a folding round's partial results, reused
   at::Tensor scratch_;  // see scratch()
   std::unique_ptr<PendingRound> pending_;  // a deferred header round, settled by the next wait
 };

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../reduce.h"
+
 namespace meshtrain {
 namespace comm {
 namespace gloo_backend {
@@ -75,7 +77,8 @@ int64_t doubling_capacity(int n, int step, int64_t inline_bytes) {
   return static_cast<int64_t>(kPrefix + origins * kEntryHead) + pieces * static_cast<int64_t>(kPieceHead + padded(inline_bytes));
 }
 
-RoundMessage step_message(const Header& mine, const std::vector<RoundEntry>& held, int rank, int step) {
+RoundMessage step_message(const Header& mine, const std::vector<RoundEntry>& held, int rank, int step,
+                          const std::vector<RoundPiece>* partials) {
   RoundMessage m;
   m.sender = mine;
   m.sender.inline_bytes = 0;
@@ -85,11 +88,38 @@ RoundMessage step_message(const Header& mine, const std::vector<RoundEntry>& hel
     RoundEntry& e = m.entries[o];
     e.known = true;
     e.header = held[o].header;
-    for (const RoundPiece& p : held[o].pieces) {
+    if (partials && static_cast<int>(o) != rank) continue;  // a folding round's payloads ride on the sender's entry
+    for (const RoundPiece& p : partials ? *partials : held[o].pieces) {
       if (p.dest < 0 || towards_partner(p.dest, rank, step)) e.pieces.push_back(p);
     }
   }
   return m;
+}
+
+bool folds(at::ScalarType dtype) { return dtype != at::kHalf && dtype != at::kBFloat16; }
+
+std::string fold_step(Partials& mine, const std::vector<RoundPiece>& theirs, int rank, int step) {
+  const bool mine_first = ((rank >> step) & 1) == 0;  // this rank's group is the lower one
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(mine.dtype));
+  size_t kept = 0;
+  for (size_t i = 0; i < mine.pieces.size(); ++i) {
+    RoundPiece p = mine.pieces[i];
+    if (p.dest >= 0 && towards_partner(p.dest, rank, step)) continue;  // the partner's side: sent, not kept
+    const RoundPiece* other = nullptr;
+    for (const RoundPiece& t : theirs) {
+      if (t.dest == p.dest) other = &t;
+    }
+    if (!other || other->bytes != p.bytes) return "a partial result of another size than this rank's";
+    reduce_into(mine.into[i], mine_first ? p.data : other->data, mine_first ? other->data : p.data, p.bytes / elem,
+                mine.dtype, mine.op);
+    p.data = mine.into[i];
+    mine.pieces[kept] = p;
+    mine.into[kept++] = mine.into[i];
+  }
+  if (kept != theirs.size()) return "partial results for destinations this rank does not serve";
+  mine.pieces.resize(kept);
+  mine.into.resize(kept);
+  return "";
 }
 
 void absorb(std::vector<RoundEntry>& held, const RoundMessage& message) {

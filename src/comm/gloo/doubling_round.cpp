@@ -3,6 +3,7 @@
 // Round as the direct header_round (collectives.cpp), so the collectives'
 // algorithms do not know which ran.
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -36,19 +37,66 @@ Round GlooCommunicator::doubling_round(const char* op, const Opening& opening) {
   }
   std::vector<RoundEntry> held(n);
   held[rank_] = own_entry(opening);
+  Partials partials;
+  if (opening.fold) partials = own_partials(opening);
   std::vector<Transfer> sends;
   std::vector<bool> sent(n, false);
   for (int k = 0; k < steps; ++k) {
     const int partner = doubling_partner(rank_, k);
     Transfer in = post_recv(doubling_recv_[k].data(), doubling_recv_[k].size(), partner,
                             collective_slot(kHeaderSub), OpKind::kVerify);
-    sends.push_back(send_step(step_message(opening.header, held, rank_, k), k, partner, opening));
+    sends.push_back(send_step(step_message(opening.header, held, rank_, k, opening.fold ? &partials.pieces : nullptr),
+                              k, partner, opening));
     sent[partner] = true;
-    const std::string problem = receive_step(in, k, partner, op, opening, held);
+    std::string problem = receive_step(in, k, partner, op, opening, held);
+    if (problem.empty() && opening.fold) {  // headers agree so far: the partials have this rank's sizes
+      problem = fold_step(partials, held[partner].pieces, rank_, k);
+      if (!problem.empty()) problem = str_cat(where(op), ": ", peer_name(partner), " sent ", problem);
+      held[partner].pieces.clear();
+    }
     if (!problem.empty()) alarm_and_raise(problem, opening, held, sent, sends);
   }
   wait_all(sends);
-  return round_of(held, opening);
+  Round round = round_of(held, opening);
+  if (opening.fold) {
+    // What is left is this rank's result: the whole (all_reduce), its own shard, or nothing (an empty one).
+    if (partials.pieces.size() > 1 || (partials.pieces.size() == 1 && partials.pieces[0].dest >= 0 &&
+                                       partials.pieces[0].dest != rank_)) {
+      throw CommError(str_cat(where(op), ": a folding round ended with results for other ranks (a bug)"));
+    }
+    if (!partials.pieces.empty()) round.folded = partials.pieces[0].data;
+  }
+  return round;
+}
+
+// A folding round's start (Note [Folding round]): this rank's own data as the
+// partial results, one for all or one per destination (its own shard
+// included), each combined into its place in fold_buffer_.
+Partials GlooCommunicator::own_partials(const Opening& opening) {
+  Partials p;
+  p.dtype = static_cast<at::ScalarType>(opening.header.dtype);
+  const auto op = static_cast<ReduceOp>(opening.header.op);
+  p.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;  // the algorithm divides at the end
+  std::vector<const at::Tensor*> per_dest(size());
+  bool uniform = true;
+  for (int d = 0; d < size(); ++d) {
+    per_dest[d] = opening.inline_for(d);
+    uniform = uniform && per_dest[d] == per_dest[0];
+  }
+  int64_t total = 0;
+  for (int d = uniform ? -1 : 0; d < (uniform ? 0 : size()); ++d) {
+    const at::Tensor* t = per_dest[std::max(d, 0)];
+    if (!t || t->nbytes() == 0) continue;
+    p.pieces.push_back(RoundPiece{d, static_cast<const uint8_t*>(t->data_ptr()), static_cast<int64_t>(t->nbytes())});
+    total += p.pieces.back().bytes;
+  }
+  fold_buffer_.resize(total);
+  int64_t at = 0;
+  for (const RoundPiece& piece : p.pieces) {
+    p.into.push_back(fold_buffer_.data() + at);
+    at += piece.bytes;
+  }
+  return p;
 }
 
 // This rank's entry: one payload for every peer when inline_for gives the
