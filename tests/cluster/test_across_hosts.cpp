@@ -152,11 +152,16 @@ double inter_host_bytes(const Value& m, const std::string& axis) {
 //     reduce-scatter and all-gather] in src/comm/hier/communicator.cpp), each
 //     (H - 1) S: 2 (H - 1) S, as DDP;
 //   ZeRO-3: the parameters gathered in the forward and again in the
-//     backward, the gradients reduce-scattered, unit by unit: (n - L)(3 S - E),
-//     where E is the unit the backward starts with, still gathered from the
-//     forward (the tied token embedding and the positions: (vocab + seq_len) x
-//     hidden floats). On both backends: this model's units are each below
-//     MESHTRAIN_HIER_MIN_KB (64 KiB), so the hierarchical backend runs them flat.
+//     backward, unit by unit: (n - L)(2 S - E), where E is the unit the
+//     backward starts with, still gathered from the forward (the tied token
+//     embedding and the positions: (vocab + seq_len) x hidden floats); the
+//     gradients reduce-scattered: each unit's shards fit inline_bytes, so on
+//     4 ranks the Gloo round folds them (Note [Folding round]): at step k a
+//     rank sends S / 2^(k+1) to rank ^ 2^k, on another host from step log2 L
+//     on, (H - 1) S in all (where the direct round sent (n - L) S; on 3 ranks,
+//     no doubling, direct's (n - L) S is the same number, L being 1). On both
+//     backends: this model's units are each below MESHTRAIN_HIER_MIN_KB
+//     (64 KiB), so the hierarchical backend runs them flat.
 // -1 where this note has no closed form.
 double data_axis_formula(const Layout& l, double grad_bytes) {
   const std::string name = l.strategy.name;
@@ -164,7 +169,8 @@ double data_axis_formula(const Layout& l, double grad_bytes) {
   if (name == "ddp") return l.per_host > 1 ? 2.0 * (h - 1) * grad_bytes : 2.0 * (n - per_host) * grad_bytes;
   if (name == "zero1" || name == "zero2")
     return l.per_host > 1 ? 2.0 * (h - 1) * grad_bytes : 2.0 * (n - per_host) * grad_bytes;
-  if (name == "zero3") return (n - per_host) * (3 * grad_bytes - 4.0 * (64 + 16) * 32);  // kTiny's vocab, seq_len, hidden
+  if (name == "zero3")  // E: kTiny's vocab, seq_len, hidden
+    return (n - per_host) * (2 * grad_bytes - 4.0 * (64 + 16) * 32) + (h - 1) * grad_bytes;
   return -1;
 }
 

@@ -14,12 +14,20 @@
 //   hierarchical: only the L slices' all-reduces cross hosts, each on H ranks
 //     (2 (H - 1) x slice): 2 (H - 1) S in all, L times fewer than gloo.
 //   verification: gloo sends a 120-byte Header to every peer before the
-//     gradients; hierarchical all-gathers the same header over all ranks
-//     (header + 120 bytes inline): n (n - L) x 120 or x 240.
+//     gradients: n (n - L) x 120. hierarchical all-gathers the same header
+//     over all ranks (120 bytes inline in the round) on its Gloo
+//     communicator of every rank, whose round on 4 ranks goes by doubling
+//     (Note [Doubling round]): only its last step crosses the hosts, one
+//     message per rank carrying a prefix (the sender's header, flags, count:
+//     120 + 8) and its group's L entries (origin, piece count, header: 8 +
+//     120; piece head 16, payload 120): n (128 + L x 264).
 //   three small all-reduces of one double each (the loss over dp, the
-//     gradient norm over the world, the logged loss), each a header and the
-//     value to every peer: 3 n (n - L) (120 + 8). meshtrain's traffic figures
-//     leave them out (they are not on a mesh axis), the kernel does not.
+//     gradient norm over the world, the logged loss), on the Gloo
+//     communicator of every rank (either backend), folded in that doubling
+//     round (Note [Folding round]): in the crossing step each rank sends the
+//     prefix, its group's L headers and one partial sum (16 + 8):
+//     3 n (128 + L x 128 + 24). meshtrain's traffic figures leave them out
+//     (they are not on a mesh axis), the kernel does not.
 // The kernel's bytes include each frame's headers (Ethernet 14, IPv4 20, TCP
 // with timestamps 32: 66 bytes); a veth link hands whole TCP segments of up to
 // 64 KiB (GSO), so the frames are fewer than an MTU of 1500 would make them.
@@ -55,6 +63,8 @@ constexpr int kHostCount = 2, kPerHost = 2, kRanks = kHostCount * kPerHost;
 constexpr int kShort = 2, kLong = 10;  // steps; the difference leaves out start-up and the first step
 constexpr double kFrameHeaders = 14 + 20 + 32;
 constexpr double kHeader = 120, kSmallAllReduces = 3, kDouble = 8;
+// The doubling round's framing (src/comm/gloo/doubling.cpp): a message's prefix, an entry's head, a piece's head.
+constexpr double kRoundPrefix = kHeader + 8, kRoundEntry = 8 + kHeader, kRoundPiece = 16;
 
 // Bytes per step that cross hosts, both directions (Note [Cross-host bytes]).
 struct Formula {
@@ -68,8 +78,8 @@ Formula formula(const std::string& backend, double grad_bytes) {
   const double remote_pairs = n * (n - l);
   Formula f;
   f.gradients = backend == "gloo" ? 2.0 * (n - l) * grad_bytes : 2.0 * (h - 1) * grad_bytes;
-  f.verify = remote_pairs * (backend == "gloo" ? kHeader : 2 * kHeader);
-  f.small = kSmallAllReduces * remote_pairs * (kHeader + kDouble);
+  f.verify = backend == "gloo" ? remote_pairs * kHeader : n * (kRoundPrefix + l * (kRoundEntry + kRoundPiece + kHeader));
+  f.small = kSmallAllReduces * n * (kRoundPrefix + l * kRoundEntry + kRoundPiece + kDouble);
   return f;
 }
 
