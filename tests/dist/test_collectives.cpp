@@ -79,6 +79,7 @@ meshtrain::testing::RankOptions options_for(const Case& c) {
     if (c.large) options.env.push_back("MESHTRAIN_HIER_MIN_KB=0");  // every all_reduce takes the hierarchical path
   } else if (backend == "gloo_direct") {
     options.env.push_back("MESHTRAIN_BACKEND=gloo");  // the default algorithms above inline_bytes
+    options.env.push_back("MESHTRAIN_GLOO_PIECE_KB=1");  // the pipelined all-reduce in several pieces per shard
   } else if (backend == "libgloo") {  // the Gloo backend on libgloo's transport (Note [Gloo transports])
     options.env.push_back("MESHTRAIN_BACKEND=gloo");
     options.env.push_back("MESHTRAIN_GLOO_TRANSPORT=gloo");

@@ -154,7 +154,8 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
       process_(std::move(process)),
       prefix_(store_prefix),
       ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)),  // unset: never (Note [Gloo algorithms])
-      chain_bytes_(env_kib("MESHTRAIN_GLOO_CHAIN_KB", int64_t(1) << 20)) {  // Note [Broadcast down a chain]
+      chain_bytes_(env_kib("MESHTRAIN_GLOO_CHAIN_KB", int64_t(1) << 20)),  // Note [Broadcast down a chain]
+      piece_bytes_(env_kib("MESHTRAIN_GLOO_PIECE_KB", int64_t(1) << 20)) {  // Note [Pipelined all-reduce]
   if (env_choice("MESHTRAIN_GLOO_TRANSPORT", "links", "gloo", "a transport", "Note [Gloo transports]")) {
     connect_links();
     doubling_ = doubling_applies(size()) &&

@@ -243,6 +243,8 @@ class GlooCommunicator final : public QueuedCommunicator {
   // Root to rank +1 to rank +2 ..., in pieces each rank forwards as it
   // receives them (Note [Broadcast down a chain]).
   void broadcast_chain(at::Tensor work, int root);
+  // Reduce-scatter and all-gather in pieces, each reduced and sent on as it
+  // arrives (Note [Pipelined all-reduce]).
   void direct_all_reduce(at::Tensor flat, ReduceOp op);
   void ring_all_reduce(at::Tensor flat, ReduceOp op);
   void ring_reduce_scatter(const at::Tensor& flat_in, at::Tensor out,
@@ -274,6 +276,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   std::vector<bool> remote_;  // per member: on another host
   int64_t ring_bytes_;        // collectives of at least this size take the ring (MESHTRAIN_GLOO_RING_KB)
   int64_t chain_bytes_;       // broadcasts of at least this size go down a chain (MESHTRAIN_GLOO_CHAIN_KB)
+  int64_t piece_bytes_;       // the direct all-reduce's pieces (MESHTRAIN_GLOO_PIECE_KB)
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
   // Header rounds go by doubling: the links, n = 2^L in 4..64, MESHTRAIN_GLOO_ROUND unset or doubling.
