@@ -31,5 +31,8 @@ inline void reduce_into(void* out, const void* a, const void* b, int64_t count, 
   reduce_into(out, in, 2, count, dtype, op);
 }
 
+// The op a partial reduction applies: kAvg sums, and whoever holds the whole sum divides it once.
+inline ReduceOp summing(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
+
 }  // namespace comm
 }  // namespace meshtrain

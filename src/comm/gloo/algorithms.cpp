@@ -46,8 +46,6 @@ namespace gloo_backend {
 namespace {
 
 // kAvg sums first; finish_avg() divides once every contribution is in.
-ReduceOp summing(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
-
 // acc := acc op in, elementwise (both contiguous, same dtype and size).
 void reduce_inplace(at::Tensor acc, const at::Tensor& in, ReduceOp op) {
   reduce_into(acc.data_ptr(), acc.data_ptr(), in.data_ptr(), acc.numel(), acc.scalar_type(), summing(op));
@@ -301,7 +299,6 @@ void GlooCommunicator::broadcast_chain(at::Tensor work, int root) {
   wait_all(out);
 }
 
-// Direct reduce-scatter into this rank's shard of `flat`, then direct all-gather of the shards.
 // Note [Pipelined all-reduce]
 // The direct all-reduce in pieces of piece_bytes_ (MESHTRAIN_GLOO_PIECE_KB,
 // 1 MiB): every rank posts its receives at once (each peer's piece j of its

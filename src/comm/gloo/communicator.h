@@ -186,6 +186,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   Round doubling_round(const char* op, const Opening& opening);
   RoundEntry own_entry(const Opening& opening) const;
   Partials own_partials(const Opening& opening);
+  std::vector<RoundPiece> own_pieces(const Opening& opening, bool with_own) const;
   // Whether a small collective of `dtype` with its payload in the round folds it.
   bool may_fold(at::ScalarType dtype) const { return doubling_ && folds(dtype); }
   Transfer send_step(const RoundMessage& m, int step, int partner, const Opening& opening);

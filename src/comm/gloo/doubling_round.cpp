@@ -3,12 +3,12 @@
 // Round as the direct header_round (collectives.cpp), so the collectives'
 // algorithms do not know which ran.
 
-#include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "communicator.h"
 #include "doubling.h"
+#include "../reduce.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
 
@@ -75,21 +75,10 @@ Round GlooCommunicator::doubling_round(const char* op, const Opening& opening) {
 Partials GlooCommunicator::own_partials(const Opening& opening) {
   Partials p;
   p.dtype = static_cast<at::ScalarType>(opening.header.dtype);
-  const auto op = static_cast<ReduceOp>(opening.header.op);
-  p.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;  // the algorithm divides at the end
-  std::vector<const at::Tensor*> per_dest(size());
-  bool uniform = true;
-  for (int d = 0; d < size(); ++d) {
-    per_dest[d] = opening.inline_for(d);
-    uniform = uniform && per_dest[d] == per_dest[0];
-  }
+  p.op = summing(static_cast<ReduceOp>(opening.header.op));  // avg: the algorithm divides at the end
+  p.pieces = own_pieces(opening, /*with_own=*/true);
   int64_t total = 0;
-  for (int d = uniform ? -1 : 0; d < (uniform ? 0 : size()); ++d) {
-    const at::Tensor* t = per_dest[std::max(d, 0)];
-    if (!t || t->nbytes() == 0) continue;
-    p.pieces.push_back(RoundPiece{d, static_cast<const uint8_t*>(t->data_ptr()), static_cast<int64_t>(t->nbytes())});
-    total += p.pieces.back().bytes;
-  }
+  for (const RoundPiece& piece : p.pieces) total += piece.bytes;
   fold_buffer_.resize(total);
   int64_t at = 0;
   for (const RoundPiece& piece : p.pieces) {
@@ -99,34 +88,44 @@ Partials GlooCommunicator::own_partials(const Opening& opening) {
   return p;
 }
 
-// This rank's entry: one payload for every peer when inline_for gives the
-// same tensor for each (all_gather, all_reduce, broadcast), else one per peer.
+// This rank's entry: its header, and its payloads unless the round folds them.
 RoundEntry GlooCommunicator::own_entry(const Opening& opening) const {
   RoundEntry e;
   e.known = true;
   e.header = opening.header;
   e.header.inline_bytes = 0;
-  if (!opening.inline_for) return e;
-  std::vector<const at::Tensor*> per_peer(size(), nullptr);
-  bool uniform = true;
-  const int first = rank_ == 0 ? 1 : 0;
-  for (int p = 0; p < size(); ++p) {
-    if (p == rank_) continue;
-    per_peer[p] = opening.inline_for(p);
-    uniform = uniform && per_peer[p] == per_peer[first];
+  if (!opening.fold) e.pieces = own_pieces(opening, /*with_own=*/false);
+  return e;
+}
+
+// One payload for every destination when inline_for gives the same tensor for
+// each (all_gather, all_reduce, broadcast), else one per destination; this
+// rank's own destination only `with_own` (a fold's own share).
+std::vector<RoundPiece> GlooCommunicator::own_pieces(const Opening& opening, bool with_own) const {
+  std::vector<RoundPiece> pieces;
+  if (!opening.inline_for) return pieces;
+  std::vector<const at::Tensor*> per_dest(size(), nullptr);
+  const at::Tensor* first = nullptr;
+  bool uniform = true, seen = false;
+  for (int d = 0; d < size(); ++d) {
+    if (d == rank_ && !with_own) continue;
+    per_dest[d] = opening.inline_for(d);
+    if (!seen) first = per_dest[d];
+    seen = true;
+    uniform = uniform && per_dest[d] == first;
   }
   auto piece = [](int dest, const at::Tensor* t) {
     return RoundPiece{dest, static_cast<const uint8_t*>(t->data_ptr()), static_cast<int64_t>(t->nbytes())};
   };
   auto sends = [](const at::Tensor* t) { return t && t->nbytes() > 0; };
   if (uniform) {
-    if (sends(per_peer[first])) e.pieces.push_back(piece(-1, per_peer[first]));
-    return e;
+    if (sends(first)) pieces.push_back(piece(-1, first));
+    return pieces;
   }
-  for (int p = 0; p < size(); ++p) {
-    if (p != rank_ && sends(per_peer[p])) e.pieces.push_back(piece(p, per_peer[p]));
+  for (int d = 0; d < size(); ++d) {
+    if ((d != rank_ || with_own) && sends(per_dest[d])) pieces.push_back(piece(d, per_dest[d]));
   }
-  return e;
+  return pieces;
 }
 
 Transfer GlooCommunicator::send_step(const RoundMessage& m, int step, int partner, const Opening& opening) {
