@@ -139,6 +139,68 @@ TEST(TcpLinks, LargeMessagesBothWaysAtOnceWhileReceivesArePostedLate) {
   EXPECT_EQ(in1, out0);
 }
 
+// Note [Large messages wait in the socket]: a large message found behind the
+// one a rank waited for stays in the socket until its receive is posted, then
+// lands in that buffer, copied once, however much of it was read with the
+// message before it.
+TEST(TcpLinks, ALargeMessageAheadOfItsReceiveWaitsInTheSocket) {
+  auto links = connect(2);
+  const size_t n = 1 << 20;  // 4 MiB: beyond what the sockets hold
+  const auto first = iota_from(7, 16), large = iota_from(-3, n);
+  auto s_first = links[0]->send(1, 1, first.data(), first.size() * 4);
+  auto s_large = links[0]->send(1, 2, large.data(), n * 4);  // right behind it in the stream
+  std::vector<int32_t> got_first(16), got_large(n);
+  std::this_thread::sleep_for(20ms);  // both are in the socket: the first read takes the large one's header too
+  auto r_first = links[1]->recv(0, 1, got_first.data(), got_first.size() * 4);
+  ASSERT_EQ(links[1]->wait(*r_first, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(got_first, first);
+  EXPECT_EQ(links[1]->early_bytes(), 0u);  // the large one was not read ahead
+  auto r_large = links[1]->recv(0, 2, got_large.data(), n * 4);
+  std::thread sender([&] { EXPECT_EQ(links[0]->wait(*s_large, 10s), tcp::WaitResult::kDone); });
+  EXPECT_EQ(links[1]->wait(*r_large, 10s), tcp::WaitResult::kDone);
+  sender.join();
+  EXPECT_EQ(got_large, large);
+  EXPECT_EQ(links[1]->early_bytes(), 0u);
+  (void)s_first;
+}
+
+// What a held message must never do: stop a wait that needs it read. Each
+// rank waits for its own large send to finish before it posts the receive
+// for its peer's (it finishes only if the peer reads ahead), and a receive
+// for a slot behind a held message needs the held one read out of the way.
+TEST(TcpLinks, AHeldMessageIsReadAheadWhenAWaitDependsOnIt) {
+  auto links = connect(2);
+  const size_t n = 4 << 20;  // 16 MiB each way
+  const auto out0 = iota_from(0, n), out1 = iota_from(9, n);
+  std::vector<int32_t> in0(n), in1(n);
+  auto run = [&](int r, const std::vector<int32_t>& out, std::vector<int32_t>& in) {
+    auto s = links[r]->send(1 - r, 3, out.data(), n * 4);
+    EXPECT_EQ(links[r]->wait(*s, 20s), tcp::WaitResult::kDone);
+    auto rc = links[r]->recv(1 - r, 3, in.data(), n * 4);
+    EXPECT_EQ(links[r]->wait(*rc, 20s), tcp::WaitResult::kDone);
+  };
+  std::thread t0(run, 0, std::cref(out0), std::ref(in0)), t1(run, 1, std::cref(out1), std::ref(in1));
+  t0.join();
+  t1.join();
+  EXPECT_EQ(in0, out1);
+  EXPECT_EQ(in1, out0);
+  EXPECT_GT(links[0]->early_bytes() + links[1]->early_bytes(), 0u);  // read ahead, by one rank at least
+
+  const auto large = iota_from(1, n), small = iota_from(-5, 4);
+  auto s_large = links[0]->send(1, 5, large.data(), n * 4);
+  auto s_small = links[0]->send(1, 6, small.data(), 16);
+  std::vector<int32_t> got_small(4), got_large(n);
+  auto r_small = links[1]->recv(0, 6, got_small.data(), 16);  // behind slot 5's message
+  std::thread sender([&] { EXPECT_EQ(links[0]->wait(*s_small, 20s), tcp::WaitResult::kDone); });
+  EXPECT_EQ(links[1]->wait(*r_small, 20s), tcp::WaitResult::kDone);
+  sender.join();
+  auto r_large = links[1]->recv(0, 5, got_large.data(), n * 4);
+  EXPECT_EQ(links[1]->wait(*r_large, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(got_small, small);
+  EXPECT_EQ(got_large, large);
+  (void)s_large;
+}
+
 // Note [Link buffers sized to the cache]: every link over 127.0.0.1 stays on
 // this host, so each is bounded, and large messages still pass whole.
 TEST(TcpLinks, LinksOnThisHostAreBoundedAndStillCarryLargeMessages) {

@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "../socket.h"
+#include "links_peer.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
 
@@ -28,7 +29,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kStage = 64 << 10;  // per-peer read buffer; larger payloads are read into their buffer directly
 constexpr uint32_t kHelloMagic = 0x6d6c6e6b;  // "mlnk"
 
 struct Hello {
@@ -72,8 +72,6 @@ bool stays_on_host(int fd) {
   return false;
 }
 
-// A header announcing more than this is a corrupt stream, refused before any allocation.
-constexpr uint64_t kMaxMessage = uint64_t(1) << 40;
 constexpr size_t kBatch = 16;  // queued sends written by one sendmsg
 
 // Marks the polling thread's round over, whichever way it ends (an exception
@@ -101,32 +99,6 @@ int accept_before(int listen_fd, Clock::time_point deadline) {
 }
 
 }  // namespace
-
-struct Links::Peer {
-  int rank = -1;
-  int fd = -1;
-  std::string broken;  // why the connection broke; "" while it works
-  // Why writing to the peer failed ("" while it works). Reads go on until the
-  // stream ends: what the peer sent before it closed (the header that says
-  // why it stopped, Note [Verification beside the data]) is still read.
-  std::string send_broken;
-  // Outgoing: queued sends, the front one written up to out_offset bytes of (Wire + payload).
-  std::deque<RequestPtr> sends;
-  size_t out_offset = 0;
-  // Incoming: the message being read, into its posted receive or a spare buffer.
-  Wire in_wire{};
-  size_t in_wire_got = 0;
-  bool in_body = false;
-  RequestPtr in_target;
-  std::vector<uint8_t> in_spare;
-  bool in_discard = false;  // the message's receive was cancelled: read it and drop it
-  uint8_t* in_dst = nullptr;
-  size_t in_got = 0;
-  std::vector<uint8_t> stage;  // bytes read from the socket, not yet consumed
-  size_t stage_pos = 0, stage_len = 0;
-  std::map<uint64_t, std::deque<RequestPtr>> posted;               // receives by slot, oldest first
-  std::map<uint64_t, std::deque<std::vector<uint8_t>>> early;      // messages before their receive
-};
 
 Links::Links(Store& store, int rank, int size, const std::string& bind_host, std::chrono::milliseconds timeout,
              const std::string& label)
@@ -271,6 +243,9 @@ RequestPtr Links::recv(int peer, uint64_t slot, void* data, size_t capacity) {
     return r;
   }
   p.posted[slot].push_back(r);
+  // A held message goes on now: into this buffer when it is this slot's, or
+  // into a spare one, since this receive's message comes behind it.
+  if (p.held) release(p);
   return r;
 }
 
@@ -324,122 +299,6 @@ void Links::write_pending(Peer& p) {
       p.out_offset = 0;
     }
   }
-}
-
-void Links::read_available(Peer& p) {
-  if (p.stage.empty()) p.stage.resize(kStage);
-  while (p.broken.empty()) {
-    if (p.stage_pos == p.stage_len) {
-      uint8_t* dst = p.stage.data();
-      size_t want = kStage;
-      const bool direct = p.in_body && p.in_dst && p.in_wire.bytes - p.in_got >= kStage;
-      if (direct) dst = p.in_dst + p.in_got, want = p.in_wire.bytes - p.in_got;  // straight into the buffer
-      const ssize_t k = ::recv(p.fd, dst, want, MSG_DONTWAIT);
-      if (k < 0 && errno == EINTR) continue;
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (k <= 0) {
-        const int error = k == 0 ? 0 : errno;
-        break_peer(p, k == 0 ? std::string("the peer closed the connection")
-                      : net::link_went_silent(error) ? net::silent_link_reason(str_cat("rank ", p.rank))
-                                                     : str_cat("receive failed: ", std::strerror(error)));
-        return;
-      }
-      const bool drained = static_cast<size_t>(k) < want;  // the socket had no more
-      if (direct) {
-        p.in_got += static_cast<size_t>(k);
-        if (p.in_got == p.in_wire.bytes) finish_message(p);
-      } else {
-        p.stage_pos = 0;
-        p.stage_len = static_cast<size_t>(k);
-        while (p.stage_pos < p.stage_len && p.broken.empty()) {
-          const uint8_t* src = p.stage.data() + p.stage_pos;
-          const size_t avail = p.stage_len - p.stage_pos;
-          if (!p.in_body) {
-            const size_t take = std::min(sizeof(Wire) - p.in_wire_got, avail);
-            std::memcpy(reinterpret_cast<uint8_t*>(&p.in_wire) + p.in_wire_got, src, take);
-            p.in_wire_got += take;
-            p.stage_pos += take;
-            if (p.in_wire_got == sizeof(Wire)) start_message(p);
-          } else {
-            const size_t take = std::min<size_t>(p.in_wire.bytes - p.in_got, avail);
-            if (p.in_dst) std::memcpy(p.in_dst + p.in_got, src, take);  // none: a message dropped
-            p.in_got += take;
-            p.stage_pos += take;
-            if (p.in_got == p.in_wire.bytes) finish_message(p);
-          }
-        }
-      }
-      if (drained) return;
-    }
-  }
-}
-
-void Links::start_message(Peer& p) {
-  p.in_wire_got = 0;
-  p.in_body = true;
-  p.in_got = 0;
-  p.in_discard = false;
-  if (p.in_wire.bytes > kMaxMessage) {
-    break_peer(p, str_cat("a message header announced ", p.in_wire.bytes, " bytes: a corrupt stream"));
-    return;
-  }
-  auto it = p.posted.find(p.in_wire.slot);
-  if (it != p.posted.end()) {
-    RequestPtr target = std::move(it->second.front());
-    it->second.pop_front();
-    if (it->second.empty()) p.posted.erase(it);
-    if (p.in_wire.bytes > target->size) {  // read past, to keep the stream whole
-      too_large(*target, p.in_wire.bytes);
-      p.in_discard = true;
-    } else {
-      p.in_target = std::move(target);
-      p.in_dst = p.in_target->data;
-    }
-  } else {
-    p.in_spare.assign(p.in_wire.bytes, 0);
-    p.in_dst = p.in_spare.data();
-  }
-  if (p.in_wire.bytes == 0) finish_message(p);
-}
-
-void Links::finish_message(Peer& p) {
-  p.in_body = false;
-  p.in_dst = nullptr;
-  if (p.in_discard) {  // its receive was cancelled, or too small
-    p.in_discard = false;
-    return;
-  }
-  if (!p.in_target) {  // a receive may have been posted while it arrived
-    auto it = p.posted.find(p.in_wire.slot);
-    if (it != p.posted.end()) {
-      p.in_target = std::move(it->second.front());
-      it->second.pop_front();
-      if (it->second.empty()) p.posted.erase(it);
-      if (p.in_spare.size() > p.in_target->size) {
-        too_large(*p.in_target, p.in_spare.size());
-        p.in_target.reset();
-        p.in_spare = {};
-        return;
-      }
-      std::memcpy(p.in_target->data, p.in_spare.data(), p.in_spare.size());
-    }
-  }
-  if (p.in_target) {
-    p.in_target->received = p.in_wire.bytes;
-    p.in_target->done = true;
-    p.in_target.reset();
-    p.in_spare = {};
-  } else {
-    p.early[p.in_wire.slot].push_back(std::move(p.in_spare));
-    p.in_spare = {};
-  }
-}
-
-void Links::too_large(Request& r, size_t bytes) {
-  r.too_large = true;
-  r.failed = true;
-  r.received = bytes;
-  rounds_.notify_all();
 }
 
 void Links::fail_sends(Peer& p) {
@@ -508,6 +367,11 @@ void Links::cancel(Request& r) {
   }
 }
 
+uint64_t Links::early_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return early_bytes_;
+}
+
 std::string Links::broken_reason(int peer) const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!peers_.at(peer)) return std::string();
@@ -537,12 +401,14 @@ void Links::prepare_poll() {
   who.assign(1, nullptr);
   for (auto& p : peers_) {
     if (!p || !p->broken.empty()) continue;
-    fds.push_back({p->fd, static_cast<short>(POLLIN | (p->sends.empty() ? 0 : POLLOUT)), 0});
+    const short in = p->held ? 0 : POLLIN;  // a held message stays in the socket
+    fds.push_back({p->fd, static_cast<short>(in | (p->sends.empty() ? 0 : POLLOUT)), 0});
     who.push_back(p.get());
   }
 }
 
 void Links::poll_round(std::unique_lock<std::mutex>& lock, Clock::time_point deadline) {
+  release_held();  // about to sleep: nothing may wait on a held message (Note [Large messages wait in the socket])
   prepare_poll();
   PollingRound round(polling_, rounds_);
   poll_ready(lock, ms_until(deadline));

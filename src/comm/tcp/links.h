@@ -19,7 +19,9 @@
 // A waiting thread reads every connection: a message whose (peer, slot) has a
 // posted receive goes straight into that buffer (large payloads are read from
 // the socket into it directly), any other is kept until its receive is posted
-// (messages of one peer and slot match in order, as in gloo). With nothing to
+// (messages of one peer and slot match in order, as in gloo); a large one
+// stays in the socket meanwhile (Note [Large messages wait in the socket] in
+// links_read.cpp). With nothing to
 // do it blocks in poll() on every connection, so a message wakes the waiting
 // thread itself: one wake-up, no hand-off, no thread of our own. One thread
 // polls at a time; others wait for its rounds. An abort (the failure watcher)
@@ -114,6 +116,9 @@ class Links {
   void cancel(Request& r);
   // Why the connection to `peer` broke ("" when it has not).
   std::string broken_reason(int peer) const;
+  // Bytes of messages read before their receive was posted, each copied once
+  // more from a spare buffer (Note [Large messages wait in the socket]).
+  uint64_t early_bytes() const;
 
  private:
   struct Wire {
@@ -129,7 +134,12 @@ class Links {
   void pump();
   void write_pending(Peer& p);
   void read_available(Peer& p);
+  void consume_stage(Peer& p);
   void start_message(Peer& p);
+  // A complete header: its message is read now, or held in the socket (Note [Large messages wait in the socket]).
+  void hold_or_start(Peer& p);
+  void release(Peer& p);  // a held message is read from here on
+  void release_held();    // every held message
   void finish_message(Peer& p);
   void break_peer(Peer& p, const std::string& why);
   // Every queued send fails; the next message would start afresh.
@@ -160,6 +170,7 @@ class Links {
   std::vector<pollfd> poll_fds_;  // poll_round's, kept between rounds
   std::vector<Peer*> poll_peers_;
   bool aborted_ = false;
+  uint64_t early_bytes_ = 0;  // early_bytes()
   WaitTuning waits_;  // none: a waiter sleeps in poll() at once
 };
 
