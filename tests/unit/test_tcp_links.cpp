@@ -145,7 +145,7 @@ TEST(TcpLinks, LargeMessagesBothWaysAtOnceWhileReceivesArePostedLate) {
 // message before it.
 TEST(TcpLinks, ALargeMessageAheadOfItsReceiveWaitsInTheSocket) {
   auto links = connect(2);
-  const size_t n = 1 << 20;  // 4 MiB: beyond what the sockets hold
+  const size_t n = 1 << 20;  // 4 MiB: many reads
   const auto first = iota_from(7, 16), large = iota_from(-3, n);
   auto s_first = links[0]->send(1, 1, first.data(), first.size() * 4);
   auto s_large = links[0]->send(1, 2, large.data(), n * 4);  // right behind it in the stream
@@ -166,10 +166,11 @@ TEST(TcpLinks, ALargeMessageAheadOfItsReceiveWaitsInTheSocket) {
 
 // What a held message must never do: stop a wait that needs it read. Each
 // rank waits for its own large send to finish before it posts the receive
-// for its peer's (it finishes only if the peer reads ahead), and a receive
-// for a slot behind a held message needs the held one read out of the way.
+// for its peer's: it finishes only if the peer reads ahead, which a waiter
+// does before it sleeps.
 TEST(TcpLinks, AHeldMessageIsReadAheadWhenAWaitDependsOnIt) {
   auto links = connect(2);
+  for (auto& l : links) l->set_local_buffer(256 << 10);  // sends of 16 MiB cannot finish unread
   const size_t n = 4 << 20;  // 16 MiB each way
   const auto out0 = iota_from(0, n), out1 = iota_from(9, n);
   std::vector<int32_t> in0(n), in1(n);
@@ -185,12 +186,27 @@ TEST(TcpLinks, AHeldMessageIsReadAheadWhenAWaitDependsOnIt) {
   EXPECT_EQ(in0, out1);
   EXPECT_EQ(in1, out0);
   EXPECT_GT(links[0]->early_bytes() + links[1]->early_bytes(), 0u);  // read ahead, by one rank at least
+}
 
-  const auto large = iota_from(1, n), small = iota_from(-5, 4);
+// A receive posted for a message behind a held one needs the held one read
+// out of the way: posting it reads the held one into a spare buffer at once.
+TEST(TcpLinks, AReceiveBehindAHeldMessageReadsItAhead) {
+  auto links = connect(3);
+  const size_t n = 1 << 20;  // 4 MiB
+  const auto large = iota_from(1, n), small = iota_from(-5, 4), other = iota_from(3, 2);
   auto s_large = links[0]->send(1, 5, large.data(), n * 4);
   auto s_small = links[0]->send(1, 6, small.data(), 16);
-  std::vector<int32_t> got_small(4), got_large(n);
-  auto r_small = links[1]->recv(0, 6, got_small.data(), 16);  // behind slot 5's message
+  auto s_other = links[2]->send(1, 1, other.data(), 8);
+  std::this_thread::sleep_for(20ms);  // all in the sockets
+  // Rank 1 waits for rank 2's message and reads rank 0's stream meanwhile:
+  // slot 5's header, no receive posted on rank 0: held.
+  std::vector<int32_t> got_other(2), got_small(4), got_large(n);
+  auto r_other = links[1]->recv(2, 1, got_other.data(), 8);
+  ASSERT_EQ(links[1]->wait(*r_other, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(got_other, other);
+  EXPECT_EQ(links[1]->early_bytes(), 0u);
+  auto r_small = links[1]->recv(0, 6, got_small.data(), 16);
+  EXPECT_EQ(links[1]->early_bytes(), n * 4);  // slot 5's message goes to a spare buffer now
   std::thread sender([&] { EXPECT_EQ(links[0]->wait(*s_small, 20s), tcp::WaitResult::kDone); });
   EXPECT_EQ(links[1]->wait(*r_small, 20s), tcp::WaitResult::kDone);
   sender.join();
@@ -199,6 +215,7 @@ TEST(TcpLinks, AHeldMessageIsReadAheadWhenAWaitDependsOnIt) {
   EXPECT_EQ(got_small, small);
   EXPECT_EQ(got_large, large);
   (void)s_large;
+  (void)s_other;
 }
 
 // Note [Link buffers sized to the cache]: every link over 127.0.0.1 stays on

@@ -21,6 +21,9 @@ constexpr size_t kStage = 64 << 10;  // per-peer read buffer; larger payloads ar
 // the socket until one is, or until a thread waiting here would sleep (Note
 // [Large messages wait in the socket]).
 constexpr uint64_t kHoldBytes = kStage;
+// So a held message always needs bytes still in the socket: what was staged
+// with its header is less than its body, and its release is read on POLLIN.
+static_assert(kHoldBytes >= kStage, "a held message must not fit in the stage");
 // A header announcing more than this is a corrupt stream, refused before any allocation.
 constexpr uint64_t kMaxMessage = uint64_t(1) << 40;
 

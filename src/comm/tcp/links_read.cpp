@@ -81,13 +81,14 @@ void Links::consume_stage(Peer& p) {
 // is kept and the rest stays in the socket, where the sender's window holds
 // it back, until its receive is posted and it is read straight into its
 // buffer. So that no wait can depend on it, it is read as before (into a
-// spare) the moment a receive from that peer is posted for another slot
-// (whose message comes behind it) or a thread waiting on these links would
-// sleep: a wait that finds nothing to read may be waiting on something that
-// needs this message gone (a send to the peer, the peer's next step).
+// spare) when a receive from that peer is posted for another slot, before
+// or after it arrives (that message comes behind it), or a thread waiting on
+// these links would sleep: a wait that finds nothing to read may be waiting
+// on something that needs this message gone (a send to the peer, the peer's
+// next step).
 void Links::hold_or_start(Peer& p) {
-  const bool posted = p.posted.count(p.in_wire.slot) > 0;
-  if (!posted && p.in_wire.bytes >= kHoldBytes && p.in_wire.bytes <= kMaxMessage) {
+  // Any receive posted on this peer is this message's or one behind it: read on.
+  if (p.posted.empty() && p.in_wire.bytes >= kHoldBytes && p.in_wire.bytes <= kMaxMessage) {
     p.held = true;
     return;
   }
