@@ -45,8 +45,8 @@ namespace gloo_backend {
 
 namespace {
 
-// kAvg sums first; finish_avg() divides once every contribution is in.
-// acc := acc op in, elementwise (both contiguous, same dtype and size).
+// acc := acc op in, elementwise (both contiguous, same dtype and size); kAvg
+// sums (summing), and finish_avg() divides once every contribution is in.
 void reduce_inplace(at::Tensor acc, const at::Tensor& in, ReduceOp op) {
   reduce_into(acc.data_ptr(), acc.data_ptr(), in.data_ptr(), acc.numel(), acc.scalar_type(), summing(op));
 }
@@ -142,7 +142,7 @@ void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor 
   } else if (use_ring(c.work.nbytes())) {
     ring_reduce_scatter(c.work, out, counts, op);
   } else {
-    direct_reduce_scatter(c.work, out.data_ptr(), counts, op, OpKind::kReduceScatter, 0);
+    direct_reduce_scatter(c.work, out.data_ptr(), counts, op);
   }
   finish_avg(out, op, size());
 }
@@ -163,7 +163,7 @@ void GlooCommunicator::all_gather_algorithm(const Collective& c, at::Tensor flat
     if (use_ring(flat.nbytes())) {
       ring_all_gather(flat, counts);
     } else {
-      direct_all_gather(flat, counts, OpKind::kAllGather, 0);
+      direct_all_gather(flat, counts);
     }
   }
 }
@@ -421,7 +421,8 @@ void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_
 }
 
 void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, void* out, const std::vector<int64_t>& counts,
-                                             ReduceOp op, OpKind kind, int sub) {
+                                             ReduceOp op) {
+  constexpr OpKind kind = OpKind::kReduceScatter;
   const int n = size(), me = rank_;
   const auto offsets = offsets_of(counts);
   const size_t elem = in.element_size(), shard = counts[me] * elem;
@@ -432,10 +433,10 @@ void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, void* out, co
   for (int q = 0; q < n; ++q) {
     if (q == me || counts[me] == 0) continue;
     inputs[q] = space + q * shard;
-    ts.push_back(post_recv(space + q * shard, shard, q, collective_slot(sub), kind));
+    ts.push_back(post_recv(space + q * shard, shard, q, collective_slot(0), kind));
   }
   for (int q = 0; q < n; ++q) {
-    if (q != me && counts[q] > 0) ts.push_back(post_send(src + offsets[q] * elem, counts[q] * elem, q, collective_slot(sub), kind));
+    if (q != me && counts[q] > 0) ts.push_back(post_send(src + offsets[q] * elem, counts[q] * elem, q, collective_slot(0), kind));
   }
   wait_all(ts);
   if (counts[me] == 0) return;
@@ -444,7 +445,8 @@ void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, void* out, co
   reduce_into(out, inputs.data(), n, counts[me], in.scalar_type(), summing(op));
 }
 
-void GlooCommunicator::direct_all_gather(at::Tensor flat, const std::vector<int64_t>& counts, OpKind kind, int sub) {
+void GlooCommunicator::direct_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {
+  constexpr OpKind kind = OpKind::kAllGather;
   const int n = size(), me = rank_;
   const auto offsets = offsets_of(counts);
   const size_t elem = flat.element_size();
@@ -452,8 +454,8 @@ void GlooCommunicator::direct_all_gather(at::Tensor flat, const std::vector<int6
   std::vector<Transfer> ts;
   for (int q = 0; q < n; ++q) {
     if (q == me) continue;
-    if (counts[q] > 0) ts.push_back(post_recv(base + offsets[q] * elem, counts[q] * elem, q, collective_slot(sub), kind));
-    if (counts[me] > 0) ts.push_back(post_send(base + offsets[me] * elem, counts[me] * elem, q, collective_slot(sub), kind));
+    if (counts[q] > 0) ts.push_back(post_recv(base + offsets[q] * elem, counts[q] * elem, q, collective_slot(0), kind));
+    if (counts[me] > 0) ts.push_back(post_send(base + offsets[me] * elem, counts[me] * elem, q, collective_slot(0), kind));
   }
   wait_all(ts);
 }

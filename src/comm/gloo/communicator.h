@@ -256,9 +256,8 @@ class GlooCommunicator final : public QueuedCommunicator {
   void ring_step(const at::Tensor& recv, const at::Tensor& send, int sub, OpKind kind);
   // Direct algorithms: every pair exchanges at once, in one round of n - 1
   // concurrent messages each way (the ring's bytes, in one round instead of n - 1).
-  void direct_reduce_scatter(const at::Tensor& flat_in, void* out, const std::vector<int64_t>& counts,
-                             ReduceOp op, OpKind kind, int sub);
-  void direct_all_gather(at::Tensor flat_out, const std::vector<int64_t>& counts, OpKind kind, int sub);
+  void direct_reduce_scatter(const at::Tensor& flat_in, void* out, const std::vector<int64_t>& counts, ReduceOp op);
+  void direct_all_gather(at::Tensor flat_out, const std::vector<int64_t>& counts);
   // Temporary space of the running operation, `numel` elements of `like`'s
   // dtype at element `offset` of one buffer kept across operations: a page
   // fault costs ~15 us in a VM, and a fresh 16 MiB temporary per call (which

@@ -130,8 +130,7 @@ class Links {
   Peer& peer_at(int peer) const;  // ConfigError for this rank or one out of range
   void connect_mesh(Store& store, const std::string& bind_host, std::chrono::milliseconds timeout,
                     const std::string& label);
-  // Nonblocking I/O on every connection; under mutex_.
-  void pump();
+  // Nonblocking I/O on one connection; under mutex_.
   void write_pending(Peer& p);
   void read_available(Peer& p);
   void consume_stage(Peer& p);
