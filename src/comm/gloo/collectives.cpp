@@ -80,13 +80,13 @@ int64_t sum_of(const std::vector<int64_t>& v) {
 // bit-identical results on every rank.
 
 Round GlooCommunicator::header_round(const Header& mine,
-                                     const std::function<const at::Tensor*(int)>& inline_for) {
+                                     const std::function<InlineBytes(int)>& inline_for) {
   PendingRound pending = post_header_round(mine, inline_for);
   return finish_header_round(pending);
 }
 
 PendingRound GlooCommunicator::post_header_round(const Header& mine,
-                                                 const std::function<const at::Tensor*(int)>& inline_for, bool hold) {
+                                                 const std::function<InlineBytes(int)>& inline_for, bool hold) {
   const int n = size();
   prepare_round_buffers();
   PendingRound pending;
@@ -96,7 +96,7 @@ PendingRound GlooCommunicator::post_header_round(const Header& mine,
     if (p == rank_) continue;
     pending.transfers.push_back(post_recv(round_recv_[p].data_ptr(), round_capacity(), p,
                                           collective_slot(kHeaderSub), OpKind::kVerify));
-    pending.inline_sent[p] = write_round_message(p, mine, inline_for ? inline_for(p) : nullptr);
+    pending.inline_sent[p] = write_round_message(p, mine, inline_for ? inline_for(p) : InlineBytes());
     pending.transfers.push_back(post_send(round_send_[p].data_ptr(), sizeof(Header) + pending.inline_sent[p], p,
                                           collective_slot(kHeaderSub), OpKind::kVerify, hold));
   }
@@ -157,12 +157,12 @@ void GlooCommunicator::prepare_round_buffers() {
   }
 }
 
-int64_t GlooCommunicator::write_round_message(int peer, const Header& mine, const at::Tensor* payload) {
+int64_t GlooCommunicator::write_round_message(int peer, const Header& mine, InlineBytes payload) {
   Header h = mine;
-  h.inline_bytes = payload ? static_cast<int64_t>(payload->nbytes()) : 0;
+  h.inline_bytes = payload.data ? payload.bytes : 0;
   uint8_t* out = round_send_[peer].data_ptr<uint8_t>();
   std::memcpy(out, &h, sizeof(Header));
-  if (h.inline_bytes > 0) std::memcpy(out + sizeof(Header), payload->data_ptr(), h.inline_bytes);
+  if (h.inline_bytes > 0) std::memcpy(out + sizeof(Header), payload.data, h.inline_bytes);
   return h.inline_bytes;
 }
 
@@ -227,17 +227,17 @@ WorkPtr GlooCommunicator::in_place(at::Tensor tensor, const InPlace& spec,
   });
 }
 
-const at::Tensor* GlooCommunicator::inline_payload(const InPlace& spec, const Collective& c, int peer) const {
-  if (!c.small) return nullptr;
+InlineBytes GlooCommunicator::inline_payload(const InPlace& spec, const Collective& c, int peer) const {
+  if (!c.small) return InlineBytes();
   switch (spec.flow) {
     case Flow::kEveryRank:
-      return &c.work;
+      return inline_bytes_of(c.work);
     case Flow::kFromRoot:
-      return rank_ == spec.root ? &c.work : nullptr;
+      return rank_ == spec.root ? inline_bytes_of(c.work) : InlineBytes();
     case Flow::kToRoot:
-      return peer == spec.root ? &c.work : nullptr;
+      return peer == spec.root ? inline_bytes_of(c.work) : InlineBytes();
   }
-  return nullptr;
+  return InlineBytes();
 }
 
 // reduce_scatter's header describes the input as flat, with a hash of the
@@ -257,9 +257,11 @@ Collective GlooCommunicator::open_reduce_scatter(const at::Tensor& input, Reduce
   h.inlined = c.small;
   // Each peer receives only its own shard of this rank's input: the ring's volume in one round.
   const auto offsets = offsets_of(counts);
-  std::vector<at::Tensor> shards(size());
-  for (int p = 0; p < size(); ++p) shards[p] = c.work.narrow(0, offsets[p], counts[p]);
-  opening.inline_for = [&](int p) { return c.small && counts[p] > 0 ? &shards[p] : nullptr; };
+  const uint8_t* base = static_cast<const uint8_t*>(c.work.data_ptr());
+  const int64_t element = c.work.element_size();
+  opening.inline_for = [&](int p) {
+    return c.small && counts[p] > 0 ? InlineBytes{base + offsets[p] * element, counts[p] * element} : InlineBytes();
+  };
   opening.needed = c.small;
   opening.deferrable = !c.small;
   opening.fold = c.small && may_fold(c.work.scalar_type());
@@ -276,7 +278,7 @@ Collective GlooCommunicator::open_all_gather(const at::Tensor& input, const at::
   Opening opening(header_of(input, OpKind::kAllGather, ReduceOp::kSum, 0));
   opening.header.aux = output.defined() ? output.numel() : -1;
   opening.header.inlined = c.small;
-  opening.inline_for = [&](int) { return c.small ? &c.work : nullptr; };
+  opening.inline_for = [&](int) { return c.small ? inline_bytes_of(c.work) : InlineBytes(); };
   opening.needed = true;
   opening.same_shape = false;
   opening.ignore = [](Header& h) {
@@ -308,7 +310,7 @@ Collective GlooCommunicator::open_gather(const at::Tensor& input, int root) {
   c.small = fits_inline(c.work.nbytes());
   Opening opening(header_of(input, OpKind::kGather, ReduceOp::kSum, root));
   opening.header.inlined = c.small;
-  opening.inline_for = [&](int p) { return c.small && p == root ? &c.work : nullptr; };
+  opening.inline_for = [&](int p) { return c.small && p == root ? inline_bytes_of(c.work) : InlineBytes(); };
   opening.needed = true;
   opening.same_shape = false;
   opening.ignore = [](Header& h) { h.inlined = 0; };
@@ -326,7 +328,9 @@ Round GlooCommunicator::open_scatter(const at::Tensor& output, const std::vector
     for (const auto& t : sources) sizes.push_back(t.numel());
     opening.header.aux = hash_sizes(sizes);
   }
-  opening.inline_for = [&](int p) { return rank_ == root && scatter_inlines(sources[p]) ? &sources[p] : nullptr; };
+  opening.inline_for = [&](int p) {
+    return rank_ == root && scatter_inlines(sources[p]) ? inline_bytes_of(sources[p]) : InlineBytes();
+  };
   opening.needed = true;
   opening.same_shape = false;
   opening.ignore = [](Header& h) { h.aux = 0; };

@@ -43,6 +43,18 @@ struct Round {
   const uint8_t* folded = nullptr;
 };
 
+// A payload that rides inline in the header round: bytes of a contiguous
+// tensor, or none (data nullptr). Plain bytes, not a tensor view: a view costs
+// a trip through the dispatcher per peer, on every small collective.
+struct InlineBytes {
+  const uint8_t* data = nullptr;
+  int64_t bytes = 0;
+  bool operator==(const InlineBytes& o) const { return data == o.data && bytes == o.bytes; }
+};
+inline InlineBytes inline_bytes_of(const at::Tensor& t) {
+  return InlineBytes{static_cast<const uint8_t*>(t.data_ptr()), static_cast<int64_t>(t.nbytes())};
+}
+
 // How a collective opens (see Note [Collective skeleton]): the header this rank
 // sends in the header round, what rides inline with it, and how every rank's
 // header is compared.
@@ -50,8 +62,8 @@ struct Opening {
   explicit Opening(const Header& h) : header(h) {}
 
   Header header;
-  // This rank's payload for peer p, sent in the same message; nullptr: none.
-  std::function<const at::Tensor*(int)> inline_for;
+  // This rank's payload for peer p, sent in the same message; data nullptr: none.
+  std::function<InlineBytes(int)> inline_for;
   // The round runs even with CommOptions::verify off: it carries payloads, or
   // sizes that differ by rank.
   bool needed = false;
@@ -176,9 +188,9 @@ class GlooCommunicator final : public QueuedCommunicator {
   // ---- the skeleton (collectives.cpp; see Note [Collective skeleton])
   // Sends `mine` to every peer, with payload inline_for(peer) (or none) in the
   // same message; receives every peer's. One round of small messages.
-  Round header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for);
+  Round header_round(const Header& mine, const std::function<InlineBytes(int)>& inline_for);
   // `hold`: the headers leave with the algorithm's first messages (Note [Verification beside the data]).
-  PendingRound post_header_round(const Header& mine, const std::function<const at::Tensor*(int)>& inline_for,
+  PendingRound post_header_round(const Header& mine, const std::function<InlineBytes(int)>& inline_for,
                                  bool hold = false);
   Round finish_header_round(PendingRound& pending);
   // The header round by recursive doubling (Note [Doubling round] in doubling.h), where doubling_:
@@ -203,7 +215,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   int64_t round_capacity() const { return static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes; }
   void prepare_round_buffers();
   // Writes `mine` and `payload` (or none) into the message to `peer`; returns the payload's bytes.
-  int64_t write_round_message(int peer, const Header& mine, const at::Tensor* payload);
+  int64_t write_round_message(int peer, const Header& mine, InlineBytes payload);
   // Checks and counts `peer`'s message, and records its header and payload in `round`.
   void read_round_message(Round& round, int peer, int64_t inline_sent, OpKind kind);
   bool fits_inline(int64_t bytes) const { return bytes <= options_.inline_bytes; }
@@ -214,7 +226,7 @@ class GlooCommunicator final : public QueuedCommunicator {
   // Enqueues an in-place collective: contiguous work tensor, open(), the
   // algorithm, the result copied back into a non-contiguous tensor.
   WorkPtr in_place(at::Tensor tensor, const InPlace& spec, std::function<void(Collective&)> algorithm);
-  const at::Tensor* inline_payload(const InPlace& spec, const Collective& c, int peer) const;
+  InlineBytes inline_payload(const InPlace& spec, const Collective& c, int peer) const;
   // The openings of the collectives whose outputs differ from their inputs.
   Collective open_reduce_scatter(const at::Tensor& input, ReduceOp op, const std::vector<int64_t>& counts);
   Collective open_all_gather(const at::Tensor& input, const at::Tensor& output);

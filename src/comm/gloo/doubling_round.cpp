@@ -104,8 +104,8 @@ RoundEntry GlooCommunicator::own_entry(const Opening& opening) const {
 std::vector<RoundPiece> GlooCommunicator::own_pieces(const Opening& opening, bool with_own) const {
   std::vector<RoundPiece> pieces;
   if (!opening.inline_for) return pieces;
-  std::vector<const at::Tensor*> per_dest(size(), nullptr);
-  const at::Tensor* first = nullptr;
+  std::vector<InlineBytes> per_dest(size());
+  InlineBytes first;
   bool uniform = true, seen = false;
   for (int d = 0; d < size(); ++d) {
     if (d == rank_ && !with_own) continue;
@@ -114,10 +114,8 @@ std::vector<RoundPiece> GlooCommunicator::own_pieces(const Opening& opening, boo
     seen = true;
     uniform = uniform && per_dest[d] == first;
   }
-  auto piece = [](int dest, const at::Tensor* t) {
-    return RoundPiece{dest, static_cast<const uint8_t*>(t->data_ptr()), static_cast<int64_t>(t->nbytes())};
-  };
-  auto sends = [](const at::Tensor* t) { return t && t->nbytes() > 0; };
+  auto piece = [](int dest, InlineBytes b) { return RoundPiece{dest, b.data, b.bytes}; };
+  auto sends = [](InlineBytes b) { return b.data && b.bytes > 0; };
   if (uniform) {
     if (sends(first)) pieces.push_back(piece(-1, first));
     return pieces;
