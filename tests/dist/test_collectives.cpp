@@ -511,6 +511,19 @@ void small_sums_fold_in_tree_order(Communicator& comm) {
     for (int o = 0; o < r; ++o) offset += counts[o];
     auto shard = comm.reduce_scatter(folding_values(r, numel, dtype), ReduceOp::kSum, counts);
     EXPECT_TRUE(torch::equal(shard, tree.narrow(0, offset, counts[r]))) << "reduce_scatter, " << dtype;
+    // Shards of nothing beside others (every even rank's; every rank's but
+    // the last, all starting where it starts): empty byte ranges, which must
+    // neither be sent nor taken for one payload for all.
+    const auto odd = meshtrain::shard_sizes(numel, n / 2);
+    std::vector<int64_t> odd_only(n, 0), last_only(n, 0);
+    for (int o = 1; o < n; o += 2) odd_only[o] = odd[o / 2];
+    last_only[n - 1] = numel;
+    for (const auto& gaps : {odd_only, last_only}) {
+      int64_t gap_offset = 0;
+      for (int o = 0; o < r; ++o) gap_offset += gaps[o];
+      auto gapped = comm.reduce_scatter(folding_values(r, numel, dtype), ReduceOp::kSum, gaps);
+      EXPECT_TRUE(torch::equal(gapped, tree.narrow(0, gap_offset, gaps[r]))) << "empty shards, " << dtype;
+    }
   }
   // bfloat16: every rank's values added in rank order in float32, rounded
   // once; a sum rounded at every step of the tree differs in some elements.
