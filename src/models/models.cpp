@@ -4,10 +4,12 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/init.h"
 
 namespace meshtrain {
 namespace models {
@@ -209,6 +211,9 @@ Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const Build
                   ") out of range for a model of ", n, " pieces");
   Stage stage;
   at::Tensor embedding_weight;
+  // --init-from overwrites every parameter (load_values checks), so none is computed first.
+  std::optional<SkipRandomInit> overwritten;
+  if (ctx.weights) overwritten.emplace();
   for (int64_t i = first; i < last; ++i) {
     if (is_language_model(c)) {
       append_decoder_piece(*stage, c, i, ctx, embedding_weight);
@@ -219,6 +224,7 @@ Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const Build
     const std::string key = std::to_string(i);
     stage->append("layers", key, MlpLayer(in, out, /*relu=*/i != c.layers - 1, c.seed, "layers." + key));
   }
+  overwritten.reset();
   if (ctx.weights) load_values(*stage, c, *ctx.weights);
   // The dense stage, cut the way a user's model is (the same values on every tp rank).
   if (tp::tp_size(ctx.tp) > 1) {

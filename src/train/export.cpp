@@ -5,6 +5,7 @@
 #include "meshtrain/io/weights.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/init.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/flags.h"
 
@@ -64,7 +65,8 @@ CheckpointModel load_checkpoint_model(const std::string& path) {
   out.step_dir = step_directory(path);
   CheckpointReader reader(out.step_dir);
   out.config = model_config_from_json(reader.config()["model"]);
-  // The names and shapes of the whole model, from the model itself.
+  // The names and shapes of the whole model, from the model itself (not its values).
+  const SkipRandomInit shapes_only;
   models::Stage shape = models::build_stage(out.config, 0, models::num_pieces(out.config));
   for (const auto& p : shape->named_parameters()) {
     const at::Tensor full = reader.full(p.key(), "value");

@@ -12,6 +12,7 @@
 #include "meshtrain/train/evaluate.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/init.h"
 #include "meshtrain/util/json.h"
 #include "meshtrain/util/sha256.h"
 #include "run_parts.h"
@@ -29,7 +30,10 @@ double mean_after_first(const std::vector<double>& xs) {
 }
 
 double accuracy_of(const TrainConfig& c, const std::map<std::string, at::Tensor>& full) {
-  models::Stage dense = models::build_stage(c.model, 0, models::num_pieces(c.model));
+  models::Stage dense = [&] {
+    const SkipRandomInit overwritten;  // every parameter is copied in below (or the check fails)
+    return models::build_stage(c.model, 0, models::num_pieces(c.model));
+  }();
   at::NoGradGuard no_grad;
   for (auto& p : dp::unique_parameters(*dense)) {
     auto it = full.find(p.name);

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <limits>
 
 #include "meshtrain/util/error.h"
 
@@ -18,7 +19,12 @@ uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+thread_local bool skip_random_init = false;
+
 }  // namespace
+
+SkipRandomInit::SkipRandomInit() : previous_(skip_random_init) { skip_random_init = true; }
+SkipRandomInit::~SkipRandomInit() { skip_random_init = previous_; }
 
 uint64_t hash_key(uint64_t seed, const std::string& name) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
@@ -53,6 +59,7 @@ at::Tensor init_slice(uint64_t seed, const std::string& name, const InitSpec& sp
   }
   at::Tensor out = at::empty(shape, at::kFloat);
   if (spec.kind == InitSpec::Kind::kConstant) return out.fill_(spec.a);
+  if (skip_random_init) return out.fill_(std::numeric_limits<float>::quiet_NaN());
   float* data = out.data_ptr<float>();
   const uint64_t key = hash_key(seed, name);
   const int64_t per_outer = length * inner;

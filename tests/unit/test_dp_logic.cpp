@@ -207,6 +207,50 @@ TEST(Init, AnySliceEqualsTheSliceOfTheFullTensor) {
   EXPECT_LT(u.max().item<float>(), 3.0f);
 }
 
+TEST(Init, SkippedRandomValuesAreNaNOnlyWhileTheGuardLives) {
+  const auto computed = init_full(7, "w", InitSpec::normal(0, 1), {4, 5});
+  {
+    SkipRandomInit skip;
+    {
+      SkipRandomInit nested;
+    }
+    EXPECT_TRUE(init_full(7, "w", InitSpec::normal(0, 1), {4, 5}).isnan().all().item<bool>());  // still skipped
+    EXPECT_TRUE(init_full(7, "u", InitSpec::uniform(-1, 1), {3}).isnan().all().item<bool>());
+    EXPECT_TRUE(torch::equal(init_full(7, "c", InitSpec::constant(2), {3}), torch::full({3}, 2.0f)));  // constants still set
+  }
+  EXPECT_TRUE(torch::equal(init_full(7, "w", InitSpec::normal(0, 1), {4, 5}), computed));
+}
+
+// --init-from: the model built with weights holds them, and nothing of a skipped init.
+TEST(Init, AModelBuiltFromWeightsHoldsThemEverywhere) {
+  models::ModelConfig c;
+  c.kind = "gpt2";
+  c.layers = 2;
+  c.hidden = 16;
+  c.heads = 2;
+  c.kv_heads = 2;
+  c.ffn_hidden = 32;
+  c.vocab = 50;
+  c.seq_len = 8;
+  c.max_positions = 8;
+  c.tie_embeddings = true;
+  auto reference = models::build_stage(c, 0, models::num_pieces(c));
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& kv : reference->named_parameters()) weights[kv.key()] = kv.value().detach() * 3 + 1;
+  models::BuildContext ctx;
+  ctx.weights = &weights;
+  auto loaded = models::build_stage(c, 0, models::num_pieces(c), ctx);
+  for (const auto& kv : loaded->named_parameters()) {
+    EXPECT_TRUE(torch::equal(kv.value(), weights.at(kv.key()))) << kv.key();
+  }
+  for (const auto& b : loaded->named_buffers()) EXPECT_FALSE(b.value().isnan().any().item<bool>()) << b.key();
+  // The guard ended with the build: a model built after it is computed again.
+  auto again = models::build_stage(c, 0, models::num_pieces(c));
+  for (const auto& kv : again->named_parameters()) {
+    EXPECT_TRUE(torch::equal(kv.value(), reference->named_parameters()[kv.key()])) << kv.key();
+  }
+}
+
 TEST(Init, ModelsStartFromTheSameWeightsWhateverTheStageSplit) {
   models::ModelConfig c;
   c.layers = 3;
