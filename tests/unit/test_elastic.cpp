@@ -30,6 +30,20 @@ RoundState state(int joined, int alive_not_joined, double elapsed, bool first_ro
 
 }  // namespace
 
+TEST(RankEnvironment, ThreadsAreTheRanksShareAndOpenMpWaitsPassively) {
+  launch::LaunchOptions o;
+  o.nproc_per_node = 2;
+  auto env = launch::rank_environment(o, 1, 0, 29500, 8, {});
+  EXPECT_EQ(env.at("OMP_NUM_THREADS"), "4");
+  EXPECT_EQ(env.at("OPENBLAS_NUM_THREADS"), "4");
+  EXPECT_EQ(env.at("OMP_WAIT_POLICY"), "PASSIVE");
+  // The user's own settings stay.
+  env = launch::rank_environment(o, 1, 0, 29500, 8, {{"OMP_WAIT_POLICY", "ACTIVE"}, {"OMP_NUM_THREADS", "3"}});
+  EXPECT_EQ(env.at("OMP_WAIT_POLICY"), "ACTIVE");
+  EXPECT_EQ(env.at("OMP_NUM_THREADS"), "3");
+  EXPECT_EQ(env.at("OPENBLAS_NUM_THREADS"), "4");
+}
+
 TEST(ElasticRound, ClosesAtMaxOrAfterTheLastCallOrWhenEveryLiveNodeIsIn) {
   const double last_call = 10;
   EXPECT_TRUE(launch::round_can_close(state(2, 0, 0, true), 1, 2, last_call));   // MAX
