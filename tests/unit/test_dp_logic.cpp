@@ -16,6 +16,7 @@
 #include "meshtrain/util/sha256.h"
 #include "meshtrain/util/tensor_io.h"
 #include "config_error.h"
+#include "io_test_util.h"
 
 using namespace meshtrain;
 
@@ -223,17 +224,7 @@ TEST(Init, SkippedRandomValuesAreNaNOnlyWhileTheGuardLives) {
 
 // --init-from: the model built with weights holds them, and nothing of a skipped init.
 TEST(Init, AModelBuiltFromWeightsHoldsThemEverywhere) {
-  models::ModelConfig c;
-  c.kind = "gpt2";
-  c.layers = 2;
-  c.hidden = 16;
-  c.heads = 2;
-  c.kv_heads = 2;
-  c.ffn_hidden = 32;
-  c.vocab = 50;
-  c.seq_len = 8;
-  c.max_positions = 8;
-  c.tie_embeddings = true;
+  const models::ModelConfig c = meshtrain::testing::tiny_gpt2();
   auto reference = models::build_stage(c, 0, models::num_pieces(c));
   std::map<std::string, at::Tensor> weights;
   for (const auto& kv : reference->named_parameters()) weights[kv.key()] = kv.value().detach() * 3 + 1;
