@@ -162,9 +162,8 @@ class Gpt2Tokenizer : public Tokenizer {
       throw ConfigError(str_cat("--tokenizer ", path, ": not JSON (", e.what(), ")"));
     }
     MESHTRAIN_CHECK(vocab.is_object() && !vocab.empty(), "--tokenizer ", path, ": expected a JSON object {token: id}");
-    int64_t largest = -1;
-    for (auto it = vocab.begin(); it != vocab.end(); ++it) largest = std::max<int64_t>(largest, it.value().get<int64_t>());
-    bytes_of_id_.assign(static_cast<size_t>(largest + 1), "");
+    check_ids(vocab, path);
+    bytes_of_id_.assign(vocab.size(), "");
     std::vector<int> byte_of_code_point(512, -1);
     const std::vector<uint32_t> cps = byte_code_points();
     for (int b = 0; b < 256; ++b) byte_of_code_point[cps[b]] = b;
@@ -180,6 +179,25 @@ class Gpt2Tokenizer : public Tokenizer {
     for (int b = 0; b < 256; ++b) symbol_of_byte_[b] = utf8_of(cps[b]);
     const auto eot = id_of_symbol_.find(kEndOfText);
     if (eot != id_of_symbol_.end()) end_of_text_ = eot->second;
+  }
+
+  // The ids number the entries, 0 to n - 1, each once (GPT-2's 50,257): an id
+  // past them (a 70000 sized a table by it) or a repeated one is a damaged
+  // file, and a string or fraction is not an id.
+  static void check_ids(const nlohmann::json& vocab, const std::string& path) {
+    const int64_t n = static_cast<int64_t>(vocab.size());
+    std::vector<const std::string*> entry_of_id(static_cast<size_t>(n), nullptr);
+    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      MESHTRAIN_CHECK(it.value().is_number_integer(), "--tokenizer ", path, ": entry '", it.key(), "' has id ",
+                      it.value().dump(), ", not an integer; a GPT-2 vocabulary maps each token to an integer id");
+      const int64_t id = it.value().get<int64_t>();
+      MESHTRAIN_CHECK(id >= 0 && id < n, "--tokenizer ", path, ": entry '", it.key(), "' has id ", id, ", outside [0, ",
+                      n, "): the ids of a vocabulary number its ", n, " entries (is the file cut or edited?)");
+      const std::string*& first = entry_of_id[static_cast<size_t>(id)];
+      MESHTRAIN_CHECK(!first, "--tokenizer ", path, ": entries '", first ? *first : "", "' and '", it.key(),
+                      "' share id ", id, "; each id names one token");
+      first = &it.key();
+    }
   }
 
   void read_merges(const std::string& path) {

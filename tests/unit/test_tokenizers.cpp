@@ -13,6 +13,7 @@
 
 #include "meshtrain/data/tokenizer.h"
 #include "meshtrain/train/token_shards.h"
+#include "meshtrain/util/error.h"
 #include "meshtrain/util/files.h"
 #include "scratch.h"
 
@@ -181,4 +182,36 @@ TEST(Tokenizers, SentencePieceShardsMatchThePythonPackage) {
   std::vector<std::string> texts = tricky_texts();
   texts.push_back(files::read_all(inputs[0]));
   for (const std::string& text : texts) EXPECT_EQ(sp->decode(sp->encode(text)), text) << "round trip of '" << text << "'";
+}
+
+// A vocab.json with an id past its entries ended in std::bad_alloc (a table
+// sized by the id), and a string id in a raw JSON exception naming no file.
+TEST(Tokenizers, DamagedGpt2VocabulariesAreNamedByFileAndEntry) {
+  const Scratch dir("bad-vocab");
+  const std::string merges = files::read_all(kGpt2Encoder + "/vocab.bpe");
+  auto error_of = [&](const std::string& name, const nlohmann::json& vocab) -> std::string {
+    files::make_directories(dir + "/" + name);
+    dir.file(name + "/vocab.json", vocab.dump());
+    dir.file(name + "/merges.txt", merges);
+    try {
+      data::load_tokenizer(dir + "/" + name);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  nlohmann::json vocab = nlohmann::json::parse(files::read_all(kGpt2Encoder + "/encoder.json"));
+  ASSERT_EQ(error_of("good", vocab), "(no error)");
+  nlohmann::json far = vocab;
+  far["hello"] = 70000;
+  std::string e = error_of("far", far);
+  EXPECT_NE(e.find(dir + "/far/vocab.json: entry 'hello' has id 70000, outside [0, 50257)"), std::string::npos) << e;
+  nlohmann::json text = vocab;
+  text["hello"] = "12";
+  e = error_of("text", text);
+  EXPECT_NE(e.find(dir + "/text/vocab.json: entry 'hello' has id \"12\", not an integer"), std::string::npos) << e;
+  nlohmann::json twice = vocab;
+  twice["hello"] = 0;
+  e = error_of("twice", twice);
+  EXPECT_NE(e.find(" share id 0; each id names one token"), std::string::npos) << e;
 }
