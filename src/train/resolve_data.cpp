@@ -66,7 +66,7 @@ void check_no_overlap(const std::vector<std::string>& train, const std::vector<s
 // --vocab was given, which must then cover it.
 void resolve_vocabulary(TrainConfig& c, const std::vector<std::string>& train, const std::vector<std::string>& val) {
   const int64_t train_vocab = token_shards_vocab(train);
-  const int64_t val_vocab = val.empty() ? 0 : token_shards_vocab(val);
+  const int64_t val_vocab = val.empty() ? 0 : token_shards_vocab(val, "--val-data");
   MESHTRAIN_CHECK(train_vocab == 0 || val_vocab == 0 || train_vocab == val_vocab, "--val-data ", c.val_data,
                   ": its shards record a vocabulary of ", val_vocab, " but the training shards (", c.data, ") ",
                   train_vocab, ": different tokenizers? Write both with the same `meshtrain data --tokenizer`");

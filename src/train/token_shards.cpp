@@ -197,9 +197,18 @@ int64_t check_token_shards(const std::vector<std::string>& paths, int64_t vocab,
   return windows;
 }
 
-int64_t token_shards_vocab(const std::vector<std::string>& paths) {
+int64_t token_shards_vocab(const std::vector<std::string>& paths, const std::string& flag) {
   int64_t vocab = 0;
-  for (const std::string& p : paths) vocab = std::max(vocab, data::shard_vocab_size(p));
+  std::string first;  // the first shard that records one
+  for (const std::string& p : paths) {
+    const int64_t v = data::shard_vocab_size(p);
+    if (v == 0) continue;
+    MESHTRAIN_CHECK(vocab == 0 || v == vocab, flag, ": ", first, " records a vocabulary of ", vocab, " but ", p, " ",
+                    v, ": shards of different tokenizers give the same ids other meanings. Tokenize every shard with "
+                    "the same `meshtrain data --tokenizer`, or give them to separate runs");
+    if (vocab == 0) first = p;
+    vocab = v;
+  }
   return vocab;
 }
 

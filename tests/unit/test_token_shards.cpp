@@ -211,3 +211,27 @@ TEST(TokenShards, ResolveChecksTheShardsBeforeAnyCommunication) {
   EXPECT_FALSE(data_is_token_shards(write_text(dir, "plain text")));
   EXPECT_TRUE(data_is_token_shards(dir + "/a.bin"));
 }
+
+// One --data glob mixing shards whose headers record vocabularies 256 and
+// 1000 (two tokenizers: the same id means other tokens) trained a model of
+// 1000; now refused, naming both shards, as --data against --val-data is.
+TEST(TokenShards, AGlobMixingTwoRecordedVocabulariesIsRefused) {
+  const Scratch dir("mixed-vocab");
+  auto write_with_vocab = [&](const std::string& name, int32_t vocab) {
+    std::vector<int32_t> header(256, 0);
+    header[0] = 20240520, header[1] = 1, header[2] = 100, header[3] = vocab;
+    const std::vector<uint16_t> tokens(100, 7);
+    std::ofstream out(dir + "/" + name, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), 1024);
+    out.write(reinterpret_cast<const char*>(tokens.data()), 200);
+  };
+  write_with_vocab("a_000000.bin", 256);
+  write_with_vocab("a_000001.bin", 256);
+  write_with_vocab("a_000002.bin", 1000);
+  write_with_vocab("b_000000.bin", 0);  // llm.c records none: no conflict
+  EXPECT_EQ(token_shards_vocab({dir + "/a_000000.bin", dir + "/a_000001.bin", dir + "/b_000000.bin"}), 256);
+  const std::string e = error_of([&] { resolve(parse_train_args({"--model", "gpt", "--data", dir + "/a_*.bin"}), 1); });
+  EXPECT_NE(e.find("--data: " + dir.dir + "/a_000000.bin records a vocabulary of 256 but " + dir.dir + "/a_000002.bin 1000"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("Tokenize every shard with the same `meshtrain data --tokenizer`"), std::string::npos) << e;
+}

@@ -54,8 +54,10 @@ int64_t check_token_shards(const std::vector<std::string>& paths, int64_t vocab,
                            const std::string& flag = "--data");
 
 // The vocabulary the shards' headers record (int [3], `meshtrain data`
-// writes it): the largest, 0 when none records one (llm.c's shards).
-int64_t token_shards_vocab(const std::vector<std::string>& paths);
+// writes it), 0 when none records one (llm.c's shards). Shards that record
+// different vocabularies were written by different tokenizers: ConfigError
+// naming two of them and `flag`.
+int64_t token_shards_vocab(const std::vector<std::string>& paths, const std::string& flag = "--data");
 
 // The order samples read the windows in.
 struct WindowOrder {
