@@ -493,6 +493,7 @@ std::string to_json(const TrainConfig& c) {
       .integer("seed", static_cast<long long>(c.seed)).str("data", c.data.empty() ? "arithmetic, " + std::to_string(c.digits) + "-digit operands" : c.data)
       .num("bucket_cap_mb", c.bucket_cap_mb).boolean("overlap", c.overlap).integer("eval_every", c.eval_every)
       .boolean("deterministic", c.deterministic).integer("grains", c.grains)
+      .integer("deterministic_threads", c.deterministic_threads)
       .boolean("shuffle", c.shuffle).str("val_data", c.val_data).integer("val_batches", c.val_batches)
       .str("backend", c.backend.empty() ? "auto" : c.backend);
   return o.str();
@@ -565,6 +566,11 @@ std::string startup_json(const TrainConfig& c) {
                       {"save_every", c.save_every}, {"resume", c.resume}, {"resume_fallback", c.resume_fallback},
                       {"allow_config_change", c.allow_config_change}, {"overwrite", c.overwrite},
                       {"async_save", c.async_save}, {"keep_last", c.keep_last}};
+  // What else every rank must share: the final accuracy is a collective over
+  // eval_problems, and a rank that gives up waiting sooner than the others
+  // blames them for its own impatience.
+  j["run"] = {{"eval_problems", c.eval_problems}, {"comm_timeout", c.comm_timeout},
+              {"elastic_layouts", c.elastic_layouts}};
   return j.dump();
 }
 
