@@ -124,8 +124,13 @@ TEST(ReferenceModels, LlamaFromHuggingFaceWeightsTrainsOnAMeshLikeOneProcess) {
   const Value mesh = metrics_of(8, flags + "--dp 2 --pp 2 --tp 2 --zero 1", f.file("llama_mesh.json"));
   ASSERT_EQ(one.type, Value::Type::kObject);
   ASSERT_EQ(mesh.type, Value::Type::kObject);
+  // The fixture's weights give losses near 27 (large logits), where float
+  // reassociation across tp slices and pipeline micro-batches moves the
+  // loss by more than usual, and AdamW's first steps amplify it: 6.3e-6
+  // relative by step 3 on an AVX-512 EPYC host (2026-12-07), under 2e-6 on
+  // earlier ones. A wrong gradient or a missed slice is off by 1e-2 or more.
   for (size_t s = 0; s < one["losses"].size(); ++s) {
-    EXPECT_NEAR(mesh["losses"][s].num(), one["losses"][s].num(), 2e-6 * one["losses"][s].num()) << "step " << s;
+    EXPECT_NEAR(mesh["losses"][s].num(), one["losses"][s].num(), 1.5e-5 * one["losses"][s].num()) << "step " << s;
   }
 }
 
