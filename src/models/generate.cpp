@@ -1,5 +1,7 @@
 #include "meshtrain/models/generate.h"
 
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -93,9 +95,28 @@ at::Tensor truncated(const at::Tensor& probs, const GenerateOptions& o) {
 
 }  // namespace
 
+void check_generate_options(const GenerateOptions& o) {
+  MESHTRAIN_CHECK(o.max_new_tokens() >= 1, "generate: --max-new-tokens ", o.max_new_tokens(),
+                  " generates nothing; give 1 or more");
+  MESHTRAIN_CHECK(std::isfinite(o.temperature()) && o.temperature() >= 0, "generate: --temperature ", o.temperature(),
+                  " must be a number >= 0 (0: greedy)");
+  MESHTRAIN_CHECK(o.top_k() >= 0, "generate: --top-k ", o.top_k(), " must be >= 0 (0: every token)");
+  MESHTRAIN_CHECK(o.top_p() > 0 && o.top_p() <= 1, "generate: --top-p ", o.top_p(), " must be in (0, 1] (1: every token)");
+}
+
+void check_finite_weights(const std::map<std::string, at::Tensor>& parameters, const std::string& source) {
+  for (const auto& named : parameters) {
+    const at::Tensor bad = at::logical_not(at::isfinite(named.second));
+    const int64_t count = bad.sum().item<int64_t>();
+    MESHTRAIN_CHECK(count == 0, "generate: ", source, ": '", named.first, "' holds ", count, " non-finite values (NaN "
+                    "or infinity) of ", named.second.numel(), ": damaged weights, or the training that wrote them diverged. Generate from "
+                    "an earlier checkpoint (--resume SAVE_DIR/step-NNNNNNNN), or retrain with a lower --lr or "
+                    "--clip-grad-norm");
+  }
+}
+
 int64_t sample_next(const at::Tensor& logits, const GenerateOptions& o, int64_t step) {
-  MESHTRAIN_CHECK(o.temperature() >= 0 && o.top_k() >= 0 && o.top_p() > 0 && o.top_p() <= 1, "generate: --temperature ",
-                  o.temperature(), " must be >= 0, --top-k ", o.top_k(), " >= 0 and --top-p ", o.top_p(), " in (0, 1]");
+  check_generate_options(o);
   if (o.temperature() == 0) return logits.argmax().item<int64_t>();
   const at::Tensor probs = truncated(at::softmax(logits.to(at::kDouble) / o.temperature(), 0), o);
   const double u = hash_uniform(hash_key(o.seed(), "generate"), static_cast<uint64_t>(step));
@@ -106,6 +127,7 @@ int64_t sample_next(const at::Tensor& logits, const GenerateOptions& o, int64_t 
 
 Generation generate(const ModelConfig& c, StageImpl& model, const std::vector<int64_t>& prompt,
                     const GenerateOptions& o) {
+  check_generate_options(o);
   check_prompt(c, prompt);
   at::NoGradGuard no_grad;
   EvalMode eval(model);

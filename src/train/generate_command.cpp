@@ -140,17 +140,19 @@ int run_generate_command(const std::vector<std::string>& args, std::ostream& out
     return 0;
   }
   parser.parse(args);
+  auto options = models::GenerateOptions().max_new_tokens(a.max_new).temperature(a.temperature).top_k(a.top_k)
+                     .top_p(a.top_p).seed(a.seed).use_cache(!a.no_cache);
+  models::check_generate_options(options);  // before anything is loaded
   const std::unique_ptr<data::Tokenizer> tokenizer = data::load_tokenizer(a.tokenizer);
   const std::vector<int64_t> prompt = prompt_of(a, *tokenizer);
   const LoadedModel loaded = load_model(a);
+  models::check_finite_weights(loaded.parameters, loaded.source);
   MESHTRAIN_CHECK(tokenizer->vocab_size() <= loaded.config.vocab, "meshtrain generate: the tokenizer (",
                   tokenizer->describe(), ") writes ids up to ", tokenizer->vocab_size() - 1, " but the model predicts ",
                   loaded.config.vocab, " tokens; give the tokenizer its data was written with (--tokenizer)");
   models::BuildContext ctx;
   ctx.weights = &loaded.parameters;
   models::Stage model = models::build_stage(loaded.config, 0, models::num_pieces(loaded.config), ctx);
-  auto options = models::GenerateOptions().max_new_tokens(a.max_new).temperature(a.temperature).top_k(a.top_k)
-                     .top_p(a.top_p).seed(a.seed).use_cache(!a.no_cache);
   if (tokenizer->end_of_text_id()) options.stop_ids({*tokenizer->end_of_text_id()});
   const models::Generation g = models::generate(loaded.config, *model, prompt, options);
   const std::string text = decoded(*tokenizer, g.ids);

@@ -11,6 +11,8 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "meshtrain/models/models.h"
@@ -44,6 +46,13 @@ struct Generation {
 // eval mode for the call.
 Generation generate(const ModelConfig& config, StageImpl& model, const std::vector<int64_t>& prompt,
                     const GenerateOptions& options = {});
+// ConfigError naming the option when `options` cannot generate (a count
+// below 1, a negative or non-finite temperature, top-k below 0, top-p outside
+// (0, 1]); generate() checks it first, a command may check before loading.
+void check_generate_options(const GenerateOptions& options);
+// ConfigError naming the first parameter that holds NaN or infinity, how many
+// of its values do, and `source`: such weights generate one token forever.
+void check_finite_weights(const std::map<std::string, at::Tensor>& parameters, const std::string& source);
 
 // The next token from the last position's logits [vocab] under the options
 // (step numbers the draws).
