@@ -13,11 +13,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # dpkg-dev and file: cpack's Debian package (dependencies by dpkg-shlibdeps);
 # pkg-config: the install test builds a program with meshtrain.pc;
 # libssl-dev: OpenSSL's libcrypto, for checkpoint checksums; nlohmann-json3-dev: JSON;
+# libxxhash-dev: the whole-content hash of every input file;
 # libsentencepiece-dev: SentencePiece tokenizers (python3-sentencepiece: the tests' reference);
 # libpcre2-dev: GPT-2's Unicode pre-tokenizer; nodejs: runs the tests' GPT-2 reference encoder;
 # iproute2 + util-linux: the cluster tests' hosts (ip netns, unshare).
 PACKAGES=(build-essential cmake ccache libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin
           libopenblas0-pthread libgtest-dev libbenchmark-dev dpkg-dev file pkg-config libssl-dev nlohmann-json3-dev
+          libxxhash-dev
           libsentencepiece-dev python3-sentencepiece libpcre2-dev nodejs iproute2 util-linux)
 # npm comes with NodeSource's nodejs; Debian's nodejs needs Debian's npm.
 command -v npm >/dev/null || PACKAGES+=(npm)

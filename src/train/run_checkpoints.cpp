@@ -131,7 +131,7 @@ Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Commun
 
 CheckpointSaver::CheckpointSaver(const TrainConfig& c, comm::CommPtr metrics, bool verbose)
     : c_(c), metrics_(std::move(metrics)), verbose_(verbose) {
-  const bool saving = !c_.save_dir.empty() && c_.save_every > 0;
+  const bool saving = !c_.save_dir.empty();
   if (saving && c_.async_save) background_ = metrics_->split(0, metrics_->rank(), "checkpoint");  // every rank: same config
   if (saving) {  // what a crashed save left, before this run writes into the directory
     if (metrics_->rank() == 0 && files::exists(c_.save_dir)) remove_unfinished_saves(c_.save_dir);
@@ -143,8 +143,17 @@ CheckpointSaver::~CheckpointSaver() {
   if (writer_.joinable()) writer_.join();  // an error was raised already, or will not be: do not terminate
 }
 
-bool CheckpointSaver::after_step(int64_t step, Engine& engine) {
-  if (c_.save_dir.empty() || c_.save_every <= 0 || (step + 1) % c_.save_every != 0) return false;
+// Note [The last step is saved]: every --save-every steps, and always after the
+// last step (a run of 160 steps with --save-every 60 ended at step 120 on disk,
+// and `export --resume` then exported older weights without a word), as llm.c
+// and torchtitan do; and at a stop asked for by SIGTERM (a preemption).
+bool CheckpointSaver::due(int64_t step) const {
+  if (c_.save_dir.empty()) return false;
+  return step + 1 == c_.steps || (c_.save_every > 0 && (step + 1) % c_.save_every == 0);
+}
+
+bool CheckpointSaver::after_step(int64_t step, Engine& engine, bool stopping) {
+  if (c_.save_dir.empty() || !(stopping || due(step))) return false;
   const auto t0 = Clock::now();
   if (background_) wait_for_writer();  // one save at a time
   RankState state = engine.checkpoint_state();

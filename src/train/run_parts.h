@@ -18,12 +18,29 @@ namespace train {
 
 // Start-up checks (startup_checks.cpp), collectives over `world` raising
 // ConfigError on every rank. check_same_data: every rank's copy of each
-// --data / --val-data file has the same length and sampled content.
-// check_save_dir: with --save-every or --resume, every rank sees the files the
-// others write in --save-dir; without --resume a directory holding another
-// run's checkpoints is refused, or emptied of them with --overwrite.
+// --data / --val-data file has the same length and sampled content (the
+// whole content is proven later: Note [Input files are proven, then
+// watched]). check_save_dir: with --save-dir, every rank sees the files the
+// others write there, rank 0 holds the directory's lock for the job's life
+// (Note [One job per save directory]; the returned object), and without
+// --resume a directory holding another run's checkpoints is refused, or
+// emptied of them with --overwrite. prepare_outputs: the directories of
+// --metrics-out, --plot and --trace exist (rank 0 makes them), so that a run
+// cannot fail at its end for want of one.
+class SaveDirLock {
+ public:
+  SaveDirLock() = default;
+  explicit SaveDirLock(int fd) : fd_(fd) {}
+  SaveDirLock(SaveDirLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  SaveDirLock& operator=(SaveDirLock&& o) noexcept;
+  ~SaveDirLock();
+
+ private:
+  int fd_ = -1;  // flock(2)ed; closing it releases the lock
+};
 void check_same_data(const TrainConfig& c, comm::Communicator& world);
-void check_save_dir(const TrainConfig& c, comm::Communicator& world);
+SaveDirLock check_save_dir(const TrainConfig& c, comm::Communicator& world);
+void prepare_outputs(const TrainConfig& c, comm::Communicator& world);
 
 // Where training starts: step 0, or the latest complete checkpoint under
 // --save-dir with --resume (loaded into `engine` under this run's layout).
@@ -33,8 +50,9 @@ struct Resumed {
 };
 Resumed resume_if_asked(const TrainConfig& c, Engine& engine, const comm::Communicator& world, bool verbose);
 
-// Saves a checkpoint every --save-every steps and keeps the figures for the
-// report. With --async-save the step boundary only encodes the shard (a
+// Saves a checkpoint every --save-every steps, after the last step and when
+// the run stops early (`stopping`; Note [The last step is saved]), and keeps
+// the figures for the report. With --async-save the step boundary only encodes the shard (a
 // copy); a writer thread writes, checksums and commits it on a communicator
 // of its own, while training goes on. The next save, and finish(), wait for
 // it; a failed background save raises there, on every rank.
@@ -42,8 +60,11 @@ class CheckpointSaver {
  public:
   CheckpointSaver(const TrainConfig& c, comm::CommPtr metrics, bool verbose);
   ~CheckpointSaver();
-  // Called after step `step` (0-based) on every rank; whether it took a checkpoint.
-  bool after_step(int64_t step, Engine& engine);
+  // Whether a checkpoint is due after step `step` (0-based).
+  bool due(int64_t step) const;
+  // Called after step `step` (0-based) on every rank; whether it took a
+  // checkpoint (always, with --save-dir, when `stopping`).
+  bool after_step(int64_t step, Engine& engine, bool stopping = false);
   // Waits for a save still being written (call after the last step).
   void finish();
   // The metrics' "checkpoint" object (a collective over the metrics communicator).

@@ -1,10 +1,14 @@
 // What every rank must share before a run starts, proven rather than assumed:
 // the same data bytes (not just the same path) and one save directory.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <ctime>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -101,14 +105,87 @@ void check_shared_save_dir(const std::string& dir, comm::Communicator& world) {
   }
 }
 
-void check_save_dir(const TrainConfig& c, comm::Communicator& world) {
-  const bool saving = !c.save_dir.empty() && c.save_every > 0;
-  if (!saving && !c.resume) return;
+// Note [One job per save directory]
+// Two jobs started together with one --save-dir both found it empty, both
+// saved, and each pruned and overwrote the other's checkpoints: the directory
+// ended holding one job's, while both said "saved". So rank 0 of a job holds
+// an exclusive flock(2) on <save-dir>/.meshtrain-lock from its start-up checks
+// to its exit, and writes who holds it into the file. A second job's rank 0
+// finds the lock held and every rank of that job stops, naming the holder;
+// --overwrite does not take a directory from a live job. The kernel drops a
+// flock when its process dies, however it dies: a lock file left by a dead
+// job is not held, and the next job takes it over (no stale-lock guessing by
+// pid or age; on NFS, the server's lock recovery does the same for a lost
+// client). The lock goes with the process, so an elastic regroup or a
+// restart by meshrun releases it and the new rank 0 takes it again.
+namespace {
+
+constexpr const char* kLockFile = ".meshtrain-lock";
+
+std::string holder_description() {
+  char host[256] = "?";
+  ::gethostname(host, sizeof host - 1);
+  const time_t now = ::time(nullptr);
+  struct tm tm {};
+  localtime_r(&now, &tm);
+  char when[64];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
+  const char* tag = std::getenv("MESHTRAIN_JOB_TAG");
+  return str_cat("a job started ", when, " by pid ", ::getpid(), " on host ", host,
+                 tag ? str_cat(" (meshrun job ", tag, ")") : std::string());
+}
+
+// Rank 0: the lock's descriptor, or -1 and why not.
+std::pair<int, std::string> lock_save_dir(const std::string& dir) {
+  const std::string path = dir + "/" + kLockFile;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return {-1, str_cat("--save-dir ", dir, ": cannot create its lock file ", path, ": ", std::strerror(errno),
+                        "; --save-dir must be a directory this job can write")};
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    std::string holder = files::read_all(path);
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    ::close(fd);
+    return {-1, str_cat("--save-dir ", dir, " is in use by another job (", holder.empty() ? "a job" : holder,
+                        " holds ", path, "): two jobs saving into one directory overwrite each other's checkpoints; "
+                        "wait for that job to end or stop it, or choose another --save-dir (--overwrite does not "
+                        "take a directory from a running job)")};
+  }
+  const std::string me = holder_description() + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
+    // Only the description is lost: the lock is held.
+  }
+  return {fd, ""};
+}
+
+}  // namespace
+
+SaveDirLock& SaveDirLock::operator=(SaveDirLock&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    o.fd_ = -1;
+  }
+  return *this;
+}
+
+SaveDirLock::~SaveDirLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+SaveDirLock check_save_dir(const TrainConfig& c, comm::Communicator& world) {
+  if (c.save_dir.empty()) return SaveDirLock();
   check_shared_save_dir(c.save_dir, world);
-  if (!saving || c.resume) return;
+  std::pair<int, std::string> lock{-1, ""};
+  if (world.rank() == 0) lock = lock_save_dir(c.save_dir);
+  SaveDirLock held(lock.first);
+  const std::string refused = comm::all_gather_strings(world, lock.second)[0];
+  MESHTRAIN_CHECK(refused.empty(), refused);
+  if (c.resume) return held;
   const std::vector<std::string> committed = complete_checkpoints(c.save_dir);
   const bool has_latest = files::exists(c.save_dir + "/latest");
-  if (committed.empty() && !has_latest) return;
+  if (committed.empty() && !has_latest) return held;
   MESHTRAIN_CHECK(c.overwrite, "--save-dir ", c.save_dir, " holds the checkpoints of another run (",
                   committed.empty() ? "a 'latest' file" : "the newest: " + committed.front(),
                   "); add --resume to continue it, --overwrite to replace it, or choose another --save-dir");
@@ -120,6 +197,32 @@ void check_save_dir(const TrainConfig& c, comm::Communicator& world) {
                 c.save_dir.c_str());
   }
   world.barrier();
+  return held;
+}
+
+// Rank 0 writes these at the end (and the per-step metrics as it goes): a
+// directory that does not exist must not fail a finished run.
+void prepare_outputs(const TrainConfig& c, comm::Communicator& world) {
+  std::string problem;
+  if (world.rank() == 0) {
+    for (const auto& out : {std::make_pair("--metrics-out", c.metrics_out), std::make_pair("--plot", c.plot),
+                            std::make_pair("--trace", c.trace)}) {
+      if (out.second.empty() || !problem.empty()) continue;
+      const std::string dir = files::directory_of(out.second);
+      try {
+        files::make_directories(dir);
+      } catch (const std::exception& e) {
+        problem = str_cat(out.first, " ", out.second, ": cannot create its directory ", dir, " (", e.what(),
+                          "); give a path in a directory this job can write");
+      }
+      if (problem.empty() && ::access(dir.c_str(), W_OK) != 0) {
+        problem = str_cat(out.first, " ", out.second, ": its directory ", dir, " is not writable (",
+                          std::strerror(errno), "); give a path in a directory this job can write");
+      }
+    }
+  }
+  const std::string refused = comm::all_gather_strings(world, problem)[0];
+  MESHTRAIN_CHECK(refused.empty(), refused);
 }
 
 }  // namespace train

@@ -13,12 +13,14 @@
 
 #include "engine.h"
 #include "held_out.h"
+#include "input_files.h"
 #include "meshtrain/train/elastic.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/mixed_precision.h"
 #include "meshtrain/util/json.h"
 #include "meshtrain/util/error.h"
 #include "run_parts.h"
+#include "stop_signal.h"
 
 namespace meshtrain {
 namespace train {
@@ -167,6 +169,39 @@ void report_restart_time() {
               (now - std::atoll(failed)) / 1e9);
 }
 
+// What every rank must agree on at a step's end, carried by the loss's
+// all-reduce (one collective per step): the global loss, and how many ranks
+// saw an input file change, have hashed their input files, and were asked to
+// stop (Notes [Input files are proven, then watched] and [SIGTERM stops at a
+// step's end]).
+struct StepVotes {
+  double loss = 0;
+  int changed = 0, hashed = 0, stopping = 0;
+};
+
+StepVotes vote(double loss, bool changed, bool hashed, bool stopping, comm::Communicator& metrics) {
+  at::Tensor t = at::tensor({loss, changed ? 1.0 : 0.0, hashed ? 1.0 : 0.0, stopping ? 1.0 : 0.0}, at::kDouble);
+  metrics.all_reduce(t);  // the sum of the ranks' contributions is the global-batch loss
+  const double* v = t.data_ptr<double>();
+  return {v[0], static_cast<int>(std::lround(v[1])), static_cast<int>(std::lround(v[2])),
+          static_cast<int>(std::lround(v[3]))};
+}
+
+// After a step: a changed input file stops every rank; the input files'
+// hashes are compared once every rank has them, and before anything is saved
+// or reported (`must`). Returns whether they have been compared.
+bool check_inputs(const StepVotes& votes, InputFiles& inputs, const std::string& my_change, bool compared, bool must,
+                  int64_t step, comm::Communicator& metrics, bool print) {
+  if (votes.changed > 0) stop_for_changed_input(my_change, metrics);
+  if (compared || (votes.hashed < metrics.size() && !must)) return compared;
+  check_same_inputs(inputs, metrics);
+  if (print && inputs.count() > 0) {
+    std::printf("input files the same on every rank: %zu file(s), %.1f MB, hashed in %.2f s (compared after step "
+                "%lld)\n", inputs.count(), inputs.bytes() / 1e6, inputs.seconds(), static_cast<long long>(step + 1));
+  }
+  return true;
+}
+
 }  // namespace
 
 TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOptions& options) {
@@ -175,7 +210,9 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   comm::CommPtr metrics = world->split(0, world->rank(), "metrics");
   check_same_config(c, *metrics);  // a rank started with another --lr or --seed would train silently apart
   check_same_data(c, *metrics);    // the same path on another node may hold other bytes
-  check_save_dir(c, *metrics);     // before anything is read from it or written to it
+  const SaveDirLock save_dir_lock = check_save_dir(c, *metrics);  // before anything is read from it or written to it
+  prepare_outputs(c, *metrics);
+  InputFiles inputs(input_files(c));  // hashed in the background while the model is built and trains
   const bool chief = world->rank() == 0;
   if (chief && options.verbose && c.precision == "bf16-mixed" && !bf16_products_accumulate_in_float()) {
     std::printf("warning: bf16-mixed: libtorch on this CPU (no AVX-512) accumulates bf16 matrix products in bf16, "
@@ -194,6 +231,8 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   const double flops_per_step = models::training_flops_per_token(c.model) * tokens_per_sample(c) * c.global_batch;
   const double world_flops = measured_world_flops(*metrics);
   const auto started = Clock::now();
+  const std::unique_ptr<StopScope> stop_scope = c.save_dir.empty() ? nullptr : std::make_unique<StopScope>();
+  bool inputs_compared = false;
   for (int64_t step = resumed.first_step; step < c.steps; ++step) {
     const bool killed_in_this_step = arm_test_kill(step);
     const double lr = learning_rate(c, step);
@@ -202,7 +241,14 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     at::Tensor loss = at::tensor({engine->step(step)}, at::kDouble);
     if (killed_in_this_step) wait_for_test_kill();
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    metrics->all_reduce(loss);  // the sum of the ranks' contributions is the global-batch loss
+    const std::string my_change = inputs.first_change();
+    const StepVotes votes =
+        vote(loss.item<double>(), !my_change.empty(), inputs.hashed(), StopScope::requested(), *metrics);
+    loss.fill_(votes.loss);
+    const bool stopping = votes.stopping > 0;
+    inputs_compared = check_inputs(votes, inputs, my_change, inputs_compared,
+                                   stopping || saver.due(step) || step + 1 == c.steps, step, *metrics,
+                                   chief && options.verbose);
     at::Tensor router_load = engine->take_router_load();
     if (router_load.defined()) {
       metrics->all_reduce(router_load);  // each rank's tokens through its layers
@@ -225,7 +271,19 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
     }
     if (c.eval_every > 0 && ((step + 1) % c.eval_every == 0 || step + 1 == c.steps))
       record_held_out_loss(c, step, *engine, held_out, *metrics, chief && options.verbose, result);
-    const bool saved = saver.after_step(step, *engine);
+    const bool saved = saver.after_step(step, *engine, stopping);
+    if (stopping) {
+      saver.finish();
+      if (chief && options.verbose) {
+        std::printf("stopped after step %lld: SIGTERM%s\n", static_cast<long long>(step + 1),
+                    saved ? str_cat("; checkpoint step ", step + 1, " saved in ", c.save_dir,
+                                    ": continue with --resume").c_str()
+                          : "");
+        std::fflush(stdout);
+      }
+      result.stopped_by_signal = true;
+      return result;
+    }
     if (saved && step + 1 < c.steps && regroup_requested(*metrics)) {
       saver.finish();
       if (chief && options.verbose) {

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -72,6 +73,7 @@ static int run_command(Command command, const std::vector<std::string>& args) {
 }
 
 int main(int argc, char** argv) {
+  train::stop_at_step_end_on_sigterm();  // before any thread starts: they inherit its signal mask
   keep_freed_memory_for_reuse();  // before libtorch's first large tensors (Note [Freed memory kept for reuse])
   std::vector<std::string> args(argv + 1, argv + argc);
   if (!args.empty() && kCommands.count(args[0])) {
@@ -120,6 +122,7 @@ int main(int argc, char** argv) {
                 << std::endl;
     }
     const train::TrainResult result = train::run_training(config, world);
+    if (result.stopped_by_signal) return 128 + SIGTERM;  // unfinished: a scheduler requeues it
     return result.stopped_for_regroup ? launch::kRegroupExitCode : 0;
   } catch (const ConfigError& e) {
     // Every rank checks the same flags: one line per node says why, not one per

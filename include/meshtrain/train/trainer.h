@@ -25,6 +25,9 @@ struct TrainResult {
   // Stopped after a checkpoint because a node waits to join the elastic job
   // (train/elastic.h): the program should exit with launch::kRegroupExitCode.
   bool stopped_for_regroup = false;
+  // Stopped at a step's end by SIGTERM (stop_at_step_end_on_sigterm), after
+  // saving a checkpoint: the program should exit with 128 + SIGTERM.
+  bool stopped_by_signal = false;
   std::vector<double> losses;      // global-batch loss of steps first_step, first_step + 1, ... (every rank)
   std::vector<double> step_times;  // seconds
   std::vector<double> grad_norms;  // global gradient norm of each step, before clipping
@@ -47,6 +50,13 @@ struct TrainResult {
 // (any layouts) ended with bit-identical weights exactly when these agree,
 // without writing files. Other dtypes are converted to float32 first.
 std::string weights_sha256(const std::map<std::string, at::Tensor>& parameters);
+
+// Lets a SIGTERM that arrives while run_training trains with --save-dir stop
+// it at the end of the step, with a checkpoint of that step, on every rank
+// (Note [SIGTERM stops at a step's end] in src/train/stop_signal.cpp);
+// elsewhere, and at a second SIGTERM, the process ends as it would without
+// this. Call first thing in main(), before any thread starts.
+void stop_at_step_end_on_sigterm();
 
 // Runs training on `world` (every rank calls it). `config` must be resolved
 // (train::resolve) for world->size() ranks.
