@@ -30,6 +30,11 @@ Faults:
                 truncated, a block or a token rewritten), or the shard every rank reads is truncated or
                 overwritten with out-of-vocabulary ids while the job trains: refused, naming the file;
                 every checkpoint saved before still whole (trial_changed_data says what is measured)
+  shared-save-dir  a second job started 0-1.5 s after a first with the same --save-dir: one of them refused,
+                naming the holder; the other's checkpoints all there and whole (trial_shared_save_dir)
+  rewritten-in-place  the shard every rank reads rewritten in place with valid ids, the same size, while the
+                job trains and saves every step: stopped naming the file, no checkpoint from the new bytes
+                (trial_rewritten_in_place)
 A trial that hangs (no exit within 60 s) is reported as such: it is a bug.
 """
 import json, os, random, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, threading, time
@@ -541,6 +546,79 @@ def trial_changed_data(i, layout, shm_before, workdir, templates):
     return r
 
 
+def checkpoint_steps(ckpt):
+    return sorted(int(d[5:]) for d in os.listdir(ckpt) if d.startswith("step-")
+                  and os.path.exists(os.path.join(ckpt, d, "manifest.json"))) if os.path.isdir(ckpt) else []
+
+
+def trial_shared_save_dir(i, layout, shm_before, workdir):
+    """Job A (--seed 1) and, 0-1.5 s later, job B (--seed 2), both 4 ranks with --save-dir D --save-every 5
+    --keep-last 3 --steps 60. Named: exactly one job failed, its output naming the other as the holder ("is in
+    use by another job (a job started ... by pid P"). Time: from the later start to the refused job's failure
+    line. Lost: the winner's last three checkpoints not all in D (55, 60 and the one before), plus one when
+    `latest` no longer loads whole, plus one per checkpoint in D written by the refused job (its seed in the
+    manifest)."""
+    rnd = random.Random(i)
+    ckpt = os.path.join(workdir, "ckpt")
+    extra = ["--steps", "60", "--save-dir", ckpt, "--save-every", "5", "--keep-last", "3"]
+    ports = [free_port(), free_port()]
+    a = Job(meshrun(ports[0], layout, extra + ["--seed", "1"]), cwd=workdir)
+    time.sleep(rnd.uniform(0.0, 1.5))
+    t0 = time.time()
+    b = Job(meshrun(ports[1], layout, extra + ["--seed", "2"]), cwd=workdir)
+    finished = a.wait() and b.wait()
+    failed = [j for j in (a, b) if j.proc.returncode != 0]
+    refused = failed[0] if len(failed) == 1 else None
+    named = refused is not None and re.search(r"is in use by another job \(a job started .* by pid \d+",
+                                               refused.text()) is not None
+    winner_seed = None if refused is None else (2 if refused is a else 1)
+    steps = checkpoint_steps(ckpt)
+    lost = 0 if steps[-3:] == [50, 55, 60] else 1
+    for s in steps:
+        seed = json.load(open(os.path.join(ckpt, f"step-{s:08d}", "manifest.json")))["config"].get("seed")
+        lost += winner_seed is not None and seed != winner_seed
+    loads = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "tools",
+                            "checkpoint_to_torch.py"), ckpt, "--list"], capture_output=True).returncode == 0
+    lost += 0 if loads else 1
+    t_end = refused.first_line(r"meshrun: .*failed")[0] if refused else None
+    orphans = len(job_processes(ports[0])) + len(job_processes(ports[1]))
+    return dict(hang=not finished, detection=(t_end - max(t0, refused.start)) if t_end else None, named=named,
+                orphans=orphans, leftovers=len(shm_segments() - shm_before), lost=lost,
+                variant="second job refused" if refused is b else "first job refused" if refused is a else "neither",
+                said=None if named else (refused or b).text().splitlines()[-6:])
+
+
+def trial_rewritten_in_place(i, layout, shm_before, workdir):
+    """The shard every rank maps gets 4 KiB of valid ids (letters) written in place, the size unchanged, 1-2 s
+    into a job that saves every step (--steps 100000 --save-every 1 --keep-last 1000). Named: the job failed
+    naming d_000000.bin and "changed while training". Time: from the write to meshrun's failure line. Lost: a
+    checkpoint committed for a step after the one in progress at the write (trained on the new bytes), plus the
+    checkpoints saved before the write that changed, plus one when `latest` no longer loads whole."""
+    rnd = random.Random(i)
+    shared = os.path.join(workdir, "shared")
+    shard = make_shards(shared, token_text(1))
+    ckpt = os.path.join(workdir, "ckpt")
+    port = free_port()
+    extra = ["--vocab", "256", "--data", "d_*.bin", "--steps", "100000", "--save-dir", ckpt, "--save-every", "1",
+             "--keep-last", "1000"]
+    job = Job(meshrun(port, layout, extra), cwd=shared)
+    wait_for_ranks(port, 4)
+    time.sleep(rnd.uniform(1.0, 2.0))
+    before = file_hashes(ckpt)
+    step_at_write = max(checkpoint_steps(ckpt) or [0]) + 1  # the step in progress (or just finished)
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.seek(rnd.randrange(1024, size - 4096, 2))
+        f.write(bytes(rnd.choice(b"etaoinsrh") if k % 2 == 0 else 0 for k in range(4096)))
+    t0 = time.time()
+    finished = job.wait()
+    late = sum(1 for s in checkpoint_steps(ckpt) if s > step_at_write)
+    lost = late + lost_checkpoint_files(before, ckpt)
+    r = refusal_result(job, finished, r"d_000000\.bin changed while training", t0, lost, shm_before, port)
+    r["variant"] = "valid ids, same size"
+    return r
+
+
 def summary(name, results):
     det = [r["detection"] for r in results if r["detection"] is not None]
     row = {"fault": name, "trials": len(results), "hangs": sum(r["hang"] for r in results),
@@ -606,6 +684,10 @@ def main():
                     r = trial_desync(i, layout, shm_before, workdir, references[key])
                 elif fault == "changed-data":
                     r = trial_changed_data(i, layout, shm_before, workdir, os.path.join(templates, "data"))
+                elif fault == "shared-save-dir":
+                    r = trial_shared_save_dir(i, layout, shm_before, workdir)
+                elif fault == "rewritten-in-place":
+                    r = trial_rewritten_in_place(i, layout, shm_before, workdir)
                 elif fault == "disk-full":
                     r = trial_disk_full(layout, shm_before, workdir)
                 elif fault == "kill-meshrun":

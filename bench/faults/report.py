@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from campaign import summary  # noqa: E402
 
 ORDER = ["kill-rank", "kill-in-save", "stop-rank", "kill-meshrun", "kill-store", "restart", "disk-full", "elastic"]
-REFUSALS = ["desync-flag", "changed-data"]  # their own section: refusals, not failures
+REFUSALS = ["desync-flag", "changed-data", "shared-save-dir", "rewritten-in-place"]  # refusals, not failures
 
 
 def refusal_section(a):
@@ -22,11 +22,17 @@ def refusal_section(a):
          "(--resume --save-every 5). desync-flag: one random rank gets another setting than the others (the "
          "variants below, each on both layouts in turn). changed-data: one random rank reads other bytes under the "
          "same relative --data (it starts in another directory), or the shard every rank maps is changed 1-2 s into "
-         "training. Time = seconds from the start (changed while training: from the change) to meshrun's line "
+         "training. shared-save-dir: a second job started 0-1.5 s after a first with the same --save-dir (--save-every 5 "
+         "--keep-last 3); one must be refused naming the other, whose checkpoints must all be there. "
+         "rewritten-in-place: 4 KiB of the shard rewritten with valid ids, the size unchanged, 1-2 s into a job "
+         "saving every step. Time = seconds from the start (changed while training: from the change; a second "
+         "job: from the later start) to meshrun's line "
          "saying the job failed. Named = the job failed and its output names the flag or variable (a flag in the "
          "start-up check's sentence \"--save-every is 5 on rank 0 but 3 on rank 2\") or the shard. Lost = files of "
          "the saved checkpoints changed or missing afterwards, plus one when `latest` no longer names a checkpoint "
-         "that loads whole (tools/checkpoint_to_torch.py).", "",
+         "that loads whole (tools/checkpoint_to_torch.py); for shared-save-dir, the winner's checkpoints missing "
+         "or a checkpoint of the refused job in the directory; for rewritten-in-place, a checkpoint of a step "
+         "after the write.", "",
          "| fault | trials | hangs | time min / median / max (s) | named | orphans | leftovers | lost |",
          "|---|---|---|---|---|---|---|---|"]
     for f, results in runs.items():
