@@ -101,7 +101,8 @@ at::Tensor checkpoint(BlockFn fn, const at::Tensor& input, std::vector<at::Tenso
   at::Tensor y;
   {
     at::NoGradGuard no_grad;
-    InPass first(CheckpointPass::kFirst);
+    // Nested in an outer block's recompute, this first pass is a recompute too.
+    InPass first(current_pass == CheckpointPass::kRecompute ? CheckpointPass::kRecompute : CheckpointPass::kFirst);
     y = fn(input);
     if (y.is_view() || y.is_same(input)) y = y.clone();  // the output must own its autograd history
   }

@@ -40,13 +40,13 @@ void BalanceStatistics::begin_step() {
 }
 
 void BalanceStatistics::add(int64_t slot, const at::Tensor& routes_per_expert, int64_t tokens) {
-  if (read_) {
+  if (read_) {  // a backward used this step's counts: this forward's tokens would miss them
     MESHTRAIN_CHECK(!explicit_steps_, "the mixture of experts' global-batch balance loss (aux_loss_scope global) "
                     "needs every forward of a step before its first backward, and a forward came after a backward "
                     "had used the step's expert counts; run the step's forwards first (pipeline schedule gpipe, "
                     "--schedule gpipe), or use the per-micro-batch loss (--aux-loss-scope micro)");
-    begin_step();
-    explicit_steps_ = false;
+    sums_ = at::Tensor();  // without begin_step: the next step starts here
+    read_ = false;
   }
   if (!sums_.defined()) sums_ = at::zeros({offsets_.back()}, at::kDouble);
   const int64_t experts = offsets_.at(slot + 1) - offsets_.at(slot) - 1;

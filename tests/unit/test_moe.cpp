@@ -294,25 +294,32 @@ TEST(MoE, GlobalScopeMicroBatchesTrainLikeTheWholeBatch) {
 // Activation checkpointing runs a block's forward without a graph, then again
 // in backward: the layer counts the first pass (in the step's order of
 // forwards) and not the recompute, so the statistics and the metrics' load
-// hold each token once, and the gradients are those without recomputation.
+// hold each token once, and the gradients are those without recomputation;
+// also for a checkpointed block inside another (its first pass, run within
+// the outer recompute, is a recompute too).
 TEST(MoE, RecomputedForwardsCountEachTokenOnce) {
   at::manual_seed(6);
   const at::Tensor x = at::randn({2, 7, 8}, at::kDouble) * 4, dout = at::randn({2, 7, 8}, at::kDouble);
   const MoEOptions options = MoEOptions(8, 12, 4, 2).aux_loss_coef(0.3);
-  auto run = [&](bool recompute) {
+  enum Recompute { kNo, kOnce, kNested };
+  auto run = [&](Recompute recompute) {
     MoE m(options);
     m->to(at::kDouble);
+    auto block = [&](const at::Tensor& h) {
+      if (recompute == kNo) return m->forward(h);
+      if (recompute == kOnce) return checkpoint(m, h);
+      return checkpoint([&m](const at::Tensor& g) { return checkpoint(m, g); }, h, m->parameters());
+    };
     std::vector<at::Tensor> losses;
-    for (int64_t j = 0; j < 2; ++j) {
-      const at::Tensor xj = x[j].clone().requires_grad_();
-      losses.push_back(((recompute ? checkpoint(m, xj) : m->forward(xj)) * dout[j]).sum());
-    }
+    for (int64_t j = 0; j < 2; ++j) losses.push_back((block(x[j].clone().requires_grad_()) * dout[j]).sum());
     for (const at::Tensor& l : losses) l.backward();
     EXPECT_EQ(m->balance_statistics()->totals(0)[4].item<double>(), 14) << "recompute " << recompute;
     EXPECT_EQ(m->take_load().tokens_per_expert.sum().item<int64_t>(), 14 * 2) << "recompute " << recompute;
     return m->router.grad().clone();
   };
-  EXPECT_LE((run(true) - run(false)).abs().max().item<double>(), 1e-12);
+  const at::Tensor kept = run(kNo);
+  EXPECT_LE((run(kOnce) - kept).abs().max().item<double>(), 1e-12);
+  EXPECT_LE((run(kNested) - kept).abs().max().item<double>(), 1e-12);
 }
 
 }  // namespace
