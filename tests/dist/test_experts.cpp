@@ -165,7 +165,8 @@ TEST(Experts, TheTrainerRefusesAScheduleRunningABackwardBeforeTheLastForward) {
     const mesh::DeviceMesh mesh(self, mesh::MeshLayout(2, 1, 2, 1));
     auto model = [] {
       at::manual_seed(1);
-      return torch::nn::Sequential(torch::nn::Linear(8, 8), models::MoE(models::MoEOptions(8, 16, 4, 2).aux_loss_coef(0.01)));
+      return torch::nn::Sequential(torch::nn::Linear(8, 8),
+                                   models::MoE(models::MoEOptions(8, 16, 4, 2).aux_loss_coef(0.01)));
     };
     auto loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
     auto sgd = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, 0.1); };
