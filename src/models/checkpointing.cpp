@@ -12,6 +12,18 @@ namespace models {
 
 namespace {
 
+thread_local CheckpointPass current_pass = CheckpointPass::kNone;
+
+// The pass this thread runs while it lives, the enclosing one after.
+class InPass {
+ public:
+  explicit InPass(CheckpointPass pass) : outer_(current_pass) { current_pass = pass; }
+  ~InPass() { current_pass = outer_; }
+
+ private:
+  CheckpointPass outer_;
+};
+
 // Puts the forward's generator state back for the recompute, and the current one after.
 class RngReplay {
  public:
@@ -43,6 +55,7 @@ class RecomputeBackward : public torch::autograd::Node {
     {
       at::AutoGradMode enable(true);
       RngReplay replay(rng_);
+      InPass recompute(CheckpointPass::kRecompute);
       y = fn_(x);
     }
     // Gradients of the tensors that need them; the others stay undefined.
@@ -77,6 +90,8 @@ class RecomputeBackward : public torch::autograd::Node {
 
 }  // namespace
 
+CheckpointPass checkpoint_pass() { return current_pass; }
+
 at::Tensor checkpoint(BlockFn fn, const at::Tensor& input, std::vector<at::Tensor> params) {
   bool needs_grad = input.requires_grad();
   for (const auto& p : params) needs_grad = needs_grad || p.requires_grad();
@@ -86,6 +101,8 @@ at::Tensor checkpoint(BlockFn fn, const at::Tensor& input, std::vector<at::Tenso
   at::Tensor y;
   {
     at::NoGradGuard no_grad;
+    // Nested in an outer block's recompute, this first pass is a recompute too.
+    InPass first(current_pass == CheckpointPass::kRecompute ? CheckpointPass::kRecompute : CheckpointPass::kFirst);
     y = fn(input);
     if (y.is_view() || y.is_same(input)) y = y.clone();  // the output must own its autograd history
   }

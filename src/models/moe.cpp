@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "meshtrain/ep/all_to_all.h"
+#include "meshtrain/models/checkpointing.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
 
@@ -83,6 +84,18 @@ MoEImpl::MoEImpl(const MoEOptions& o) : options(o) {
   w_in = experts(o.swiglu() ? "gate" : "fc1", {E, F, H});
   if (o.swiglu()) w_up = experts("up", {E, F, H});
   w_out = experts(o.swiglu() ? "down" : "fc2", {E, H, F});
+  // Alone, the global scope covers this process's forwards, and token_group's.
+  const comm::CommPtr& tokens = o.token_group();
+  set_balance_statistics(tokens && tokens->size() > 1
+                             ? std::make_shared<BalanceStatistics>([tokens](at::Tensor& t) { tokens->all_reduce(t); },
+                                                                   tokens->size())
+                             : std::make_shared<BalanceStatistics>());
+}
+
+void MoEImpl::set_balance_statistics(std::shared_ptr<BalanceStatistics> statistics) {
+  MESHTRAIN_CHECK(statistics, "MoE '", options.name(), "': balance statistics must not be null");
+  balance_slot_ = statistics->add_layer(options.experts());
+  balance_ = std::move(statistics);
 }
 
 void MoEImpl::to(torch::Dtype dtype, bool non_blocking) {
@@ -125,12 +138,15 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const at::Tensor results = parallel ? run_experts_parallel(rows, expert_id) : run_experts(rows, expert_id);
   const at::Tensor out =
       at::zeros_like(tokens).index_add(0, token, results * route_weight.index_select(0, kept).unsqueeze(1));
-  const at::Tensor counts = at::bincount(expert_id, {}, E);
-  routing_ = {counts, N * k - kept.size(0), balance_loss(probs, route_expert)};
-  if (at::GradMode::is_enabled()) {  // a training forward (a recompute's first pass records none)
-    load_.tokens_per_expert = load_.tokens_per_expert.defined() ? load_.tokens_per_expert + counts : counts;
-    load_.dropped += routing_.dropped;
-  }
+  const at::Tensor counts = at::bincount(expert_id, {}, E), chosen = at::bincount(route_expert, {}, E);
+  // A training forward: one that records a graph, or a checkpointed block's
+  // first pass (its recompute, inside the backward, routes the same tokens again).
+  const CheckpointPass pass = checkpoint_pass();
+  const bool training = pass == CheckpointPass::kFirst || (at::GradMode::is_enabled() && pass == CheckpointPass::kNone);
+  if (training) record(counts, N * k - kept.size(0), chosen, N);
+  routing_ = {counts, N * k - kept.size(0),
+              options.aux_loss_scope() == AuxLossScope::kGlobal ? global_balance_loss(probs, chosen)
+                                                                 : balance_loss(probs, route_expert)};
   at::Tensor y = out.view(x.sizes());
   if (options.aux_loss_coef() > 0 && at::GradMode::is_enabled() && routing_.aux_loss.requires_grad())
     y = AttachAuxLoss::apply(y, routing_.aux_loss, options.aux_loss_coef() * aux_loss_scale);
@@ -149,6 +165,28 @@ at::Tensor MoEImpl::balance_loss(const at::Tensor& probs, const at::Tensor& rout
   const double tokens = counts[E].item<double>();
   const at::Tensor f = (counts.narrow(0, 0, E) / (tokens * options.top_k())).to(probs.scalar_type());
   return (f * probs.sum(0) / tokens).sum() * static_cast<double>(E * members);
+}
+
+// The global scope's piece of this forward (Note [Global-batch balance
+// loss]): valued as the forward's own balance loss, its gradient from the
+// step's statistics.
+at::Tensor MoEImpl::global_balance_loss(const at::Tensor& probs, const at::Tensor& chosen) {
+  const int64_t E = options.experts(), N = probs.size(0);
+  const at::Tensor sums = probs.sum(0);
+  at::Tensor own;
+  {
+    at::NoGradGuard no_grad;
+    const at::Tensor f = chosen.to(probs.scalar_type()) / static_cast<double>(N * options.top_k());
+    own = (f * sums / static_cast<double>(N)).sum() * static_cast<double>(E);
+  }
+  return deferred_balance_loss(sums, own, balance_, balance_slot_, options.top_k());
+}
+
+// What a training forward routed: the metrics' load, and the global scope's statistics.
+void MoEImpl::record(const at::Tensor& computed, int64_t dropped, const at::Tensor& chosen, int64_t tokens) {
+  load_.tokens_per_expert = load_.tokens_per_expert.defined() ? load_.tokens_per_expert + computed : computed;
+  load_.dropped += dropped;
+  if (options.aux_loss_scope() == AuxLossScope::kGlobal) balance_->add(balance_slot_, chosen, tokens);
 }
 
 MoELoad MoEImpl::take_load() {

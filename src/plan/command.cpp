@@ -43,6 +43,10 @@ void training_args(const PlanInput& in, const Estimate& e, std::vector<std::stri
     args.insert(args.end(), {"--schedule", e.virtual_stages > 1 ? "interleaved" : "1f1b"});
     add(args, "--microbatches", e.microbatches);
     if (e.virtual_stages > 1) add(args, "--virtual-stages", e.virtual_stages);
+    // A mixture of experts' default balance loss (the step's whole batch)
+    // needs GPipe's order, whose memory this plan did not count: the
+    // per-micro-batch loss runs under the planned schedule.
+    if (in.shape && in.shape->experts > 0) args.insert(args.end(), {"--aux-loss-scope", "micro"});
   }
   if (!in.grad_overlap) args.push_back("--no-overlap");
   // The attention whose activations the plan counted (the trainer's auto would pick by --seq-len).

@@ -123,6 +123,17 @@ std::vector<std::vector<Action>> make_schedule(const ScheduleSpec& s) {
   return out;
 }
 
+bool forwards_before_backwards(const ScheduleSpec& s) {
+  for (const std::vector<Action>& actions : make_schedule(s)) {
+    std::set<int> backward_seen;  // stages of this rank that ran a backward
+    for (const Action& a : actions) {
+      if (a.kind == ActionKind::kBackward) backward_seen.insert(a.stage);
+      if (a.kind == ActionKind::kForward && backward_seen.count(a.stage)) return false;
+    }
+  }
+  return true;
+}
+
 Replay replay(const ScheduleSpec& s, const std::vector<std::vector<Action>>& sched) {
   Replay result;
   const int p = s.ranks;

@@ -11,6 +11,7 @@
 
 #include "meshtrain/io/weights.h"
 #include "meshtrain/models/checkpointing.h"
+#include "meshtrain/models/moe_balance.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/util/error.h"
@@ -64,6 +65,9 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
               "routes, the rest dropped (default 0: dropless)", m.capacity_factor),
         store("--aux-loss-coef", "C", "with --experts: the load-balancing loss's coefficient (default 0.01; 0: none)",
               m.aux_loss_coef),
+        store("--aux-loss-scope", "global|micro", "with --experts: the balance loss over the step's whole batch, "
+              "alike on every layout, or over each micro-batch of each rank (Megatron-LM's and DeepSpeed's) "
+              "(default global)", c.aux_loss_scope),
         store("--rope-theta", "R", "llama: rotary base (Llama 2: 10000, Llama 3: 500000)", m.rope_theta),
         store("--features", "F", "input features (mlp)", m.features),
         store("--classes", "C", "classes (mlp)", m.classes),
@@ -83,7 +87,8 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
               "(default 1)", c.ep),
         store("--strategy", "ddp|dp", "data axis: DDP, or the article's master DP (default ddp)", c.strategy),
         store("--zero", "0|1|2|3", "ZeRO stage on the data axis (default 0: plain DDP)", c.zero),
-        store("--schedule", "naive|gpipe|1f1b|interleaved", "pipeline schedule (default 1f1b)", c.schedule),
+        store("--schedule", "naive|gpipe|1f1b|interleaved", "pipeline schedule (default 1f1b; gpipe with "
+              "--experts under --aux-loss-scope global)", c.schedule),
         store("--microbatches", "M", "pipeline micro-batches (default: derived)", c.microbatches),
         store("--virtual-stages", "V", "model chunks per pipeline rank (interleaved; default 1)", c.virtual_stages),
         Flag{"--stage-boundaries", "B1,B2,...", "first piece of each later stage (default: balanced)", boundaries},
@@ -283,6 +288,9 @@ void check_experts(const TrainConfig& c) {
   MESHTRAIN_CHECK(c.ep >= 1, "--ep ", c.ep, " must be at least 1");
   MESHTRAIN_CHECK(c.model.experts > 0 || c.ep == 1, "--ep ", c.ep, " splits the experts of mixture-of-experts "
                   "layers; the model has none: add --experts E (a multiple of ", c.ep, ")");
+  models::parse_aux_loss_scope(c.aux_loss_scope);  // throws ConfigError naming the value
+  MESHTRAIN_CHECK(c.model.experts > 0 || c.aux_loss_scope == "global", "--aux-loss-scope ", c.aux_loss_scope,
+                  " applies to mixtures of experts; add --experts E or drop it");
   if (c.model.experts == 0) return;
   MESHTRAIN_CHECK(c.strategy == "ddp", "--experts with --strategy dp: the master DP is for dense models; use "
                   "--strategy ddp");
@@ -359,10 +367,33 @@ void resolve_grains(TrainConfig& c) {
   if (c.pp > 1 || c.virtual_stages > 1) c.microbatches = static_cast<int>(per_rank);
 }
 
+// A mixture of experts whose balance loss covers the step's whole batch
+// needs every forward of the step before its first backward (Note
+// [Global-batch balance loss] in models/moe_balance.h).
+bool balance_needs_forwards_first(const TrainConfig& c) {
+  return c.model.experts > 0 && c.model.aux_loss_coef > 0 && c.aux_loss_scope == "global";
+}
+
+// The pipeline's schedule: the given one, or 1f1b; gpipe for a global balance
+// loss, which refuses a schedule running a backward before its last forward.
+void resolve_schedule(TrainConfig& c) {
+  const bool forwards_first = balance_needs_forwards_first(c);
+  if (c.schedule.empty()) c.schedule = forwards_first && c.pp * c.virtual_stages > 1 ? "gpipe" : "1f1b";
+  const pp::ScheduleSpec spec{c.schedule, c.pp, c.microbatches, c.virtual_stages};
+  pp::validate(spec);
+  MESHTRAIN_CHECK(!forwards_first || pp::forwards_before_backwards(spec), "--schedule ", c.schedule, " with --experts ",
+                  c.model.experts, ": the balance loss over the step's whole batch (--aux-loss-scope global, the "
+                  "default) needs every forward of a step before its first backward, and ", c.schedule, " with ",
+                  c.microbatches, " micro-batches runs a backward first; use --schedule gpipe (it holds the ",
+                  c.microbatches, " micro-batches' activations at once) or --aux-loss-scope micro (each "
+                  "micro-batch's own balance loss, which then depends on the layout)");
+}
+
 // Micro-batches: gradient accumulation, or the pipeline's micro-batches.
 void resolve_batches(TrainConfig& c) {
   const auto& m = c.model;
   const int64_t local = c.global_batch / c.dp;
+  if (c.schedule.empty() && c.pp * c.virtual_stages == 1) c.schedule = "1f1b";  // no pipeline: unused
   if (c.pp > 1 || c.virtual_stages > 1) {
     // Pipeline micro-batches: --microbatches M, or derived from --micro-batch, or pp.
     if (c.microbatches == 0) c.microbatches = c.micro_batch > 0 ? static_cast<int>(local / c.micro_batch) : c.pp;
@@ -372,7 +403,7 @@ void resolve_batches(TrainConfig& c) {
     MESHTRAIN_CHECK(c.micro_batch == 0 || c.micro_batch * c.microbatches == local, "--micro-batch ", c.micro_batch,
                     " x --microbatches ", c.microbatches, " must equal the samples per data-parallel rank, ", local);
     c.micro_batch = local / c.microbatches;
-    pp::validate(pp::ScheduleSpec{c.schedule, c.pp, c.microbatches, c.virtual_stages});
+    resolve_schedule(c);
     if (!c.stage_boundaries.empty()) pp::partition_explicit(c.stage_boundaries, models::num_pieces(m), c.pp * c.virtual_stages);
     MESHTRAIN_CHECK(models::num_pieces(m) >= c.pp * c.virtual_stages, "the model has ", models::num_pieces(m),
                     " pieces (", models::is_language_model(m) ? "embedding, blocks, head" : "layers", "), fewer than pp x virtual "
@@ -470,7 +501,8 @@ std::string to_json(const TrainConfig& c) {
     if (m.kind == "llama") model.num("rope_theta", m.rope_theta);
     if (m.experts > 0) {
       model.integer("experts", m.experts).integer("top_k", m.top_k).num("capacity_factor", m.capacity_factor)
-          .num("aux_loss_coef", m.aux_loss_coef).integer("active_parameters", models::active_parameter_count(m));
+          .num("aux_loss_coef", m.aux_loss_coef).str("aux_loss_scope", c.aux_loss_scope)
+          .integer("active_parameters", models::active_parameter_count(m));
     }
   } else {
     model.integer("features", c.model.features).integer("classes", c.model.classes);

@@ -57,7 +57,8 @@ TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
   auto options = TrainerOptions().zero(c.zero).pipeline(pipeline).ddp(ddp)
                      .zero_options(zero::ZeroOptions().bucket_cap_mb(c.bucket_cap_mb).overlap(c.overlap))
                      .clip_grad_norm(c.clip_grad_norm).measure_grad_norm(true)
-                     .deterministic(c.deterministic).grains(c.grains).deterministic_threads(c.deterministic_threads);
+                     .deterministic(c.deterministic).grains(c.grains).deterministic_threads(c.deterministic_threads)
+                     .aux_loss_scope(models::parse_aux_loss_scope(c.aux_loss_scope));
   if (mixed) options.param_dtype(at::kBFloat16);
   // A tied embedding stays gathered (ZeRO-3) for the step: the head uses its
   // weight, on this stage or, through the copy the pipeline sends, on the last.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "chunk.h"
 #include "experts.h"
@@ -13,6 +14,7 @@
 #include "meshtrain/dp/gradient_sync.h"
 #include "meshtrain/dp/grain_tree.h"
 #include "meshtrain/models/moe.h"
+#include "meshtrain/pp/schedule.h"
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
@@ -180,6 +182,13 @@ struct Trainer::State {
   // experts, and the chunk training them (the last; -1: none).
   comm::CommPtr ep, expert_replicas;
   int expert_chunk = -1;
+  // Mixtures of experts under the global scope: each chunk's balance
+  // statistics, summed over a communicator of their own along dp x cp; the
+  // first layer with a balance loss (empty: none), whose forwards must all
+  // precede the step's first backward (Note [Global-batch balance loss]).
+  std::vector<std::shared_ptr<models::BalanceStatistics>> balance;
+  comm::CommPtr balance_dp;
+  std::string balanced_layer;
   mutable std::map<std::string, comm::Traffic> evaluation_traffic;  // since reset_traffic, by axis
 
   // The wrappers along dp, one per chunk: the module the pipeline pauses
@@ -191,10 +200,11 @@ struct Trainer::State {
     refuse_shared_across_chunks(units);
     std::set<const void*> stepped;
     for (size_t k = 0; k < units.size(); ++k) {
-      scale_balance_losses(*units[k]);
+      attach_balance_losses(*units[k]);
       chunks.push_back(make_chunk_trainer(options, make_optimizer, units[k], chunk_dp(k), stepped));
     }
     wrap_experts(units);
+    check_balance_order();
   }
 
   // Expert parallelism: the experts the MoE layers hold apart train as one
@@ -218,12 +228,55 @@ struct Trainer::State {
     return expert_chunk >= 0 && &chunk == chunks[expert_chunk].get();
   }
 
-  // Mixtures of experts that attach their balance loss to the backward
-  // (models::MoEOptions::aux_loss_coef) scale it as each micro-batch's loss is
-  // scaled: by 1 / micro-batches.
-  void scale_balance_losses(torch::nn::Module& unit) const {
-    for (const auto& m : unit.modules())
-      if (auto* moe = dynamic_cast<models::MoEImpl*>(m.get())) moe->aux_loss_scale = 1.0 / static_cast<double>(microbatches);
+  // Mixtures of experts take the trainer's aux_loss_scope. Micro: each
+  // micro-batch's balance loss is scaled as its loss is, by 1 / micro-batches.
+  // Global: the chunk's layers share statistics summed over dp x cp (the
+  // ranks holding this stage's other tokens; tp ranks hold the same ones),
+  // and their pieces add up to the step's loss (Note [Global-batch balance
+  // loss] in models/moe_balance.h).
+  void attach_balance_losses(torch::nn::Module& unit) {
+    const bool global = options.aux_loss_scope() == models::AuxLossScope::kGlobal;
+    std::shared_ptr<models::BalanceStatistics> statistics;
+    for (const auto& m : unit.modules()) {
+      auto* moe = dynamic_cast<models::MoEImpl*>(m.get());
+      if (!moe) continue;
+      moe->options.aux_loss_scope(options.aux_loss_scope());
+      moe->aux_loss_scale = global ? 1.0 : 1.0 / static_cast<double>(microbatches);
+      if (!global) continue;
+      if (!statistics) statistics = balance_statistics();
+      moe->set_balance_statistics(statistics);
+      if (moe->options.aux_loss_coef() > 0 && balanced_layer.empty()) balanced_layer = moe->options.name();
+    }
+    if (statistics) balance.push_back(statistics);
+  }
+  std::shared_ptr<models::BalanceStatistics> balance_statistics() {
+    const comm::CommPtr& replicas = mesh.dp_cp();
+    if (replicas->size() == 1) return std::make_shared<models::BalanceStatistics>();
+    if (!balance_dp) balance_dp = replicas->split(0, replicas->rank(), "moe-balance");
+    comm::CommPtr group = balance_dp;
+    return std::make_shared<models::BalanceStatistics>([group](at::Tensor& t) { group->all_reduce(t); },
+                                                       group->size());
+  }
+
+  // The global balance loss reads the step's expert counts in its first
+  // backward: a pipeline schedule that runs a backward before a stage's last
+  // forward would give the earlier micro-batches a partial f (what
+  // Megatron-LM's global_aux_loss does) and train unlike one process; it is
+  // refused on every pipeline rank alike (one exchange over pp, only for
+  // such a schedule), naming both ways out.
+  void check_balance_order() const {
+    if (!pipeline) return;
+    const pp::ScheduleSpec spec{pipeline_options.schedule(), mesh.pp()->size(), static_cast<int>(microbatches),
+                                pipeline_options.virtual_stages()};
+    if (pp::forwards_before_backwards(spec)) return;
+    std::string layer;
+    for (const std::string& l : comm::all_gather_strings(*mesh.pp(), balanced_layer))
+      if (layer.empty()) layer = l;
+    MESHTRAIN_CHECK(layer.empty(), "train::Trainer: the mixture of experts '", layer, "' computes its balance loss "
+                    "over the step's whole batch (aux_loss_scope global), which needs every forward of the step "
+                    "before its first backward, and schedule ", spec.kind, " with ", spec.microbatches,
+                    " micro-batches runs a backward first; use schedule gpipe (--schedule gpipe), or the "
+                    "per-micro-batch loss (aux_loss_scope micro, --aux-loss-scope micro)");
   }
 
   // ZeRO-3 shards each chunk apart: a parameter two of this rank's chunks
@@ -356,24 +409,34 @@ struct Trainer::State {
   }
 
   // Without a pipeline: the micro-batches' gradients accumulate, reduced on
-  // the last (ZeRO-2/3: every one). Returns the batch's mean loss.
+  // the last (ZeRO-2/3: every one). Returns the batch's mean loss. A global
+  // balance loss runs every forward first (Note [Global-batch balance loss]),
+  // holding the micro-batches' activations together as GPipe does.
   double accumulate(const at::Tensor& inputs, const at::Tensor& targets) {
     const int64_t M = microbatches;
-    const bool deterministic = options.deterministic();  // every micro-batch reduced and taken
+    const bool forwards_first = M > 1 && !balanced_layer.empty();
     SyncOnLast sync(*root);
+    std::vector<at::Tensor> waiting;  // forwards first: each micro-batch's loss until its backward
     double sum = 0;
     for (int64_t j = 0; j < M; ++j) {
-      if (M > 1 && !deterministic) sync.set(pipeline_options.reduce_every_microbatch() || j + 1 == M);
       const at::Tensor grain_loss = loss(forward(micro_batch(inputs, j)), micro_batch(targets, j));
-      at::Tensor l = grain_loss / M;
-      l.backward();
-      sum += l.item<double>();
-      if (deterministic) {
-        grain_losses.push_back(grain_loss.item<double>());
-        take_grain(0);
-      }
+      if (forwards_first) waiting.push_back(grain_loss);
+      else sum += backward_micro_batch(grain_loss, j, sync);
     }
+    for (size_t j = 0; j < waiting.size(); ++j) sum += backward_micro_batch(std::exchange(waiting[j], {}), j, sync);
     return sum;
+  }
+  double backward_micro_batch(const at::Tensor& grain_loss, int64_t j, SyncOnLast& sync) {
+    const int64_t M = microbatches;
+    const bool deterministic = options.deterministic();  // every micro-batch reduced and taken
+    if (M > 1 && !deterministic) sync.set(pipeline_options.reduce_every_microbatch() || j + 1 == M);
+    at::Tensor l = grain_loss / M;
+    l.backward();
+    if (deterministic) {
+      grain_losses.push_back(grain_loss.item<double>());
+      take_grain(0);
+    }
+    return l.item<double>();
   }
 
   // Checked before any communication, so a batch the micro-batches do not
@@ -392,6 +455,7 @@ struct Trainer::State {
     comm::Traffic dp = mesh.dp_cp()->traffic();
     for (const auto& c : chunk_dps) dp = dp + c->traffic();
     if (expert_replicas) dp = dp + expert_replicas->traffic();  // the experts' gradients
+    if (balance_dp) dp = dp + balance_dp->traffic();  // the global balance loss's expert counts
     std::map<std::string, comm::Traffic> out{{"dp", dp}, {"pp", mesh.pp()->traffic()}, {"tp", mesh.tp()->traffic()}};
     if (mesh.cp()->size() > 1) out["cp"] = mesh.cp()->traffic();
     if (ep) out["ep"] = ep->traffic();  // dispatch and combine
@@ -459,6 +523,7 @@ double Trainer::step(const at::Tensor& inputs, const at::Tensor& targets) {
   s_->check_divides(inputs, targets);
   const bool deterministic = s_->options.deterministic();  // Note [Deterministic training]
   for (auto& chunk : s_->chunks) chunk->zero_grad();
+  for (auto& statistics : s_->balance) statistics->begin_step();
   s_->grain_losses.clear();
   const at::Tensor x = s_->in_compute_dtype(inputs);
   double loss = s_->pipeline ? s_->pipeline->step(x, targets) : s_->accumulate(x, targets);
@@ -573,6 +638,7 @@ void Trainer::reset_traffic() {
   for (auto& c : s_->chunk_dps) c->reset_traffic();
   if (s_->ep) s_->ep->reset_traffic();
   if (s_->expert_replicas) s_->expert_replicas->reset_traffic();
+  if (s_->balance_dp) s_->balance_dp->reset_traffic();
 }
 
 std::vector<pp::TraceEvent> Trainer::last_trace() const {

@@ -55,8 +55,9 @@ double adam_weight_floor(const train::TrainConfig& config);
 
 // The one-process reference runs the global batch as one micro-batch, or as
 // micro-batches of `reference_micro_batch` samples (gradient accumulation):
-// what a mixture of experts' balance loss, a function of each micro-batch's
-// routing, needs to see the same token sets as the layout's ranks.
+// what a mixture of experts with a capacity factor (routes dropped per
+// forward) or under --aux-loss-scope micro (a balance loss per micro-batch)
+// needs to see the same token sets as the layout's ranks.
 void expect_trains_like_one_process(const train::TrainConfig& config, int world, const Tolerance& tol = {},
                                     const RankOptions& options = RankOptions(), int64_t reference_micro_batch = 0);
 

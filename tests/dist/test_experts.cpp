@@ -3,17 +3,22 @@
 // loss joins each micro-batch's backward on whichever pipeline stage the
 // layer runs; under --ep the experts are split over ranks of dp x cp, tokens
 // reach them by all-to-all, and their gradients are averaged over the ranks
-// holding the same experts. Every layout trains like one process (the
-// equivalence contract) whose micro-batches are the ranks' (the balance loss
-// is a function of each micro-batch's routing), dropless and with drops, and
-// the metrics' router load equals one process's, route for route.
+// holding the same experts. Every layout trains like one process running the
+// global batch at once (the balance loss covers the step's whole batch, the
+// default --aux-loss-scope global; test_moe_matrix.cpp runs the layouts at the
+// default coefficient), dropless and with drops (against one process whose
+// micro-batches are the ranks': a capacity drops routes per forward), and the
+// metrics' router load equals one process's, route for route.
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <sstream>
 
 #include "equivalence.h"
 #include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/models/moe.h"
+#include "meshtrain/train/module_trainer.h"
 #include "../unit/config_error.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/trainer.h"
@@ -35,38 +40,38 @@ TEST(Experts, DataParallelZero3WithRecomputedBlocks) {
   c.dp = 2;
   c.zero = 3;
   c.activation_checkpointing = "blocks";
-  expect_trains_like_one_process(c, 2, {}, RankOptions(), /*reference_micro_batch=*/12);
+  expect_trains_like_one_process(c, 2);
 }
 
 TEST(Experts, ExpertParallelOverDataParallel) {
   train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
-  expect_trains_like_one_process(c, 2, {}, RankOptions(), 12);  // ep 2 = dp 2
+  expect_trains_like_one_process(c, 2);  // ep 2 = dp 2
   c.zero = 1;
-  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);  // ep 2 within dp 4: two replicas of each expert
+  expect_trains_like_one_process(c, 4);  // ep 2 within dp 4: two replicas of each expert
   c.zero = 3;  // the rest fully sharded, the experts ZeRO-2 over their replicas, recomputed blocks
   c.activation_checkpointing = "blocks";
-  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);
+  expect_trains_like_one_process(c, 4);
   c.ep = 4;
   c.zero = 0;
   c.activation_checkpointing = "none";
-  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);  // ep 4 = dp 4: one expert per rank
+  expect_trains_like_one_process(c, 4);  // ep 4 = dp 4: one expert per rank
   train::TrainConfig g = with_experts(tiny_gpt(), 6, 3);  // GELU experts, odd ep
-  expect_trains_like_one_process(g, 3, {}, RankOptions(), 8);
+  expect_trains_like_one_process(g, 3);
 }
 
 TEST(Experts, BalanceLossOnEveryPipelineStage) {
   train::TrainConfig c = with_experts(tiny_gpt(), 4, 2);
   c.pp = 2;
-  c.microbatches = 2;  // per rank: micro-batches of 6 samples
-  expect_trains_like_one_process(c, 4, {}, RankOptions(), 6);
+  c.microbatches = 2;  // per rank: micro-batches of 6 samples, GPipe (the global scope's default)
+  expect_trains_like_one_process(c, 4);
   c.ep = 4;  // dp 4 x pp 2: micro-batches of 3
-  expect_trains_like_one_process(c, 8, {}, RankOptions(), 3);
+  expect_trains_like_one_process(c, 8);
 }
 
 TEST(Experts, WithTensorAndContextParallelism) {
   train::TrainConfig t = with_experts(tiny_llama(), 4, 2);
   t.tp = 2;  // the experts whole on both tp ranks, split over ep 2 of dp 2
-  expect_trains_like_one_process(t, 4, {}, RankOptions(), 12);
+  expect_trains_like_one_process(t, 4);
   train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
   c.cp = 2;  // ep over the 2 ranks of dp 1 x cp 2; the balance statistics over the whole sequences
   expect_trains_like_one_process(c, 2);
@@ -74,8 +79,8 @@ TEST(Experts, WithTensorAndContextParallelism) {
 
 TEST(Experts, CapacityDropsLikeOneProcess) {
   train::TrainConfig c = with_experts(tiny_llama(), 4, 2);
-  c.model.capacity_factor = 1.0;
-  expect_trains_like_one_process(c, 2, {}, RankOptions(), 12);
+  c.model.capacity_factor = 1.0;  // capacity per forward: one process forwards the ranks' micro-batches
+  expect_trains_like_one_process(c, 2, {}, RankOptions(), /*reference_micro_batch=*/12);
 }
 
 // Checkpoints hold each expert tensor whole (each ep rank writes its slice):
@@ -85,7 +90,6 @@ TEST(Experts, CheckpointsResumeUnderAnotherEp) {
   const train::TrainConfig base = with_experts(tiny_llama(), 4);
   train::TrainConfig one = base;
   one.steps = 6;
-  one.micro_batch = 12;  // the ranks' micro-batches (dp 2)
   const TrainOutput reference = in_rank_process() ? TrainOutput{} : train_in_one_process(one);
   for (const auto& [from_ep, from_zero, to_ep, to_zero] : {std::array<int, 4>{2, 0, 1, 3}, {1, 1, 2, 0}}) {
     train::TrainConfig from = base, to = base;
@@ -148,6 +152,42 @@ TEST(Experts, MetricsRouterLoadEqualsOneProcess) {
   EXPECT_GT(dropped, 0);  // capacity 1.0 drops some routes of an unbalanced router
   for (const auto& rank : m["ranks"].items) EXPECT_GT(rank["traffic_by_axis"]["ep"]["total"]["bytes_sent"].number, 0);
   EXPECT_EQ(m["config"]["ep"].number, 2);
+}
+
+// A user's train::Trainer over a Sequential whose second pipeline stage is
+// a mixture of experts with a balance loss: under the global scope (the
+// default) a schedule that runs a backward before the step's last forward is
+// refused on both stages (the first holds no expert), naming both ways out;
+// GPipe, and the micro scope under 1F1B, train.
+TEST(Experts, TheTrainerRefusesAScheduleRunningABackwardBeforeTheLastForward) {
+  run_ranks(2, [](comm::Communicator& comm) {
+    auto self = std::shared_ptr<comm::Communicator>(&comm, [](comm::Communicator*) {});
+    const mesh::DeviceMesh mesh(self, mesh::MeshLayout(2, 1, 2, 1));
+    auto model = [] {
+      at::manual_seed(1);
+      return torch::nn::Sequential(torch::nn::Linear(8, 8),
+                                   models::MoE(models::MoEOptions(8, 16, 4, 2).aux_loss_coef(0.01)));
+    };
+    auto loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+    auto sgd = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, 0.1); };
+    auto options = [](const std::string& schedule) {
+      return train::TrainerOptions().pipeline(pp::PipelineOptions().schedule(schedule).microbatches(4));
+    };
+    try {
+      train::Trainer refused(model(), mesh, loss, sgd, options("1f1b"));
+      ADD_FAILURE() << "1f1b accepted on rank " << comm.rank();
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      for (const char* part : {"mixture of experts 'moe'", "schedule 1f1b with 4 micro-batches", "schedule gpipe",
+                               "--aux-loss-scope micro"})
+        EXPECT_NE(what.find(part), std::string::npos) << "rank " << comm.rank() << ": " << what;
+    }
+    const at::Tensor x = at::randn({8, 8});
+    train::Trainer gpipe(model(), mesh, loss, sgd, options("gpipe"));
+    EXPECT_TRUE(std::isfinite(gpipe.step(x, x)));
+    train::Trainer micro(model(), mesh, loss, sgd, options("1f1b").aux_loss_scope(models::AuxLossScope::kMicro));
+    EXPECT_TRUE(std::isfinite(micro.step(x, x)));
+  });
 }
 
 }  // namespace

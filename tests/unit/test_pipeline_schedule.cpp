@@ -53,6 +53,23 @@ TEST(Schedules, OneFOneBHoldsFewerActivationsThanGPipe) {
   EXPECT_EQ(rf.max_in_flight[3], 1);
 }
 
+// What the global-batch balance loss of a mixture of experts needs: on
+// every stage, the step's forwards before its first backward. GPipe always;
+// 1F1B only where it has no steady state (one micro-batch, or one stage
+// whose warm-up covers them all: never, its last rank has no warm-up);
+// naive and interleaved not once a second micro-batch follows a backward.
+TEST(Schedules, ForwardsBeforeBackwards) {
+  for (int p = 1; p <= 4; ++p) {
+    for (int m = 1; m <= 6; ++m) {
+      EXPECT_TRUE(forwards_before_backwards({"gpipe", p, m, 1})) << "gpipe p=" << p << " m=" << m;
+      EXPECT_EQ(forwards_before_backwards({"1f1b", p, m, 1}), m == 1) << "1f1b p=" << p << " m=" << m;
+      EXPECT_EQ(forwards_before_backwards({"naive", p, m, 1}), m == 1) << "naive p=" << p << " m=" << m;
+    }
+  }
+  EXPECT_FALSE(forwards_before_backwards({"interleaved", 2, 2, 2}));
+  EXPECT_FALSE(forwards_before_backwards({"interleaved", 2, 4, 2}));
+}
+
 TEST(Schedules, PrintableAsText) {
   auto s = make_schedule({"1f1b", 2, 3, 1});
   EXPECT_EQ(to_string(s[0]), "0F0 send 0F0>1 0F1 send 0F1>1 recv 1B0<1 0B0 0F2 send 0F2>1 recv 1B1<1 0B1 recv 1B2<1 0B2");

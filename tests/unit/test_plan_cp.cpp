@@ -146,4 +146,28 @@ TEST(TrainExperts, FlagsAreCheckedBeforeAnyCommunication) {
             std::string::npos);
 }
 
+// --aux-loss-scope: global (the default) needs every forward of a step before
+// its first backward, so a pipeline of experts defaults to GPipe, and a
+// schedule that runs a backward first is refused naming both ways out; the
+// micro scope keeps 1F1B; a dense model has no scope to choose.
+TEST(TrainExperts, TheGlobalBalanceLossPicksAndChecksTheSchedule) {
+  auto resolved = [](const std::string& flags, int world) {
+    return train::resolve(train::parse_train_args(split_args(flags)), world);
+  };
+  EXPECT_EQ(resolved("--experts 4 --pp 2 --microbatches 4", 2).schedule, "gpipe");
+  EXPECT_EQ(resolved("--experts 4 --pp 2 --microbatches 4 --aux-loss-scope micro", 2).schedule, "1f1b");
+  EXPECT_EQ(resolved("--experts 4 --pp 2 --microbatches 4 --aux-loss-coef 0", 2).schedule, "1f1b");
+  EXPECT_EQ(resolved("--pp 2 --microbatches 4", 2).schedule, "1f1b");
+  EXPECT_EQ(resolved("--experts 4 --pp 2 --microbatches 1 --schedule 1f1b", 2).schedule, "1f1b");  // one micro-batch
+  EXPECT_EQ(resolved("--experts 4", 1).aux_loss_scope, "global");
+  const std::string refused = error("--experts 4 --pp 2 --microbatches 4 --schedule 1f1b", 2);
+  for (const char* part : {"--schedule 1f1b with --experts 4", "--schedule gpipe", "--aux-loss-scope micro"})
+    EXPECT_NE(refused.find(part), std::string::npos) << refused;
+  EXPECT_NE(error("--experts 4 --pp 2 --virtual-stages 2 --schedule interleaved --microbatches 4", 2)
+                .find("--schedule interleaved with --experts 4"),
+            std::string::npos);
+  EXPECT_NE(error("--experts 4 --aux-loss-scope batch", 1).find("--aux-loss-scope 'batch'"), std::string::npos);
+  EXPECT_NE(error("--aux-loss-scope micro", 1).find("add --experts"), std::string::npos);
+}
+
 }  // namespace

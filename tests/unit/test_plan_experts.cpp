@@ -10,6 +10,7 @@
 #include "meshtrain/plan/command.h"
 #include "meshtrain/plan/estimate.h"
 #include "meshtrain/plan/planner.h"
+#include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
 
 namespace meshtrain {
@@ -91,11 +92,28 @@ TEST(PlanExperts, EpCandidatesOnlyWithMaxEpAndTheCommandPassesThem) {
   const std::string command = plan::train_command(input(s, 4, 4), e);
   for (const char* flag : {"--experts 8", "--top-k 2", "--ep 2"})
     EXPECT_NE(command.find(flag), std::string::npos) << command;
+  EXPECT_EQ(command.find("--aux-loss-scope"), std::string::npos) << command;  // no pipeline: the default
   EXPECT_NE(plan::layout_problem(s, plan::Layout{4, 1, 1, 0, 1, 3}).find("ep 3"), std::string::npos);
   plan::DecoderShape dense = s;
   dense.experts = 0;
   EXPECT_NE(testing::config_error_of([&] { plan::check_plan_input(input(dense, 4, 2)); }).find("--max-ep 2"),
             std::string::npos);
+}
+
+// The planned pipeline runs 1F1B, whose order the default (global-batch)
+// balance loss refuses: the command asks for the per-micro-batch loss, and
+// the trainer takes it.
+TEST(PlanExperts, APipelinedCommandTrainsUnderThePlannedSchedule) {
+  const plan::DecoderShape s = train::decoder_shape(moe_model("gpt"));
+  const plan::Estimate e = plan::estimate_layout(input(s, 4, 1), plan::Layout{2, 2, 1, 0, 1, 1});
+  const std::vector<std::string> args = plan::trainer_args(input(s, 4, 1), e);
+  std::string command;
+  for (const std::string& a : args) command += a + " ";
+  EXPECT_NE(command.find("--schedule 1f1b"), std::string::npos) << command;
+  EXPECT_NE(command.find("--aux-loss-scope micro"), std::string::npos) << command;
+  const train::TrainConfig c = train::resolve(train::parse_train_args(args), 4);
+  EXPECT_EQ(c.schedule, "1f1b");
+  EXPECT_EQ(c.aux_loss_scope, "micro");
 }
 
 }  // namespace

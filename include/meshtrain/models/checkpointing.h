@@ -40,6 +40,14 @@ using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
 at::Tensor checkpoint(BlockFn fn, const at::Tensor& input, std::vector<at::Tensor> params);
 
+// Which pass of a checkpointed block this thread runs: its forward without a
+// graph (kFirst), its recompute in backward (kRecompute), or neither. A layer
+// that counts what training forwards route (models::MoE) counts the first
+// pass, which runs in the step's order of forwards, and not the recompute,
+// which runs the same tokens again inside a backward.
+enum class CheckpointPass { kNone, kFirst, kRecompute };
+CheckpointPass checkpoint_pass();
+
 template <typename ModuleHolder>
 at::Tensor checkpoint(ModuleHolder module, const at::Tensor& input) {
   return checkpoint([module](const at::Tensor& x) mutable { return module->forward(x); }, input, module->parameters());

@@ -21,15 +21,23 @@
 // its output's backward (Megatron's MoEAuxLossAutoScaler), so the balance
 // loss reaches the router on whichever pipeline stage the layer runs, with no
 // change to the loss; aux_loss_scale (train::Trainer sets 1 / micro-batches,
-// the scale of each micro-batch's loss) multiplies it.
+// the scale of each micro-batch's loss, under the micro scope) multiplies it.
 //
-// The statistics cover the tokens of one forward; with a token_group (the
-// ranks that hold other positions of the same sequences: context
-// parallelism) they cover the group's tokens: f_e from the group's routes
-// (one all_reduce of E + 1 numbers per forward), P_e from this rank's
-// probabilities over the group's token count, and aux_loss() is group size x
-// this rank's share, so that its mean over the group (the average the
-// data-parallel gradients take) is the balance loss of the whole sequences.
+// Which tokens the statistics cover is aux_loss_scope (moe_balance.h):
+//   global (default): the step's whole batch, every forward since the step
+//     began on every rank of the balance statistics' group, f waiting for the
+//     backward (Note [Global-batch balance loss]); train::Trainer gives the
+//     layers of a pipeline chunk one BalanceStatistics over dp x cp, so every
+//     layout trains like one process. Alone, a layer keeps its own, over
+//     token_group when there is one. aux_loss()'s value is the forward's own
+//     tokens' loss; its gradient is the global loss's share of them.
+//   micro: the tokens of one forward; with a token_group (the ranks that hold
+//     other positions of the same sequences: context parallelism) the group's
+//     tokens: f_e from the group's routes (one all_reduce of E + 1 numbers
+//     per forward), P_e from this rank's probabilities over the group's token
+//     count, and aux_loss() is group size x this rank's share, so that its
+//     mean over the group (the average the data-parallel gradients take) is
+//     the balance loss of the whole sequences.
 //
 // The experts' weights are stacked along a leading expert dimension
 // ([E, F, H] and [E, H, F]); element values come from (seed, name, index) as
@@ -57,6 +65,7 @@
 #include <vector>
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/models/moe_balance.h"
 
 namespace meshtrain {
 namespace models {
@@ -73,18 +82,21 @@ struct MoEOptions {
   TORCH_ARG(bool, gelu_tanh) = false;      // GELU experts: the tanh approximation (GPT-2's)
   // > 0: coef x aux_loss() joins the output's backward (see above); 0: add it yourself.
   TORCH_ARG(double, aux_loss_coef) = 0;
+  // The tokens the balance statistics cover (see above).
+  TORCH_ARG(AuxLossScope, aux_loss_scope) = AuxLossScope::kGlobal;
   TORCH_ARG(uint64_t, seed) = 1234;
   TORCH_ARG(std::string, name) = "moe";    // prefix of the parameters' init names
   // Expert parallelism: this rank holds experts / ep.size() of them
   // (ep::expert_slice), the router is replicated; null: every expert here.
   TORCH_ARG(comm::CommPtr, ep) = nullptr;
-  // Context parallelism: the balance statistics over the group's tokens (see above).
+  // Context parallelism: the balance statistics over the group's tokens (see above;
+  // under the global scope only while the layer keeps its own statistics).
   TORCH_ARG(comm::CommPtr, token_group) = nullptr;
 };
 
-// What forwards routed: the last one (routing()), or every forward that
-// recorded a graph since the last take_load() (the training micro-batches,
-// each once even when recomputed: the recompute's first pass runs without one).
+// What forwards routed: the last one (routing()), or every training forward
+// since the last take_load() (those that record a graph, and a checkpointed
+// block's first pass, which runs without one; its recompute adds nothing).
 struct MoELoad {
   at::Tensor tokens_per_expert;  // [E] int64
   int64_t dropped = 0;
@@ -109,8 +121,15 @@ struct MoEImpl : torch::nn::Module {
   using torch::nn::Module::to;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
-  // The backward's multiplier of aux_loss_coef x aux_loss() (train::Trainer: 1 / micro-batches).
+  // The backward's multiplier of aux_loss_coef x aux_loss() (train::Trainer:
+  // 1 / micro-batches under the micro scope, 1 under the global one, whose
+  // pieces add up to the step's loss).
   double aux_loss_scale = 1.0;
+  // The global scope's statistics: shared by the layers of a pipeline chunk
+  // and summed over the ranks holding other tokens (train::Trainer sets
+  // them); the layer registers itself in them.
+  void set_balance_statistics(std::shared_ptr<BalanceStatistics> statistics);
+  const std::shared_ptr<BalanceStatistics>& balance_statistics() const { return balance_; }
 
   MoEOptions options;
   at::Tensor router;  // [E, H]
@@ -125,10 +144,14 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor run_experts(const at::Tensor& rows, const at::Tensor& expert_of_row);
   at::Tensor run_experts_parallel(const at::Tensor& rows, const at::Tensor& expert_of_row);
   at::Tensor balance_loss(const at::Tensor& probs, const at::Tensor& route_expert);
+  at::Tensor global_balance_loss(const at::Tensor& probs, const at::Tensor& chosen);
+  void record(const at::Tensor& computed, int64_t dropped, const at::Tensor& chosen, int64_t tokens);
   int64_t first_expert_ = 0;  // of this rank's slice
   MoERouting routing_;
   MoELoad load_;
   std::vector<std::pair<std::string, at::Tensor>> apart_;
+  std::shared_ptr<BalanceStatistics> balance_;
+  int64_t balance_slot_ = 0;
 };
 TORCH_MODULE(MoE);
 

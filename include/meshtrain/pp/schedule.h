@@ -63,6 +63,13 @@ struct Replay {
 // runs to the end; reports activations held in flight.
 Replay replay(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& schedule);
 
+// Whether every stage runs all its forwards of the step before its first
+// backward (gpipe, or any schedule of one micro-batch; 1f1b, interleaved and
+// naive run a backward before the last forward): what a statistic of the
+// whole step, read in backward, needs (a mixture of experts' global-batch
+// balance loss, models/moe_balance.h).
+bool forwards_before_backwards(const ScheduleSpec& spec);
+
 // The bubble fraction the schedule should have: (p-1)/(m+p-1), divided by V
 // when interleaved; (p-1)/p for naive.
 double ideal_bubble(const ScheduleSpec& spec);

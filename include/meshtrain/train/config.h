@@ -36,7 +36,10 @@ struct TrainConfig {
   int ep = 1;
   std::string strategy = "ddp";  // data axis: ddp | dp (the article's master DP)
   int zero = 0;                  // ZeRO stage on the data axis (0 = plain DDP)
-  std::string schedule = "1f1b"; // pipeline: naive | gpipe | 1f1b | interleaved
+  // Pipeline: naive | gpipe | 1f1b | interleaved; empty: resolve() picks
+  // 1f1b, or gpipe for mixtures of experts under the global aux-loss scope
+  // (which need every forward of a step before its first backward).
+  std::string schedule;
   int microbatches = 0;          // pipeline micro-batches (0 = derive)
   int virtual_stages = 1;
   // Where the pipeline cuts the model: the first piece of stages 1..S-1 (S =
@@ -80,6 +83,10 @@ struct TrainConfig {
   // --vocab was given: the token shards' recorded vocabulary then only checks
   // it (a smaller one is refused); otherwise the recorded one is the model's.
   bool vocab_given = false;
+  // With --experts: the tokens the balance loss covers, "global" (the step's
+  // whole batch: every layout trains alike) or "micro" (each micro-batch's
+  // on each rank, Megatron-LM's and DeepSpeed's); models/moe_balance.h.
+  std::string aux_loss_scope = "global";
   int digits = 1;           // operand digits of the built-in arithmetic task
   std::string metrics_out;  // JSON file
   double bucket_cap_mb = 25.0;

@@ -55,6 +55,7 @@
 
 #include "meshtrain/dp/ddp.h"
 #include "meshtrain/mesh/mesh.h"
+#include "meshtrain/models/moe_balance.h"
 #include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/parallelize.h"
 #include "meshtrain/train/checkpoint.h"
@@ -106,6 +107,17 @@ struct TrainerOptions {
   TORCH_ARG(bool, deterministic) = false;
   TORCH_ARG(int, grains) = 0;
   TORCH_ARG(int, deterministic_threads) = 1;
+  // Mixtures of experts (models::MoE, any depth of the model): the tokens
+  // their balance loss covers, set on every layer. kGlobal: the step's whole
+  // batch over dp x cp and the micro-batches, every layout training like one
+  // process (Note [Global-batch balance loss] in models/moe_balance.h); needs
+  // every forward of a step before its first backward: gradient accumulation
+  // then holds the micro-batches' activations together (as GPipe does), and a
+  // pipeline schedule that runs a backward before the step's last forward
+  // (1f1b, interleaved, naive with several micro-batches) is refused while a
+  // layer has an aux_loss_coef. kMicro: each micro-batch's own on each rank
+  // (Megatron-LM's and DeepSpeed's), scaled by 1 / micro-batches.
+  TORCH_ARG(models::AuxLossScope, aux_loss_scope) = models::AuxLossScope::kGlobal;
 };
 
 class Trainer {
