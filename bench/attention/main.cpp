@@ -65,7 +65,7 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-train::TrainConfig config_for(const models::ModelConfig& m, int64_t T, models::AttentionKernel kernel) {
+train::TrainConfig config_for(const models::ModelConfig& m, int64_t T, nn::AttentionKernel kernel) {
   train::TrainConfig c;
   c.model = m;
   c.model.seq_len = T;
@@ -120,17 +120,17 @@ int main(int argc, char** argv) {
               "forward + backward (s) | flash / eager time |\n|---:|---|---:|---:|---:|---:|---:|\n");
   for (const int64_t T : o.seq_lens) {
     double eager_seconds = 0;
-    for (const auto kernel : {models::AttentionKernel::kEager, models::AttentionKernel::kFlash}) {
+    for (const auto kernel : {nn::AttentionKernel::kEager, nn::AttentionKernel::kFlash}) {
       const train::TrainConfig c = config_for(o.model, T, kernel);
       const plan::MemoryBytes plan = planned(c);
-      const std::string name = models::attention_kernel_name(kernel);
+      const std::string name = nn::attention_kernel_name(kernel);
       if (plan.total() > budget) {
         std::printf("| %lld | %s | — | %.1f | — | needs %.2f GiB > %.1f: not run | |\n", (long long)T, name.c_str(),
                     mib(plan.activations), plan.total() / 1073741824.0, o.budget_gib);
         continue;
       }
       const Measured m = measure(c);
-      const bool flash = kernel == models::AttentionKernel::kFlash;
+      const bool flash = kernel == nn::AttentionKernel::kFlash;
       if (!flash) eager_seconds = m.seconds;
       char ratio[32] = "";
       if (flash && eager_seconds > 0) std::snprintf(ratio, sizeof ratio, "%.2f", m.seconds / eager_seconds);
@@ -141,14 +141,14 @@ int main(int argc, char** argv) {
   }
   // The longest T that fits the budget, per kernel, by the planner (doubling, then bisection).
   std::printf("\nLongest T whose planned total (parameters, gradients, Adam, activations) fits %.1f GiB:", o.budget_gib);
-  for (const auto kernel : {models::AttentionKernel::kEager, models::AttentionKernel::kFlash}) {
+  for (const auto kernel : {nn::AttentionKernel::kEager, nn::AttentionKernel::kFlash}) {
     int64_t lo = 1, hi = 2;
     while (planned(config_for(o.model, hi, kernel)).total() <= budget) lo = hi, hi *= 2;
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
       (planned(config_for(o.model, mid, kernel)).total() <= budget ? lo : hi) = mid;
     }
-    std::printf(" %s %lld;", models::attention_kernel_name(kernel).c_str(), (long long)lo);
+    std::printf(" %s %lld;", nn::attention_kernel_name(kernel).c_str(), (long long)lo);
   }
   std::printf("\n");
   return 0;

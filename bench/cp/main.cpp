@@ -35,7 +35,7 @@ models::ModelConfig llama(int64_t T) {
   m.layers = 2, m.hidden = 128, m.heads = 4, m.kv_heads = 2, m.vocab = 512;
   m.tie_embeddings = false;
   m.seq_len = m.max_positions = T;
-  m.attention = models::AttentionKernel::kFlash;  // cp 1: flash, as each cp rank's ring
+  m.attention = nn::AttentionKernel::kFlash;  // cp 1: flash, as each cp rank's ring
   return m;
 }
 

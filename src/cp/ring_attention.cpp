@@ -1,5 +1,5 @@
 // Ring attention over a cp group: see the header for the layout and the
-// ring. The tiles are models::flash_forward / flash_backward with global
+// ring. The tiles are nn::flash_forward / flash_backward with global
 // positions; only keys and values (forward) and keys, values and their
 // gradients (backward) travel.
 #include "meshtrain/cp/ring_attention.h"
@@ -43,7 +43,7 @@ at::Tensor unshard_sequence(const std::vector<at::Tensor>& parts, int64_t dim) {
 
 namespace {
 
-using models::AttentionPart;
+using nn::AttentionPart;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -86,9 +86,9 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             int64_t comm_handle, int64_t query_block, int64_t key_block) {
     comm::Communicator& c = *reinterpret_cast<comm::Communicator*>(comm_handle);
-    const models::FlashOptions options{query_block, key_block};
+    const nn::FlashOptions options{query_block, key_block};
     const int n = c.size(), r = c.rank();
-    const at::Tensor q5 = models::to_kernel_layout(q, k.size(1));
+    const at::Tensor q5 = nn::to_kernel_layout(q, k.size(1));
     const ChunkLayout mine = chunk_layout(q.size(2) * n, n, r);
     const int64_t chunk = mine.chunk;
     at::Tensor kv = at::stack({k, v});  // one message per hop
@@ -98,9 +98,9 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       std::unique_ptr<Hop> hop = i + 1 < n ? std::make_unique<Hop>(c, kv, kKeyValueTag) : nullptr;
       const ChunkLayout theirs = chunk_layout(q.size(2) * n, n, (r + n - i) % n);
       for_visible_pairs(mine, theirs, [&](int a, int64_t q_pos, int b, int64_t k_pos) {
-        AttentionPart part = models::flash_forward(q5.narrow(2, a * chunk, chunk), kv[0].narrow(2, b * chunk, chunk),
+        AttentionPart part = nn::flash_forward(q5.narrow(2, a * chunk, chunk), kv[0].narrow(2, b * chunk, chunk),
                                                    kv[1].narrow(2, b * chunk, chunk), q_pos, k_pos, options);
-        acc[a] = acc[a].out.defined() ? models::merge_attention(acc[a], part) : part;
+        acc[a] = acc[a].out.defined() ? nn::merge_attention(acc[a], part) : part;
       });
       if (hop) kv = hop->finish();
     }
@@ -124,12 +124,12 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     const at::Tensor &q5 = saved[0], &lse = saved[3];
     const at::Tensor out = saved[2].permute({0, 2, 1, 3, 4});  // [B, KV, T, G, d], the kernel's layout
     at::Tensor kv = saved[1];
-    const models::FlashOptions options{ctx->saved_data["query_block"].toInt(), ctx->saved_data["key_block"].toInt()};
+    const nn::FlashOptions options{ctx->saved_data["query_block"].toInt(), ctx->saved_data["key_block"].toInt()};
     const int n = c.size(), r = c.rank();
     const int64_t seq_len = q5.size(2) * n;
     const ChunkLayout mine = chunk_layout(seq_len, n, r);
     const int64_t chunk = mine.chunk;
-    const at::Tensor dout = models::to_kernel_layout(grads[0], kv.size(2));
+    const at::Tensor dout = nn::to_kernel_layout(grads[0], kv.size(2));
     at::Tensor dq = at::zeros(q5.sizes(), out.options().dtype(lse.scalar_type()));
     at::Tensor dkv = at::zeros(kv.sizes(), dq.options());  // the gradient of the keys and values held now
     for (int i = 0; i < n; ++i) {
@@ -138,7 +138,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       for_visible_pairs(mine, theirs, [&](int a, int64_t q_pos, int b, int64_t k_pos) {
         auto q_part = [&](const at::Tensor& t) { return t.narrow(2, a * chunk, chunk); };
         auto k_part = [&](const at::Tensor& t) { return t.narrow(2, b * chunk, chunk); };
-        const models::AttentionGrads g = models::flash_backward(
+        const nn::AttentionGrads g = nn::flash_backward(
             q_part(q5), k_part(kv[0]), k_part(kv[1]), q_part(out), q_part(lse), q_part(dout), q_pos, k_pos, options);
         q_part(dq).add_(g.dq);
         k_part(dkv[0]).add_(g.dk);
@@ -148,17 +148,17 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       if (n > 1) dkv = Hop(c, dkv, kGradientTag).finish();
       if (hop) kv = hop->finish();
     }
-    return {models::from_kernel_layout(dq).to(q5.scalar_type()), dkv[0].to(kv.scalar_type()),
+    return {nn::from_kernel_layout(dq).to(q5.scalar_type()), dkv[0].to(kv.scalar_type()),
             dkv[1].to(kv.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, models::AttentionKernel kernel,
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, nn::AttentionKernel kernel,
                      const comm::CommPtr& cp) {
   if (cp_size(cp) > 1) return ring_attention(q, k, v, cp);
-  return models::causal_attention(q, k, v, kernel);
+  return nn::causal_attention(q, k, v, kernel);
 }
 
 at::Tensor my_positions(int64_t local_len, const comm::CommPtr& cp) {
@@ -167,8 +167,8 @@ at::Tensor my_positions(int64_t local_len, const comm::CommPtr& cp) {
 }
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const comm::CommPtr& cp,
-                          const models::FlashOptions& options) {
-  if (!cp || cp->size() == 1) return models::flash_attention(q, k, v, options);
+                          const nn::FlashOptions& options) {
+  if (!cp || cp->size() == 1) return nn::flash_attention(q, k, v, options);
   MESHTRAIN_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(1) % k.size(1) == 0 &&
                       q.size(2) == k.size(2) && q.size(2) % 2 == 0 && q.size(0) == k.size(0) &&
                       q.size(3) == k.size(3),

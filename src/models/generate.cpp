@@ -64,7 +64,7 @@ class Decoder {
   std::shared_ptr<TokenEmbeddingImpl> embed_;
   std::shared_ptr<LmHeadImpl> head_;
   std::vector<CachedBlock*> blocks_;
-  std::vector<KVCache> caches_;
+  std::vector<nn::KVCache> caches_;
 };
 
 void check_prompt(const ModelConfig& c, const std::vector<int64_t>& prompt) {

@@ -109,7 +109,7 @@ GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildConte
   fc2 = register_module("fc2", seeded_linear(f, h, true, c.seed, p + "fc2", residual));
 }
 
-at::Tensor GptBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
+at::Tensor GptBlockImpl::attention(const at::Tensor& x, nn::KVCache* cache) {
   // Sizes from q's output: under tensor parallelism it holds this rank's heads,
   // under sequence parallelism the whole sequence (x holds a part).
   const at::Tensor q_out = q->forward(x);
@@ -121,7 +121,7 @@ at::Tensor GptBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
   return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
 }
 
-at::Tensor GptBlockImpl::block(const at::Tensor& x, KVCache* cache) {
+at::Tensor GptBlockImpl::block(const at::Tensor& x, nn::KVCache* cache) {
   at::Tensor h = x + attention(ln1->forward(x), cache);
   if (moe) return h + moe->forward(ln2->forward(h));
   const at::Tensor inner = fc1->forward(ln2->forward(h));
@@ -130,12 +130,12 @@ at::Tensor GptBlockImpl::block(const at::Tensor& x, KVCache* cache) {
 
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) { return block(x, nullptr); }
 
-at::Tensor GptBlockImpl::forward_cached(const at::Tensor& x, KVCache& cache) { return block(x, &cache); }
+at::Tensor GptBlockImpl::forward_cached(const at::Tensor& x, nn::KVCache& cache) { return block(x, &cache); }
 
 LmHeadImpl::LmHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied_weight)
     : tied(std::move(tied_weight)) {
   if (c.kind == "llama") {
-    norm = torch::nn::AnyModule(register_module("norm", RMSNorm(c.hidden, c.norm_eps)));
+    norm = torch::nn::AnyModule(register_module("norm", nn::RMSNorm(c.hidden, c.norm_eps)));
   } else {
     norm = torch::nn::AnyModule(register_module("ln", layer_norm(c.hidden, c.norm_eps)));
   }

@@ -15,12 +15,12 @@ LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildC
   const std::string p = "blocks." + std::to_string(index) + ".";
   const InitSpec normal = InitSpec::normal(0, 0.02);  // Hugging Face's initializer_range
   const int64_t h = c.hidden, kv = kv_heads(c) * head_dim, f = ffn_hidden(c);
-  attn_norm = register_module("attn_norm", RMSNorm(h, c.norm_eps));
+  attn_norm = register_module("attn_norm", nn::RMSNorm(h, c.norm_eps));
   q = register_module("q", seeded_linear(h, c.heads * head_dim, false, c.seed, p + "q", normal));
   k = register_module("k", seeded_linear(h, kv, false, c.seed, p + "k", normal));
   v = register_module("v", seeded_linear(h, kv, false, c.seed, p + "v", normal));
   o = register_module("o", seeded_linear(c.heads * head_dim, h, false, c.seed, p + "o", normal));
-  mlp_norm = register_module("mlp_norm", RMSNorm(h, c.norm_eps));
+  mlp_norm = register_module("mlp_norm", nn::RMSNorm(h, c.norm_eps));
   if (c.experts > 0) {
     moe = register_module("moe", MoE(block_moe_options(c, index, ctx)));
     return;
@@ -30,7 +30,7 @@ LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildC
   down = register_module("down", seeded_linear(f, h, false, c.seed, p + "down", normal));
 }
 
-at::Tensor LlamaBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
+at::Tensor LlamaBlockImpl::attention(const at::Tensor& x, nn::KVCache* cache) {
   // Sizes from the outputs: under tensor parallelism they hold this rank's
   // heads (q: heads/tp, k and v: kv_heads/tp, so query head j still reads key
   // head j / (heads / kv_heads)), under sequence parallelism the whole sequence.
@@ -52,7 +52,7 @@ at::Tensor LlamaBlockImpl::attention(const at::Tensor& x, KVCache* cache) {
   return o->forward(y.transpose(1, 2).reshape({B, T, q_out.size(2)}));
 }
 
-at::Tensor LlamaBlockImpl::block(const at::Tensor& x, KVCache* cache) {
+at::Tensor LlamaBlockImpl::block(const at::Tensor& x, nn::KVCache* cache) {
   const at::Tensor h = x + attention(attn_norm->forward(x), cache);
   const at::Tensor n = mlp_norm->forward(h);
   if (moe) return h + moe->forward(n);
@@ -61,7 +61,7 @@ at::Tensor LlamaBlockImpl::block(const at::Tensor& x, KVCache* cache) {
 
 at::Tensor LlamaBlockImpl::forward(const at::Tensor& x) { return block(x, nullptr); }
 
-at::Tensor LlamaBlockImpl::forward_cached(const at::Tensor& x, KVCache& cache) { return block(x, &cache); }
+at::Tensor LlamaBlockImpl::forward_cached(const at::Tensor& x, nn::KVCache& cache) { return block(x, &cache); }
 
 }  // namespace models
 }  // namespace meshtrain

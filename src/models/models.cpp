@@ -159,7 +159,7 @@ std::map<std::string, tp::Style> tp_plan(const ModelConfig& c, torch::nn::Module
     } else if (path == "embed.tok") {
       plan[path] = tp::Style::kVocabParallel;
     } else if (sequence_parallel &&
-               (item.value()->as<torch::nn::LayerNormImpl>() || item.value()->as<RMSNormImpl>())) {
+               (item.value()->as<torch::nn::LayerNormImpl>() || item.value()->as<nn::RMSNormImpl>())) {
       plan[path] = tp::Style::kSequenceParallel;
     }
   }

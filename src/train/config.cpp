@@ -56,8 +56,8 @@ std::vector<flags::Group> model_and_layout_flags(TrainConfig& c) {
         store("--max-positions", "P", "positions the model takes (default: --seq-len)", m.max_positions),
         Flag{"--attention", "auto|eager|flash",
              "the attention kernel: flash keeps one log-sum-exp per row instead of the T x T softmax (activations "
-             "linear in T); auto: flash from " + std::to_string(models::kFlashFromSeqLen) + " positions (default auto)",
-             [&m](const std::string&, const std::string& v) { m.attention = models::parse_attention_kernel(v); }},
+             "linear in T); auto: flash from " + std::to_string(nn::kFlashFromSeqLen) + " positions (default auto)",
+             [&m](const std::string&, const std::string& v) { m.attention = nn::parse_attention_kernel(v); }},
         store("--experts", "E", "mixture of experts: every block's MLP becomes E expert MLPs and a router "
               "(default 0: dense)", m.experts),
         store("--top-k", "K", "with --experts: experts each token is computed by (default 2)", m.top_k),
@@ -497,7 +497,7 @@ std::string to_json(const TrainConfig& c) {
     model.integer("heads", m.heads).integer("kv_heads", models::kv_heads(m)).integer("ffn_hidden", models::ffn_hidden(m))
         .integer("vocab", m.vocab).integer("seq_len", m.seq_len).integer("max_positions", models::max_positions(m))
         .boolean("tie_embeddings", m.tie_embeddings).num("norm_eps", m.norm_eps)
-        .str("attention", models::attention_kernel_name(models::resolve_attention_kernel(m.attention, m.seq_len)));
+        .str("attention", nn::attention_kernel_name(nn::resolve_attention_kernel(m.attention, m.seq_len)));
     if (m.kind == "llama") model.num("rope_theta", m.rope_theta);
     if (m.experts > 0) {
       model.integer("experts", m.experts).integer("top_k", m.top_k).num("capacity_factor", m.capacity_factor)

@@ -90,8 +90,8 @@ plan::DecoderShape decoder_shape(const models::ModelConfig& m) {
 plan::PlanInput planner_input(const TrainConfig& c, int devices, int64_t device_memory) {
   plan::PlanInput in;
   if (models::is_language_model(c.model)) in.shape = decoder_shape(c.model);
-  // The kernel the models will run (models::causal_attention with the resolved kernel).
-  in.attention = models::resolve_attention_kernel(c.model.attention, c.model.seq_len) == models::AttentionKernel::kFlash
+  // The kernel the models will run (nn::causal_attention with the resolved kernel).
+  in.attention = nn::resolve_attention_kernel(c.model.attention, c.model.seq_len) == nn::AttentionKernel::kFlash
                      ? plan::Attention::kFlash
                      : plan::Attention::kEager;
   in.params = models::parameter_count(c.model);

@@ -13,7 +13,7 @@ namespace {
 
 train::TrainConfig tiny_llama_with_flash() {
   train::TrainConfig c = tiny_llama();
-  c.model.attention = models::AttentionKernel::kFlash;
+  c.model.attention = nn::AttentionKernel::kFlash;
   return c;
 }
 

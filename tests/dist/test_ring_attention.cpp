@@ -9,7 +9,7 @@
 #include "harness.h"
 #include "meshtrain/comm/traffic.h"
 #include "meshtrain/cp/ring_attention.h"
-#include "meshtrain/models/layers.h"
+#include "meshtrain/nn/layers.h"
 
 using meshtrain::comm::Communicator;
 using meshtrain::testing::run_ranks;
@@ -38,7 +38,7 @@ void ring_matches_one_process(Communicator& plain) {
   // One process: eager attention over the whole sequence.
   const torch::Tensor q = full.q.clone().requires_grad_(), k = full.k.clone().requires_grad_(),
                       v = full.v.clone().requires_grad_();
-  const torch::Tensor want = meshtrain::models::causal_attention(q, k, v);
+  const torch::Tensor want = meshtrain::nn::causal_attention(q, k, v);
   want.backward(full.dout);
   // This rank: its chunks, the ring.
   auto mine = [&](const torch::Tensor& t) { return cp::shard_sequence(t, 2, n, r); };

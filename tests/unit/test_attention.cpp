@@ -1,4 +1,4 @@
-// Flash attention (models/attention.h) against the eager softmax attention:
+// Flash attention (nn/attention.h) against the eager softmax attention:
 // outputs and gradients, grouped-query heads, tiles that do not divide the
 // sequence, decoding offsets, partial results merged by log-sum-exp, and the
 // bytes it keeps for backward, measured.
@@ -7,14 +7,16 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include "meshtrain/models/attention.h"
-#include "meshtrain/models/layers.h"
+#include "meshtrain/nn/attention.h"
+#include "meshtrain/nn/layers.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/util/memory.h"
 
 namespace meshtrain {
 namespace models {
 namespace {
+
+using namespace ::meshtrain::nn;
 
 struct Inputs {
   at::Tensor q, k, v, dout;

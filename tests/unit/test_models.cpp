@@ -39,7 +39,7 @@ void expect_refused(const std::function<void()>& f, const std::string& words) {
 }  // namespace
 
 TEST(Models, RmsNormIsXOverItsRootMeanSquareTimesTheWeight) {
-  models::RMSNorm norm(8, 1e-5);
+  nn::RMSNorm norm(8, 1e-5);
   at::NoGradGuard no_grad;
   norm->weight.copy_(at::linspace(0.5, 2.0, 8));
   const at::Tensor x = at::randn({3, 8}, at::kDouble).to(at::kFloat);
@@ -55,7 +55,7 @@ TEST(Models, RmsNormIsXOverItsRootMeanSquareTimesTheWeight) {
 
 TEST(Models, RotaryRotatesChannelPairsIAndIPlusHalfByPositionTimesFrequency) {
   const int64_t d = 8, theta = 10000;
-  models::Rotary rotary(d, 16, theta);
+  nn::Rotary rotary(d, 16, theta);
   const at::Tensor x = at::randn({1, 2, 5, d});
   const at::Tensor y = rotary.apply(x, /*start=*/3);
   for (int64_t h = 0; h < 2; ++h) {
@@ -72,7 +72,7 @@ TEST(Models, RotaryRotatesChannelPairsIAndIPlusHalfByPositionTimesFrequency) {
 
 TEST(Models, GroupedQueryAttentionReadsKeyHeadHOverGroupSize) {
   const at::Tensor q = at::randn({2, 4, 6, 8}), k = at::randn({2, 2, 6, 8}), v = at::randn({2, 2, 6, 8});
-  const at::Tensor y = models::causal_attention(q, k, v);
+  const at::Tensor y = nn::causal_attention(q, k, v);
   for (int64_t h = 0; h < 4; ++h) {
     const at::Tensor qh = q.narrow(1, h, 1), kh = k.narrow(1, h / 2, 1), vh = v.narrow(1, h / 2, 1);
     at::Tensor scores = at::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(8.0);
@@ -84,8 +84,8 @@ TEST(Models, GroupedQueryAttentionReadsKeyHeadHOverGroupSize) {
 
 TEST(Models, AttentionOfTheLastQueriesOverACacheEqualsTheLastRowsOfFullAttention) {
   const at::Tensor q = at::randn({1, 4, 7, 8}), k = at::randn({1, 2, 7, 8}), v = at::randn({1, 2, 7, 8});
-  const at::Tensor full = models::causal_attention(q, k, v);
-  const at::Tensor last = models::causal_attention(q.narrow(2, 5, 2), k, v);
+  const at::Tensor full = nn::causal_attention(q, k, v);
+  const at::Tensor last = nn::causal_attention(q.narrow(2, 5, 2), k, v);
   EXPECT_TRUE(at::allclose(last, full.narrow(2, 5, 2), 1e-6, 1e-6));
 }
 

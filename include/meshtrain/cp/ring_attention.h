@@ -11,7 +11,7 @@
 // order.
 //
 // ring_attention: step i (0 <= i < cp) attends the rank's queries to the keys
-// and values of rank r - i (flash tiles, models::flash_forward, skipping
+// and values of rank r - i (flash tiles, nn::flash_forward, skipping
 // chunk pairs the mask hides entirely) while the next rank's keys and values
 // arrive, and merges the partial results by log-sum-exp. Backward passes the
 // keys and values around once more, each with the gradient accumulated for
@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include "meshtrain/comm/communicator.h"
-#include "meshtrain/models/attention.h"
+#include "meshtrain/nn/attention.h"
 
 namespace meshtrain {
 namespace cp {
@@ -44,13 +44,13 @@ at::Tensor unshard_sequence(const std::vector<at::Tensor>& parts, int64_t dim);
 // Causal attention of this rank's queries over the whole sequence: q [B, H,
 // 2c, d], k and v [B, KV, 2c, d], this rank's chunks (shard_sequence along
 // dim 2). Autograd-aware; every rank of `cp` calls it (a collective). A null
-// or size-1 `cp` is models::flash_attention.
+// or size-1 `cp` is nn::flash_attention.
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const comm::CommPtr& cp,
-                          const models::FlashOptions& options = {});
+                          const nn::FlashOptions& options = {});
 
 // What the built-in models call (BuildContext::cp): ring_attention over a cp
-// group of more than one rank, else models::causal_attention with `kernel`.
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, models::AttentionKernel kernel,
+// group of more than one rank, else nn::causal_attention with `kernel`.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, nn::AttentionKernel kernel,
                      const comm::CommPtr& cp);
 // The global positions of this rank's `local_len` tokens, its two chunks of a
 // sequence of local_len x cp positions (0 .. local_len - 1 without cp).

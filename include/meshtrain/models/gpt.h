@@ -15,8 +15,8 @@
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
-#include "meshtrain/models/attention.h"
-#include "meshtrain/models/layers.h"
+#include "meshtrain/nn/attention.h"
+#include "meshtrain/nn/layers.h"
 #include "meshtrain/models/moe.h"
 #include "meshtrain/util/init.h"
 
@@ -32,7 +32,7 @@ class CachedBlock {
  public:
   virtual ~CachedBlock() = default;
   // x [B, Tnew, H] at positions cache.length() .. + Tnew - 1 -> [B, Tnew, H].
-  virtual at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) = 0;
+  virtual at::Tensor forward_cached(const at::Tensor& x, nn::KVCache& cache) = 0;
 };
 
 struct TokenEmbeddingImpl : torch::nn::Module {
@@ -61,9 +61,9 @@ struct GptBlockImpl : torch::nn::Module, CachedBlock {
   // With the mesh's groups: cp (attention, the MoE's token group) and ep (the MoE's experts).
   GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
-  at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
+  at::Tensor forward_cached(const at::Tensor& x, nn::KVCache& cache) override;
   int64_t head_dim;
-  AttentionKernel attention_kernel;
+  nn::AttentionKernel attention_kernel;
   bool gelu_tanh;  // GPT-2's GELU (the tanh approximation, "gelu_new"); the built-in GPT's is exact
   comm::CommPtr cp;  // context parallelism: attention is cp::ring_attention over it (BuildContext::cp)
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
@@ -71,8 +71,8 @@ struct GptBlockImpl : torch::nn::Module, CachedBlock {
   MoE moe{nullptr};  // ModelConfig::experts > 0: the MLP (fc1 and fc2 are then null)
 
  private:
-  at::Tensor attention(const at::Tensor& x, KVCache* cache);
-  at::Tensor block(const at::Tensor& x, KVCache* cache);
+  at::Tensor attention(const at::Tensor& x, nn::KVCache* cache);
+  at::Tensor block(const at::Tensor& x, nn::KVCache* cache);
 };
 TORCH_MODULE(GptBlock);
 

@@ -9,8 +9,8 @@
 #include <torch/nn/modules/linear.h>
 
 #include "meshtrain/models/gpt.h"
-#include "meshtrain/models/attention.h"
-#include "meshtrain/models/layers.h"
+#include "meshtrain/nn/attention.h"
+#include "meshtrain/nn/layers.h"
 
 namespace meshtrain {
 namespace models {
@@ -20,18 +20,18 @@ struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   // With the mesh's groups: cp (attention, the MoE's token group) and ep (the MoE's experts).
   LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
-  at::Tensor forward_cached(const at::Tensor& x, KVCache& cache) override;
+  at::Tensor forward_cached(const at::Tensor& x, nn::KVCache& cache) override;
   int64_t head_dim;
-  AttentionKernel attention_kernel;
+  nn::AttentionKernel attention_kernel;
   comm::CommPtr cp;  // context parallelism: rotary at the chunks' positions, cp::ring_attention (BuildContext::cp)
-  RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  nn::RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, gate{nullptr}, up{nullptr}, down{nullptr};
   MoE moe{nullptr};  // ModelConfig::experts > 0: the MLP (gate, up and down are then null)
 
  private:
-  at::Tensor attention(const at::Tensor& x, KVCache* cache);
-  at::Tensor block(const at::Tensor& x, KVCache* cache);
-  Rotary rotary_;
+  at::Tensor attention(const at::Tensor& x, nn::KVCache* cache);
+  at::Tensor block(const at::Tensor& x, nn::KVCache* cache);
+  nn::Rotary rotary_;
 };
 TORCH_MODULE(LlamaBlock);
 

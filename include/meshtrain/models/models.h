@@ -22,7 +22,7 @@
 #include <string>
 
 #include "meshtrain/comm/communicator.h"
-#include "meshtrain/models/attention.h"
+#include "meshtrain/nn/attention.h"
 #include "meshtrain/models/gpt.h"
 #include "meshtrain/models/llama.h"
 #include "meshtrain/models/stage.h"
@@ -53,7 +53,7 @@ struct ModelConfig {
   double norm_eps = 1e-5;       // LayerNorm (gpt, gpt2) and RMSNorm (llama) epsilon
   // The attention kernel (attention.h): how the scores are computed, not
   // what; every kernel gives the same result up to float reassociation.
-  AttentionKernel attention = AttentionKernel::kAuto;
+  nn::AttentionKernel attention = nn::AttentionKernel::kAuto;
   // Mixture of experts (moe.h): experts > 0 makes every block's MLP a
   // models::MoE of `experts` MLPs of ffn_hidden each (GPT: GELU, Llama:
   // SwiGLU), each token computed by its top_k; capacity_factor 0: dropless;

@@ -28,7 +28,7 @@ enum class ModelKind { kGpt, kGpt2, kLlama };
 //   kFlash  memory-efficient (FlashAttention, Dao et al. 2022): the scores are
 //           recomputed in backward from Q, K, V, the output and each row's
 //           log-sum-exp; memory linear in T (--attention flash,
-//           models::flash_attention)
+//           nn::flash_attention)
 enum class Attention { kEager, kFlash };
 
 // The shape of a decoder, as models::ModelConfig holds it. Zero fields take the

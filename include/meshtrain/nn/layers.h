@@ -1,8 +1,8 @@
 #pragma once
-// Layers the built-in language models share, as plain functions and modules
-// that know nothing of parallelism: RMSNorm, rotary position embeddings
-// (Hugging Face's rotate-half layout), causal attention with grouped-query
-// heads, and the key/value cache of incremental decoding.
+// Layers language models share, as plain functions and modules that know
+// nothing of parallelism: RMSNorm, rotary position embeddings (Hugging Face's
+// rotate-half layout) and the key/value cache of incremental decoding. The
+// attention kernels are in nn/attention.h.
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -11,7 +11,7 @@
 #include <vector>
 
 namespace meshtrain {
-namespace models {
+namespace nn {
 
 // y = x / sqrt(mean(x^2) + eps) * weight over the last dimension, computed in
 // float32 whatever x's dtype (as Hugging Face's LlamaRMSNorm and llama2.c).
@@ -48,11 +48,5 @@ struct KVCache {
   std::pair<at::Tensor, at::Tensor> append(const at::Tensor& new_k, const at::Tensor& new_v);
 };
 
-// softmax(q k^T / sqrt(d), causal) v. q [B, H, Tq, d]; k, v [B, KV, Tk, d]
-// with KV dividing H: query head h reads key/value head h / (H / KV)
-// (grouped-query attention, Hugging Face's repeat_kv). The queries are the
-// last Tq of the Tk positions (Tq < Tk when decoding with a cache).
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
-
-}  // namespace models
+}  // namespace nn
 }  // namespace meshtrain

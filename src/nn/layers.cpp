@@ -1,14 +1,13 @@
-#include "meshtrain/models/layers.h"
+#include "meshtrain/nn/layers.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
-#include <limits>
 
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
-namespace models {
+namespace nn {
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double epsilon) : eps(epsilon) {
   weight = register_parameter("weight", at::ones({dim}));
@@ -68,21 +67,5 @@ std::pair<at::Tensor, at::Tensor> KVCache::append(const at::Tensor& new_k, const
   return {k, v};
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const int64_t heads = q.size(1), kv_heads = k.size(1), Tq = q.size(2), Tk = k.size(2), d = q.size(3);
-  MESHTRAIN_CHECK(heads % kv_heads == 0 && Tq <= Tk, "causal_attention: ", heads, " query heads over ", kv_heads,
-                  " key/value heads, ", Tq, " queries over ", Tk, " keys");
-  at::Tensor keys = k, values = v;
-  if (kv_heads != heads) {  // each key/value head serves heads / kv_heads consecutive query heads
-    keys = k.repeat_interleave(heads / kv_heads, 1);
-    values = v.repeat_interleave(heads / kv_heads, 1);
-  }
-  at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
-  // Query i sits at position Tk - Tq + i and sees keys up to it.
-  const at::Tensor future = at::ones({Tq, Tk}, at::TensorOptions().dtype(at::kBool)).triu(Tk - Tq + 1);
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-  return at::matmul(at::softmax(scores, -1), values);
-}
-
-}  // namespace models
+}  // namespace nn
 }  // namespace meshtrain

@@ -3,18 +3,17 @@
 // query_block x G rows (every query head that reads the same key head), so
 // grouped-query attention needs no copy of k and v and its key/value
 // gradients sum over the group inside the matmul.
-#include "meshtrain/models/attention.h"
+#include "meshtrain/nn/attention.h"
 
 #include <torch/autograd.h>
 
 #include <cmath>
 #include <limits>
 
-#include "meshtrain/models/layers.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
-namespace models {
+namespace nn {
 
 AttentionKernel parse_attention_kernel(const std::string& value) {
   if (value == "auto") return AttentionKernel::kAuto;
@@ -71,6 +70,22 @@ at::Tensor query_rows(const at::Tensor& t, int64_t first, int64_t n) {
 }
 
 }  // namespace
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t heads = q.size(1), kv_heads = k.size(1), Tq = q.size(2), Tk = k.size(2), d = q.size(3);
+  MESHTRAIN_CHECK(heads % kv_heads == 0 && Tq <= Tk, "causal_attention: ", heads, " query heads over ", kv_heads,
+                  " key/value heads, ", Tq, " queries over ", Tk, " keys");
+  at::Tensor keys = k, values = v;
+  if (kv_heads != heads) {  // each key/value head serves heads / kv_heads consecutive query heads
+    keys = k.repeat_interleave(heads / kv_heads, 1);
+    values = v.repeat_interleave(heads / kv_heads, 1);
+  }
+  at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+  // Query i sits at position Tk - Tq + i and sees keys up to it.
+  const at::Tensor future = at::ones({Tq, Tk}, at::TensorOptions().dtype(at::kBool)).triu(Tk - Tq + 1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(scores, -1), values);
+}
 
 AttentionPart flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                             int64_t k_start, const FlashOptions& options) {
@@ -210,5 +225,5 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return causal_attention(q, k, v);
 }
 
-}  // namespace models
+}  // namespace nn
 }  // namespace meshtrain

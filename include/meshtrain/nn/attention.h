@@ -12,6 +12,13 @@
 // caller holding only part of a sequence (context parallelism: one rank's
 // chunk of queries against another rank's chunk of keys) computes a partial
 // result and merges it by log-sum-exp (merge_attention).
+//
+// meshtrain::nn is the layer of pure tensor math that the models and the
+// strategies share (attention kernels, norms, rotary positions, the KV cache,
+// and the modules through which a strategy changes a model from outside:
+// nn/sequence.h, nn/experts.h). It includes nothing of communication, so
+// that cp (ring attention is built of these pieces) and the models both sit
+// above it.
 
 #include <ATen/ATen.h>
 
@@ -19,9 +26,9 @@
 #include <string>
 
 namespace meshtrain {
-namespace models {
+namespace nn {
 
-// Which kernel the built-in models' attention runs. kAuto: flash from
+// Which kernel a model's attention runs. kAuto: flash from
 // kFlashFromSeqLen positions on, eager below, so that short-sequence runs
 // keep the numerics they (and the reference fixtures taken with them) had;
 // flash measured no slower from 128 positions (docs/models.md).
@@ -40,7 +47,14 @@ struct FlashOptions {
   int64_t key_block = 128;
 };
 
-// Autograd-aware causal attention, as models::causal_attention: q [B, H, Tq,
+// softmax(q k^T / sqrt(d), causal) v, eager: the T x T scores computed and
+// kept for backward. q [B, H, Tq, d]; k, v [B, KV, Tk, d] with KV dividing H:
+// query head h reads key/value head h / (H / KV) (grouped-query attention,
+// Hugging Face's repeat_kv). The queries are the last Tq of the Tk positions
+// (Tq < Tk when decoding with a cache).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Autograd-aware causal attention, as the eager causal_attention: q [B, H, Tq,
 // d], k and v [B, KV, Tk, d] with KV dividing H (query head h reads key head
 // h / (H / KV), without repeating k and v); the queries are the last Tq of
 // the Tk positions. Returns [B, H, Tq, d] in q's dtype; statistics in fp32
@@ -48,8 +62,8 @@ struct FlashOptions {
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const FlashOptions& options = {});
 
-// The built-in models' attention: flash_attention or the eager
-// models::causal_attention, as `kernel` resolves for the keys' length.
+// flash_attention or the eager causal_attention, as `kernel` resolves for
+// the keys' length (what nn::CausalAttention runs by default).
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel);
 
 // --- The pieces, for callers that split a sequence (no autograd) ---------
@@ -80,5 +94,5 @@ AttentionGrads flash_backward(const at::Tensor& q, const at::Tensor& k, const at
 // part: weights exp(lse_a - lse) and exp(lse_b - lse), lse = logaddexp.
 AttentionPart merge_attention(const AttentionPart& a, const AttentionPart& b);
 
-}  // namespace models
+}  // namespace nn
 }  // namespace meshtrain
