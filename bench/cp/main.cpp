@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/cp/parallelize.h"
 #include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/plan/estimate.h"
@@ -56,10 +57,9 @@ struct Measured {
 
 Measured measure(int64_t T, const comm::CommPtr& world) {
   const int cp = world->size();
-  models::BuildContext ctx;
-  if (cp > 1) ctx.cp = world;
   const models::ModelConfig m = llama(T);
-  models::Stage model = models::build_stage(m, 0, models::num_pieces(m), ctx);
+  models::Stage model = models::build_stage(m, 0, models::num_pieces(m));
+  cp::parallelize(*model, world);  // ring attention over every rank (cp 1: nothing)
   at::manual_seed(1);  // the same sequence on every rank; each takes its chunks
   const at::Tensor tokens = at::randint(m.vocab, {1, T + 1}, at::kLong);
   at::Tensor input = tokens.narrow(1, 0, T), target = tokens.narrow(1, 1, T);

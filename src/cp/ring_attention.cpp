@@ -155,17 +155,6 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
 
 }  // namespace
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, nn::AttentionKernel kernel,
-                     const comm::CommPtr& cp) {
-  if (cp_size(cp) > 1) return ring_attention(q, k, v, cp);
-  return nn::causal_attention(q, k, v, kernel);
-}
-
-at::Tensor my_positions(int64_t local_len, const comm::CommPtr& cp) {
-  if (cp_size(cp) == 1) return at::arange(local_len, at::kLong);
-  return local_positions(local_len * cp->size(), cp->size(), cp->rank());
-}
-
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const comm::CommPtr& cp,
                           const nn::FlashOptions& options) {
   if (!cp || cp->size() == 1) return nn::flash_attention(q, k, v, options);

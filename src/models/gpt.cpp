@@ -6,7 +6,6 @@
 
 #include <cmath>
 
-#include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/util/error.h"
@@ -41,12 +40,13 @@ torch::nn::LayerNorm layer_norm(int64_t h, double eps) {
 }  // namespace
 
 TokenEmbeddingImpl::TokenEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx)
-    : tp(ctx.tp), sequence_parallel(ctx.sequence_parallel), cp(ctx.cp) {
+    : tp(ctx.tp), sequence_parallel(ctx.sequence_parallel) {
   tok = register_module("tok", torch::nn::Embedding(torch::nn::EmbeddingOptions(padded_vocab(c), c.hidden)
                                                         ._weight(token_embedding_values(c))));
   if (c.kind == "llama") return;  // rotary positions, inside attention
   const double std = c.kind == "gpt2" ? 0.02 : 0.01;  // GPT-2's initializer range for every table
   pos = register_parameter("pos", init_full(c.seed, "embed.pos", InitSpec::normal(0, std), {max_positions(c), c.hidden}));
+  positions = register_module("positions", nn::Positions());
 }
 
 at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& tokens) {
@@ -55,25 +55,15 @@ at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& tokens) {
                   "] token ids; got ", tokens.sizes());
   at::Tensor x = tok->forward(tokens);  // [B, T/tp, H] under sequence parallelism (tp::parallelize)
   if (!pos.defined()) return x;
-  if (cp::cp_size(cp) > 1) return add_chunk_positions(x, tokens.size(1));
+  at::Tensor where = positions->forward(tokens.size(1));
   if (sequence_parallel && tp::tp_size(tp) > 1) {
     // This rank holds positions [r*T/tp, (r+1)*T/tp) and adds those rows, so
     // each rank's gradient covers its rows only: copy_to_tp (before slicing)
     // sums them into the full gradient on every rank.
-    const int64_t part = x.size(1);
-    return x + tp::copy_to_tp(pos, tp).narrow(0, part * tp::tp_rank(tp), part);
+    where = where.narrow(0, x.size(1) * tp::tp_rank(tp), x.size(1));
+    return x + tp::copy_to_tp(pos, tp).index_select(0, where);
   }
-  return x + pos.narrow(0, 0, tokens.size(1));
-}
-
-// Context parallelism: this rank's tokens are two chunks of the sequence
-// (cp::my_positions); under sequence parallelism x holds this tp rank's part
-// of them, whose rows copy_to_tp sums into the full gradient, as above.
-at::Tensor TokenEmbeddingImpl::add_chunk_positions(const at::Tensor& x, int64_t tokens) {
-  at::Tensor positions = cp::my_positions(tokens, cp);
-  const bool split = sequence_parallel && tp::tp_size(tp) > 1;
-  if (split) positions = positions.narrow(0, x.size(1) * tp::tp_rank(tp), x.size(1));
-  return x + (split ? tp::copy_to_tp(pos, tp) : pos).index_select(0, positions);
+  return x + pos.index_select(0, where);
 }
 
 at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t start) {
@@ -88,9 +78,8 @@ at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t star
 GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index) : GptBlockImpl(c, index, BuildContext{}) {}
 
 GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx)
-    : attention_kernel(c.attention), gelu_tanh(c.kind == "gpt2"), cp(ctx.cp) {
+    : gelu_tanh(c.kind == "gpt2") {
   const std::string p = "blocks." + std::to_string(index) + ".";
-  head_dim = c.hidden / c.heads;
   const InitSpec normal = InitSpec::normal(0, 0.02);
   // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
   const InitSpec residual = InitSpec::normal(0, 0.02 / std::sqrt(2.0 * c.layers));
@@ -100,6 +89,7 @@ GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildConte
   k = register_module("k", seeded_linear(h, h, true, c.seed, p + "k", normal));
   v = register_module("v", seeded_linear(h, h, true, c.seed, p + "v", normal));
   proj = register_module("proj", seeded_linear(h, h, true, c.seed, p + "proj", residual));
+  attn = register_module("attn", nn::CausalAttention(nn::CausalAttentionOptions(h / c.heads).kernel(c.attention)));
   ln2 = register_module("ln2", layer_norm(h, c.norm_eps));
   if (c.experts > 0) {
     moe = register_module("moe", MoE(block_moe_options(c, index, ctx)));
@@ -109,20 +99,12 @@ GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildConte
   fc2 = register_module("fc2", seeded_linear(f, h, true, c.seed, p + "fc2", residual));
 }
 
-at::Tensor GptBlockImpl::attention(const at::Tensor& x, nn::KVCache* cache) {
-  // Sizes from q's output: under tensor parallelism it holds this rank's heads,
-  // under sequence parallelism the whole sequence (x holds a part).
-  const at::Tensor q_out = q->forward(x);
-  const int64_t B = q_out.size(0), T = q_out.size(1), local_heads = q_out.size(2) / head_dim;
-  auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads, head_dim}).transpose(1, 2); };
-  at::Tensor kh = heads(k->forward(x)), vh = heads(v->forward(x));
-  if (cache) std::tie(kh, vh) = cache->append(kh, vh);
-  const at::Tensor y = cp::attention(heads(q_out), kh, vh, attention_kernel, cp);  // [B, heads, T, head_dim]
-  return proj->forward(y.transpose(1, 2).reshape({B, T, local_heads * head_dim}));
-}
-
 at::Tensor GptBlockImpl::block(const at::Tensor& x, nn::KVCache* cache) {
-  at::Tensor h = x + attention(ln1->forward(x), cache);
+  // q, k, v in that order (under tensor parallelism they share one
+  // communication of their input); sizes are read from their outputs.
+  const at::Tensor a = ln1->forward(x);
+  const at::Tensor qa = q->forward(a), ka = k->forward(a), va = v->forward(a);
+  at::Tensor h = x + proj->forward(attn->forward(qa, ka, va, cache));
   if (moe) return h + moe->forward(ln2->forward(h));
   const at::Tensor inner = fc1->forward(ln2->forward(h));
   return h + fc2->forward(gelu_tanh ? at::gelu(inner, "tanh") : at::gelu(inner));

@@ -254,7 +254,7 @@ MoEOptions block_moe_options(const ModelConfig& c, int64_t index, const BuildCon
   const bool llama = c.kind == "llama";
   return MoEOptions(c.hidden, ffn_hidden(c), c.experts, c.top_k)
       .capacity_factor(c.capacity_factor).aux_loss_coef(c.aux_loss_coef).swiglu(llama).gelu_tanh(c.kind == "gpt2")
-      .seed(c.seed).name("blocks." + std::to_string(index) + ".moe").ep(ctx.ep).token_group(ctx.cp);
+      .seed(c.seed).name("blocks." + std::to_string(index) + ".moe").ep(ctx.ep);
 }
 
 namespace {

@@ -84,18 +84,27 @@ MoEImpl::MoEImpl(const MoEOptions& o) : options(o) {
   w_in = experts(o.swiglu() ? "gate" : "fc1", {E, F, H});
   if (o.swiglu()) w_up = experts("up", {E, F, H});
   w_out = experts(o.swiglu() ? "down" : "fc2", {E, H, F});
-  // Alone, the global scope covers this process's forwards, and token_group's.
-  const comm::CommPtr& tokens = o.token_group();
-  set_balance_statistics(tokens && tokens->size() > 1
-                             ? std::make_shared<BalanceStatistics>([tokens](at::Tensor& t) { tokens->all_reduce(t); },
-                                                                   tokens->size())
-                             : std::make_shared<BalanceStatistics>());
+  // Alone, the global scope covers this process's forwards (and its token group's, once set).
+  set_balance_statistics(std::make_shared<BalanceStatistics>());
+  own_balance_ = true;
 }
 
 void MoEImpl::set_balance_statistics(std::shared_ptr<BalanceStatistics> statistics) {
   MESHTRAIN_CHECK(statistics, "MoE '", options.name(), "': balance statistics must not be null");
   balance_slot_ = statistics->add_layer(options.experts());
   balance_ = std::move(statistics);
+  own_balance_ = false;
+}
+
+void MoEImpl::set_token_group(Sum sum, int members) {
+  MESHTRAIN_CHECK(members >= 1 && (sum || members == 1), "MoE '", options.name(), "': a token group of ", members,
+                  " ranks needs a function summing over them");
+  token_sum_ = members > 1 ? std::move(sum) : nullptr;
+  token_members_ = members;
+  if (!own_balance_) return;  // statistics given from outside (the trainer's over dp x cp) stay
+  set_balance_statistics(token_sum_ ? std::make_shared<BalanceStatistics>(token_sum_, members)
+                                    : std::make_shared<BalanceStatistics>());
+  own_balance_ = true;
 }
 
 void MoEImpl::to(torch::Dtype dtype, bool non_blocking) {
@@ -159,9 +168,8 @@ at::Tensor MoEImpl::balance_loss(const at::Tensor& probs, const at::Tensor& rout
   const int64_t E = options.experts(), N = probs.size(0);
   at::Tensor counts = at::cat({at::bincount(route_expert, {}, E), at::full({1}, N, route_expert.options())})
                           .to(at::kDouble);
-  const comm::CommPtr& group = options.token_group();
-  const int64_t members = group ? group->size() : 1;
-  if (members > 1) group->all_reduce(counts);
+  const int64_t members = token_members_;
+  if (token_sum_) token_sum_(counts);
   const double tokens = counts[E].item<double>();
   const at::Tensor f = (counts.narrow(0, 0, E) / (tokens * options.top_k())).to(probs.scalar_type());
   return (f * probs.sum(0) / tokens).sum() * static_cast<double>(E * members);

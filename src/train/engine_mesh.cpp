@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include "engine.h"
+#include "meshtrain/cp/parallelize.h"
 #include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/dp/grain_tree.h"
 #include "meshtrain/mesh/mesh.h"
@@ -72,7 +73,6 @@ class MeshEngine : public Engine {
       : c_(c), mesh_(world, mesh::MeshLayout(world->size(), c.dp, c.pp, c.tp, c.cp)), data_(make_dataset(c)) {
     const mesh::Coord me = mesh_.coord();
     ctx_.tp = c.tp > 1 ? mesh_.tp() : nullptr;
-    ctx_.cp = c.cp > 1 ? mesh_.cp() : nullptr;
     if (c.ep > 1) {  // consecutive ranks of dp x cp (train/experts.h)
       const comm::CommPtr& replicas = mesh_.dp_cp();
       ctx_.ep = replicas->split(replicas->rank() / c.ep, replicas->rank(), "ep");
@@ -93,6 +93,7 @@ class MeshEngine : public Engine {
       models::BuildContext ctx = weights.context(ctx_);
       ctx.tied_head_copy = tied && s == S - 1 && !first_;  // Note [Tied embeddings across pipeline stages]
       stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx));
+      cp::parallelize(*stages_.at(s), mesh_.cp());  // ring attention, the chunks' positions (cp 1: nothing)
       models::apply_checkpointing(*stages_.at(s), c.model, c.activation_checkpointing, bounds[s]);
       mine.push_back(pp::stage_module(stages_.at(s)));
     }

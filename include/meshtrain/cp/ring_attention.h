@@ -48,14 +48,5 @@ at::Tensor unshard_sequence(const std::vector<at::Tensor>& parts, int64_t dim);
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const comm::CommPtr& cp,
                           const nn::FlashOptions& options = {});
 
-// What the built-in models call (BuildContext::cp): ring_attention over a cp
-// group of more than one rank, else nn::causal_attention with `kernel`.
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, nn::AttentionKernel kernel,
-                     const comm::CommPtr& cp);
-// The global positions of this rank's `local_len` tokens, its two chunks of a
-// sequence of local_len x cp positions (0 .. local_len - 1 without cp).
-at::Tensor my_positions(int64_t local_len, const comm::CommPtr& cp);
-inline int cp_size(const comm::CommPtr& cp) { return cp ? cp->size() : 1; }
-
 }  // namespace cp
 }  // namespace meshtrain

@@ -17,6 +17,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/nn/attention.h"
 #include "meshtrain/nn/layers.h"
+#include "meshtrain/nn/sequence.h"
 #include "meshtrain/models/moe.h"
 #include "meshtrain/util/init.h"
 
@@ -36,8 +37,10 @@ class CachedBlock {
 };
 
 struct TokenEmbeddingImpl : torch::nn::Module {
-  // GPT and GPT-2: token and learned position embeddings ("tok", "pos");
-  // Llama: tokens only (positions are rotary, inside attention).
+  // GPT and GPT-2: token and learned position embeddings ("tok", "pos"),
+  // the table read at the rows `positions` gives (context parallelism sets
+  // them from outside); Llama: tokens only (positions are rotary, inside
+  // attention).
   TokenEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx);
   // [B, T] int64 -> [B, T, H] ([B, T/tp, H] under sequence parallelism)
   at::Tensor forward(const at::Tensor& tokens);
@@ -45,12 +48,9 @@ struct TokenEmbeddingImpl : torch::nn::Module {
   at::Tensor forward_at(const at::Tensor& tokens, int64_t start);
   torch::nn::Embedding tok{nullptr};
   at::Tensor pos;  // [max_positions, hidden], replicated; undefined for Llama
+  nn::Positions positions{nullptr};  // where the tokens sit ("positions"); null for Llama
   comm::CommPtr tp;  // under sequence parallelism: this rank's positions
   bool sequence_parallel = false;
-  comm::CommPtr cp;  // context parallelism: the positions of this rank's chunks (BuildContext::cp)
-
- private:
-  at::Tensor add_chunk_positions(const at::Tensor& x, int64_t tokens);
 };
 TORCH_MODULE(TokenEmbedding);
 using GptEmbeddingImpl = TokenEmbeddingImpl;
@@ -58,20 +58,18 @@ using GptEmbedding = TokenEmbedding;
 
 struct GptBlockImpl : torch::nn::Module, CachedBlock {
   GptBlockImpl(const ModelConfig& c, int64_t index);
-  // With the mesh's groups: cp (attention, the MoE's token group) and ep (the MoE's experts).
   GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, nn::KVCache& cache) override;
-  int64_t head_dim;
-  nn::AttentionKernel attention_kernel;
   bool gelu_tanh;  // GPT-2's GELU (the tanh approximation, "gelu_new"); the built-in GPT's is exact
-  comm::CommPtr cp;  // context parallelism: attention is cp::ring_attention over it (BuildContext::cp)
+  // Causal multi-head attention between q, k, v and proj ("attn", no
+  // parameters): the attention function context parallelism swaps.
+  nn::CausalAttention attn{nullptr};
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
   MoE moe{nullptr};  // ModelConfig::experts > 0: the MLP (fc1 and fc2 are then null)
 
  private:
-  at::Tensor attention(const at::Tensor& x, nn::KVCache* cache);
   at::Tensor block(const at::Tensor& x, nn::KVCache* cache);
 };
 TORCH_MODULE(GptBlock);

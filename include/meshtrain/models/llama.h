@@ -17,21 +17,19 @@ namespace models {
 
 struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   LlamaBlockImpl(const ModelConfig& c, int64_t index);
-  // With the mesh's groups: cp (attention, the MoE's token group) and ep (the MoE's experts).
   LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, nn::KVCache& cache) override;
-  int64_t head_dim;
-  nn::AttentionKernel attention_kernel;
-  comm::CommPtr cp;  // context parallelism: rotary at the chunks' positions, cp::ring_attention (BuildContext::cp)
+  // Rotary grouped-query attention between q, k, v and o ("attn", no
+  // parameters): its attention function and positions are what context
+  // parallelism swaps.
+  nn::CausalAttention attn{nullptr};
   nn::RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, gate{nullptr}, up{nullptr}, down{nullptr};
   MoE moe{nullptr};  // ModelConfig::experts > 0: the MLP (gate, up and down are then null)
 
  private:
-  at::Tensor attention(const at::Tensor& x, nn::KVCache* cache);
   at::Tensor block(const at::Tensor& x, nn::KVCache* cache);
-  nn::Rotary rotary_;
 };
 TORCH_MODULE(LlamaBlock);
 

@@ -72,10 +72,6 @@ struct ModelConfig {
 struct BuildContext {
   comm::CommPtr tp;              // null: no tensor parallelism
   bool sequence_parallel = false;
-  // Context parallelism (null or size 1: none): every rank of the group holds
-  // two chunks of each sequence (cp::shard_sequence); positions follow the
-  // chunks and attention is cp::ring_attention over the group.
-  comm::CommPtr cp;
   // Expert parallelism (null or size 1: none): each rank of the group holds
   // experts / ep of every MoE layer's experts (models::MoEOptions::ep).
   comm::CommPtr ep;
@@ -125,7 +121,7 @@ int64_t active_parameter_count(const ModelConfig& config);
 double training_flops_per_token(const ModelConfig& config);
 // The MoE of block `index` when config.experts > 0 (its parameters
 // "blocks.<index>.moe.*"): GPT's experts GELU (GPT-2's tanh GELU), Llama's
-// SwiGLU; experts over ctx.ep, the balance statistics over ctx.cp.
+// SwiGLU; experts over ctx.ep.
 MoEOptions block_moe_options(const ModelConfig& config, int64_t index, const BuildContext& ctx);
 // Whether the model reads token ids and predicts the next token (gpt, gpt2, llama).
 bool is_language_model(const ModelConfig& config);

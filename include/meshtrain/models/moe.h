@@ -29,11 +29,11 @@
 //     backward (Note [Global-batch balance loss]); train::Trainer gives the
 //     layers of a pipeline chunk one BalanceStatistics over dp x cp, so every
 //     layout trains like one process. Alone, a layer keeps its own, over
-//     token_group when there is one. aux_loss()'s value is the forward's own
+//     its token group when it has one. aux_loss()'s value is the forward's own
 //     tokens' loss; its gradient is the global loss's share of them.
-//   micro: the tokens of one forward; with a token_group (the ranks that hold
-//     other positions of the same sequences: context parallelism) the group's
-//     tokens: f_e from the group's routes (one all_reduce of E + 1 numbers
+//   micro: the tokens of one forward; with a token group (the ranks that hold
+//     other positions of the same sequences: context parallelism sets it
+//     from outside through nn::TokenStatistics) the group's tokens: f_e from the group's routes (one all_reduce of E + 1 numbers
 //     per forward), P_e from this rank's probabilities over the group's token
 //     count, and aux_loss() is group size x this rank's share, so that its
 //     mean over the group (the average the data-parallel gradients take) is
@@ -66,6 +66,7 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/models/moe_balance.h"
+#include "meshtrain/nn/experts.h"
 
 namespace meshtrain {
 namespace models {
@@ -89,9 +90,6 @@ struct MoEOptions {
   // Expert parallelism: this rank holds experts / ep.size() of them
   // (ep::expert_slice), the router is replicated; null: every expert here.
   TORCH_ARG(comm::CommPtr, ep) = nullptr;
-  // Context parallelism: the balance statistics over the group's tokens (see above;
-  // under the global scope only while the layer keeps its own statistics).
-  TORCH_ARG(comm::CommPtr, token_group) = nullptr;
 };
 
 // What forwards routed: the last one (routing()), or every training forward
@@ -107,7 +105,7 @@ struct MoERouting {
   at::Tensor aux_loss;           // scalar, with the router's graph
 };
 
-struct MoEImpl : torch::nn::Module {
+struct MoEImpl : torch::nn::Module, nn::TokenStatistics {
   explicit MoEImpl(const MoEOptions& options);
   // [..., H] -> [..., H]
   at::Tensor forward(const at::Tensor& x);
@@ -129,6 +127,10 @@ struct MoEImpl : torch::nn::Module {
   // and summed over the ranks holding other tokens (train::Trainer sets
   // them); the layer registers itself in them.
   void set_balance_statistics(std::shared_ptr<BalanceStatistics> statistics);
+  // The ranks holding the other tokens of this rank's sequences (context
+  // parallelism): the micro scope's statistics over their tokens, and the
+  // global scope's while the layer keeps its own statistics.
+  void set_token_group(Sum sum, int members) override;
   const std::shared_ptr<BalanceStatistics>& balance_statistics() const { return balance_; }
 
   MoEOptions options;
@@ -152,6 +154,9 @@ struct MoEImpl : torch::nn::Module {
   std::vector<std::pair<std::string, at::Tensor>> apart_;
   std::shared_ptr<BalanceStatistics> balance_;
   int64_t balance_slot_ = 0;
+  bool own_balance_ = true;  // balance_ is the layer's own, not set_balance_statistics's
+  Sum token_sum_;            // the token group's (null: none)
+  int token_members_ = 1;
 };
 TORCH_MODULE(MoE);
 

@@ -39,7 +39,7 @@ namespace models {
 
 // Which tokens the balance statistics cover: the step's global batch
 // (Note [Global-batch balance loss]), or each forward's own tokens (one
-// micro-batch of one rank; with MoEOptions::token_group, the group's), the
+// micro-batch of one rank; with a token group, the group's), the
 // loss Megatron-LM's default aux_loss and DeepSpeed compute.
 enum class AuxLossScope { kGlobal, kMicro };
 
