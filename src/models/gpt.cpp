@@ -75,10 +75,7 @@ at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t star
   return x + pos.narrow(0, start, tokens.size(1));
 }
 
-GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index) : GptBlockImpl(c, index, BuildContext{}) {}
-
-GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx)
-    : gelu_tanh(c.kind == "gpt2") {
+GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index) : gelu_tanh(c.kind == "gpt2") {
   const std::string p = "blocks." + std::to_string(index) + ".";
   const InitSpec normal = InitSpec::normal(0, 0.02);
   // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
@@ -92,7 +89,7 @@ GptBlockImpl::GptBlockImpl(const ModelConfig& c, int64_t index, const BuildConte
   attn = register_module("attn", nn::CausalAttention(nn::CausalAttentionOptions(h / c.heads).kernel(c.attention)));
   ln2 = register_module("ln2", layer_norm(h, c.norm_eps));
   if (c.experts > 0) {
-    moe = register_module("moe", MoE(block_moe_options(c, index, ctx)));
+    moe = register_module("moe", MoE(block_moe_options(c, index)));
     return;
   }
   fc1 = register_module("fc1", seeded_linear(h, f, true, c.seed, p + "fc1", normal));

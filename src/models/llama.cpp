@@ -7,10 +7,7 @@
 namespace meshtrain {
 namespace models {
 
-LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index) : LlamaBlockImpl(c, index, BuildContext{}) {}
-
-LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx)
-{
+LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index) {
   const std::string p = "blocks." + std::to_string(index) + ".";
   const int64_t head_dim = c.hidden / c.heads;
   const InitSpec normal = InitSpec::normal(0, 0.02);  // Hugging Face's initializer_range
@@ -24,7 +21,7 @@ LlamaBlockImpl::LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildC
                                                          .rotary_positions(max_positions(c)).rotary_theta(c.rope_theta)));
   mlp_norm = register_module("mlp_norm", nn::RMSNorm(h, c.norm_eps));
   if (c.experts > 0) {
-    moe = register_module("moe", MoE(block_moe_options(c, index, ctx)));
+    moe = register_module("moe", MoE(block_moe_options(c, index)));
     return;
   }
   gate = register_module("gate", seeded_linear(h, f, false, c.seed, p + "gate", normal));

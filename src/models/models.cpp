@@ -179,10 +179,10 @@ void append_decoder_piece(StageImpl& stage, const ModelConfig& c, int64_t i, con
   } else if (i == num_pieces(c) - 1) {
     stage.append("", "head", LmHead(c, ctx, c.tie_embeddings ? embedding_weight : at::Tensor()));
   } else if (c.kind == "llama") {
-    LlamaBlock block(c, i - 1, ctx);
+    LlamaBlock block(c, i - 1);
     stage.append("blocks", std::to_string(i - 1), block);
   } else {
-    GptBlock block(c, i - 1, ctx);
+    GptBlock block(c, i - 1);
     stage.append("blocks", std::to_string(i - 1), block);
   }
 }
@@ -250,11 +250,11 @@ at::Tensor loss(const ModelConfig& c, const at::Tensor& output, const at::Tensor
   return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), ctx.tp);
 }
 
-MoEOptions block_moe_options(const ModelConfig& c, int64_t index, const BuildContext& ctx) {
+MoEOptions block_moe_options(const ModelConfig& c, int64_t index) {
   const bool llama = c.kind == "llama";
   return MoEOptions(c.hidden, ffn_hidden(c), c.experts, c.top_k)
       .capacity_factor(c.capacity_factor).aux_loss_coef(c.aux_loss_coef).swiglu(llama).gelu_tanh(c.kind == "gpt2")
-      .seed(c.seed).name("blocks." + std::to_string(index) + ".moe").ep(ctx.ep);
+      .seed(c.seed).name("blocks." + std::to_string(index) + ".moe");
 }
 
 namespace {

@@ -8,7 +8,6 @@
 
 #include <cmath>
 
-#include "meshtrain/ep/all_to_all.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
@@ -70,16 +69,9 @@ MoEImpl::MoEImpl(const MoEOptions& o) : options(o) {
                   " routes each token to that many of --experts ", E, "; choose --top-k between 1 and ", E);
   MESHTRAIN_CHECK(H >= 1 && F >= 1, "MoE: hidden ", H, " and ffn_hidden ", F, " must be positive");
   const InitSpec normal = InitSpec::normal(0, 0.02);
-  const comm::CommPtr& group = o.ep();
-  const ep::ExpertSlice slice = ep::expert_slice(E, group ? group->size() : 1, group ? group->rank() : 0);
-  first_expert_ = slice.first;
   router = register_parameter("router", init_full(o.seed(), o.name() + ".router", normal, {E, H}));
-  const bool apart = group && group->size() > 1;
-  auto experts = [&](const std::string& name, std::vector<int64_t> shape) {  // this rank's slice along dim 0
-    at::Tensor w = init_slice(o.seed(), o.name() + "." + name, normal, shape, 0, slice.first, slice.count);
-    if (!apart) return register_parameter(name, w);
-    apart_.emplace_back(name, w.requires_grad_());
-    return w;
+  auto experts = [&](const std::string& name, std::vector<int64_t> shape) {
+    return register_parameter(name, init_full(o.seed(), o.name() + "." + name, normal, shape));
   };
   w_in = experts(o.swiglu() ? "gate" : "fc1", {E, F, H});
   if (o.swiglu()) w_up = experts("up", {E, F, H});
@@ -105,6 +97,31 @@ void MoEImpl::set_token_group(Sum sum, int members) {
   set_balance_statistics(token_sum_ ? std::make_shared<BalanceStatistics>(token_sum_, members)
                                     : std::make_shared<BalanceStatistics>());
   own_balance_ = true;
+}
+
+void MoEImpl::parallelize_experts(std::shared_ptr<nn::ExpertGroup> group) {
+  const int64_t E = options.experts();
+  MESHTRAIN_CHECK(group, "MoE '", options.name(), "': an expert group must not be null");
+  MESHTRAIN_CHECK(!group_, "MoE '", options.name(), "': its experts are already spread over a group; do it once");
+  MESHTRAIN_CHECK(E % group->size() == 0, "MoE '", options.name(), "': ep ", group->size(), " does not divide its ", E,
+                  " experts (each ep rank holds experts / ep of them); choose an ep dividing ", E);
+  group_ = std::move(group);
+  if (group_->size() == 1) return;
+  // This rank's slice [first, first + count) of each expert tensor, held
+  // apart from the module's parameters (see the header): the values one
+  // process has, so that every layout starts alike.
+  const int64_t count = E / group_->size();
+  first_expert_ = count * group_->rank();
+  at::NoGradGuard no_grad;
+  auto slice = [&](at::Tensor& w, const std::string& name) {
+    at::Tensor mine = w.narrow(0, first_expert_, count).clone().requires_grad_(w.requires_grad());
+    parameters_.erase(name);
+    apart_.emplace_back(name, mine);
+    w = mine;
+  };
+  slice(w_in, options.swiglu() ? "gate" : "fc1");
+  if (options.swiglu()) slice(w_up, "up");
+  slice(w_out, options.swiglu() ? "down" : "fc2");
 }
 
 void MoEImpl::to(torch::Dtype dtype, bool non_blocking) {
@@ -143,7 +160,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
                               .squeeze(1);
   const at::Tensor token = route_token.index_select(0, kept), expert_id = route_expert.index_select(0, kept);
   const at::Tensor rows = tokens.index_select(0, token);
-  const bool parallel = options.ep() && options.ep()->size() > 1;
+  const bool parallel = group_ && group_->size() > 1;
   const at::Tensor results = parallel ? run_experts_parallel(rows, expert_id) : run_experts(rows, expert_id);
   const at::Tensor out =
       at::zeros_like(tokens).index_add(0, token, results * route_weight.index_select(0, kept).unsqueeze(1));
@@ -207,7 +224,7 @@ MoELoad MoEImpl::take_load() {
 at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const at::Tensor& expert_of_row) {
   at::Tensor out = at::zeros_like(rows);
   std::vector<at::Tensor> weights{w_in, w_up, w_out};
-  const int ep = options.ep() ? options.ep()->size() : 1;
+  const int ep = group_ ? group_->size() : 1;
   if (ep > 1 && at::GradMode::is_enabled())
     for (at::Tensor& w : weights)
       if (w.defined()) w = ScaleGradient::apply(w, 1.0 / ep);
@@ -221,18 +238,20 @@ at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const at::Tensor& expert
 }
 
 at::Tensor MoEImpl::run_experts_parallel(const at::Tensor& rows, const at::Tensor& expert_of_row) {
-  const comm::CommPtr& group = options.ep();
   const int64_t local = w_in.size(0);
   // Dispatch: routes grouped by the rank that holds their expert.
   const at::Tensor owner = at::div(expert_of_row, local, "floor");
   const at::Tensor order = std::get<1>(owner.sort(c10::optional<bool>(true), 0, /*descending=*/false));
-  const at::Tensor counts = at::bincount(owner, {}, group->size());
+  const at::Tensor counts = at::bincount(owner, {}, group_->size());
   const std::vector<int64_t> send(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
-  const ep::Exchanged received = ep::all_to_all_rows(rows.index_select(0, order), send, group);
-  const at::Tensor received_ids =
-      at::cat(group->all_to_all(expert_of_row.index_select(0, order).split_with_sizes(send, 0)), 0);
+  const nn::Exchanged received = group_->exchange(rows.index_select(0, order), send);
+  at::Tensor received_ids;
+  {
+    at::NoGradGuard no_grad;  // ids: no gradient
+    received_ids = group_->exchange(expert_of_row.index_select(0, order), send).rows;
+  }
   // Compute, combine: the results go back in the order they were sent, then to their routes.
-  const at::Tensor back = ep::all_to_all_rows(run_experts(received.rows, received_ids), received.counts, group).rows;
+  const at::Tensor back = group_->exchange(run_experts(received.rows, received_ids), received.counts).rows;
   return at::zeros_like(back).index_copy(0, order, back);
 }
 

@@ -18,6 +18,7 @@
 #include "meshtrain/cp/parallelize.h"
 #include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/dp/grain_tree.h"
+#include "meshtrain/ep/parallelize.h"
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/pipeline.h"
@@ -73,9 +74,10 @@ class MeshEngine : public Engine {
       : c_(c), mesh_(world, mesh::MeshLayout(world->size(), c.dp, c.pp, c.tp, c.cp)), data_(make_dataset(c)) {
     const mesh::Coord me = mesh_.coord();
     ctx_.tp = c.tp > 1 ? mesh_.tp() : nullptr;
-    if (c.ep > 1) {  // consecutive ranks of dp x cp (train/experts.h)
+    comm::CommPtr experts;  // the ep group: consecutive ranks of dp x cp (train/experts.h)
+    if (c.ep > 1) {
       const comm::CommPtr& replicas = mesh_.dp_cp();
-      ctx_.ep = replicas->split(replicas->rank() / c.ep, replicas->rank(), "ep");
+      experts = replicas->split(replicas->rank() / c.ep, replicas->rank(), "ep");
     }
     ctx_.sequence_parallel = c.sequence_parallel;
     const int S = c.pp * c.virtual_stages;
@@ -94,6 +96,7 @@ class MeshEngine : public Engine {
       ctx.tied_head_copy = tied && s == S - 1 && !first_;  // Note [Tied embeddings across pipeline stages]
       stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx));
       cp::parallelize(*stages_.at(s), mesh_.cp());  // ring attention, the chunks' positions (cp 1: nothing)
+      ep::parallelize(*stages_.at(s), experts);     // this rank's slice of every MoE's experts (ep 1: nothing)
       models::apply_checkpointing(*stages_.at(s), c.model, c.activation_checkpointing, bounds[s]);
       mine.push_back(pp::stage_module(stages_.at(s)));
     }

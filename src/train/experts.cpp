@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "meshtrain/ep/parallelize.h"
 #include "meshtrain/models/moe.h"
 #include "meshtrain/util/error.h"
 
@@ -37,10 +38,13 @@ HeldApartExperts held_apart_experts(const std::vector<std::shared_ptr<torch::nn:
     for (const auto& item : unit->named_modules()) {
       auto* moe = dynamic_cast<models::MoEImpl*>(item.value().get());
       if (!moe || moe->expert_parameters().empty()) continue;
-      MESHTRAIN_CHECK(!out.ep || out.ep == moe->options.ep(), "train::Trainer: the mixture of experts '", item.key(),
+      const comm::CommPtr group = moe->expert_group() ? ep::communicator_of(*moe->expert_group()) : nullptr;
+      MESHTRAIN_CHECK(group, "train::Trainer: the mixture of experts '", item.key(), "' holds its experts apart over "
+                      "a group that ep::parallelize did not make; spread the experts with ep::parallelize");
+      MESHTRAIN_CHECK(!out.ep || out.ep == group, "train::Trainer: the mixture of experts '", item.key(),
                       "' spreads its experts over another ep group than this rank's other MoE layers; give every "
                       "layer the same group");
-      out.ep = moe->options.ep();
+      out.ep = group;
       if (!out.module) out.module = std::make_shared<torch::nn::Module>();
       torch::nn::Module& at = module_at(*out.module, item.key());
       for (const auto& w : moe->expert_parameters()) at.register_parameter(w.first, w.second);

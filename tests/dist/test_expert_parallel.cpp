@@ -1,4 +1,4 @@
-// Expert parallelism (models::MoE with an ep group, ep/all_to_all.h) on ep
+// Expert parallelism (models::MoE spread by ep::parallelize, ep/all_to_all.h) on ep
 // 2, 3 and 4 ranks, each rank with its own tokens (a different number on
 // each): every rank's output, its routing, its input's and router's
 // gradients equal one process's MoE on the same tokens with every expert,
@@ -11,6 +11,7 @@
 
 #include "harness.h"
 #include "meshtrain/ep/all_to_all.h"
+#include "meshtrain/ep/parallelize.h"
 #include "meshtrain/models/moe.h"
 
 using meshtrain::comm::Communicator;
@@ -29,7 +30,8 @@ void expert_parallel_matches_one_process(Communicator& plain, double capacity_fa
   const int n = comm->size(), r = comm->rank();
   const int64_t H = 8, F = 12, E = 2 * n, N = 17 + 3 * r;
   MoE whole(MoEOptions(H, F, E, 2).capacity_factor(capacity_factor));
-  MoE mine(MoEOptions(H, F, E, 2).capacity_factor(capacity_factor).ep(comm));
+  MoE mine(MoEOptions(H, F, E, 2).capacity_factor(capacity_factor));
+  EXPECT_EQ(meshtrain::ep::parallelize(*mine, comm), 1);  // this rank's slice of the experts
   whole->to(torch::kDouble);
   mine->to(torch::kDouble);
   torch::manual_seed(100 + r);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/nn/experts.h"
 
 namespace meshtrain {
 namespace ep {
@@ -25,10 +26,7 @@ ExpertSlice expert_slice(int64_t experts, int ep_size, int ep_rank);
 // order, and how many came from each rank. Autograd-aware: the gradient of
 // the received rows goes back to their senders the same way. Every rank of
 // `ep` calls it (a collective).
-struct Exchanged {
-  at::Tensor rows;
-  std::vector<int64_t> counts;
-};
+using Exchanged = nn::Exchanged;
 Exchanged all_to_all_rows(const at::Tensor& rows, const std::vector<int64_t>& send_counts, const comm::CommPtr& ep);
 
 }  // namespace ep

@@ -58,7 +58,6 @@ using GptEmbedding = TokenEmbedding;
 
 struct GptBlockImpl : torch::nn::Module, CachedBlock {
   GptBlockImpl(const ModelConfig& c, int64_t index);
-  GptBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, nn::KVCache& cache) override;
   bool gelu_tanh;  // GPT-2's GELU (the tanh approximation, "gelu_new"); the built-in GPT's is exact

@@ -17,7 +17,6 @@ namespace models {
 
 struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   LlamaBlockImpl(const ModelConfig& c, int64_t index);
-  LlamaBlockImpl(const ModelConfig& c, int64_t index, const BuildContext& ctx);
   at::Tensor forward(const at::Tensor& x);  // [B, T, H] -> [B, T, H]
   at::Tensor forward_cached(const at::Tensor& x, nn::KVCache& cache) override;
   // Rotary grouped-query attention between q, k, v and o ("attn", no

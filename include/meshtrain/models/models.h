@@ -72,9 +72,6 @@ struct ModelConfig {
 struct BuildContext {
   comm::CommPtr tp;              // null: no tensor parallelism
   bool sequence_parallel = false;
-  // Expert parallelism (null or size 1: none): each rank of the group holds
-  // experts / ep of every MoE layer's experts (models::MoEOptions::ep).
-  comm::CommPtr ep;
   // The GPT head's stage lacks the embedding it is tied to, which another
   // rank holds: the head gets a copy ("head.out.weight") that pp::Pipeline
   // keeps in step (Note [Tied embeddings across pipeline stages]).
@@ -121,8 +118,8 @@ int64_t active_parameter_count(const ModelConfig& config);
 double training_flops_per_token(const ModelConfig& config);
 // The MoE of block `index` when config.experts > 0 (its parameters
 // "blocks.<index>.moe.*"): GPT's experts GELU (GPT-2's tanh GELU), Llama's
-// SwiGLU; experts over ctx.ep.
-MoEOptions block_moe_options(const ModelConfig& config, int64_t index, const BuildContext& ctx);
+// SwiGLU.
+MoEOptions block_moe_options(const ModelConfig& config, int64_t index);
 // Whether the model reads token ids and predicts the next token (gpt, gpt2, llama).
 bool is_language_model(const ModelConfig& config);
 // Rows of the token embedding (and of a tied head): gpt2 pads the vocabulary to

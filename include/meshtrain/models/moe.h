@@ -41,9 +41,10 @@
 //
 // The experts' weights are stacked along a leading expert dimension
 // ([E, F, H] and [E, H, F]); element values come from (seed, name, index) as
-// every built-in layer's (util/init.h), so under expert parallelism (an `ep`
-// group) a rank holds the slice [E/ep r, E/ep (r+1)) of exactly the values
-// one process would have. Each rank routes its own tokens, sends every route
+// every built-in layer's (util/init.h). Expert parallelism is applied from
+// outside (nn::ExpertParallel; the ep layer's parallelize gives an
+// nn::ExpertGroup): a rank then keeps the slice [E/ep r, E/ep (r+1)) of
+// exactly the values one process has. Each rank routes its own tokens, sends every route
 // to the rank holding its expert (dispatch, one all_to_all), computes the
 // routes it received, and sends the results back (combine), where they are
 // weighted and added at their tokens; backward runs the same in reverse.
@@ -64,7 +65,6 @@
 #include <utility>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
 #include "meshtrain/models/moe_balance.h"
 #include "meshtrain/nn/experts.h"
 
@@ -87,9 +87,6 @@ struct MoEOptions {
   TORCH_ARG(AuxLossScope, aux_loss_scope) = AuxLossScope::kGlobal;
   TORCH_ARG(uint64_t, seed) = 1234;
   TORCH_ARG(std::string, name) = "moe";    // prefix of the parameters' init names
-  // Expert parallelism: this rank holds experts / ep.size() of them
-  // (ep::expert_slice), the router is replicated; null: every expert here.
-  TORCH_ARG(comm::CommPtr, ep) = nullptr;
 };
 
 // What forwards routed: the last one (routing()), or every training forward
@@ -105,13 +102,18 @@ struct MoERouting {
   at::Tensor aux_loss;           // scalar, with the router's graph
 };
 
-struct MoEImpl : torch::nn::Module, nn::TokenStatistics {
+struct MoEImpl : torch::nn::Module, nn::TokenStatistics, nn::ExpertParallel {
   explicit MoEImpl(const MoEOptions& options);
   // [..., H] -> [..., H]
   at::Tensor forward(const at::Tensor& x);
   const MoERouting& routing() const { return routing_; }
   at::Tensor aux_loss() const { return routing_.aux_loss; }
   MoELoad take_load();
+  // Expert parallelism: keeps this rank's slice of the experts, each of them
+  // taken out of parameters() and held apart (see above); the router stays.
+  void parallelize_experts(std::shared_ptr<nn::ExpertGroup> group) override;
+  const std::shared_ptr<nn::ExpertGroup>& expert_group() const override { return group_; }
+  int64_t num_experts() const override { return options.experts(); }
   // Under expert parallelism (ep > 1): this rank's expert weights, held apart
   // from parameters() (see above), by name ("gate", "up", "down" or "fc1",
   // "fc2"); empty otherwise (they are parameters then).
@@ -135,7 +137,7 @@ struct MoEImpl : torch::nn::Module, nn::TokenStatistics {
 
   MoEOptions options;
   at::Tensor router;  // [E, H]
-  at::Tensor w_in;    // [E, F, H] gate (swiglu) or fc1
+  at::Tensor w_in;    // [E, F, H] gate (swiglu) or fc1 ([E/ep, F, H] under expert parallelism)
   at::Tensor w_up;    // [E, F, H] up (swiglu); undefined otherwise
   at::Tensor w_out;   // [E, H, F] down or fc2
 
@@ -149,6 +151,7 @@ struct MoEImpl : torch::nn::Module, nn::TokenStatistics {
   at::Tensor global_balance_loss(const at::Tensor& probs, const at::Tensor& chosen);
   void record(const at::Tensor& computed, int64_t dropped, const at::Tensor& chosen, int64_t tokens);
   int64_t first_expert_ = 0;  // of this rank's slice
+  std::shared_ptr<nn::ExpertGroup> group_;  // null: every expert here
   MoERouting routing_;
   MoELoad load_;
   std::vector<std::pair<std::string, at::Tensor>> apart_;
