@@ -1,8 +1,9 @@
 // The built-in Llama taken as a library (what `meshtrain --model llama` does,
-// in your own loop): this rank builds its pipeline stage of the model, cut
-// over tp by the model's plan (models::tp_plan: q, k, v, gate, up column-
-// parallel, o and down row-parallel, the vocabulary split), and train::Trainer
-// trains it on dp x pp x tp with ZeRO-1, from Hugging Face weights if given.
+// in your own loop): this rank builds its pipeline stage of the model, cuts it
+// over tp with the model's plan (tp::parallelize with models::tp_plan: q, k,
+// v, gate, up column-parallel, o and down row-parallel, the vocabulary
+// split), and train::Trainer trains it on dp x pp x tp with ZeRO-1, from
+// Hugging Face weights if given.
 //   meshrun --nproc-per-node 8 -- build/bin/llama [HF_DIR]      (dp 2 x pp 2 x tp 2)
 //   meshrun --nproc-per-node 4 -- build/bin/llama               (dp 1 x pp 2 x tp 2)
 #include <torch/torch.h>
@@ -16,6 +17,7 @@
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/pp/schedule.h"
+#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/train/module_trainer.h"
 
 using namespace meshtrain;
@@ -47,13 +49,13 @@ int main(int argc, char** argv) {
   // This rank's stage: pieces [bounds[s], bounds[s+1]) of embedding, blocks, head.
   const std::vector<int64_t> bounds = pp::partition_balanced(std::vector<int64_t>(models::num_pieces(config), 1), pp);
   models::BuildContext ctx;
-  ctx.tp = mesh.tp();
   if (weights) ctx.weights = &weights->tensors;
   const int s = mesh.coord().pp;
   models::Stage stage = models::build_stage(config, bounds[s], bounds[s + 1], ctx);
   weights.reset();  // the stage holds its values now
+  tp::parallelize(*stage, mesh.tp(), models::tp_plan(config, *stage, tp, /*sequence_parallel=*/false));
 
-  auto loss = [&](const at::Tensor& logits, const at::Tensor& targets) { return models::loss(config, logits, targets, ctx); };
+  auto loss = train::model_loss(config, mesh.tp());  // the cross-entropy over tp's vocabulary slices
   auto adamw = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::AdamW>(p, 3e-3); };
   train::Trainer trainer({pp::stage_module(stage)}, mesh, loss, adamw,
                          train::TrainerOptions().zero(1).pipeline(pp::PipelineOptions().microbatches(4)));

@@ -7,7 +7,6 @@
 #include <cmath>
 
 #include "meshtrain/models/models.h"
-#include "meshtrain/tp/ops.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {
@@ -39,8 +38,7 @@ torch::nn::LayerNorm layer_norm(int64_t h, double eps) {
 
 }  // namespace
 
-TokenEmbeddingImpl::TokenEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx)
-    : tp(ctx.tp), sequence_parallel(ctx.sequence_parallel) {
+TokenEmbeddingImpl::TokenEmbeddingImpl(const ModelConfig& c) {
   tok = register_module("tok", torch::nn::Embedding(torch::nn::EmbeddingOptions(padded_vocab(c), c.hidden)
                                                         ._weight(token_embedding_values(c))));
   if (c.kind == "llama") return;  // rotary positions, inside attention
@@ -53,21 +51,15 @@ at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& tokens) {
   MESHTRAIN_CHECK(tokens.dim() == 2 && (!pos.defined() || tokens.size(1) <= pos.size(0)),
                   "the model's input must be [batch, seq", pos.defined() ? " <= " + std::to_string(pos.size(0)) : "",
                   "] token ids; got ", tokens.sizes());
-  at::Tensor x = tok->forward(tokens);  // [B, T/tp, H] under sequence parallelism (tp::parallelize)
+  at::Tensor x = tok->forward(tokens);  // [B, T/tp, H] under sequence parallelism
   if (!pos.defined()) return x;
-  at::Tensor where = positions->forward(tokens.size(1));
-  if (sequence_parallel && tp::tp_size(tp) > 1) {
-    // This rank holds positions [r*T/tp, (r+1)*T/tp) and adds those rows, so
-    // each rank's gradient covers its rows only: copy_to_tp (before slicing)
-    // sums them into the full gradient on every rank.
-    where = where.narrow(0, x.size(1) * tp::tp_rank(tp), x.size(1));
-    return x + tp::copy_to_tp(pos, tp).index_select(0, where);
-  }
-  return x + pos.index_select(0, where);
+  // [1, T, H]: the rows of the tokens' positions (a look-up, not a slice, so
+  // that under sequence parallelism the plan can hand this rank its part of
+  // them, as the token embedding's output holds its part of the sequence).
+  return x + at::embedding(pos, positions->forward(tokens.size(1)).unsqueeze(0));
 }
 
 at::Tensor TokenEmbeddingImpl::forward_at(const at::Tensor& tokens, int64_t start) {
-  MESHTRAIN_CHECK(tp::tp_size(tp) == 1, "TokenEmbedding::forward_at: decoding runs without tensor parallelism");
   at::Tensor x = tok->forward(tokens);
   if (!pos.defined()) return x;
   MESHTRAIN_CHECK(start + tokens.size(1) <= pos.size(0), "position ", start + tokens.size(1) - 1,

@@ -6,8 +6,6 @@
 #include <limits>
 #include <optional>
 
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
 
@@ -140,8 +138,11 @@ at::Tensor MlpLayerImpl::forward(const at::Tensor& x) {
   return relu ? at::relu(y) : y;
 }
 
-std::map<std::string, tp::Style> tp_plan(const ModelConfig& c, torch::nn::Module& stage, bool sequence_parallel) {
-  std::map<std::string, tp::Style> plan;
+std::map<std::string, std::string> tp_plan(const ModelConfig& c, torch::nn::Module& stage, int tp_size,
+                                           bool sequence_parallel) {
+  validate(c, tp_size, sequence_parallel);
+  const std::string colwise = "colwise", rowwise = "rowwise", sequence = "sequence_parallel";
+  std::map<std::string, std::string> plan;
   for (const auto& item : stage.named_modules("", /*include_self=*/false)) {
     const std::string& path = item.key();
     const std::string name = path.substr(path.rfind('.') + 1);
@@ -149,18 +150,20 @@ std::map<std::string, tp::Style> tp_plan(const ModelConfig& c, torch::nn::Module
       // Pairs (2k, 2k + 1): Megatron's MLP, one all-reduce per pair each way; an odd last layer stays whole.
       if (path.rfind("layers.", 0) != 0 || name == "layers") continue;
       const int64_t i = std::stoll(name);
-      if (i % 2 == 0 && i + 1 < c.layers) plan[path] = tp::Style::kColwise;
-      if (i % 2 == 1) plan[path] = tp::Style::kRowwise;
+      if (i % 2 == 0 && i + 1 < c.layers) plan[path] = colwise;
+      if (i % 2 == 1) plan[path] = rowwise;
     } else if (name == "q" || name == "k" || name == "v" || name == "fc1" || name == "gate" || name == "up" ||
                path == "head.out") {
-      plan[path] = tp::Style::kColwise;
+      plan[path] = colwise;
     } else if (name == "proj" || name == "fc2" || name == "o" || name == "down") {
-      plan[path] = tp::Style::kRowwise;
+      plan[path] = rowwise;
     } else if (path == "embed.tok") {
-      plan[path] = tp::Style::kVocabParallel;
+      plan[path] = "vocab_parallel";
     } else if (sequence_parallel &&
                (item.value()->as<torch::nn::LayerNormImpl>() || item.value()->as<nn::RMSNormImpl>())) {
-      plan[path] = tp::Style::kSequenceParallel;
+      plan[path] = sequence;
+    } else if (sequence_parallel && path == "embed" && item.value()->as<TokenEmbeddingImpl>()->pos.defined()) {
+      plan["embed.pos"] = sequence;  // the rows of the rank's part of the sequence (TokenEmbeddingImpl::forward)
     }
   }
   return plan;
@@ -173,7 +176,7 @@ namespace {
 void append_decoder_piece(StageImpl& stage, const ModelConfig& c, int64_t i, const BuildContext& ctx,
                           at::Tensor& embedding_weight) {
   if (i == 0) {
-    TokenEmbedding e(c, ctx);
+    TokenEmbedding e(c);
     embedding_weight = e->tok->weight;
     stage.append("", "embed", e);
   } else if (i == num_pieces(c) - 1) {
@@ -205,7 +208,7 @@ void load_values(StageImpl& stage, const ModelConfig& c, const std::map<std::str
 }  // namespace
 
 Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const BuildContext& ctx) {
-  validate(c, tp::tp_size(ctx.tp), ctx.sequence_parallel);
+  validate(c);
   const int64_t n = num_pieces(c);
   MESHTRAIN_CHECK(first >= 0 && first < last && last <= n, "build_stage: pieces [", first, ", ", last,
                   ") out of range for a model of ", n, " pieces");
@@ -226,28 +229,23 @@ Stage build_stage(const ModelConfig& c, int64_t first, int64_t last, const Build
   }
   overwritten.reset();
   if (ctx.weights) load_values(*stage, c, *ctx.weights);
-  // The dense stage, cut the way a user's model is (the same values on every tp rank).
-  if (tp::tp_size(ctx.tp) > 1) {
-    tp::parallelize(*stage, ctx.tp, tp_plan(c, *stage, ctx.sequence_parallel), {ctx.sequence_parallel});
-  }
   return stage;
 }
 
-at::Tensor predicted_logits(const ModelConfig& c, const at::Tensor& logits, const comm::CommPtr& tp) {
-  const int64_t padded = padded_vocab(c);
+at::Tensor predicted_logits(const ModelConfig& c, const at::Tensor& logits, int64_t first) {
+  const int64_t padded = padded_vocab(c), local = logits.size(-1);
   if (padded == c.vocab) return logits;
-  if (tp::tp_size(tp) == 1) return logits.narrow(-1, 0, c.vocab);
-  // This rank's rows [r * padded/tp, (r+1) * padded/tp): the padded ones out of every softmax.
-  const int64_t local = logits.size(-1), first = local * tp::tp_rank(tp);
+  if (first == 0 && local == padded) return logits.narrow(-1, 0, c.vocab);
+  // A slice of the rows (tensor parallelism's): the padded ones out of every softmax.
   if (first + local <= c.vocab) return logits;
   const at::Tensor padding = at::arange(first, first + local, at::kLong) >= c.vocab;
   return logits.masked_fill(padding, -std::numeric_limits<float>::infinity());
 }
 
-at::Tensor loss(const ModelConfig& c, const at::Tensor& output, const at::Tensor& targets, const BuildContext& ctx) {
+at::Tensor loss(const ModelConfig& c, const at::Tensor& output, const at::Tensor& targets) {
   if (c.kind == "mlp") return at::cross_entropy_loss(output, targets);
-  const at::Tensor logits = predicted_logits(c, output, ctx.tp);
-  return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), ctx.tp);
+  const at::Tensor logits = predicted_logits(c, output);
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
 MoEOptions block_moe_options(const ModelConfig& c, int64_t index) {

@@ -59,6 +59,7 @@ bool Cut::run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
 
 const Cut* cut_of(const at::Tensor& t) { return intercept::role_of<const Cut>(t); }
 const VocabRows* vocab_rows_of(const at::Tensor& t) { return intercept::role_of<const VocabRows>(t); }
+const SequenceRows* sequence_rows_of(const at::Tensor& t) { return intercept::role_of<const SequenceRows>(t); }
 
 namespace {
 
@@ -177,6 +178,13 @@ at::Tensor parallel_addmm(const at::Tensor& bias, const at::Tensor& m1, const at
 at::Tensor parallel_embedding(const at::Tensor& weight, const at::Tensor& indices, int64_t padding_idx,
                               bool scale_grad_by_freq, bool sparse) {
   InKernel in;
+  if (const SequenceRows* s = sequence_rows_of(weight)) {
+    const at::Tensor rows = at::embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse);
+    MESHTRAIN_CHECK(rows.dim() == 3, "tp::parallelize with sequence_parallel: the table planned kSequenceParallel "
+                    "was read with ", indices.dim(), "-d indices; sequence parallelism cuts dimension 1 of [batch, "
+                    "seq] (read a position table with positions.unsqueeze(0))");
+    return scatter_to_sp(rows, s->tp);
+  }
   const VocabRows* v = vocab_rows_of(weight);
   if (!v) return at::embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse);
   MESHTRAIN_CHECK(!scale_grad_by_freq && !sparse, "tp::parallelize: a vocabulary-parallel Embedding supports neither "
@@ -215,6 +223,11 @@ void install_kernels_once() {
 void add_kernel_key(const at::Tensor& weight) {
   install_kernels_once();
   intercept::add_dispatch_key(weight, kAboveAutograd);
+}
+
+void mark_sequence_rows(const at::Tensor& table, const comm::CommPtr& tp) {
+  intercept::mark(table, std::make_shared<SequenceRows>(tp));
+  add_kernel_key(table);
 }
 
 namespace {

@@ -17,7 +17,8 @@
 //                           parallelism: reduce-scattered over the sequence),
 //                           the bias added once
 //   embedding               this rank's rows looked up, zeros elsewhere,
-//                           summed (reduce-scattered over the sequence)
+//                           summed (reduce-scattered over the sequence); a
+//                           SequenceRows table's look-up split over the sequence
 //
 // Below autograd (DispatchKey::Fake, util/intercept.h) a guard refuses any
 // other contraction of a cut weight in a forward that records gradients (a
@@ -61,8 +62,22 @@ class VocabRows : public intercept::Role {
   bool sequence_parallel;
 };
 
+// A replicated table read by the whole sequence's indices under sequence
+// parallelism (kSequenceParallel on an Embedding or a parameter): a look-up
+// returns this rank's part of the sequence (its output split along dimension
+// 1, the gradient all-gathered back), so the rows it adds meet the part of
+// the sequence the rank holds.
+class SequenceRows : public intercept::Role {
+ public:
+  explicit SequenceRows(comm::CommPtr tp) : tp(std::move(tp)) {}
+  comm::CommPtr tp;
+};
+
 const Cut* cut_of(const at::Tensor& t);
 const VocabRows* vocab_rows_of(const at::Tensor& t);
+const SequenceRows* sequence_rows_of(const at::Tensor& t);
+// Marks `table` SequenceRows and routes its look-ups through the kernels.
+void mark_sequence_rows(const at::Tensor& table, const comm::CommPtr& tp);
 
 // Routes the products and lookups of `weight` through the kernels above
 // (after any set_data; intercept::set_data_keeping_marks keeps the key).

@@ -44,7 +44,7 @@ void check_tied_head(torch::nn::Module& model, const std::string& path, const at
   }
 }
 
-const char* style_name(Style style) {
+const char* enum_name(Style style) {
   switch (style) {
     case Style::kColwise: return "kColwise";
     case Style::kRowwise: return "kRowwise";
@@ -67,7 +67,7 @@ void check_embedding(torch::nn::Module& model, const std::string& path, torch::n
 
 void check_linear(const std::string& path, torch::nn::Module& m, Style style, int tp) {
   auto* linear = m.as<torch::nn::LinearImpl>();
-  MESHTRAIN_CHECK(linear, "tp::parallelize: '", path, "' is a ", m.name(), "; ", style_name(style),
+  MESHTRAIN_CHECK(linear, "tp::parallelize: '", path, "' is a ", m.name(), "; ", enum_name(style),
                   " applies to torch::nn::Linear (and kVocabParallel to torch::nn::Embedding)");
   MESHTRAIN_CHECK(sliced_dim(linear->weight) < 0, "tp::parallelize: '", path, "' is already cut (parallelize a "
                   "model once)");
@@ -88,6 +88,29 @@ void check_sequence_parallel_module(const std::string& path, torch::nn::Module& 
                   "LayerNorm)");
 }
 
+// A replicated table read by the whole sequence's indices (kSequenceParallel
+// on an Embedding or a parameter): checked before anything is changed.
+void check_sequence_table(const std::string& path, const at::Tensor& table, const ParallelizeOptions& options) {
+  MESHTRAIN_CHECK(options.sequence_parallel, "tp::parallelize: '", path, "' is planned kSequenceParallel, which "
+                  "needs ParallelizeOptions{.sequence_parallel = true}");
+  MESHTRAIN_CHECK(table.dim() == 2 && intercept::roles_of(table).empty(), "tp::parallelize: '", path, "' is planned "
+                  "kSequenceParallel as a table read by at::embedding: it must be a replicated 2-d parameter not yet "
+                  "parallelized; got ", table.sizes());
+}
+
+// The parameter at `path` ("embed.pos"), or an undefined tensor.
+at::Tensor parameter_at(torch::nn::Module& model, const std::string& path) {
+  const size_t dot = path.rfind('.');
+  const std::string owner = dot == std::string::npos ? "" : path.substr(0, dot);
+  const std::string name = dot == std::string::npos ? path : path.substr(dot + 1);
+  for (const auto& item : model.named_modules()) {
+    if (item.key() != owner) continue;
+    const auto params = item.value()->named_parameters(/*recurse=*/false);
+    if (const at::Tensor* p = params.find(name)) return *p;
+  }
+  return at::Tensor();
+}
+
 // The layer at `path`, checked against its style before anything is changed.
 torch::nn::Module& layer_at(torch::nn::Module& model, const std::string& path, Style style, int tp,
                             const ParallelizeOptions& options) {
@@ -96,6 +119,8 @@ torch::nn::Module& layer_at(torch::nn::Module& model, const std::string& path, S
     torch::nn::Module& m = *item.value();
     if (style == Style::kVocabParallel) {
       check_embedding(model, path, m, tp);
+    } else if (style == Style::kSequenceParallel && m.as<torch::nn::EmbeddingImpl>()) {
+      check_sequence_table(path, m.as<torch::nn::EmbeddingImpl>()->weight, options);
     } else if (style == Style::kSequenceParallel) {
       check_sequence_parallel_module(path, m, options);
     } else {
@@ -169,17 +194,35 @@ void sum_gradients_over_tp(torch::nn::Module& m, const comm::CommPtr& tp) {
   }
 }
 
-// One entry of the plan, checked: the layer at `path` and how it is cut.
+// One entry of the plan, checked: the layer at `path` (or, a table planned
+// kSequenceParallel, the parameter) and how it is cut.
 struct PlannedLayer {
   std::string path;
   torch::nn::Module* module;
   Style style;
+  at::Tensor table;  // a parameter path's tensor, or an Embedding planned kSequenceParallel's weight
   const at::Tensor* weight() const {
+    if (table.defined()) return &table;
     if (auto* e = module->as<torch::nn::EmbeddingImpl>()) return &e->weight;
     if (auto* l = module->as<torch::nn::LinearImpl>()) return &l->weight;
     return nullptr;
   }
 };
+
+// The plan's entry at `path`: a module, or a table parameter planned kSequenceParallel.
+PlannedLayer planned_at(torch::nn::Module& model, const std::string& path, Style style, int tp,
+                        const ParallelizeOptions& options) {
+  if (style == Style::kSequenceParallel) {
+    const at::Tensor table = parameter_at(model, path);
+    if (table.defined()) {
+      check_sequence_table(path, table, options);
+      return {path, nullptr, style, table};
+    }
+  }
+  torch::nn::Module& m = layer_at(model, path, style, tp, options);
+  auto* e = m.as<torch::nn::EmbeddingImpl>();
+  return {path, &m, style, style == Style::kSequenceParallel && e ? e->weight : at::Tensor()};
+}
 
 // A weight planned twice would be cut twice: a head tied to a kVocabParallel
 // embedding follows it, and a layer registered at two paths is planned once.
@@ -202,14 +245,15 @@ void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::m
                  ParallelizeOptions options) {
   MESHTRAIN_CHECK(tp, "tp::parallelize needs a communicator");
   std::vector<PlannedLayer> layers;
-  for (const auto& kv : plan)
-    layers.push_back({kv.first, &layer_at(model, kv.first, kv.second, tp->size(), options), kv.second});
+  for (const auto& kv : plan) layers.push_back(planned_at(model, kv.first, kv.second, tp->size(), options));
   refuse_weights_planned_twice(layers);  // all checked before anything changes
   if (options.sequence_parallel) require_norms_planned(model, plan);
   if (tp->size() == 1) return;
   const bool sp = options.sequence_parallel;
   for (const PlannedLayer& l : layers) {
-    if (l.style == Style::kVocabParallel) {
+    if (l.table.defined()) {
+      mark_sequence_rows(l.table, tp);
+    } else if (l.style == Style::kVocabParallel) {
       slice_embedding(*l.module->as<torch::nn::EmbeddingImpl>(), tp, sp);
     } else if (l.style == Style::kSequenceParallel) {
       sum_gradients_over_tp(*l.module, tp);
@@ -217,6 +261,30 @@ void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::m
       slice_linear(*l.module->as<torch::nn::LinearImpl>(), l.style, tp, sp);
     }
   }
+}
+
+void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, std::string>& plan,
+                 ParallelizeOptions options) {
+  std::map<std::string, Style> styles;
+  for (const auto& kv : plan) styles[kv.first] = parse_style(kv.second);
+  parallelize(model, tp, styles, options);
+}
+
+Style parse_style(const std::string& name) {
+  for (Style s : {Style::kColwise, Style::kRowwise, Style::kVocabParallel, Style::kSequenceParallel})
+    if (style_name(s) == name) return s;
+  throw ConfigError(str_cat("tp::parse_style: '", name, "' is not a tensor-parallel style; use colwise, rowwise, "
+                            "vocab_parallel or sequence_parallel"));
+}
+
+std::string style_name(Style style) {
+  switch (style) {
+    case Style::kColwise: return "colwise";
+    case Style::kRowwise: return "rowwise";
+    case Style::kVocabParallel: return "vocab_parallel";
+    case Style::kSequenceParallel: return "sequence_parallel";
+  }
+  return "?";
 }
 
 int64_t sliced_dim(const at::Tensor& param) {

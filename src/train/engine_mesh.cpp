@@ -1,6 +1,9 @@
-// The engine for every layout on the (dp, pp, tp) mesh: this rank's pipeline
-// stages of the built-in model (tp-cut by models::build_stage), trained by the
-// public train::Trainer (module_trainer.h) with the options the flags give.
+// The engine for every layout on the (dp, pp, tp, cp) mesh: this rank's
+// pipeline stages of the built-in model, built whole and given every axis
+// from outside with the calls a user's model takes (tp::parallelize with
+// models::tp_plan, cp::parallelize, ep::parallelize, activation
+// checkpointing), trained by the public train::Trainer (module_trainer.h,
+// which adds ZeRO / fully_shard) with the options the flags give.
 //
 // Note [Tied embeddings across pipeline stages]
 // When the GPT's LM head is tied to the token embedding and the two sit on
@@ -22,6 +25,7 @@
 #include "meshtrain/mesh/mesh.h"
 #include "meshtrain/models/checkpointing.h"
 #include "meshtrain/pp/pipeline.h"
+#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/train/module_trainer.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"
@@ -73,13 +77,11 @@ class MeshEngine : public Engine {
   MeshEngine(const TrainConfig& c, comm::CommPtr world)
       : c_(c), mesh_(world, mesh::MeshLayout(world->size(), c.dp, c.pp, c.tp, c.cp)), data_(make_dataset(c)) {
     const mesh::Coord me = mesh_.coord();
-    ctx_.tp = c.tp > 1 ? mesh_.tp() : nullptr;
     comm::CommPtr experts;  // the ep group: consecutive ranks of dp x cp (train/experts.h)
     if (c.ep > 1) {
       const comm::CommPtr& replicas = mesh_.dp_cp();
       experts = replicas->split(replicas->rank() / c.ep, replicas->rank(), "ep");
     }
-    ctx_.sequence_parallel = c.sequence_parallel;
     const int S = c.pp * c.virtual_stages;
     const std::vector<int64_t> bounds =
         c.stage_boundaries.empty() ? pp::partition_balanced(piece_costs(c.model), S)
@@ -92,17 +94,21 @@ class MeshEngine : public Engine {
     std::vector<pp::StageModule> mine;
     for (int chunk = 0; chunk < c.virtual_stages; ++chunk) {
       const int s = chunk * c.pp + me.pp;
-      models::BuildContext ctx = weights.context(ctx_);
+      models::BuildContext ctx = weights.context();
       ctx.tied_head_copy = tied && s == S - 1 && !first_;  // Note [Tied embeddings across pipeline stages]
-      stages_.emplace(s, models::build_stage(c.model, bounds[s], bounds[s + 1], ctx));
-      cp::parallelize(*stages_.at(s), mesh_.cp());  // ring attention, the chunks' positions (cp 1: nothing)
-      ep::parallelize(*stages_.at(s), experts);     // this rank's slice of every MoE's experts (ep 1: nothing)
-      models::apply_checkpointing(*stages_.at(s), c.model, c.activation_checkpointing, bounds[s]);
+      models::Stage stage = models::build_stage(c.model, bounds[s], bounds[s + 1], ctx);
+      if (c.tp > 1)  // Megatron's cut (and sequence parallelism), the same values on every tp rank
+        tp::parallelize(*stage, mesh_.tp(), models::tp_plan(c.model, *stage, c.tp, c.sequence_parallel),
+                        {c.sequence_parallel});
+      cp::parallelize(*stage, mesh_.cp());  // ring attention, the chunks' positions (cp 1: nothing)
+      ep::parallelize(*stage, experts);     // this rank's slice of every MoE's experts (ep 1: nothing)
+      models::apply_checkpointing(*stage, c.model, c.activation_checkpointing, bounds[s]);
+      stages_.emplace(s, stage);
       mine.push_back(pp::stage_module(stages_.at(s)));
     }
     if (tied && first_ && last_) head()->set_tied(embedding_weight());  // both ends on this rank: a true tie
-    auto loss = [this](const at::Tensor& out, const at::Tensor& targets) {
-      return models::loss(c_.model, out.to(at::kFloat), targets, ctx_);  // bf16-mixed: the loss in fp32
+    auto loss = [model_loss = train::model_loss(c.model, mesh_.tp())](const at::Tensor& out, const at::Tensor& targets) {
+      return model_loss(out.to(at::kFloat), targets);  // bf16-mixed: the loss in fp32
     };
     auto optimizer = [this](std::vector<at::Tensor> params) { return make_optimizer(c_, std::move(params)); };
     trainer_ = std::make_unique<Trainer>(std::move(mine), mesh_, loss, optimizer,
@@ -193,7 +199,6 @@ class MeshEngine : public Engine {
   TrainConfig c_;
   mesh::DeviceMesh mesh_;
   std::unique_ptr<Dataset> data_;
-  models::BuildContext ctx_;
   std::map<int, models::Stage> stages_;  // this rank's, by stage
   std::unique_ptr<Trainer> trainer_;
   bool first_ = false, last_ = false;

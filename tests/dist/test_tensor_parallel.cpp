@@ -10,6 +10,7 @@
 #include "harness.h"
 #include "meshtrain/tp/layers.h"
 #include "meshtrain/tp/ops.h"
+#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
@@ -222,9 +223,8 @@ TEST(TensorParallel, DenseAndShardedGptConvertBothWays) {
   run_ranks(2, [](Communicator& comm) {
     meshtrain::models::ModelConfig m;
     m.heads = 4;
-    meshtrain::models::BuildContext ctx;
-    ctx.tp = self(comm);
-    auto sharded = meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m), ctx);
+    auto sharded = meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m));
+    tp::parallelize(*sharded, self(comm), meshtrain::models::tp_plan(m, *sharded, comm.size(), false));
     auto dense = meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m));
     std::map<std::string, torch::Tensor> full, local;
     for (const auto& kv : dense->named_parameters()) full[kv.key()] = kv.value();
@@ -317,10 +317,9 @@ TEST(TensorParallel, SizesThatDoNotDivideNameTheValidChoices) {
       EXPECT_NE(std::string(e.what()).find("tp size 3 does not divide out_features 8; choose tp in {1, 2, 4, 8}"), std::string::npos) << e.what();
     }
     meshtrain::models::ModelConfig m;  // 4 heads
-    meshtrain::models::BuildContext ctx;
-    ctx.tp = t;
     try {
-      meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m), ctx);
+      auto stage = meshtrain::models::build_stage(m, 0, meshtrain::models::num_pieces(m));
+      tp::parallelize(*stage, t, meshtrain::models::tp_plan(m, *stage, t->size(), false));
       ADD_FAILURE();
     } catch (const meshtrain::ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("--heads 4"), std::string::npos) << e.what();

@@ -13,6 +13,7 @@
 #include "meshtrain/plan/input.h"
 #include "meshtrain/plan/model.h"
 #include "meshtrain/plan/planner.h"
+#include "meshtrain/tp/parallelize.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/memory_check.h"
 #include "meshtrain/util/error.h"
@@ -56,14 +57,14 @@ std::vector<models::ModelConfig> shapes() {
 // split weight and bias, row-parallel ones the weight, the embedding its rows.
 int64_t measured_piece_parameters(const models::ModelConfig& c, int64_t piece, int tp) {
   models::Stage stage = models::build_stage(c, piece, piece + 1);
-  const std::map<std::string, tp::Style> styles = models::tp_plan(c, *stage, false);
+  const std::map<std::string, std::string> styles = models::tp_plan(c, *stage, tp, false);
   int64_t n = 0;
   for (const auto& p : stage->named_parameters()) {
     const std::string& name = p.key();
     const std::string module = name.substr(0, name.rfind('.'));
     const bool bias = name.substr(name.rfind('.') + 1) == "bias";
     const auto style = styles.find(module);
-    const bool split = style != styles.end() && (style->second != tp::Style::kRowwise || !bias);
+    const bool split = style != styles.end() && (tp::parse_style(style->second) != tp::Style::kRowwise || !bias);
     n += split ? p.value().numel() / tp : p.value().numel();
   }
   return n;

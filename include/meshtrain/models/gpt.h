@@ -5,7 +5,7 @@
 // with biases, an MLP with GELU) and the language-model head (a final norm and
 // the projection to the vocabulary, tied to the token embedding or not).
 // The Llama block is in llama.h. Every piece is plain torch::nn layers, cut for
-// tensor parallelism by tp::parallelize with models::tp_plan.
+// tensor parallelism from outside with models::tp_plan.
 
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/embedding.h>
@@ -14,7 +14,6 @@
 
 #include <string>
 
-#include "meshtrain/comm/communicator.h"
 #include "meshtrain/nn/attention.h"
 #include "meshtrain/nn/layers.h"
 #include "meshtrain/nn/sequence.h"
@@ -41,16 +40,16 @@ struct TokenEmbeddingImpl : torch::nn::Module {
   // the table read at the rows `positions` gives (context parallelism sets
   // them from outside); Llama: tokens only (positions are rotary, inside
   // attention).
-  TokenEmbeddingImpl(const ModelConfig& c, const BuildContext& ctx);
-  // [B, T] int64 -> [B, T, H] ([B, T/tp, H] under sequence parallelism)
+  explicit TokenEmbeddingImpl(const ModelConfig& c);
+  // [B, T] int64 -> [B, T, H]. The table is read with at::embedding, so
+  // that sequence parallelism's plan ("embed.pos" kSequenceParallel) gives
+  // the rows of the rank's part of the sequence.
   at::Tensor forward(const at::Tensor& tokens);
-  // Tokens at positions start .. start + T - 1 (generation; no tensor parallelism).
+  // Tokens at positions start .. start + T - 1 (generation; the model whole).
   at::Tensor forward_at(const at::Tensor& tokens, int64_t start);
   torch::nn::Embedding tok{nullptr};
   at::Tensor pos;  // [max_positions, hidden], replicated; undefined for Llama
   nn::Positions positions{nullptr};  // where the tokens sit ("positions"); null for Llama
-  comm::CommPtr tp;  // under sequence parallelism: this rank's positions
-  bool sequence_parallel = false;
 };
 TORCH_MODULE(TokenEmbedding);
 using GptEmbeddingImpl = TokenEmbeddingImpl;
@@ -81,7 +80,8 @@ struct LmHeadImpl : torch::nn::Module {
   // (ctx.tied_head_copy) "out" holds a copy (Note [Tied embeddings across
   // pipeline stages] in src/train/engine_mesh.cpp).
   LmHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied);
-  // [B, T, H] -> logits [B, T, padded_vocab/tp] (this rank's vocabulary rows)
+  // [B, T, H] -> logits [B, T, padded_vocab] ([B, T, padded_vocab/tp], this
+  // rank's vocabulary rows, once the head is cut by vocabulary)
   at::Tensor forward(const at::Tensor& x);
   void set_tied(at::Tensor w) { tied = std::move(w); }
   torch::nn::AnyModule norm;
@@ -93,7 +93,7 @@ using GptHeadImpl = LmHeadImpl;
 using GptHead = LmHead;
 
 // A plain Linear whose values derive from seed + name (the layer's path), the
-// same on every rank, so that tp::parallelize's slices agree.
+// same on every rank, so that tensor parallelism's slices agree.
 torch::nn::Linear seeded_linear(int64_t in, int64_t out, bool bias, uint64_t seed, const std::string& name,
                                 const InitSpec& weight_init, const InitSpec& bias_init = InitSpec::constant(0));
 

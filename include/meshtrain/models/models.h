@@ -1,7 +1,10 @@
 #pragma once
 // The built-in models, each a sequence of pieces (stage.h) of plain torch::nn
-// layers, cut for tensor parallelism by tp::parallelize with tp_plan below, as
-// a user's model would be:
+// layers and nn's modules, knowing nothing of parallelism: every axis is
+// applied from outside with the calls a user's model takes (the trainer's
+// engine: tensor parallelism with tp_plan below, context and expert
+// parallelism through nn's attention, positions and expert interfaces,
+// ZeRO-3, activation checkpointing):
 //   gpt    a small GPT (token and position embeddings, pre-LayerNorm blocks
 //          with causal multi-head attention and a GELU MLP, a final LayerNorm,
 //          an LM head tied to the token embedding by default)
@@ -21,13 +24,10 @@
 
 #include <string>
 
-#include "meshtrain/comm/communicator.h"
 #include "meshtrain/nn/attention.h"
 #include "meshtrain/models/gpt.h"
 #include "meshtrain/models/llama.h"
 #include "meshtrain/models/stage.h"
-#include "meshtrain/tp/layers.h"
-#include "meshtrain/tp/parallelize.h"
 
 namespace meshtrain {
 namespace models {
@@ -68,10 +68,9 @@ struct ModelConfig {
   uint64_t seed = 1234;
 };
 
-// Where this rank's model parts sit in a mesh (tensor-parallel group; more later).
+// What a stage is built from besides the configuration (no communication:
+// the axes are applied to the built stage from outside).
 struct BuildContext {
-  comm::CommPtr tp;              // null: no tensor parallelism
-  bool sequence_parallel = false;
   // The GPT head's stage lacks the embedding it is tied to, which another
   // rank holds: the head gets a copy ("head.out.weight") that pp::Pipeline
   // keeps in step (Note [Tied embeddings across pipeline stages]).
@@ -84,28 +83,34 @@ struct BuildContext {
 // Pieces: MLP: `layers` linear layers (pairs tensor-parallel, Megatron's
 // MLP); language models: embed, `layers` blocks, head.
 // Checks the sizes and their divisibility by tp (ConfigError naming the value
-// and the valid choices). build_stage calls it; the trainer calls it before
-// any communication.
+// and the valid choices). build_stage and tp_plan call it; the trainer calls
+// it before any communication.
 void validate(const ModelConfig& config, int tp_size = 1, bool sequence_parallel = false);
 int64_t num_pieces(const ModelConfig& config);
-// A stage holding pieces [first, last), cut over ctx.tp by tp::parallelize
-// with tp_plan. The whole model: build_stage(c, 0, num_pieces(c), ctx).
+// A stage holding pieces [first, last), whole (every rank builds the same
+// values; cut it with tp_plan). The whole model: build_stage(c, 0, num_pieces(c), ctx).
 Stage build_stage(const ModelConfig& config, int64_t first, int64_t last, const BuildContext& ctx = {});
 // Mean loss of the model's output against targets (language models: token
-// cross-entropy over the first `vocab` logits; MLP: cross-entropy over classes).
-at::Tensor loss(const ModelConfig& config, const at::Tensor& output, const at::Tensor& targets,
-                const BuildContext& ctx = {});
-// The logits the model predicts from: GPT-2's padded vocabulary rows left out
-// (one process) or set to -inf (under tensor parallelism, on the ranks that
-// hold them), so that no softmax gives them probability. Others: unchanged.
-at::Tensor predicted_logits(const ModelConfig& config, const at::Tensor& logits, const comm::CommPtr& tp = nullptr);
-// The tensor-parallel plan of a stage's layers (Megatron's cut; torchtitan's
-// parallelize_llama): GPT: q, k, v, fc1 and an untied head kColwise, proj and
-// fc2 kRowwise; Llama: q, k, v, gate, up and an untied head kColwise, o and
-// down kRowwise; the token embedding kVocabParallel; under sequence
-// parallelism the norms (LayerNorm, RMSNorm) kSequenceParallel. MLP: layers 2k
-// kColwise, 2k + 1 kRowwise (an odd last layer stays whole).
-std::map<std::string, tp::Style> tp_plan(const ModelConfig& config, torch::nn::Module& stage, bool sequence_parallel);
+// cross-entropy over the first `vocab` logits; MLP: cross-entropy over
+// classes), in one process. Under tensor parallelism the logits hold a
+// vocabulary slice: train::model_loss.
+at::Tensor loss(const ModelConfig& config, const at::Tensor& output, const at::Tensor& targets);
+// The logits the model predicts from, `logits` holding rows [first_row,
+// first_row + logits.size(-1)) of the (padded) vocabulary: GPT-2's padded
+// rows left out (all of them held) or set to -inf (a slice: tensor
+// parallelism's), so that no softmax gives them probability. Others: unchanged.
+at::Tensor predicted_logits(const ModelConfig& config, const at::Tensor& logits, int64_t first_row = 0);
+// The tensor-parallel plan of a stage's layers over tp_size ranks, as data
+// (layer path -> style name; tensor parallelism's parallelize takes it):
+// Megatron's cut, torchtitan's parallelize_llama. GPT: q, k, v, fc1 and an
+// untied head "colwise", proj and fc2 "rowwise"; Llama: q, k, v, gate, up and
+// an untied head "colwise", o and down "rowwise"; the token embedding
+// "vocab_parallel"; under sequence parallelism the norms (LayerNorm, RMSNorm)
+// and GPT's position table ("embed.pos") "sequence_parallel". MLP: layers 2k
+// "colwise", 2k + 1 "rowwise" (an odd last layer stays whole). Validates the
+// configuration for tp_size first (ConfigError naming the value).
+std::map<std::string, std::string> tp_plan(const ModelConfig& config, torch::nn::Module& stage, int tp_size,
+                                           bool sequence_parallel);
 // Parameter count of the whole (unsharded) model (every expert's).
 int64_t parameter_count(const ModelConfig& config);
 // The parameters one token computes with: the count less the experts a token
@@ -131,7 +136,7 @@ int64_t kv_heads(const ModelConfig& config);
 int64_t ffn_hidden(const ModelConfig& config);
 int64_t max_positions(const ModelConfig& config);
 
-// A layer of the MLP: a torch::nn::Linear (so tp::parallelize cuts it) with
+// A layer of the MLP: a torch::nn::Linear (so tensor parallelism cuts it) with
 // values from seed + name, and a ReLU after all but the last.
 struct MlpLayerImpl : torch::nn::LinearImpl {
   MlpLayerImpl(int64_t in, int64_t out, bool relu, uint64_t seed, const std::string& name);

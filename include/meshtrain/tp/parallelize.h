@@ -24,10 +24,16 @@
 //             (tp/ops.h; the logits are never gathered), and its backward is
 //             summed over tp; the vocabulary must then divide by tp.
 //
-//   kSequenceParallel  (a module with replicated parameters, LayerNorm) only
-//             with ParallelizeOptions::sequence_parallel: it sees this rank's
-//             part of the sequence, so its parameters' gradients are summed
-//             over tp as backward computes them
+//   kSequenceParallel  only with ParallelizeOptions::sequence_parallel, for
+//             what stays replicated inside the sequence-parallel region:
+//             a module with replicated parameters (a LayerNorm, an RMSNorm)
+//             sees this rank's part of the sequence, so its parameters'
+//             gradients are summed over tp as backward computes them; a
+//             table read by the whole sequence's indices (a torch::nn::Embedding,
+//             or a parameter named by its path: "embed.pos", a learned
+//             position table read with at::embedding) gives this rank's part
+//             of the rows: its look-ups' output [batch, seq, dim] is split
+//             along the sequence, and their gradient all-gathered back
 //
 // Sequence parallelism (Megatron's, ParallelizeOptions::sequence_parallel):
 // between the cut layers the activations hold this rank's part of the
@@ -38,10 +44,12 @@
 // bias gets its gradient summed over tp. Every LayerNorm of the model must be
 // planned kSequenceParallel (checked). The code between the layers sees
 // seq/tp positions there and the whole sequence inside the cut layers' region
-// (attention): read sizes from the tensors there (q's output), and slice a
-// position table by tp rank (tp::copy_to_tp(table).narrow(0, part * rank,
-// part)); the model's input is the whole sequence, the loss's input the
-// head's output, whole.
+// (attention): read sizes from the tensors there (q's output). A position
+// table added after the token embedding is planned kSequenceParallel and read
+// with at::embedding (x + at::embedding(table, positions.unsqueeze(0))), or
+// sliced by hand (tp::copy_to_tp(table).narrow(0, part * rank, part)); the
+// model's input is the whole sequence, the loss's input the head's output,
+// whole.
 //
 // The values are the dense layer's own, sliced (every rank must hold the same
 // dense model: build it after the same seed), so the parallel model starts as
@@ -71,6 +79,11 @@ namespace meshtrain {
 namespace tp {
 
 enum class Style { kColwise, kRowwise, kVocabParallel, kSequenceParallel };
+// A style by its name, for plans kept as data (models::tp_plan, a config
+// file): "colwise", "rowwise", "vocab_parallel", "sequence_parallel";
+// ConfigError naming the choices otherwise.
+Style parse_style(const std::string& name);
+std::string style_name(Style style);
 
 struct ParallelizeOptions {
   bool sequence_parallel = false;  // Megatron's sequence parallelism (above)
@@ -79,13 +92,17 @@ struct ParallelizeOptions {
 // Plan: layer path ("block.fc1", as in named_modules()) -> style. Every path
 // must name a torch::nn::Linear whose sliced dimension divides by tp, (for
 // kVocabParallel) a torch::nn::Embedding, or (kSequenceParallel) a module
-// without children; all are checked before any changes, and a layer is cut
-// once (planned at two paths, or parallelized twice: refused). Under sequence
+// without children or a parameter ("embed.pos"); all are checked before any
+// changes, and a layer is cut once (planned at two paths, or parallelized
+// twice: refused). Under sequence
 // parallelism every torch::nn::LayerNorm with trainable parameters must be
 // planned kSequenceParallel; plan a norm meshtrain cannot recognise (a user's
 // RMSNorm) too, and route any other replicated parameter that meets the
 // sequence's part through tp::copy_to_tp, as the position table above.
 void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, Style>& plan,
+                 ParallelizeOptions options = {});
+// The same with the styles by name (parse_style): a plan kept as data.
+void parallelize(torch::nn::Module& model, const comm::CommPtr& tp, const std::map<std::string, std::string>& plan,
                  ParallelizeOptions options = {});
 
 // The dimension tp::parallelize cut `param` along (0: a kColwise weight or

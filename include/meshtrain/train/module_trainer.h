@@ -63,6 +63,9 @@
 #include "meshtrain/zero/zero.h"
 
 namespace meshtrain {
+namespace models {
+struct ModelConfig;
+}  // namespace models
 namespace train {
 
 using TpPlan = std::map<std::string, tp::Style>;
@@ -189,6 +192,13 @@ class Trainer {
   struct State;
   std::unique_ptr<State> s_;
 };
+
+// The loss of a built-in model (models::loss) on a mesh: under tensor
+// parallelism (tp of more than one rank) the head's logits hold this rank's
+// vocabulary rows (models::tp_plan cuts the head by vocabulary), and the
+// cross-entropy is tp::vocab_parallel_cross_entropy over tp, the logits never
+// gathered; otherwise models::loss.
+Trainer::Loss model_loss(const models::ModelConfig& config, comm::CommPtr tp);
 
 }  // namespace train
 }  // namespace meshtrain
