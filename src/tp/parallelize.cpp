@@ -44,6 +44,14 @@ void check_tied_head(torch::nn::Module& model, const std::string& path, const at
   }
 }
 
+// The divisors of n up to 64, for errors naming the valid tp sizes.
+std::string divisors(int64_t n) {
+  std::string out;
+  for (int64_t d = 1; d <= n && d <= 64; ++d)
+    if (n % d == 0) out += (out.empty() ? "" : ", ") + std::to_string(d);
+  return out;
+}
+
 const char* enum_name(Style style) {
   switch (style) {
     case Style::kColwise: return "kColwise";
@@ -73,7 +81,8 @@ void check_linear(const std::string& path, torch::nn::Module& m, Style style, in
                   "model once)");
   const int64_t dim = style == Style::kColwise ? 0 : 1, full = linear->weight.size(dim);
   MESHTRAIN_CHECK(full % tp == 0, "tp::parallelize: '", path, "' has ", full,
-                  style == Style::kColwise ? " output" : " input", " features, which tp ", tp, " does not divide");
+                  style == Style::kColwise ? " output" : " input", " features, which tp ", tp, " does not divide; "
+                  "choose tp in {", divisors(full), "}");
   // The cut dimension is recognised by (stride, size); only a 1 x 1 slice
   // looks the same as its transpose.
   MESHTRAIN_CHECK(full / tp > 1 || linear->weight.size(1 - dim) > 1, "tp::parallelize: '", path, "' would keep a "

@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "meshtrain/dp/params.h"
-#include "meshtrain/tp/layers.h"
+#include "meshtrain/tp/shards.h"
 #include "meshtrain/util/exact_sum.h"
 
 namespace meshtrain {

@@ -15,7 +15,7 @@
 #include "meshtrain/dp/grain_tree.h"
 #include "meshtrain/models/moe.h"
 #include "meshtrain/pp/schedule.h"
-#include "meshtrain/tp/layers.h"
+#include "meshtrain/tp/shards.h"
 #include "meshtrain/train/clip.h"
 #include "meshtrain/train/optim.h"
 #include "meshtrain/util/error.h"

@@ -1,16 +1,17 @@
-// Tensor parallelism: the conjugate operations, each layer against its dense
-// counterpart (forward, backward, one optimizer step), the GPT at tp 2 and 4,
-// with sequence parallelism, dp x tp and pp x tp against one process, the
-// article's 128,000 x 8,192 embedding at 1/tp per rank, and the errors.
+// Tensor parallelism: the conjugate operations, each of tp::parallelize's
+// styles against its dense layer (forward, backward, one optimizer step), the
+// GPT at tp 2 and 4, with sequence parallelism, dp x tp and pp x tp against
+// one process, the article's 128,000 x 8,192 embedding at 1/tp per rank, and
+// the errors.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "equivalence.h"
 #include "harness.h"
-#include "meshtrain/tp/layers.h"
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/tp/parallelize.h"
+#include "meshtrain/tp/shards.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
@@ -74,9 +75,24 @@ TEST(TensorParallelOps, ForwardAndBackwardOfEveryConjugatePair) {
   });
 }
 
-// Dense counterparts from the same deterministic init; compare outputs, the
-// input's gradient, the parameters' gradients (sharded slices), and the
-// parameters after one SGD step.
+// A plain layer at path "0" and its dense twin, built from the same seed.
+template <typename Layer, typename... Args>
+std::pair<torch::nn::Sequential, torch::nn::Sequential> twins(Args... args) {
+  torch::manual_seed(1);
+  torch::nn::Sequential cut(Layer(args...));
+  torch::manual_seed(1);
+  torch::nn::Sequential dense(Layer(args...));
+  return {cut, dense};
+}
+
+torch::nn::LinearImpl& linear(const torch::nn::Sequential& s) { return *s->ptr(0)->as<torch::nn::LinearImpl>(); }
+
+// Each style of tp::parallelize on a plain layer against the same layer
+// whole: outputs, the input's gradient, the parameters' gradients (sharded
+// slices), and the parameters after one SGD step. The output of a kColwise
+// layer gathered (tp::gather_from_tp), and the input of a kRowwise layer
+// split by the caller (tp::scatter_to_tp), as Megatron's gather_output and
+// input_is_parallel = false do.
 TEST(TensorParallelLayers, EachLayerMatchesItsDenseCounterpart) {
   run_ranks(2, [](Communicator& comm) {
     auto t = self(comm);
@@ -84,48 +100,50 @@ TEST(TensorParallelLayers, EachLayerMatchesItsDenseCounterpart) {
     torch::manual_seed(1);
     auto x = torch::randn({3, 4, 8});
     for (bool gather : {false, true}) {
-      tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 6).tp(t).gather_output(gather).name("c"));
-      tp::ColumnParallelLinear dense(tp::ColumnParallelLinearOptions(8, 6).name("c"));
+      auto [col, dense] = twins<torch::nn::Linear>(8, 6);
+      tp::parallelize(*col, t, {{"0", tp::Style::kColwise}});
       auto xi = x.clone().requires_grad_(true), xd = x.clone().requires_grad_(true);
-      auto y = col(xi), yd = dense(xd);
+      auto y = col->forward(xi), yd = dense->forward(xd);
+      if (gather) y = tp::gather_from_tp(y, -1, t);
       EXPECT_TRUE(torch::allclose(y, gather ? yd : yd.slice(2, 3 * r, 3 * r + 3), 1e-5, 1e-6));
       y.sum().backward();
       (gather ? yd.sum() : yd.slice(2, 0, 6).sum()).backward();
       EXPECT_TRUE(torch::allclose(xi.grad(), xd.grad(), 1e-5, 1e-6)) << "input gradient, gather " << gather;
-      EXPECT_TRUE(torch::allclose(col->weight.grad(), dense->weight.grad().slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(linear(col).weight.grad(), linear(dense).weight.grad().slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
       torch::optim::SGD(col->parameters(), 0.1).step();
       torch::optim::SGD(dense->parameters(), 0.1).step();
-      EXPECT_TRUE(torch::allclose(col->weight, dense->weight.slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
-      EXPECT_TRUE(torch::allclose(col->bias, dense->bias.slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(linear(col).weight, linear(dense).weight.slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(linear(col).bias, linear(dense).bias.slice(0, 3 * r, 3 * r + 3), 1e-5, 1e-6));
     }
     for (bool parallel_input : {true, false}) {
-      tp::RowParallelLinear row(tp::RowParallelLinearOptions(8, 5).tp(t).input_is_parallel(parallel_input).name("r"));
-      tp::RowParallelLinear dense(tp::RowParallelLinearOptions(8, 5).name("r"));
+      auto [row, dense] = twins<torch::nn::Linear>(8, 5);
+      tp::parallelize(*row, t, {{"0", tp::Style::kRowwise}});
       auto xd = x.clone().requires_grad_(true);
       auto xi = (parallel_input ? x.slice(2, 4 * r, 4 * r + 4) : x).clone().requires_grad_(true);
-      auto y = row(xi), yd = dense(xd);
+      auto y = row->forward(parallel_input ? xi : tp::scatter_to_tp(xi, -1, t)), yd = dense->forward(xd);
       EXPECT_TRUE(torch::allclose(y, yd, 1e-5, 1e-6));
       y.pow(2).sum().backward();
       yd.pow(2).sum().backward();
       EXPECT_TRUE(torch::allclose(xi.grad(), parallel_input ? xd.grad().slice(2, 4 * r, 4 * r + 4) : xd.grad(), 1e-4, 1e-5));
-      EXPECT_TRUE(torch::allclose(row->weight.grad(), dense->weight.grad().slice(1, 4 * r, 4 * r + 4), 1e-4, 1e-5));
-      EXPECT_TRUE(torch::allclose(row->bias.grad(), dense->bias.grad(), 1e-4, 1e-5));
+      EXPECT_TRUE(torch::allclose(linear(row).weight.grad(), linear(dense).weight.grad().slice(1, 4 * r, 4 * r + 4), 1e-4, 1e-5));
+      EXPECT_TRUE(torch::allclose(linear(row).bias.grad(), linear(dense).bias.grad(), 1e-4, 1e-5));
       torch::optim::SGD(row->parameters(), 0.1).step();
       torch::optim::SGD(dense->parameters(), 0.1).step();
-      EXPECT_TRUE(torch::allclose(row->weight, dense->weight.slice(1, 4 * r, 4 * r + 4), 1e-5, 1e-6));
-      EXPECT_TRUE(torch::allclose(row->bias, dense->bias, 1e-5, 1e-6));  // replicated, identical on every rank
+      EXPECT_TRUE(torch::allclose(linear(row).weight, linear(dense).weight.slice(1, 4 * r, 4 * r + 4), 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(linear(row).bias, linear(dense).bias, 1e-5, 1e-6));  // replicated, identical on every rank
     }
-    tp::VocabParallelEmbedding emb(tp::VocabParallelEmbeddingOptions(10, 4).tp(t).name("e"));
-    tp::VocabParallelEmbedding dense(tp::VocabParallelEmbeddingOptions(10, 4).name("e"));
+    auto [emb, dense] = twins<torch::nn::Embedding>(10, 4);
+    tp::parallelize(*emb, t, {{"0", tp::Style::kVocabParallel}});
+    auto weight = [](const torch::nn::Sequential& s) { return s->ptr(0)->as<torch::nn::EmbeddingImpl>()->weight; };
     auto ids = torch::tensor({{0, 9, 4, 5}, {7, 2, 2, 1}}, torch::kLong);
-    auto y = emb(ids), yd = dense(ids);
+    auto y = emb->forward(ids), yd = dense->forward(ids);
     EXPECT_TRUE(torch::allclose(y, yd));
     (y * torch::arange(4, torch::kFloat)).sum().backward();
     (yd * torch::arange(4, torch::kFloat)).sum().backward();
-    EXPECT_TRUE(torch::allclose(emb->weight.grad(), dense->weight.grad().slice(0, 5 * r, 5 * r + 5)));
+    EXPECT_TRUE(torch::allclose(weight(emb).grad(), weight(dense).grad().slice(0, 5 * r, 5 * r + 5)));
     torch::optim::SGD(emb->parameters(), 0.1).step();
     torch::optim::SGD(dense->parameters(), 0.1).step();
-    EXPECT_TRUE(torch::allclose(emb->weight, dense->weight.slice(0, 5 * r, 5 * r + 5)));
+    EXPECT_TRUE(torch::allclose(weight(emb), weight(dense).slice(0, 5 * r, 5 * r + 5)));
     // Vocab-parallel cross-entropy against at::cross_entropy_loss on the gathered logits.
     torch::manual_seed(2);
     auto logits = torch::randn({6, 10});
@@ -201,18 +219,34 @@ TEST(TensorParallel, MlpMatchesOneProcessOnEveryAxis) {
 }
 
 // The article's scenario-3 tensor: a 128,000 x 8,192 embedding (1.05 B
-// parameters) built with each of 4 ranks holding 1/4 of it, equal to the
-// matching rows of the unsharded tensor's deterministic values.
+// parameters) with each of 4 ranks holding 1/4 of it, equal to the matching
+// rows of the unsharded tensor's deterministic values. The dense layer tp::
+// parallelize cuts is built on uninitialised storage, which the OS commits
+// only where written: no rank ever holds more than its quarter. Each rank
+// then fills its rows from the full tensor's values (util/init.h), and a
+// look-up of every rank's rows through the cut layer reads them back.
 TEST(TensorParallel, TheArticlesEmbeddingAtOneQuarterPerRank) {
   meshtrain::testing::RankOptions options;
   options.time_limit = std::chrono::seconds(300);
   run_ranks(4, [](Communicator& comm) {
-    tp::VocabParallelEmbedding emb(tp::VocabParallelEmbeddingOptions(128000, 8192).tp(self(comm)).seed(7).name("embed.tok"));
-    ASSERT_EQ(emb->weight.sizes(), (std::vector<int64_t>{32000, 8192}));
-    EXPECT_EQ(emb->weight.nbytes(), 32000LL * 8192 * 4);  // 1.05 GB: a quarter of the 4.2 GB tensor
-    const int64_t row = 32000 * comm.rank() + 12345;
-    auto want = meshtrain::init_slice(7, "embed.tok.weight", meshtrain::InitSpec::normal(0, 0.02), {128000, 8192}, 0, row, 1);
-    EXPECT_TRUE(torch::equal(emb->weight.slice(0, 12345, 12346), want));
+    const meshtrain::InitSpec normal = meshtrain::InitSpec::normal(0, 0.02);
+    torch::nn::Sequential emb(torch::nn::Embedding(torch::nn::EmbeddingOptions(128000, 8192)._weight(torch::empty({128000, 8192}))));
+    tp::parallelize(*emb, self(comm), {{"0", tp::Style::kVocabParallel}});
+    torch::Tensor weight = emb->ptr(0)->as<torch::nn::EmbeddingImpl>()->weight;
+    ASSERT_EQ(weight.sizes(), (std::vector<int64_t>{32000, 8192}));
+    EXPECT_EQ(weight.nbytes(), 32000LL * 8192 * 4);  // 1.05 GB: a quarter of the 4.2 GB tensor
+    {
+      torch::NoGradGuard no_grad;
+      for (int64_t first = 0; first < 32000; first += 4000)
+        weight.narrow(0, first, 4000).copy_(meshtrain::init_slice(7, "embed.tok.weight", normal, {128000, 8192}, 0,
+                                                                  32000 * comm.rank() + first, 4000));
+    }
+    const torch::Tensor ids = torch::tensor({{12345, 32000 + 12345, 64000 + 12345, 96000 + 12345}}, torch::kLong);
+    const torch::Tensor rows = emb->forward(ids);  // every rank's row, summed over tp
+    for (int r = 0; r < 4; ++r) {
+      auto want = meshtrain::init_slice(7, "embed.tok.weight", normal, {128000, 8192}, 0, 32000 * r + 12345, 1);
+      EXPECT_TRUE(torch::equal(rows[0].slice(0, r, r + 1), want)) << "row of rank " << r;
+    }
   }, options);
 }
 
@@ -241,9 +275,9 @@ TEST(TensorParallel, DenseAndShardedGptConvertBothWays) {
   });
 }
 
-// A user's dense module and its tensor-parallel twin built from it
-// (tp::column_parallel / row_parallel / vocab_parallel): equal by construction,
-// and they train alike (three SGD steps), at tp 3.
+// A user's dense module and its tensor-parallel twin (the same module, cut by
+// tp::parallelize): equal by construction, and they train alike (three SGD
+// steps), at tp 3.
 struct DenseNet : torch::nn::Module {
   DenseNet() {
     torch::manual_seed(11);
@@ -256,24 +290,14 @@ struct DenseNet : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
-struct ParallelNet : torch::nn::Module {
-  ParallelNet(const DenseNet& dense, const meshtrain::comm::CommPtr& t) {
-    embed = register_module("embed", tp::vocab_parallel(dense.embed, t));
-    fc1 = register_module("fc1", tp::column_parallel(dense.fc1, t));
-    fc2 = register_module("fc2", tp::row_parallel(dense.fc2, t));
-  }
-  torch::Tensor forward(const torch::Tensor& ids) { return fc2(torch::tanh(fc1(embed(ids)))); }
-  tp::VocabParallelEmbedding embed{nullptr};
-  tp::ColumnParallelLinear fc1{nullptr};
-  tp::RowParallelLinear fc2{nullptr};
-};
-
 TEST(TensorParallelLayers, BuiltFromAUsersDenseLayersTheyTrainLikeThem) {
   run_ranks(3, [](Communicator& comm) {
     auto t = self(comm);
     DenseNet dense;
-    auto parallel_ptr = std::make_shared<ParallelNet>(dense, t);
-    ParallelNet& parallel = *parallel_ptr;
+    auto parallel_ptr = std::make_shared<DenseNet>();
+    DenseNet& parallel = *parallel_ptr;
+    tp::parallelize(parallel, t, {{"embed", tp::Style::kVocabParallel}, {"fc1", tp::Style::kColwise},
+                                  {"fc2", tp::Style::kRowwise}});
     const auto dims = tp::shard_dims(parallel);
     torch::optim::SGD dense_opt(dense.parameters(), 0.2), parallel_opt(parallel.parameters(), 0.2);
     auto ids = torch::tensor({{0, 11, 4, 5}, {7, 2, 8, 1}}, torch::kLong);
@@ -297,13 +321,15 @@ TEST(TensorParallelLayers, BuiltFromAUsersDenseLayersTheyTrainLikeThem) {
   });
 }
 
-TEST(TensorParallelLayers, AnUnnamedLayerIsAnErrorNamingTheTwoWays) {
+// A plan kept as data names its styles; a name that is not one is an error naming the choices.
+TEST(TensorParallelLayers, AStyleNameThatIsNoneIsAnErrorNamingTheChoices) {
+  EXPECT_EQ(tp::parse_style("colwise"), tp::Style::kColwise);
+  EXPECT_EQ(tp::parse_style(tp::style_name(tp::Style::kSequenceParallel)), tp::Style::kSequenceParallel);
   try {
-    tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(8, 8));
+    tp::parse_style("column");
     ADD_FAILURE() << "no error";
   } catch (const meshtrain::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("give it a name"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("tp::column_parallel"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use colwise, rowwise, vocab_parallel or sequence_parallel"), std::string::npos) << e.what();
   }
 }
 
@@ -311,10 +337,12 @@ TEST(TensorParallel, SizesThatDoNotDivideNameTheValidChoices) {
   run_ranks(3, [](Communicator& comm) {
     auto t = self(comm);
     try {
-      tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(8, 8).tp(t).name("q"));
+      torch::nn::Sequential q;
+      q->push_back("q", torch::nn::Linear(8, 8));
+      tp::parallelize(*q, t, {{"q", tp::Style::kColwise}});
       ADD_FAILURE();
     } catch (const meshtrain::ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find("tp size 3 does not divide out_features 8; choose tp in {1, 2, 4, 8}"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("'q' has 8 output features, which tp 3 does not divide; choose tp in {1, 2, 4, 8}"), std::string::npos) << e.what();
     }
     meshtrain::models::ModelConfig m;  // 4 heads
     try {

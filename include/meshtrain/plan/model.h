@@ -120,7 +120,7 @@ void check_shape(const DecoderShape& shape);
 //              + final RMSNorm H + (untied head: V*H)
 int64_t parameter_count(const DecoderShape& shape);
 
-// Parameters of one block held by one tp rank (Megatron's split, tp/layers.h;
+// Parameters of one block held by one tp rank (Megatron's split, tp::parallelize with
 // models::tp_plan): q, k, v, fc1 (gate, up) column-parallel, weight and bias
 // divided by tp; proj (o) and fc2 (down) row-parallel, weight divided, bias
 // replicated; the norms replicated.
