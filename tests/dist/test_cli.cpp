@@ -412,3 +412,29 @@ TEST(Examples, EachRunsUnderMeshrun) {
     EXPECT_TRUE(contains(r.output, e.prints)) << e.name << "\n" << r.output;
   }
 }
+
+// The user's own Llama example (examples/user_llama: a plain model given
+// every axis from outside) on 8 ranks, dp 2 x tp 2 x cp 2 with sequence
+// parallelism, recomputed blocks and FSDP, prints the losses it prints alone
+// (AdamW: the losses agree to float reassociation; tests/dist/test_user_llama.cpp
+// compares the weights too).
+TEST(Examples, UserLlamaOnEveryAxisPrintsTheLossesOfOneProcess) {
+  auto losses = [](const std::string& output) {
+    std::vector<double> out;
+    std::istringstream lines(output);
+    for (std::string line; std::getline(lines, line);) {
+      const size_t at = line.find(" loss ");
+      if (line.find("step ") != std::string::npos && at != std::string::npos) out.push_back(std::stod(line.substr(at + 6)));
+    }
+    return out;
+  };
+  const std::string run = kBin + "/user_llama --steps 8";
+  Shell alone = sh(kMeshrun + "--nproc-per-node 1 -- " + run);
+  Shell mesh = sh(kMeshrun + "--nproc-per-node 8 -- " + run + " --tp 2 --cp 2 --sequence-parallel --checkpoint");
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  ASSERT_EQ(mesh.exit_code, 0) << mesh.output;
+  const std::vector<double> want = losses(alone.output), got = losses(mesh.output);
+  ASSERT_EQ(want.size(), 8u) << alone.output;
+  ASSERT_EQ(got.size(), want.size()) << mesh.output;
+  for (size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * (1 + want[s])) << "step " << s + 1;
+}
