@@ -29,6 +29,8 @@ CausalAttentionImpl::CausalAttentionImpl(const CausalAttentionOptions& o) : opti
 
 at::Tensor CausalAttentionImpl::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         KVCache* cache) {
+  MESHTRAIN_CHECK(!cache || !attention_, "nn::CausalAttention: decoding with a cache runs the local attention; this "
+                  "one's attention function was set from outside (context parallelism)");
   const int64_t B = q.size(0), T = q.size(1), d = options.head_dim();
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, t.size(2) / d, d}).transpose(1, 2); };
   at::Tensor qh = heads(q), kh = heads(k), vh = heads(v);
@@ -44,8 +46,6 @@ at::Tensor CausalAttentionImpl::forward(const at::Tensor& q, const at::Tensor& k
     }
   }
   if (cache) std::tie(kh, vh) = cache->append(kh, vh);
-  MESHTRAIN_CHECK(!cache || !attention_, "nn::CausalAttention: decoding with a cache runs the local attention; this "
-                  "one's attention function was set from outside (context parallelism)");
   const at::Tensor y = attention_ ? attention_(qh, kh, vh) : causal_attention(qh, kh, vh, options.kernel());
   // [B, H, T, d] -> [B, T, H d]: a view of flash attention's saved output,
   // which keeps it in that layout for the output projection.

@@ -15,7 +15,9 @@
 // are then held apart from the module's parameters). Every expert count must
 // divide by ep (checked, naming the valid choices, before anything changes).
 // Returns the number of layers it spread; an ep of size 1 (or null) changes
-// nothing. Apply once, after loading any weights (the experts are sliced).
+// nothing. Apply once, after loading any weights (the experts are sliced into
+// new tensors) and before activation checkpointing or a data-parallel wrapper
+// takes the module's parameters.
 
 #include <torch/nn/module.h>
 
