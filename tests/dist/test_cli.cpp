@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
+
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -394,21 +396,36 @@ TEST(Examples, ASecondJobOnTheSamePortIsToldSo) {
   }
 }
 
-// Every example runs under meshrun as its header says, and trains.
-TEST(Examples, EachRunsUnderMeshrun) {
-  struct Example { const char* name; int ranks; const char* prints; };
-  for (const Example& e : std::vector<Example>{{"collectives", 4, "total (payload)"},
-                                               {"ddp", 2, "step 50 loss"},
-                                               {"master_dp", 3, "step 50 loss"},
-                                               {"zero", 2, "of Adam state"},
-                                               {"pipeline", 2, "step 100 loss"},
-                                               {"tensor_parallel", 2, "step 60 loss"},
-                                               {"mesh3d", 8, "step 100 loss"},
-                                               {"gpt_mesh", 8, "step 150 loss"},
-                                               {"gpt_mesh --trainer", 8, "step 150 loss"},
-                                               {"llama", 8, "step 30 loss"}}) {
-    Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(e.ranks) + " -- " + kBin + "/" + e.name);
-    EXPECT_EQ(r.exit_code, 0) << e.name << "\n" << r.output;
-    EXPECT_TRUE(contains(r.output, e.prints)) << e.name << "\n" << r.output;
-  }
+// Every example runs under meshrun as its header says, and trains: one test
+// each, so that each has its own time limit (ten in series inside one limit
+// timed out on a busy machine).
+struct Example {
+  std::string name;  // the program, with its arguments
+  int ranks;
+  std::string prints;
+};
+
+void PrintTo(const Example& e, std::ostream* os) { *os << e.name << " on " << e.ranks << " ranks"; }
+
+class Examples : public ::testing::TestWithParam<Example> {};
+
+TEST_P(Examples, RunsUnderMeshrun) {
+  const Example& e = GetParam();
+  Shell r = sh(kMeshrun + "--nproc-per-node " + std::to_string(e.ranks) + " -- " + kBin + "/" + e.name);
+  EXPECT_EQ(r.exit_code, 0) << e.name << "\n" << r.output;
+  EXPECT_TRUE(contains(r.output, e.prints)) << e.name << "\n" << r.output;
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Each, Examples,
+    ::testing::Values(Example{"collectives", 4, "total (payload)"}, Example{"ddp", 2, "step 50 loss"},
+                      Example{"master_dp", 3, "step 50 loss"}, Example{"zero", 2, "of Adam state"},
+                      Example{"pipeline", 2, "step 100 loss"}, Example{"tensor_parallel", 2, "step 60 loss"},
+                      Example{"mesh3d", 8, "step 100 loss"}, Example{"gpt_mesh", 8, "step 150 loss"},
+                      Example{"gpt_mesh --trainer", 8, "step 150 loss"}, Example{"llama", 8, "step 30 loss"}),
+    [](const ::testing::TestParamInfo<Example>& info) {
+      std::string name = info.param.name;
+      for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+      while (name.find("__") != std::string::npos) name.erase(name.find("__"), 1);
+      return name;
+    });
