@@ -202,12 +202,14 @@ void ElasticRendezvous::close_round(int round) {
   store_.set(kRoundKey, std::to_string(round));
   const auto start = Clock::now();
   auto next_line = start + std::chrono::seconds(5);
-  std::string token_mismatch;  // Note [Token mismatch] in launcher.cpp: said once, and in the time-out
+  auto next_look = start;
   while (true) {
     if (interrupted_()) throw std::runtime_error("interrupted");
-    if (token_mismatch.empty() && store_.check(comm::kTokenMismatchKey)) {
-      token_mismatch = "; refused: " + store_.get(comm::kTokenMismatchKey);
-      inform_(str_cat("round ", round, token_mismatch));
+    if (Clock::now() >= next_look) {
+      next_look += std::chrono::seconds(1);
+      const std::string now = refused_nodes();
+      if (now != refused_) inform_(str_cat("round ", round, ": ", now));
+      refused_ = now;
     }
     const std::vector<NodeEntry> entries = joined_entries(round);
     const std::set<int> gone = dead();
@@ -229,7 +231,8 @@ void ElasticRendezvous::close_round(int round) {
     }
     MESHTRAIN_CHECK(Clock::now() - start < o_.rendezvous_timeout, "meshrun: timed out in round ", round,
                     " waiting for --nnodes ", o_.min_nodes, ":", o_.nnodes, " (", state.joined, " of at least ",
-                    o_.min_nodes, " nodes joined); start meshrun on more nodes or lower MIN", token_mismatch);
+                    o_.min_nodes, " nodes joined); start meshrun on more nodes or lower MIN",
+                    refused_.empty() ? "" : "; meanwhile " + refused_);
     if (Clock::now() > next_line) {
       next_line += std::chrono::seconds(10);
       inform_(str_cat("round ", round, ": ", state.joined, " nodes so far, waiting for ", o_.min_nodes, " to ",
@@ -237,6 +240,14 @@ void ElasticRendezvous::close_round(int round) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+std::string ElasticRendezvous::refused_nodes() {
+  std::vector<std::string> parts;
+  const std::string by_store = comm::refusals_seen(store_);
+  if (!by_store.empty()) parts.push_back(by_store);
+  if (store_.check(kNodesDifferKey)) parts.push_back("a node refused itself: " + store_.get(kNodesDifferKey));
+  return meshtrain::join(parts, "; ");
 }
 
 // The nodes that joined `round`, in registration order (a node's entry is
