@@ -710,8 +710,13 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
                        const std::vector<NodeEntry>* members = nullptr) {
   const std::string gen = "g" + std::to_string(generation);
   RemoteFailures remote;
+  // A start-up report is for ranks started by hand (Note [Start-up reports] in
+  // src/comm/process.cpp): this job's ranks post none, meshrun sees them exit.
   comm::FailureWatcher watcher(o.master_addr, store_port, gen + "/", o.rendezvous_timeout,
-                               [&](const comm::FailureReport& r) { remote.record(r); }, o.rdzv_token);
+                               [&](const comm::FailureReport& r) {
+                                 if (r.reason.rfind(comm::kStartupReport, 0) != 0) remote.record(r);
+                               },
+                               o.rdzv_token);
   const auto members_watcher = members ? watch_members(o, store_port, gen, *members, remote) : nullptr;
   std::vector<std::unique_ptr<RankProcess>> ranks;
   const int cores = node_cores();

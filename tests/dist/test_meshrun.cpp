@@ -401,6 +401,29 @@ TEST(Meshrun, ANodeOfAnotherVersionIsNamed) {
   EXPECT_TRUE(store.check("meshrun/nodes_differ"));
 }
 
+// Issue 54, item 7 (Note [Start-up reports] in src/comm/process.cpp): a
+// process started by hand with the job's token and a rank meshrun's ranks
+// hold posts its start-up error into their store while they train; neither
+// meshrun nor the ranks, past their rendezvous, stop for it. (A guard: the old
+// code posted no such reports.)
+TEST(Meshrun, AStartupReportFromOutsideDoesNotStopARunningJob) {
+  TempDir dir;
+  std::ofstream(dir.file("token")) << "0123456789abcdef0123456789abcdef\n";
+  const std::string port = std::to_string(free_port());
+  const std::string log = dir.file("job.log");
+  const std::string stranger = "env MESHTRAIN_RDZV_TOKEN=0123456789abcdef0123456789abcdef RANK=1 WORLD_SIZE=2 "
+                               "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " timeout 20 " + kHelper + " allreduce";
+  const Shell r = sh("(" + kBin + "/meshrun --master-port " + port + " --nproc-per-node 2 --rdzv-token-file " +
+                     dir.file("token") + " -- " + kHelper + " hold > " + log + " 2>&1; echo job exit $? >> " + log +
+                     ") & for i in $(seq 200); do [ $(grep -c joined " + log + ") = 2 ] && break; sleep 0.05; done; " +
+                     stranger + "; echo \"extra process: exit $?\"; wait; cat " + log);
+  EXPECT_TRUE(contains(r.output, "rank 1 has already joined the store")) << r.output;
+  EXPECT_TRUE(contains(r.output, "extra process: exit 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "meshtrain: ignored a start-up report (global rank 1 stopped at start-up: ")) << r.output;
+  EXPECT_TRUE(contains(r.output, "job exit 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank1]: rank 1 of 2 sum 3")) << r.output;
+}
+
 TEST(Meshrun, BadArgumentsGiveUsage) {
   Shell r = sh(kBin + "/meshrun --nproc-per-node 0 -- true");
   EXPECT_EQ(r.exit_code, 2);

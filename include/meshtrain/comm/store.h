@@ -130,6 +130,10 @@ struct FailureReport {
 constexpr char kStuckReport[] = "stuck: ";
 // ... and that its host stopped answering (Note [Silent links] in src/comm/socket.h).
 constexpr char kUnreachableReport[] = "unreachable: ";
+// ... and that a process stopped with an error before its world was made (Note
+// [Start-up reports] in src/comm/process.cpp): acted on only by ranks still in
+// their rendezvous.
+constexpr char kStartupReport[] = "start-up: ";
 
 // Watches the server for failures of labels starting with `prefix`, on its own
 // connection and thread, and calls `on_failure` for each (from that thread).
