@@ -206,10 +206,8 @@ void ElasticRendezvous::close_round(int round) {
   while (true) {
     if (interrupted_()) throw std::runtime_error("interrupted");
     if (Clock::now() >= next_look) {
-      next_look += std::chrono::seconds(1);
-      const std::string now = refused_nodes();
-      if (now != refused_) inform_(str_cat("round ", round, ": ", now));
-      refused_ = now;
+      next_look += std::chrono::milliseconds(250);
+      say_refused_nodes(round);
     }
     const std::vector<NodeEntry> entries = joined_entries(round);
     const std::set<int> gone = dead();
@@ -220,6 +218,7 @@ void ElasticRendezvous::close_round(int round) {
     state.elapsed_seconds = std::chrono::duration<double>(Clock::now() - start).count();
     state.first_round = round == 0;
     if (round_can_close(state, o_.min_nodes, o_.nnodes, std::chrono::duration<double>(o_.last_call).count())) {
+      say_refused_nodes(round);  // one that came since the last look is said too
       refuse_duplicates(entries, gone, members);
       store_.set(round_key(round, "members"), encode_members(members));
       inform_(str_cat("round ", round, ": nodes ", node_list(members), ", ",
@@ -240,6 +239,12 @@ void ElasticRendezvous::close_round(int round) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+void ElasticRendezvous::say_refused_nodes(int round) {
+  const std::string now = refused_nodes();
+  if (now != refused_) inform_(str_cat("round ", round, ": ", now));
+  refused_ = now;
 }
 
 std::string ElasticRendezvous::refused_nodes() {

@@ -60,6 +60,7 @@ class ElasticRendezvous {
   // The nodes refused so far, for node 0's lines: by the store (a token that
   // is not the job's) and by themselves (settings that differ); "" if none.
   std::string refused_nodes();
+  void say_refused_nodes(int round);  // when they changed (refused_)
   bool wait_for_members(int round, std::string& members);
   std::vector<NodeEntry> joined_entries(int round);
   int registered();  // meshruns registered so far (incarnations 1..n)

@@ -441,7 +441,7 @@ void await_count(comm::TcpStore& store, const CountWait& w) {
       throw ConfigError(str_cat("meshrun: stopped waiting for ", w.what, ": ", store.get(kNodesDifferKey)));
     }
     if (Clock::now() >= next_look) {  // Note [Token mismatch]: said, never acted on
-      next_look += std::chrono::seconds(1);
+      next_look += std::chrono::milliseconds(250);
       say_new_refusals(store, w.what, refusals);
     }
     const std::string also = refusals.empty() ? "" : "; meanwhile " + refusals;
@@ -458,6 +458,7 @@ void await_count(comm::TcpStore& store, const CountWait& w) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  say_new_refusals(store, w.what, refusals);  // one that came since the last look is said too
 }
 
 // Node 0's settings, which it publishes as soon as its store is up (Note [Nodes agree]).
