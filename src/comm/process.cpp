@@ -138,9 +138,9 @@ std::string Process::ranks_not_arrived(int from) {
 }
 
 // Note [Start-up reports]: the rendezvous' first wait, for every rank to say
-// its host; where a rank that never comes shows. Rank 0 says every 30 s whom
-// it waits for (a job started by hand has no launcher to say it), and the
-// time-out names the missing ranks and what keeps a rank away.
+// its host; where a rank that never comes shows. Rank 0 says whom it waits
+// for after 10 s, then every 30 s (a job started by hand has no launcher to
+// say it), and the time-out names the missing ranks and what keeps one away.
 void Process::await_every_rank() {
   const auto start = std::chrono::steady_clock::now(), deadline = start + config_.timeout;
   auto next_line = start + std::chrono::seconds(10);
