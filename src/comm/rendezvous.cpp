@@ -447,7 +447,7 @@ void report_startup_error(const std::string& message) {
                                                      rank.empty() ? "(unset)" : rank, " on host ", name, ", pid ",
                                                      getpid(), ")"));
     store.bye();
-  } catch (const std::exception&) {  // no store, or one that refuses this process: the others' time-outs say what they can
+  } catch (const std::exception&) {  // no store, or one that refuses this process: the others' time-outs tell
   }
 }
 

@@ -255,8 +255,12 @@ struct StoreServer::State {
   void authenticate(Client& c, const std::string& frame) {
     net::Reader r(frame);
     const uint8_t cmd = r.u8();
-    if (cmd == store_protocol::kDecline) return refuse_unproven(c, "it came with no rendezvous token, and this job has one");
-    if (cmd != store_protocol::kAuth) return refuse_unproven(c, "it sent a request before proving it knows the job's token");
+    if (cmd == store_protocol::kDecline) {
+      return refuse_unproven(c, "it came with no rendezvous token, and this job has one");
+    }
+    if (cmd != store_protocol::kAuth) {
+      return refuse_unproven(c, "it sent a request before proving it knows the job's token");
+    }
     if (!store_auth::same_mac(r.str(), store_auth::mac(token, c.nonce))) {
       send(c, net::Writer().u8(store_protocol::kError).bytes());
       return refuse_unproven(c, "it came with another rendezvous token than this job's");
