@@ -384,13 +384,21 @@ TEST(Examples, ASecondJobOnTheSamePortIsToldSo) {
   const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
                           " WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 ";
   const std::string helper = kBin + "/meshrun_helper ";
+  // The second job comes once the first has made its world (its ranks said
+  // "joined"): its start-up reports (issue 54, item 7) must not stop it.
+  const std::string wait_for_a = "for i in $(seq 200); do [ $(grep -c joined /tmp/job-a-$$.log) = 2 ] && break; "
+                                 "sleep 0.05; done; ";
   Shell r = sh("(: > /tmp/job-a-$$.log; " + env + "RANK=1 LOCAL_RANK=1 " + helper + "hold >> /tmp/job-a-$$.log 2>&1 & " + env +
-               "RANK=0 LOCAL_RANK=0 " + helper + "hold >> /tmp/job-a-$$.log 2>&1 & sleep 1; " + env +
-               "RANK=1 LOCAL_RANK=1 timeout 20 " + helper + "allreduce; echo \"second job: exit $?\"; wait; "
+               "RANK=0 LOCAL_RANK=0 " + helper + "hold >> /tmp/job-a-$$.log 2>&1 & " + wait_for_a + "(" + env +
+               "RANK=0 LOCAL_RANK=0 timeout 20 " + helper + "allreduce 2>&1; echo \"second job's rank 0: exit $?\") & " +
+               env + "RANK=1 LOCAL_RANK=1 timeout 20 " + helper + "allreduce; echo \"second job: exit $?\"; wait; "
                "cat /tmp/job-a-$$.log; rm -f /tmp/job-a-$$.log)");
   EXPECT_TRUE(contains(r.output, "rank 1 has already joined the store at 127.0.0.1:")) << r.output;
   EXPECT_TRUE(contains(r.output, "another job is using the same MASTER_PORT")) << r.output;
   EXPECT_TRUE(contains(r.output, "second job: exit 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 0 cannot host the rendezvous store: port ")) << r.output;
+  EXPECT_TRUE(contains(r.output, "second job's rank 0: exit 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "meshtrain: ignored a start-up report (")) << r.output;
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_TRUE(contains(r.output, "rank " + std::to_string(rank) + " of 2 sum 3")) << r.output;
   }
