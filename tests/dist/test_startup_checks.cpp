@@ -156,16 +156,25 @@ TEST(DataGuards, AShardTruncatedOrRewrittenWhileTrainingIsNamed) {
   const std::string shard = t.path() + "/s_000000.bin";
   sh("cp " + shard + " " + t.path() + "/original.bin");
   const std::string train = kMeshrun + "--nproc-per-node 2 -- " + kBin + "/meshtrain" + kTiny +
-                            "--hidden 32 --seq-len 32 --steps 1000000 --data " + shard;
-  Shell r = sh("{ (sleep 3; truncate -s 5000 " + shard + ") & " + train + "; }");
+                            "--hidden 32 --seq-len 32 --steps 1000000 --log-every 1 --data " + shard;
+  // The change lands once the job trains (a fixed sleep raced a slow start
+  // on a busy machine, where the start-up checks then read the new bytes).
+  auto change_while_training = [&](const std::string& extra, const std::string& change) {
+    const std::string log = t.path() + "/train.log";
+    Shell r = sh("{ " + train + extra + " > " + log + " 2>&1 & pid=$!; for i in $(seq 1200); do grep -q 'step ' " +
+                 log + " && break; sleep 0.05; done; " + change + "; wait $pid; echo \"rc=$?\"; cat " + log + "; }");
+    r.exit_code = contains(r.output, "rc=0") ? 0 : 1;
+    return r;
+  };
+  Shell r = change_while_training("", "truncate -s 5000 " + shard);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "--data " + shard + " changed while training: 5000 bytes now")) << r.output;
   EXPECT_FALSE(contains(r.output, "Bus error")) << r.output;
 
   sh("cp " + t.path() + "/original.bin " + shard);
   // 30000 ids of 60000 from the first token on, the file's size unchanged.
-  r = sh("{ (sleep 3; /usr/bin/python3 -c \"f = open('" + shard + "', 'r+b'); f.seek(1024); "
-         "f.write(bytes([0x60, 0xea]) * 30000)\") & " + train + " --tp 2; }");
+  r = change_while_training(" --tp 2", "/usr/bin/python3 -c \"f = open('" + shard + "', 'r+b'); f.seek(1024); "
+                            "f.write(bytes([0x60, 0xea]) * 30000)\"");
   EXPECT_NE(r.exit_code, 0) << r.output;
   // Seen by the per-step check of the file's stamp (Note [Input files are
   // proven, then watched]), or, when the write lands between that check and
