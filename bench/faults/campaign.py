@@ -595,8 +595,8 @@ def trial_shared_save_dir(i, layout, shm_before, workdir):
 
 
 def trial_rewritten_in_place(i, layout, shm_before, workdir):
-    """The shard every rank maps gets 4 KiB of valid ids (letters) written in place, the size unchanged, 1-2 s
-    into a job that saves every step (--steps 100000 --save-every 1 --keep-last 1000). Named: the job failed
+    """The shard every rank maps gets 4 KiB of valid ids (letters) written in place, the size unchanged, 0-1 s
+    after the first checkpoint of a job that saves every step (--steps 100000 --save-every 1 --keep-last 1000). Named: the job failed
     naming d_000000.bin and "changed while training". Time: from the write to meshrun's failure line. Lost: a
     checkpoint committed for a step after the one in progress at the write (trained on the new bytes), plus the
     checkpoints saved before the write that changed, plus one when `latest` no longer loads whole."""
@@ -608,10 +608,16 @@ def trial_rewritten_in_place(i, layout, shm_before, workdir):
     extra = ["--vocab", "256", "--data", "d_*.bin", "--steps", "100000", "--save-dir", ckpt, "--save-every", "1",
              "--keep-last", "1000"]
     job = Job(meshrun(port, layout, extra), cwd=shared)
-    wait_for_ranks(port, 4)
-    time.sleep(rnd.uniform(1.0, 2.0))
-    before = file_hashes(ckpt)
-    step_at_write = max(checkpoint_steps(ckpt) or [0]) + 1  # the step in progress (or just finished)
+    # Once the job trains (its first checkpoint), at a random moment of it: a
+    # write before the ranks have read the file is a file they start from.
+    deadline = time.time() + HANG
+    while not os.path.exists(os.path.join(ckpt, "latest")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(rnd.uniform(0.0, 1.0))
+    committed = checkpoint_steps(ckpt)  # a step directory still being written is not in what must stay
+    before = {path: digest for path, digest in file_hashes(ckpt).items()
+              if path.split("/")[0] in {f"step-{s:08d}" for s in committed}}
+    step_at_write = max(committed or [0]) + 1  # the step in progress (or just finished)
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:
         f.seek(rnd.randrange(1024, size - 4096, 2))
