@@ -69,7 +69,9 @@ TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
 class MeshEngine : public Engine {
  public:
   MeshEngine(const TrainConfig& c, comm::CommPtr world)
-      : c_(c), mesh_(world, mesh::MeshLayout(world->size(), c.dp, c.pp, c.tp, c.cp)), data_(make_dataset(c)) {
+      : c_(c),
+        mesh_(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(c.dp).pp(c.pp).tp(c.tp).cp(c.cp))),
+        data_(make_dataset(c)) {
     const mesh::Coord me = mesh_.coord();
     ctx_.tp = c.tp > 1 ? mesh_.tp() : nullptr;
     ctx_.cp = c.cp > 1 ? mesh_.cp() : nullptr;
