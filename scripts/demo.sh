@@ -7,7 +7,7 @@
 # (build/demo-pipeline.json for Perfetto, build/demo-pipeline.svg).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --demo
 echo
 echo "== the article's toy example: one tensor from rank 0 to rank 1"
 build/bin/meshrun --nproc-per-node 2 --master-port 0 -- build/bin/send_recv

@@ -5,6 +5,7 @@
 #   bench/attention/run.sh        (SEQ_LENS=1024,2048,4096,8192 BUDGET_GIB=4)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 SEQ_LENS=${SEQ_LENS:-1024,2048,4096,8192}
 BUDGET_GIB=${BUDGET_GIB:-4}
 OUT=${OUT:-build/bench/attention}; mkdir -p "$OUT"

@@ -7,6 +7,7 @@
 #   bench/checkpoint/run.sh     (RUNS=3)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 RUNS=${RUNS:-3}
 OUT=${OUT:-build/bench/checkpoint}; rm -rf "$OUT"; mkdir -p "$OUT"
 GPT="--model gpt --layers 8 --hidden 256 --heads 8 --vocab 256 --seq-len 32 --global-batch 16 --eval-problems 0 --log-every 100"

@@ -12,6 +12,7 @@
 # whose scratch buffers are allocated per call, up to 10x at 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 RUNS=${RUNS:-3}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; WORLDS=${WORLDS:-2 4}; TARGET_S=${TARGET_S:-0.3}
 OUT=${OUT:-build/bench/collectives}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
 source bench/collectives/peers.sh

@@ -8,6 +8,7 @@
 #   bench/collectives/tcp.sh     (RUNS=3 SIZES=4K,64K,1M,16M,64M WORLDS="2 4" TARGET_S=0.3)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 RUNS=${RUNS:-3}; SIZES=${SIZES:-4K,64K,1M,16M,64M}; WORLDS=${WORLDS:-2 4}; TARGET_S=${TARGET_S:-0.3}
 OUT=${OUT:-build/bench/collectives_tcp}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
 source bench/collectives/peers.sh

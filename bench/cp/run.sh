@@ -6,6 +6,7 @@
 #   bench/cp/run.sh        (SEQ_LENS=1024,2048,4096,8192,16384 BUDGET_GIB=4)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 SEQ_LENS=${SEQ_LENS:-1024,2048,4096,8192,16384}
 BUDGET_GIB=${BUDGET_GIB:-4}
 OUT=${OUT:-build/bench/cp}; mkdir -p "$OUT"

@@ -7,6 +7,7 @@
 #   bench/data/input_hash.sh        (SIZE_MB=1000 STEPS=80)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 SIZE_MB=${SIZE_MB:-1000}
 STEPS=${STEPS:-80}
 OUT=${OUT:-build/bench/input_hash}; rm -rf "$OUT"; mkdir -p "$OUT"

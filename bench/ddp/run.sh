@@ -7,6 +7,7 @@
 #   bench/ddp/run.sh        (RUNS=3 STEPS=20)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 RUNS=${RUNS:-3}; STEPS=${STEPS:-20}
 OUT=${OUT:-build/bench/ddp}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
 MR="build/bin/meshrun --master-port 0 --threads-per-rank 1"

@@ -26,6 +26,12 @@ Faults:
                 directory, MESHTRAIN_BACKEND, the rendezvous token...), resuming a saved run: refused before
                 any write, naming the flag or variable; the saved run left as it was
   cut, cut-in, cut-out, frozen-host, slow-link: across two test hosts (bench/faults/partitions.py)
+  stranger-frames  a process without the token sends node 0's store a decline, a wrong MAC, a request or a huge
+                frame while it waits for node 1 (issue 54, item 5): logged and said, the job trains on
+                (trial_stranger_frames says what is measured)
+  flag-mismatch two meshrun nodes started with another --nproc-per-node, --nnodes (also MIN:MAX), --max-restarts
+                or token presence (issue 54, item 6): every node refuses within seconds naming the flag and both
+                values (trial_flag_mismatch)
   changed-data  the data one rank reads differs from the others' under the same name (another copy,
                 truncated, a block or a token rewritten), or the shard every rank reads is truncated or
                 overwritten with out-of-vocabulary ids while the job trains: refused, naming the file;
@@ -37,7 +43,7 @@ Faults:
                 (trial_rewritten_in_place)
 A trial that hangs (no exit within 60 s) is reported as such: it is a bug.
 """
-import json, os, random, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, threading, time
+import json, os, random, re, shutil, signal, socket, statistics, struct, subprocess, sys, tempfile, threading, time
 
 BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "build", "bin")
 GPT = ["--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq-len", "16",
@@ -589,8 +595,8 @@ def trial_shared_save_dir(i, layout, shm_before, workdir):
 
 
 def trial_rewritten_in_place(i, layout, shm_before, workdir):
-    """The shard every rank maps gets 4 KiB of valid ids (letters) written in place, the size unchanged, 1-2 s
-    into a job that saves every step (--steps 100000 --save-every 1 --keep-last 1000). Named: the job failed
+    """The shard every rank maps gets 4 KiB of valid ids (letters) written in place, the size unchanged, 0-1 s
+    after the first checkpoint of a job that saves every step (--steps 100000 --save-every 1 --keep-last 1000). Named: the job failed
     naming d_000000.bin and "changed while training". Time: from the write to meshrun's failure line. Lost: a
     checkpoint committed for a step after the one in progress at the write (trained on the new bytes), plus the
     checkpoints saved before the write that changed, plus one when `latest` no longer loads whole."""
@@ -602,10 +608,16 @@ def trial_rewritten_in_place(i, layout, shm_before, workdir):
     extra = ["--vocab", "256", "--data", "d_*.bin", "--steps", "100000", "--save-dir", ckpt, "--save-every", "1",
              "--keep-last", "1000"]
     job = Job(meshrun(port, layout, extra), cwd=shared)
-    wait_for_ranks(port, 4)
-    time.sleep(rnd.uniform(1.0, 2.0))
-    before = file_hashes(ckpt)
-    step_at_write = max(checkpoint_steps(ckpt) or [0]) + 1  # the step in progress (or just finished)
+    # Once the job trains (its first checkpoint), at a random moment of it: a
+    # write before the ranks have read the file is a file they start from.
+    deadline = time.time() + HANG
+    while not os.path.exists(os.path.join(ckpt, "latest")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(rnd.uniform(0.0, 1.0))
+    committed = checkpoint_steps(ckpt)  # a step directory still being written is not in what must stay
+    before = {path: digest for path, digest in file_hashes(ckpt).items()
+              if path.split("/")[0] in {f"step-{s:08d}" for s in committed}}
+    step_at_write = max(committed or [0]) + 1  # the step in progress (or just finished)
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:
         f.seek(rnd.randrange(1024, size - 4096, 2))
@@ -617,6 +629,145 @@ def trial_rewritten_in_place(i, layout, shm_before, workdir):
     r = refusal_result(job, finished, r"d_000000\.bin changed while training", t0, lost, shm_before, port)
     r["variant"] = "valid ids, same size"
     return r
+# Stranger frames during start (issue 54, item 5): what a process without the token sends to node 0's store while
+# it waits for node 1: (variant, the frames, what node 0 must say naming the stranger's address).
+STRANGERS = ["decline", "wrong MAC", "request first", "hello first", "huge frame", "ten declines"]
+
+
+def store_frame(command, *fields):
+    """One frame of the store's protocol (src/comm/store_protocol.h): a command byte, each field as its int64 length
+    and its bytes, after the frame's uint32 length."""
+    body = bytes([command]) + b"".join(struct.pack("<q", len(f)) + f for f in fields)
+    return struct.pack("<I", len(body)) + body
+
+
+def stranger_bytes(how):
+    return {"decline": store_frame(11), "wrong MAC": store_frame(10, os.urandom(32)),
+            "request first": store_frame(9, b"g0/r0", b"forged by a stranger"),
+            "hello first": store_frame(6, b"g0/r0"), "huge frame": struct.pack("<I", 0x7FFFFFF0) + os.urandom(60),
+            "ten declines": store_frame(11)}[how]
+
+
+def knock(port, payload, timeout=20):
+    """Connects to 127.0.0.1:port as a stranger (waiting for it to listen), reads the greeting, sends `payload`, and
+    reads until the store closes. Returns the stranger's own address ("127.0.0.1:40312") and when it sent."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = socket.socket()
+        try:
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            time.sleep(0.02)
+            continue
+        with s:
+            s.settimeout(15)
+            s.recv(4096)
+            sent = time.time()
+            s.sendall(payload)
+            try:
+                while s.recv(4096):
+                    pass
+            except OSError:  # the store resets refused connections
+                pass
+            return "127.0.0.1:%d" % s.getsockname()[1], sent
+    return None, None
+
+
+def two_nodes(port, token, layout, extra, node0_flags=(), node1_flags=()):
+    """The meshrun command of each of two nodes of 2 ranks on loopback (token: a file, or None)."""
+    def node(rank, flags):
+        args = [os.path.join(BIN, "meshrun"), "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank),
+                "--master-port", str(port), "--grace-seconds", "1", "--rdzv-timeout", "30"]
+        args += (["--rdzv-token-file", token] if token else []) + list(flags)
+        return args + ["--", os.path.join(BIN, "meshtrain")] + GPT + layout + extra
+    env = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_RDZV_TOKEN"}
+    return node(0, node0_flags), node(1, node1_flags), env
+
+
+def write_token(workdir, name="token"):
+    path = os.path.join(workdir, name)
+    with open(path, "w") as f:
+        f.write(os.urandom(16).hex() + "\n")
+    return path
+
+
+def trial_stranger_frames(i, layout, shm_before, workdir, template):
+    """STRANGERS[i]: node 0 of a two-node job (with a token, resuming a saved 10-step run to step 20) is sent a
+    stranger's frames while it waits; node 1 starts 0.3-1.5 s later. Detection: from the stranger's frame to node
+    0's first line naming the stranger's address. Named: both nodes trained to the end (exit 0) and node 0 said the
+    stranger's address (the refusal for the frames refused for their token, the store's line for a huge frame).
+    Lost: files of the saved checkpoints changed or missing, plus one when the last step's checkpoint is not there."""
+    how = STRANGERS[(i // 2) % len(STRANGERS)]  # each variant on both layouts in turn
+    ckpt = os.path.join(workdir, "ckpt")
+    shutil.copytree(template, ckpt)
+    before = file_hashes(ckpt)
+    port = free_port()
+    cmd0, cmd1, env = two_nodes(port, write_token(workdir), layout,
+                                ["--steps", "20", "--save-dir", ckpt, "--save-every", "5", "--resume"])
+    node0 = Job(cmd0, env=env)
+    strangers = [knock(port, stranger_bytes(how)) for _ in range(10 if how == "ten declines" else 1)]
+    address, t_sent = strangers[0]
+    time.sleep(random.uniform(0.3, 1.5))
+    node1 = Job(cmd1, env=env)
+    finished = node1.wait() and node0.wait()
+    said = r"closed the connection from " if how == "huge frame" else r"meshrun: while waiting for .*refused "
+    t_said, _ = node0.first_line(said + r".*" + re.escape(address or "?") + r"\b") if address else (None, None)
+    named = bool(t_said) and node0.proc.returncode == 0 and node1.proc.returncode == 0
+    last = os.path.exists(os.path.join(ckpt, "step-00000020"))
+    orphans = len(job_processes(port))
+    for p, _ in job_processes(port):
+        os.kill(p, signal.SIGKILL)
+    return dict(hang=not finished, detection=(t_said - t_sent) if t_said else None, named=named, orphans=orphans,
+                leftovers=len(shm_segments() - shm_before), lost=lost_checkpoint_files(before, ckpt) + (0 if last else 1),
+                variant=how, said=None if named else [l for _, l in node0.lines if "loss" not in l][-6:])
+
+
+# meshrun flag mismatches (issue 54, item 6): (variant, node 0's extra meshrun flags, node 1's, whether node 0 has
+# the token file, the sentence both nodes must say).
+FLAG_MISMATCHES = [
+    ("--nproc-per-node 2 / 1", [], ["--nproc-per-node", "1"], True,
+     r"node 1's meshrun has --nproc-per-node 1 and node 0's has --nproc-per-node 2: start every node's meshrun"),
+    ("--nnodes 2 / 3", [], ["--nnodes", "3"], True, r"node 1's meshrun has --nnodes 3 and node 0's has --nnodes 2: "),
+    ("--nnodes 2 / 1:2", [], ["--nnodes", "1:2"], True,
+     r"node 1's meshrun has --nnodes 1:2 and node 0's has --nnodes 2: "),
+    ("--max-restarts 1 / 0", ["--max-restarts", "1"], [], True,
+     r"node 1's meshrun has --max-restarts 0 and node 0's has --max-restarts 1: "),
+    ("token on node 1 only", [], [], False,
+     r"node 1's meshrun has a rendezvous token \(--rdzv-token-file .*\) and node 0's has no rendezvous token: "),
+]
+
+
+def trial_flag_mismatch(i, layout, shm_before, workdir, template):
+    """FLAG_MISMATCHES[i]: two meshrun nodes of 2 ranks resuming a saved 10-step run, one started with another
+    meshrun flag (or only node 1 with the token file); the nodes start in a random order 0-1 s apart. Detection: from
+    the second node's start to the later of the two nodes' lines naming the difference. Named: both nodes exit 2 and
+    both say the sentence (node, flag, both values, the fix). Lost: files of the saved checkpoints changed or
+    missing (tools/checkpoint_to_torch.py loads `latest`)."""
+    name, flags0, flags1, token0, expected = FLAG_MISMATCHES[(i // 2) % len(FLAG_MISMATCHES)]
+    ckpt = os.path.join(workdir, "ckpt")
+    shutil.copytree(template, ckpt)
+    before = file_hashes(ckpt)
+    port = free_port()
+    token = write_token(workdir)
+    extra = ["--steps", "30", "--save-dir", ckpt, "--save-every", "5", "--resume"]
+    cmd0, cmd1, env = two_nodes(port, token, layout, extra, flags0, flags1)
+    if not token0:  # node 0 without the token file, node 1 with it
+        cmd0 = cmd0[:cmd0.index("--rdzv-token-file")] + cmd0[cmd0.index("--rdzv-token-file") + 2:]
+    first, second = (cmd0, cmd1) if random.random() < 0.5 else (cmd1, cmd0)
+    jobs = [Job(first, env=env)]
+    time.sleep(random.uniform(0.0, 1.0))
+    t0 = time.time()
+    jobs.append(Job(second, env=env))
+    finished = all([j.wait() for j in jobs])
+    times = [j.first_line(expected)[0] for j in jobs]
+    named = all(times) and all(j.proc.returncode == 2 for j in jobs)
+    orphans = len(job_processes(port))
+    for p, _ in job_processes(port):
+        os.kill(p, signal.SIGKILL)
+    return dict(hang=not finished, detection=(max(times) - t0) if all(times) else None, named=named, orphans=orphans,
+                leftovers=len(shm_segments() - shm_before), lost=lost_checkpoint_files(before, ckpt), variant=name,
+                said=None if named else [l for j in jobs for _, l in j.lines][-8:])
 
 
 def summary(name, results):
@@ -682,6 +833,13 @@ def main():
                         references[key] = saved_run(os.path.join(templates, "desync-" + "-".join(layout)), layout,
                                                     [], templates)
                     r = trial_desync(i, layout, shm_before, workdir, references[key])
+                elif fault in ("stranger-frames", "flag-mismatch"):
+                    key = fault + " " + " ".join(layout)
+                    if key not in references:
+                        references[key] = saved_run(os.path.join(templates, "nodes-" + "-".join(layout)), layout,
+                                                    [], templates)
+                    trial = trial_stranger_frames if fault == "stranger-frames" else trial_flag_mismatch
+                    r = trial(i, layout, shm_before, workdir, references[key])
                 elif fault == "changed-data":
                     r = trial_changed_data(i, layout, shm_before, workdir, os.path.join(templates, "data"))
                 elif fault == "shared-save-dir":

@@ -24,8 +24,8 @@ def refusal_section(a):
          "same relative --data (it starts in another directory), or the shard every rank maps is changed 1-2 s into "
          "training. shared-save-dir: a second job started 0-1.5 s after a first with the same --save-dir (--save-every 5 "
          "--keep-last 3); one must be refused naming the other, whose checkpoints must all be there. "
-         "rewritten-in-place: 4 KiB of the shard rewritten with valid ids, the size unchanged, 1-2 s into a job "
-         "saving every step. Time = seconds from the start (changed while training: from the change; a second "
+         "rewritten-in-place: 4 KiB of the shard rewritten with valid ids, the size unchanged, 0-1 s after the first "
+         "checkpoint of a job saving every step. Time = seconds from the start (changed while training: from the change; a second "
          "job: from the later start) to meshrun's line "
          "saying the job failed. Named = the job failed and its output names the flag or variable (a flag in the "
          "start-up check's sentence \"--save-every is 5 on rank 0 but 3 on rank 2\") or the shard. Lost = files of "
@@ -47,6 +47,44 @@ def refusal_section(a):
             L.append(f"| {f} | {variant} | {len(rows)} | {sum(bool(x['named']) for x in rows)} | "
                      f"{sum(x['hang'] for x in rows)} | {sum(x['lost'] for x in rows)} |")
     publish(L, a.doc, "faults-refusals", "Refusal campaign: desynchronised flags and changed data")
+
+
+RENDEZVOUS = ["stranger-frames", "flag-mismatch"]  # issue 54, items 5 and 6
+
+
+def rendezvous_section(a):
+    """The stranger-frames and flag-mismatch rows: two meshrun nodes meeting."""
+    runs = {f: json.load(open(os.path.join(a.dir, f + ".json")))
+            for f in RENDEZVOUS if os.path.exists(os.path.join(a.dir, f + ".json"))}
+    if not runs:
+        return
+    L = [a.header, "",
+         "Two meshrun nodes of 2 ranks on loopback (a tiny GPT, dp 2 x pp 2 and dp 2 x tp 2, alternating) resuming a "
+         "saved 10-step run (--resume --save-every 5). stranger-frames: while node 0 waits for node 1, a process "
+         "without the token sends its store one of the variants below (ten declines: ten connections); node 1 starts "
+         "0.3-1.5 s later. Time = from the stranger's frame to node 0's first line naming the stranger's address; "
+         "named = both nodes trained to step 20 (exit 0) and node 0 said that address (the refusal line; for a huge "
+         "frame the store's own line). flag-mismatch: one node started with another meshrun flag, or only node 1 with "
+         "the token file, the nodes started in a random order 0-1 s apart; time = from the second node's start to "
+         "the later of the two nodes' lines naming the difference; named = both nodes exit 2 and both say the node, "
+         "the flag, both values and the fix. Lost = files of the saved checkpoints changed or missing, plus one when "
+         "`latest` does not load (and, for stranger-frames, when step 20 was not saved).", "",
+         "| fault | trials | hangs | time min / median / max (s) | named | orphans | leftovers | lost |",
+         "|---|---|---|---|---|---|---|---|"]
+    for f, results in runs.items():
+        r = summary(f, results)
+        det = f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}" if "median" in r else "-"
+        L.append(f"| {f} | {r['trials']} | {r['hangs']} | {det} | {r['named']} / {r['trials']} | {r['orphans']} | "
+                 f"{r['leftovers']} | {r['lost']} |")
+    L += ["", "| fault | variant | trials | named | time median (s) | lost |", "|---|---|---|---|---|---|"]
+    for f, results in runs.items():
+        for variant in dict.fromkeys(x["variant"] for x in results):
+            rows = [x for x in results if x["variant"] == variant]
+            det = sorted(x["detection"] for x in rows if x["detection"] is not None)
+            median = f"{det[len(det) // 2]:.2f}" if det else "-"
+            L.append(f"| {f} | {variant} | {len(rows)} | {sum(bool(x['named']) for x in rows)} | {median} | "
+                     f"{sum(x['lost'] for x in rows)} |")
+    publish(L, a.doc, "faults-rendezvous", "Refusal campaign: strangers and meshrun flags while the nodes meet")
 
 
 PARTITIONS = ["cut", "cut-in", "cut-out", "frozen-host", "slow-link"]
@@ -83,6 +121,7 @@ def partition_section(a):
 def main():
     a = report_args(__doc__)
     refusal_section(a)
+    rendezvous_section(a)
     partition_section(a)
     rows = [summary(f, json.load(open(os.path.join(a.dir, f + ".json"))))
             for f in ORDER if os.path.exists(os.path.join(a.dir, f + ".json"))]

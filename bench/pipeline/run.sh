@@ -8,6 +8,7 @@
 #   bench/pipeline/run.sh        (RUNS=1)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 OUT=${OUT:-build/bench/pipeline}; mkdir -p "$OUT" docs/images; rm -f "$OUT"/*.json
 MR="build/bin/meshrun --master-port 0"
 for p in 2 4; do

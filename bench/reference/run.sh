@@ -5,6 +5,7 @@
 #   bench/reference/run.sh [meshtrain flags]     (default: the trainer's defaults)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+cmake --build build --target benchmarks > /dev/null  # out of the default build
 OUT=${OUT:-build/reference}; rm -rf "$OUT"; mkdir -p "$OUT"
 FLAGS="--model gpt --eval-problems 0 --log-every 1000 $*"
 build/bin/bench_reference_export "$OUT" $FLAGS

@@ -5,7 +5,7 @@
 //
 // Lines added to the one-process program (each strategy one call):
 //   auto world = meshtrain::comm::init_from_env();
-//   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), 2, 2, 2));
+//   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(2).pp(2).tp(2)));
 //   tp::parallelize(*model, mesh.tp(), plan);                   // Megatron's embedding, attention and MLP split
 //   auto stage = pp::pipeline(model, mesh.pp(), loss, options); // this rank's blocks; micro-batches streamed
 //   for (auto& layer : stage->children()) zero::fully_shard(*layer, mesh.dp());
@@ -123,7 +123,7 @@ void report(const comm::Communicator& world, const mesh::Coord& me, const std::m
 
 int main(int argc, char** argv) {
   auto world = comm::init_from_env();
-  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), /*dp=*/2, /*pp=*/2, /*tp=*/2));
+  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(2).pp(2).tp(2)));
   const mesh::Coord me = mesh.coord();
   torch::manual_seed(0);  // every rank builds the same model
   torch::nn::Sequential model{Embed()};

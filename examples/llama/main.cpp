@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
     config.seq_len = 32;
   }
   const int pp = 2, tp = 2, dp = world->size() / (pp * tp);
-  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), dp, pp, tp));
+  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(dp).pp(pp).tp(tp)));
 
   // This rank's stage: pieces [bounds[s], bounds[s+1]) of embedding, blocks, head.
   const std::vector<int64_t> bounds = pp::partition_balanced(std::vector<int64_t>(models::num_pieces(config), 1), pp);

@@ -28,7 +28,7 @@ TORCH_MODULE(Block);
 
 int main() {
   auto world = comm::init_from_env();
-  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), /*dp=*/2, /*pp=*/2, /*tp=*/2));
+  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(2).pp(2).tp(2)));
   const mesh::Coord me = mesh.coord();
   torch::manual_seed(0);  // every rank builds the same model
   torch::nn::Sequential model(torch::nn::Linear(8, 32));

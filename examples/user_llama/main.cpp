@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int dp = world->size() / (tp * cp);
-  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), dp, /*pp=*/1, tp, cp));
+  mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(dp).tp(tp).cp(cp)));
   p.tp = mesh.tp();
   p.cp = mesh.cp();
   p.dp_cp = mesh.dp_cp();

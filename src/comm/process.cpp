@@ -3,6 +3,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -10,6 +11,7 @@
 
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/strings.h"
 
 namespace meshtrain {
 namespace comm {
@@ -30,6 +32,12 @@ Process::Process(ProcessConfig config, std::shared_ptr<TcpStore> store,
   const std::string prefix = config_.group + "/";
   watcher_.reset(new FailureWatcher(store_->host(), store_->port(), prefix, config_.timeout,
                                     [this](const FailureReport& r) { on_failure(r); }, store_->token()));
+  // A rendezvous wait (the checks below, exchanging addresses or segment
+  // names) also ends when a peer dies or stops at start-up. (join() clears
+  // this when the constructor throws: the store may outlive this object.)
+  store_->set_interrupt([this] {
+    if (auto f = failure()) raise_failure("rendezvous", *f);
+  });
   // Before hello: a rank refused here must not be reported dead under the label of the rank it collided with.
   const int64_t claims = store_->add(prefix + "claims/r" + std::to_string(config_.rank), 1);
   MESHTRAIN_CHECK(claims == 1, "rank ", config_.rank, " has already joined the store at ", store_->host(), ":",
@@ -37,15 +45,20 @@ Process::Process(ProcessConfig config, std::shared_ptr<TcpStore> store,
                   config_.rank, "; give each job its own port (meshrun --standalone or --master-port 0 picks a free one)");
   store_->hello(prefix + "r" + std::to_string(config_.rank));
   store_->set(prefix + "host/" + std::to_string(config_.rank), config_.host_id);
+  check_world_size_like_rank_0();
   if (!store_->authenticated()) check_token_like_rank_0();
-  // A rendezvous wait (exchanging addresses or segment names) also ends when a peer dies.
-  store_->set_interrupt([this] {
-    if (auto f = failure()) {
-      throw PeerFailure(str_cat("rank ", rank_of_label(f->label),
-                                " failed during the rendezvous: ", f->reason),
-                        rank_of_label(f->label));
-    }
-  });
+}
+
+// Note [Start-up reports]: a rank given another world size than rank 0 would
+// wait for ranks that never come, or leave rank 0 waiting for it (both until
+// the communication time-out). It stops at once, naming both sizes.
+void Process::check_world_size_like_rank_0() {
+  const std::string key = config_.group + "/world_size";
+  if (config_.rank == 0) return store_->set(key, std::to_string(config_.world_size));
+  const std::string rank0 = store_->get(key);
+  MESHTRAIN_CHECK(rank0 == std::to_string(config_.world_size), "rank ", config_.rank, " was started with a world ",
+                  "size of ", config_.world_size, " (WORLD_SIZE) and rank 0 with ", rank0, ": give every rank the same ",
+                  "WORLD_SIZE, the number of ranks in the job");
 }
 
 // Note [Token mismatch] (src/launch/launcher.cpp), for ranks: with a store
@@ -102,11 +115,76 @@ std::shared_ptr<gloo::transport::Device> Process::gloo_device() {
 
 void Process::load_hosts() {
   if (!hosts_.empty()) return;
+  await_every_rank();
   std::vector<std::string> hosts(config_.world_size);
   for (int r = 0; r < config_.world_size; ++r) {
     hosts[r] = store_->get(config_.group + "/host/" + std::to_string(r));
   }
   hosts_ = std::move(hosts);
+}
+
+// The ranks that have not published their host yet, from `from` on: "global
+// ranks 1, 3" (the first 8 named).
+std::string Process::ranks_not_arrived(int from) {
+  std::vector<std::string> missing;
+  int more = 0;
+  for (int r = from; r < config_.world_size; ++r) {
+    if (store_->check(config_.group + "/host/" + std::to_string(r))) continue;
+    if (missing.size() < 8) missing.push_back(std::to_string(r));
+    else ++more;
+  }
+  return str_cat(missing.size() + more > 1 ? "global ranks " : "global rank ", meshtrain::join(missing, ", "),
+                 more ? str_cat(" and ", more, " more") : "");
+}
+
+// Note [Start-up reports]: the rendezvous' first wait, for every rank to say
+// its host; where a rank that never comes shows. Rank 0 says whom it waits
+// for after 10 s, then every 30 s (a job started by hand has no launcher to
+// say it), and the time-out names the missing ranks and what keeps one away.
+void Process::await_every_rank() {
+  const auto start = std::chrono::steady_clock::now(), deadline = start + config_.timeout;
+  auto next_line = start + std::chrono::seconds(10);
+  auto backoff = std::chrono::milliseconds(1);
+  for (int r = 0; r < config_.world_size;) {
+    if (store_->check(config_.group + "/host/" + std::to_string(r))) {
+      ++r;
+      continue;
+    }
+    if (auto f = failure()) raise_failure("rendezvous", *f);
+    const auto now = std::chrono::steady_clock::now();
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start).count();
+    if (now > deadline) {
+      throw TimeoutError(str_cat("rendezvous: ", ranks_not_arrived(r), " did not join the rendezvous store at ",
+                                 store_->host(), ":", store_->port(), " within ", waited, " s (the communication ",
+                                 "timeout): a rank not started, or started with another MASTER_ADDR, MASTER_PORT or ",
+                                 "rendezvous token, never arrives; check every rank's environment", refused("; ")));
+    }
+    if (config_.rank == 0 && now > next_line) {
+      next_line += std::chrono::seconds(30);
+      say_waiting(r, waited);
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(20));
+  }
+}
+
+// Rank 0's waiting line: whom it waits for, where, and what the store refused.
+void Process::say_waiting(int from, int64_t waited) {
+  const std::string missing = ranks_not_arrived(from);
+  const auto limit = std::chrono::duration_cast<std::chrono::seconds>(config_.timeout).count();
+  const std::string line =
+      str_cat("meshtrain: rank 0 waits for ", missing, " to join the rendezvous store at ", store_->host(), ":",
+              store_->port(), " (", waited, " s so far, ", limit, " s at most): ",
+              missing.rfind("global ranks", 0) == 0 ? "are they" : "is it", " started, with MASTER_PORT=",
+              store_->port(), " and WORLD_SIZE=", config_.world_size, "?", refused(" Meanwhile "), "\n");
+  std::fputs(line.c_str(), stderr);
+}
+
+// The connections the store refused for their token (Note [Token mismatch]
+// in src/launch/launcher.cpp), after `before`; "" when there are none.
+std::string Process::refused(const std::string& before) {
+  const std::string seen = refusals_seen(*store_);
+  return seen.empty() ? "" : str_cat(before, seen, " (a rank with another MESHTRAIN_RDZV_TOKEN is refused so)");
 }
 
 const std::string& Process::host_of(int global_rank) {
@@ -208,6 +286,29 @@ void Process::remove_failure_listener(int id) {
   listeners_.erase(id);
 }
 
+// Note [Start-up reports]
+// A rank that stops with a ConfigError before its world is made (a bad flag,
+// RANK out of range, another WORLD_SIZE, a port already held by another rank
+// 0) used to leave the ranks started by hand waiting for it in the rendezvous
+// until the communication time-out (300 s by default). So it posts its error
+// to the store first, when it can reach the store and prove the token: from
+// join() under "<group>/startup/r<rank>" once it has a store connection, else
+// from a fresh connection under "<group>/startup" (report_startup_error, for
+// errors before any: the environment, the flags, hosting the store), with the
+// reason prefixed kStartupReport. Watchers push it like a death, and every
+// rank still in its rendezvous ends naming it. A rank whose world is made
+// ignores it (and says so once): every rank of its job has arrived, so the
+// report comes from a process of another job sharing the port (a second job's
+// duplicate rank 0) or an extra process, and must not stop a job that trains.
+// Under meshrun the ranks post nothing and meshrun ignores such reports: it
+// sees its ranks exit, names the one that failed first and stops the others
+// on every node within a second; a report racing it would have the waiting
+// ranks exit first and be blamed. What cannot be posted is told by the
+// waiting side's time-out instead (await_every_rank): a rank given another
+// MASTER_PORT never reaches this store, and one refused for its token proved
+// nothing (Note [Token mismatch] in src/launch/launcher.cpp); rank 0 hosting
+// the store prints the refusal at once and in its waiting lines.
+
 // Note [Naming a stuck rank]
 // A stuck rank (SIGSTOP, a deadlock, a rank in another collective) keeps its
 // connections open: nothing closes, and each rank waiting for it times out on
@@ -222,6 +323,11 @@ void Process::remove_failure_listener(int id) {
 // call), and the reporter follows that chain to the rank that waits for no one.
 std::string Process::describe(const FailureReport& f) {
   const int rank = rank_of_label(f.label);
+  if (f.reason.rfind(kStartupReport, 0) == 0) {  // Note [Start-up reports]
+    const std::string why = f.reason.substr(sizeof kStartupReport - 1);
+    return rank < 0 ? str_cat("a process of the job stopped at start-up: ", why)
+                    : str_cat("global rank ", rank, " stopped at start-up: ", why);
+  }
   if (rank < 0) return str_cat(f.label == "<store>" ? "" : f.label + ": ", f.reason);  // the store host: no rank to name
   if (f.reason.rfind(kStuckReport, 0) == 0) {
     return str_cat("global rank ", rank, " stopped making progress (", f.reason.substr(sizeof kStuckReport - 1), ")");
@@ -282,9 +388,23 @@ void Process::raise_stuck(int peer, const std::string& where, const std::string&
   throw TimeoutError(str_cat(what, chain.value_or(""), "; ", hint));
 }
 
+void Process::rendezvous_done() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  in_rendezvous_ = false;
+}
+
 void Process::on_failure(const FailureReport& report) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (failure_) return;
+  if (!in_rendezvous_ && report.reason.rfind(kStartupReport, 0) == 0) {  // Note [Start-up reports]
+    if (!ignored_startup_report_) {
+      std::fputs(str_cat("meshtrain: ignored a start-up report (", describe(report), "): this rank's world was already ",
+                         "made, so it comes from another job on the same port or an extra process\n").c_str(),
+                 stderr);
+    }
+    ignored_startup_report_ = true;
+    return;
+  }
   failure_ = report;
   failed_.store(true, std::memory_order_release);
   for (auto& kv : waiting_) kv.second.abort();

@@ -95,6 +95,11 @@ class Process {
   void register_wait(const void* key, int peer, std::chrono::steady_clock::duration long_after,
                      std::function<void()> abort);
   void unregister_wait(const void* key, bool completed);
+  // The world is made (join() calls it): from now on a start-up report comes
+  // from another job or an extra process, and is not acted on (Note
+  // [Start-up reports] in process.cpp).
+  void rendezvous_done();
+
   // Other backends register a callback that wakes their waiters (called once,
   // from the watcher's thread, after failed() became true). Returns an id.
   int add_failure_listener(std::function<void()> wake);
@@ -103,6 +108,12 @@ class Process {
  private:
   void on_failure(const FailureReport& report);
   void check_token_like_rank_0();
+  void check_world_size_like_rank_0();
+  // Waits until every rank published its host (Note [Start-up reports]).
+  void await_every_rank();
+  std::string ranks_not_arrived(int from);
+  void say_waiting(int from, int64_t waited);
+  std::string refused(const std::string& before);
   // The end of the waits-for chain that starts at `peer`, and how the chain
   // goes on from `peer` (", which waits for global rank 2"; "" when it does not).
   std::pair<int, std::string> end_of_wait_chain(int peer);
@@ -118,6 +129,8 @@ class Process {
   std::unique_ptr<FailureWatcher> watcher_;
   mutable std::mutex mutex_;
   std::optional<FailureReport> failure_;
+  bool in_rendezvous_ = true;            // until rendezvous_done()
+  bool ignored_startup_report_ = false;  // said once
   std::atomic<bool> failed_{false};
   std::atomic<bool> reported_stuck_{false};
   struct BlockingWait {  // a Gloo or TCP-links wait (register_wait)

@@ -3,8 +3,10 @@
 #include <ATen/Parallel.h>
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -254,32 +256,95 @@ std::string bind_address(const std::string& master_addr) {
   return net::local_address_towards(master_addr);
 }
 
-CommPtr join(const std::string& host, int port, int rank, int world_size, const std::string& group,
-             bool host_store, CommOptions options) {
+// Where and as whom a process joins its world.
+struct JoinSpec {
+  std::string host;
+  int port = 0;
+  int rank = 0;
+  int world_size = 1;
+  std::string group;
+  bool host_store = false;      // rank 0 without a launcher
+  bool report_startup = true;   // Note [Start-up reports]: not under meshrun
+};
+
+// Set once this process told its store why it stops, or found it cannot (Note [Start-up reports]).
+std::atomic<bool> g_startup_reported{false};
+
+CommPtr init_from_env_or_throw(CommOptions options);
+
+// Posts a start-up error on the store connection of a process that has one.
+void report_startup(TcpStore& store, const JoinSpec& spec, const std::string& message) {
+  g_startup_reported = true;
+  try {
+    store.report_failure(str_cat(spec.group, "/startup/r", spec.rank), kStartupReport + message);
+    store.bye();  // the error is the news, not a dead connection
+  } catch (const std::exception&) {  // the store went away: the others learn of it on their own
+  }
+}
+
+// Rank 0 hosts the store; a port already held is most often a second rank 0.
+std::unique_ptr<StoreServer> host_the_store(const JoinSpec& spec) {
+  try {
+    return std::make_unique<StoreServer>(spec.host, spec.port);
+  } catch (const ConfigError& e) {
+    throw ConfigError(str_cat("rank 0 cannot host the rendezvous store: ", e.what(), " (if another rank 0 of this job ",
+                              "holds it, two processes were given RANK=0)"));
+  }
+}
+
+CommPtr join(const JoinSpec& spec, CommOptions options) {
   requested_backend(options);  // a bad backend name fails here, before any connection
-  MESHTRAIN_CHECK(world_size >= 1, "world size ", world_size, " must be at least 1");
-  MESHTRAIN_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " must be in [0, world size ",
-                  world_size, ")");
-  std::unique_ptr<StoreServer> server;
-  if (host_store) server.reset(new StoreServer(host, port));
-  const int store_port = server ? server->port() : port;
-  auto store = std::make_shared<TcpStore>(host, store_port, options.timeout);
+  MESHTRAIN_CHECK(spec.world_size >= 1, "world size ", spec.world_size, " must be at least 1");
+  MESHTRAIN_CHECK(spec.rank >= 0 && spec.rank < spec.world_size, "rank ", spec.rank, " must be in [0, world size ",
+                  spec.world_size, ")");
+  std::unique_ptr<StoreServer> server = spec.host_store ? host_the_store(spec) : nullptr;
+  const int store_port = server ? server->port() : spec.port;
+  std::shared_ptr<TcpStore> store;
+  try {
+    store = std::make_shared<TcpStore>(spec.host, store_port, options.timeout);
+  } catch (const ConfigError&) {  // refused for its token: nothing this process says would be taken
+    g_startup_reported = true;
+    throw;
+  }
   ProcessConfig config;
-  config.rank = rank;
-  config.world_size = world_size;
-  config.group = group;
-  config.bind_host = bind_address(host);
+  config.rank = spec.rank;
+  config.world_size = spec.world_size;
+  config.group = spec.group;
+  config.bind_host = bind_address(spec.host);
   config.host_id = host_identity();
   config.timeout = options.timeout;
-  auto process = std::make_shared<Process>(config, store, std::move(server));
-  std::vector<int> ranks(world_size);
-  for (int r = 0; r < world_size; ++r) ranks[r] = r;
-  return make_communicator(process, ranks, rank, group + "/world", std::move(options));
+  std::vector<int> ranks(spec.world_size);
+  for (int r = 0; r < spec.world_size; ++r) ranks[r] = r;
+  std::shared_ptr<Process> process;
+  try {
+    process = std::make_shared<Process>(config, store, std::move(server));
+    CommPtr world = make_communicator(process, ranks, spec.rank, spec.group + "/world", std::move(options));
+    process->rendezvous_done();
+    return world;
+  } catch (const ConfigError& e) {
+    store->set_interrupt(nullptr);  // it may point into a Process that was never made
+    if (spec.report_startup) report_startup(*store, spec, e.what());
+    throw;
+  } catch (...) {
+    store->set_interrupt(nullptr);
+    throw;
+  }
 }
 
 }  // namespace
 
 CommPtr init_from_env(CommOptions options) {
+  try {
+    return init_from_env_or_throw(std::move(options));
+  } catch (const ConfigError& e) {
+    report_startup_error(e.what());  // a no-op when join() posted it already
+    throw;
+  }
+}
+
+namespace {
+
+CommPtr init_from_env_or_throw(CommOptions options) {
   const DistEnv e = dist_env_from_process();
   const BackendKind kind = requested_backend(options);
   const bool under_mpirun = e.source == "openmpi";
@@ -300,24 +365,90 @@ CommPtr init_from_env(CommOptions options) {
     // A world of one still runs through the same code path, with a private store.
     return make_single_process_world(std::move(options));
   }
-  const std::string group = str_cat("g", e.restart_count);
-  return join(e.master_addr, e.master_port, e.rank, e.world_size, group,
-              /*host_store=*/!e.agent_store && e.rank == 0, std::move(options));
+  JoinSpec spec;
+  spec.host = e.master_addr;
+  spec.port = e.master_port;
+  spec.rank = e.rank;
+  spec.world_size = e.world_size;
+  spec.group = str_cat("g", e.restart_count);
+  spec.host_store = !e.agent_store && e.rank == 0;
+  spec.report_startup = !e.agent_store;
+  return join(spec, std::move(options));
 }
 
+}  // namespace
+
 CommPtr make_single_process_world(CommOptions options) {
-  return join("127.0.0.1", 0, 0, 1, "single", /*host_store=*/true, std::move(options));
+  JoinSpec spec;
+  spec.host = "127.0.0.1";
+  spec.group = "single";
+  spec.host_store = true;
+  return join(spec, std::move(options));
 }
 
 CommPtr init_tcp(const std::string& url, int rank, int world_size, CommOptions options) {
   const auto hp = parse_tcp_url(url);
-  return join(hp.first, hp.second, rank, world_size, "tcp", /*host_store=*/rank == 0,
-              std::move(options));
+  JoinSpec spec;
+  spec.host = hp.first;
+  spec.port = hp.second;
+  spec.rank = rank;
+  spec.world_size = world_size;
+  spec.group = "tcp";
+  spec.host_store = rank == 0;
+  return join(spec, std::move(options));
 }
 
 CommPtr init_with_store(const std::string& host, int port, int rank, int world_size,
                         const std::string& group, CommOptions options) {
-  return join(host, port, rank, world_size, group, /*host_store=*/false, std::move(options));
+  JoinSpec spec;
+  spec.host = host;
+  spec.port = port;
+  spec.rank = rank;
+  spec.world_size = world_size;
+  spec.group = group;
+  return join(spec, std::move(options));
+}
+
+namespace {
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+// Whether a process accepts connections at host:port now (one attempt).
+bool store_answers(const std::string& host, int port) {
+  try {
+    ::close(net::connect_to(host, port, net::Clock::now(), "the rendezvous store"));
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+void report_startup_error(const std::string& message) {
+  if (g_startup_reported.exchange(true)) return;
+  try {
+    const std::string rank = env_or("RANK", ""), world = env_or("WORLD_SIZE", "");
+    if ((rank.empty() && world.empty()) || world == "1" || env_or("MESHTRAIN_AGENT_STORE", "0") == "1") return;
+    const std::string host = env_or("MASTER_ADDR", "127.0.0.1");
+    const int port = std::atoi(env_or("MASTER_PORT", "29500").c_str());
+    if (port < 1 || port > 65535) return;
+    // Rank 0 would have hosted the store: one answers only when another
+    // process holds the port (a second rank 0), so it is not waited for.
+    if (rank == "0" && !store_answers(host, port)) return;
+    TcpStore store(host, port, std::chrono::seconds(3));
+    char name[256] = {0};
+    gethostname(name, sizeof name - 1);
+    const std::string group = str_cat("g", std::atoi(env_or("MESHTRAIN_RESTART_COUNT", "0").c_str()));
+    store.report_failure(group + "/startup", str_cat(kStartupReport, message, " (a process started with RANK=",
+                                                     rank.empty() ? "(unset)" : rank, " on host ", name, ", pid ",
+                                                     getpid(), ")"));
+    store.bye();
+  } catch (const std::exception&) {  // no store, or one that refuses this process: the others' time-outs tell
+  }
 }
 
 }  // namespace comm

@@ -10,6 +10,7 @@
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/comm/store.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/util/strings.h"
 #include "socket.h"
 #include "store_auth.h"
 #include "store_protocol.h"
@@ -124,6 +125,16 @@ void TcpStore::bye() { request(net::Writer().u8(store_protocol::kBye).bytes()); 
 
 void TcpStore::report_failure(const std::string& label, const std::string& reason) {
   request(net::Writer().u8(store_protocol::kReport).str(label).str(reason).bytes());
+}
+
+std::string refusals_seen(TcpStore& store) {
+  try {
+    if (!store.check(kRefusalsKey)) return "";
+    std::vector<std::string> lines = split(trim(store.get(kRefusalsKey)), '\n');
+    return "the store refused " + join(lines, ", ");
+  } catch (const std::exception&) {  // the store went away: its refusals are not the news
+    return "";
+  }
 }
 
 FailureWatcher::FailureWatcher(const std::string& host, int port, const std::string& prefix,

@@ -12,12 +12,15 @@
 // is useless against the next nonce.
 //
 // A client without a token greeted with a nonce sends kDecline before it
-// closes, so that the store's side learns of the mismatch too: the server
-// records the first mismatch (a wrong MAC included) under kTokenMismatchKey,
-// where the launchers waiting for the other nodes find it and stop at once
-// (Note [Token mismatch] in src/launch/launcher.cpp). The opposite case, a
-// client with a token greeted without a nonce, is served (TcpStore::
-// authenticated() says so); meshrun and the ranks refuse it themselves.
+// closes, so that the store's side learns of the mismatch too. Nothing a
+// client sends before it proved the token is acted on: a kDecline, a wrong
+// MAC or a request first only closes the connection, is said on stderr, and
+// the first few are recorded under kRefusalsKey, which the launchers and ranks
+// waiting for the others mention in their waiting lines and time-outs. A
+// stranger's five bytes used to stop every node's rendezvous at once (Note
+// [Token mismatch] in src/launch/launcher.cpp). The opposite case, a client
+// with a token greeted without a nonce, is served (TcpStore::authenticated()
+// says so); meshrun and the ranks refuse it themselves.
 
 #include <cstdint>
 

@@ -57,6 +57,7 @@ constexpr size_t kMaxQueuedReplies = 64u << 20;    // a client that does not rea
 constexpr size_t kMaxClients = 4096;
 constexpr auto kTimeToAuthenticate = std::chrono::seconds(10);
 constexpr int kRefusalsShown = 20;
+constexpr long kRefusalsRecorded = 5;  // lines under kRefusalsKey
 
 struct Client {
   int fd = -1;
@@ -238,13 +239,14 @@ struct StoreServer::State {
     send(c, net::Writer().u8(store_protocol::kGreeting).str(c.nonce).bytes());
   }
 
-  // A client whose token is not the job's (`what` says how): refused, and the
-  // first such is recorded for the launchers (kTokenMismatchKey).
-  void token_mismatch(Client& c, const std::string& what) {
-    if (!kv.count(kTokenMismatchKey)) {
-      kv[kTokenMismatchKey] = str_cat("a process at ", c.peer, " ", what, "; every node's "
-                                      "meshrun needs the same token: the same --rdzv-token-file (or "
-                                      "MESHTRAIN_RDZV_TOKEN) on every node, or none anywhere");
+  // A client refused before it proved the token (`what` says how): logged, and
+  // the first few recorded under kRefusalsKey for the waiting lines of the
+  // launchers and ranks. Nothing else: it proved nothing, so nothing it says
+  // may end or change the rendezvous (Note [Token mismatch] in src/launch/launcher.cpp).
+  void refuse_unproven(Client& c, const std::string& what) {
+    std::string& recorded = kv[kRefusalsKey];
+    if (std::count(recorded.begin(), recorded.end(), '\n') < kRefusalsRecorded) {
+      recorded += str_cat("a process at ", c.peer, " (", what, ")\n");
     }
     refuse(c, what);
   }
@@ -253,11 +255,15 @@ struct StoreServer::State {
   void authenticate(Client& c, const std::string& frame) {
     net::Reader r(frame);
     const uint8_t cmd = r.u8();
-    if (cmd == store_protocol::kDecline) return token_mismatch(c, "came with no rendezvous token, and this job has one");
-    if (cmd != store_protocol::kAuth) return refuse(c, "it sent a request before proving it knows the job's token");
+    if (cmd == store_protocol::kDecline) {
+      return refuse_unproven(c, "it came with no rendezvous token, and this job has one");
+    }
+    if (cmd != store_protocol::kAuth) {
+      return refuse_unproven(c, "it sent a request before proving it knows the job's token");
+    }
     if (!store_auth::same_mac(r.str(), store_auth::mac(token, c.nonce))) {
       send(c, net::Writer().u8(store_protocol::kError).bytes());
-      return token_mismatch(c, "came with another rendezvous token than this job's");
+      return refuse_unproven(c, "it came with another rendezvous token than this job's");
     }
     c.nonce.clear();
     send(c, net::Writer().u8(store_protocol::kOk).bytes());

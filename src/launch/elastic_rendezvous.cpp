@@ -202,12 +202,12 @@ void ElasticRendezvous::close_round(int round) {
   store_.set(kRoundKey, std::to_string(round));
   const auto start = Clock::now();
   auto next_line = start + std::chrono::seconds(5);
-  std::string token_mismatch;  // Note [Token mismatch] in launcher.cpp: said once, and in the time-out
+  auto next_look = start;
   while (true) {
     if (interrupted_()) throw std::runtime_error("interrupted");
-    if (token_mismatch.empty() && store_.check(comm::kTokenMismatchKey)) {
-      token_mismatch = "; refused: " + store_.get(comm::kTokenMismatchKey);
-      inform_(str_cat("round ", round, token_mismatch));
+    if (Clock::now() >= next_look) {
+      next_look += std::chrono::milliseconds(250);
+      say_refused_nodes(round);
     }
     const std::vector<NodeEntry> entries = joined_entries(round);
     const std::set<int> gone = dead();
@@ -218,6 +218,7 @@ void ElasticRendezvous::close_round(int round) {
     state.elapsed_seconds = std::chrono::duration<double>(Clock::now() - start).count();
     state.first_round = round == 0;
     if (round_can_close(state, o_.min_nodes, o_.nnodes, std::chrono::duration<double>(o_.last_call).count())) {
+      say_refused_nodes(round);  // one that came since the last look is said too
       refuse_duplicates(entries, gone, members);
       store_.set(round_key(round, "members"), encode_members(members));
       inform_(str_cat("round ", round, ": nodes ", node_list(members), ", ",
@@ -229,7 +230,8 @@ void ElasticRendezvous::close_round(int round) {
     }
     MESHTRAIN_CHECK(Clock::now() - start < o_.rendezvous_timeout, "meshrun: timed out in round ", round,
                     " waiting for --nnodes ", o_.min_nodes, ":", o_.nnodes, " (", state.joined, " of at least ",
-                    o_.min_nodes, " nodes joined); start meshrun on more nodes or lower MIN", token_mismatch);
+                    o_.min_nodes, " nodes joined); start meshrun on more nodes or lower MIN",
+                    refused_.empty() ? "" : "; meanwhile " + refused_);
     if (Clock::now() > next_line) {
       next_line += std::chrono::seconds(10);
       inform_(str_cat("round ", round, ": ", state.joined, " nodes so far, waiting for ", o_.min_nodes, " to ",
@@ -237,6 +239,20 @@ void ElasticRendezvous::close_round(int round) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+void ElasticRendezvous::say_refused_nodes(int round) {
+  const std::string now = refused_nodes();
+  if (now != refused_) inform_(str_cat("round ", round, ": ", now));
+  refused_ = now;
+}
+
+std::string ElasticRendezvous::refused_nodes() {
+  std::vector<std::string> parts;
+  const std::string by_store = comm::refusals_seen(store_);
+  if (!by_store.empty()) parts.push_back(by_store);
+  if (store_.check(kNodesDifferKey)) parts.push_back("a node refused itself: " + store_.get(kNodesDifferKey));
+  return meshtrain::join(parts, "; ");
 }
 
 // The nodes that joined `round`, in registration order (a node's entry is

@@ -17,6 +17,10 @@
 namespace meshtrain {
 namespace launch {
 
+// Where a node whose meshrun settings differ from node 0's records the first
+// difference, before it refuses itself (Note [Nodes agree] in launcher.cpp).
+constexpr char kNodesDifferKey[] = "meshrun/nodes_differ";
+
 // The store key that counts the nodes joining `round`.
 std::string round_joined_key(int round);
 
@@ -53,6 +57,10 @@ class ElasticRendezvous {
 
  private:
   void close_round(int round);
+  // The nodes refused so far, for node 0's lines: by the store (a token that
+  // is not the job's) and by themselves (settings that differ); "" if none.
+  std::string refused_nodes();
+  void say_refused_nodes(int round);  // when they changed (refused_)
   bool wait_for_members(int round, std::string& members);
   std::vector<NodeEntry> joined_entries(int round);
   int registered();  // meshruns registered so far (incarnations 1..n)
@@ -68,6 +76,10 @@ class ElasticRendezvous {
   std::function<bool()> interrupted_;
   int incarnation_ = 0;
   std::vector<NodeEntry> last_members_;  // node 0: the previous round's
+  // Node 0: refused_nodes() as last said. Said when it changes and in a
+  // time-out, never acted on: the node may come back with the right token or
+  // flags (Notes [Token mismatch] and [Nodes agree] in launcher.cpp).
+  std::string refused_;
   std::atomic<int> running_round_{-1};   // node 0: the last round it closed
   std::mutex mutex_;
   std::set<int> dead_;

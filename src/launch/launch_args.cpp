@@ -10,6 +10,7 @@
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/flags.h"
 #include "meshtrain/util/strings.h"
+#include "meshtrain/version.h"
 
 namespace meshtrain {
 namespace launch {
@@ -174,6 +175,56 @@ std::map<std::string, std::string> rank_environment(const LaunchOptions& o, int 
   // GPT-2 124M: 2.3-3.1 s/step spinning, 1.4-1.5 passive, 1.6 on 1 thread.
   if (!base.count("OMP_WAIT_POLICY")) env["OMP_WAIT_POLICY"] = "PASSIVE";
   return env;
+}
+
+namespace {
+
+// The settings nodes compare (Note [Nodes agree]), and how to make them agree.
+struct NodeSetting {
+  const char* name;
+  const char* fix;
+};
+const NodeSetting kNodeSettings[] = {
+    {"--nnodes", "start every node's meshrun with the same --nnodes (the same MIN:MAX on every node of an elastic job)"},
+    {"--nproc-per-node", "start every node's meshrun with the same --nproc-per-node"},
+    {"--max-restarts", "start every node's meshrun with the same --max-restarts"},
+    {"token", "give every node the same --rdzv-token-file (or MESHTRAIN_RDZV_TOKEN), node 0 too, or none anywhere"},
+    {"version", "install the same meshtrain version on every node"},
+};
+
+// name -> (value, shown) of node_settings' lines; malformed lines are skipped.
+std::map<std::string, std::pair<std::string, std::string>> parse_node_settings(const std::string& text) {
+  std::map<std::string, std::pair<std::string, std::string>> out;
+  for (const std::string& line : split(text, '\n')) {
+    const std::vector<std::string> fields = split(line, '\t');
+    if (fields.size() == 3) out[fields[0]] = {fields[1], fields[2]};
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string node_settings(const LaunchOptions& o) {
+  const std::string nnodes = o.elastic ? str_cat(o.min_nodes, ":", o.nnodes) : std::to_string(o.nnodes);
+  const bool token = !o.rdzv_token.empty();
+  return str_cat("--nnodes\t", nnodes, "\t--nnodes ", nnodes, "\n",
+                 "--nproc-per-node\t", o.nproc_per_node, "\t--nproc-per-node ", o.nproc_per_node, "\n",
+                 "--max-restarts\t", o.max_restarts, "\t--max-restarts ", o.max_restarts, "\n",
+                 "token\t", token ? "yes" : "no", "\t",
+                 token ? str_cat("a rendezvous token (", o.rdzv_token_origin, ")") : "no rendezvous token", "\n",
+                 "version\t", version(), "\tmeshtrain ", version(), "\n");
+}
+
+std::string node_settings_difference(const std::string& mine, const std::string& node0, int node) {
+  const auto a = parse_node_settings(mine), b = parse_node_settings(node0);
+  std::vector<std::string> sentences;
+  for (const NodeSetting& s : kNodeSettings) {
+    const auto x = a.find(s.name), y = b.find(s.name);
+    if (x == a.end() || y == b.end() || x->second.first == y->second.first) continue;
+    sentences.push_back(str_cat("node ", node, "'s meshrun has ", x->second.second, " and node 0's has ",
+                                y->second.second, ": ", s.fix));
+  }
+  return join(sentences, "; ");
 }
 
 }  // namespace launch

@@ -25,6 +25,7 @@
 #include "meshtrain/comm/store.h"
 #include "meshtrain/launch/elastic.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/version.h"
 
 extern char** environ;
 
@@ -377,55 +378,113 @@ void stop_all(std::vector<std::unique_ptr<RankProcess>>& ranks, int sig, std::ch
 }
 
 // Note [Token mismatch]
-// A node whose meshrun has another rendezvous token than node 0's (or none, or
-// one where node 0 has none) is refused by the store and says so itself. The
-// store records the first such refusal under comm::kTokenMismatchKey (see
-// store_protocol.h), and the nodes that got in find it while they wait for the
-// others: a fixed-size job stops on every node at once, naming the refused
-// process's address and the fix, instead of waiting out --rdzv-timeout and
-// blaming --nnodes. (An elastic job says it and goes on waiting: a node may
-// come back with the right token.) The price: any process that reaches the
-// store's port with a wrong token while the nodes meet stops the rendezvous,
-// which is what a port shared by two jobs by mistake needs anyway.
+// A node whose meshrun has another rendezvous token than node 0's, or none
+// while node 0 has one, is refused by the store and says so itself, naming
+// its --rdzv-token-file (or MESHTRAIN_RDZV_TOKEN) and the fix. The nodes
+// waiting for it do not stop: the refused process proved nothing, and any
+// process that reaches the port can send the same bytes (one 5-byte kDecline
+// used to stop every node of a multi-node start within 0.2 s, and the real
+// node 1 then failed 31 s later on a store that was gone, naming nothing). So
+// the store only records the first few refusals (comm::kRefusalsKey, Note
+// [Store authentication] in src/comm/store_protocol.h), and the nodes waiting
+// for the others say them as soon as they appear, in each waiting line and in
+// the time-out: an operator whose node 1 holds the wrong token reads its
+// address there. The opposite case, a node with a token while node 0's store
+// takes none, is served; the token's presence is one of the settings nodes
+// compare (Note [Nodes agree]), so that difference stops every node at once
+// (in a job without a token every client is as trusted as any other).
+//
+// Note [Nodes agree]
+// The flags that shape the job must be the same on every node: the ranks'
+// numbering and count (--nproc-per-node, --nnodes, MIN:MAX when elastic), the
+// restart policy (--max-restarts: a node that stops restarting leaves the
+// others waiting for it), whether there is a token, and meshtrain's version
+// (the store's keys and the ranks' checks change between versions). Node 0
+// publishes its settings (node_settings) as soon as its store is up; every
+// other node reads them before it joins, and one that differs records the
+// difference under kNodesDifferKey and refuses itself, naming the flag, both
+// values and the fix. The nodes of a fixed-size job waiting for the others in
+// their first meeting stop on that record at once (it comes from a node that
+// proved the token); an elastic job says it and goes on waiting, since the
+// node may come back with the right flags. Before, a node started with
+// --nnodes 3 trained with a node 0 of --nnodes 2, and --nproc-per-node 2
+// against 1 failed after 304 s asking whether WORLD_SIZE was the same.
+constexpr char kNodeSettingsKey[] = "meshrun/settings";  // node 0's node_settings
 
-// Waits until the integer at `key` reaches `target` (agents' barriers).
-void await_count(comm::TcpStore& store, const std::string& key, int target, std::chrono::milliseconds timeout,
-                 const std::string& what) {
-  const auto start = Clock::now(), deadline = start + timeout;
-  auto next_line = start + std::chrono::seconds(5);
-  while (store.add(key, 0) < target) {
+// Says the store's refusals when they change (Note [Token mismatch]); `said`
+// holds what was said last, and then the current ones ("" if none).
+void say_new_refusals(comm::TcpStore& store, const std::string& what, std::string& said) {
+  const std::string now = comm::refusals_seen(store);
+  if (!now.empty() && now != said) {
+    say(str_cat("while waiting for ", what, ": ", now, "; not acted on, since it proved no token (if it is a node of "
+                "this job, give it node 0's --rdzv-token-file)"));
+  }
+  if (!now.empty()) said = now;
+}
+
+// A wait of the agents until the integer at `key` reaches `target` (their barriers).
+struct CountWait {
+  std::string key;
+  int target = 0;
+  std::chrono::milliseconds timeout{0};
+  std::string what;            // for messages: "the other nodes"
+  bool first_meeting = false;  // a node whose settings differ stops it (Note [Nodes agree])
+};
+
+void await_count(comm::TcpStore& store, const CountWait& w) {
+  const auto start = Clock::now(), deadline = start + w.timeout;
+  auto next_line = start + std::chrono::seconds(5), next_look = start;
+  std::string refusals;
+  while (store.add(w.key, 0) < w.target) {
     if (signal_arrived()) throw std::runtime_error("interrupted");
-    // Note [Token mismatch]
-    if (store.check(comm::kTokenMismatchKey)) {
-      throw ConfigError(str_cat("meshrun: stopped waiting for ", what, ": ", store.get(comm::kTokenMismatchKey)));
+    if (w.first_meeting && store.check(kNodesDifferKey)) {  // Note [Nodes agree]
+      throw ConfigError(str_cat("meshrun: stopped waiting for ", w.what, ": ", store.get(kNodesDifferKey)));
     }
+    if (Clock::now() >= next_look) {  // Note [Token mismatch]: said, never acted on
+      next_look += std::chrono::milliseconds(250);
+      say_new_refusals(store, w.what, refusals);
+    }
+    const std::string also = refusals.empty() ? "" : "; meanwhile " + refusals;
     if (Clock::now() > next_line) {  // say that it waits, and for whom
       next_line += std::chrono::seconds(10);
       const auto left = std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count();
-      inform(str_cat("waiting for ", what, ": ", store.add(key, 0), " of ", target, " nodes so far (", left,
-                     " s before giving up; --rdzv-timeout)"));
+      inform(str_cat("waiting for ", w.what, ": ", store.add(w.key, 0), " of ", w.target, " nodes so far (", left,
+                     " s before giving up; --rdzv-timeout)", also));
     }
     if (Clock::now() > deadline) {
-      throw ConfigError(str_cat("meshrun: timed out waiting for ", what, " (", store.add(key, 0), " of ", target,
+      throw ConfigError(str_cat("meshrun: timed out waiting for ", w.what, " (", store.add(w.key, 0), " of ", w.target,
                                 " nodes arrived); start meshrun on every node with the same --nnodes, "
-                                "--master-addr and --master-port"));
+                                "--master-addr, --master-port and --rdzv-token-file", also));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  say_new_refusals(store, w.what, refusals);  // one that came since the last look is said too
 }
 
-// Note [Token mismatch]: this node has a token and node 0's store takes none.
-void refuse_a_token_the_store_lacks(const LaunchOptions& o, comm::TcpStore& store) {
-  if (o.rdzv_token.empty() || store.authenticated()) return;
-  if (!store.check(comm::kTokenMismatchKey)) {
-    store.set(comm::kTokenMismatchKey, str_cat("node ", o.node_rank, "'s meshrun came with a rendezvous token (",
-                                               o.rdzv_token_origin, "), and this job has none; every node's meshrun "
-                                               "needs the same token: the same --rdzv-token-file (or "
-                                               "MESHTRAIN_RDZV_TOKEN) on every node, or none anywhere"));
+// Node 0's settings, which it publishes as soon as its store is up (Note [Nodes agree]).
+std::string node_0_settings(const LaunchOptions& o, comm::TcpStore& store) {
+  const auto patience = std::min<std::chrono::milliseconds>(o.rendezvous_timeout, std::chrono::seconds(10));
+  const auto deadline = Clock::now() + patience;
+  while (!store.check(kNodeSettingsKey)) {
+    MESHTRAIN_CHECK(Clock::now() < deadline, "meshrun: the rendezvous store at ", o.master_addr, ":", store.port(),
+                    " holds no settings of node 0's meshrun after ",
+                    std::chrono::duration_cast<std::chrono::seconds>(patience).count(), " s: node 0 runs a meshtrain "
+                    "older than this node's ", version(), " (or the port is not node 0's meshrun); install the same "
+                    "meshtrain version on every node");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  throw ConfigError(str_cat("meshrun: the rendezvous store at ", o.master_addr, ":", store.port(), " (node 0's "
-                            "meshrun) takes no rendezvous token, and this node has one (", o.rdzv_token_origin,
-                            "): give every node the same token, node 0 too, or none anywhere"));
+  return store.get(kNodeSettingsKey);
+}
+
+// Note [Nodes agree]: node 0 publishes its settings; another node compares
+// its own with them and, when they differ, says so to the others and refuses itself.
+void agree_with_node_0(const LaunchOptions& o, comm::TcpStore& store) {
+  const std::string mine = node_settings(o);
+  if (o.node_rank == 0) return store.set(kNodeSettingsKey, mine);
+  const std::string difference = node_settings_difference(mine, node_0_settings(o, store), o.node_rank);
+  if (difference.empty()) return;
+  if (!store.check(kNodesDifferKey)) store.set(kNodesDifferKey, difference);
+  throw ConfigError("meshrun: " + difference);
 }
 
 struct Outcome {
@@ -652,8 +711,13 @@ Outcome run_generation(const LaunchOptions& o, int generation, int store_port, c
                        const std::vector<NodeEntry>* members = nullptr) {
   const std::string gen = "g" + std::to_string(generation);
   RemoteFailures remote;
+  // A start-up report is for ranks started by hand (Note [Start-up reports] in
+  // src/comm/process.cpp): this job's ranks post none, meshrun sees them exit.
   comm::FailureWatcher watcher(o.master_addr, store_port, gen + "/", o.rendezvous_timeout,
-                               [&](const comm::FailureReport& r) { remote.record(r); }, o.rdzv_token);
+                               [&](const comm::FailureReport& r) {
+                                 if (r.reason.rfind(comm::kStartupReport, 0) != 0) remote.record(r);
+                               },
+                               o.rdzv_token);
   const auto members_watcher = members ? watch_members(o, store_port, gen, *members, remote) : nullptr;
   std::vector<std::unique_ptr<RankProcess>> ranks;
   const int cores = node_cores();
@@ -701,7 +765,7 @@ int run_fixed(Agent& a) {
     const std::string gen = "g" + std::to_string(generation);
     store.add(gen + "/nodes_joined", 1);
     try {
-      await_count(store, gen + "/nodes_joined", o.nnodes, o.rendezvous_timeout, "the other nodes");
+      await_count(store, {gen + "/nodes_joined", o.nnodes, o.rendezvous_timeout, "the other nodes", generation == 0});
     } catch (const std::runtime_error& e) {
       if (signal_arrived()) return 128 + g_signal;
       say(e.what());
@@ -730,7 +794,7 @@ int run_fixed(Agent& a) {
     const bool last = generation >= o.max_restarts;
     const auto stop_wait = last ? o.grace + std::chrono::seconds(5) : o.rendezvous_timeout;
     try {
-      await_count(store, gen + "/nodes_stopped", o.nnodes, stop_wait, "the other nodes to stop");
+      await_count(store, {gen + "/nodes_stopped", o.nnodes, stop_wait, "the other nodes to stop"});
     } catch (const std::exception& e) {
       say(last ? str_cat("not every node said it stopped within ", std::chrono::duration_cast<std::chrono::seconds>(
                                                                          stop_wait).count(),
@@ -842,7 +906,7 @@ int run_launcher(const LaunchOptions& options) {
     a.port = server->port();
   }
   comm::TcpStore store(o.master_addr, a.port, o.rendezvous_timeout, o.rdzv_token, o.rdzv_token_origin);
-  refuse_a_token_the_store_lacks(o, store);
+  agree_with_node_0(o, store);
   a.store = &store;
   a.base_env = process_environment();
   g_job_tag = std::to_string(getpid()) + "-" + comm::generate_rdzv_token().substr(0, 16);

@@ -31,13 +31,16 @@ const char* axis_name(Axis a) {
   return "?";
 }
 
-MeshLayout::MeshLayout(int world, int dp, int pp, int tp, int cp) : dp_(dp), pp_(pp), tp_(tp), cp_(cp) {
-  const std::string cp_part = cp == 1 ? "" : str_cat(" x cp ", cp);
-  MESHTRAIN_CHECK(dp >= 1 && pp >= 1 && tp >= 1 && cp >= 1 && dp * pp * tp * cp == world, "mesh layout dp ", dp,
-                  " x pp ", pp, " x tp ", tp, cp_part, " = ", dp * pp * tp * cp,
+MeshLayout::MeshLayout(int world, const MeshDims& dims)
+    : dp_(dims.dp()), pp_(dims.pp()), tp_(dims.tp()), cp_(dims.cp()) {
+  const int others = pp_ * tp_ * cp_;
+  if (dp_ == 0 && others >= 1 && world % others == 0) dp_ = world / others;  // what the world leaves
+  const std::string cp_part = cp_ == 1 ? "" : str_cat(" x cp ", cp_);
+  MESHTRAIN_CHECK(dp_ >= 1 && pp_ >= 1 && tp_ >= 1 && cp_ >= 1 && dp_ * pp_ * tp_ * cp_ == world, "mesh layout dp ",
+                  dp_, " x pp ", pp_, " x tp ", tp_, cp_part, " = ", dp_ * pp_ * tp_ * cp_,
                   " ranks does not match the world size ", world,
                   "; every degree must be at least 1 and their product must equal the world size (", world,
-                  " ranks: choose dp x pp x tp", cp == 1 ? "" : " x cp", " = ", world, ")");
+                  " ranks: choose dp x pp x tp", cp_ == 1 ? "" : " x cp", " = ", world, ")");
 }
 
 int MeshLayout::degree(Axis a) const {

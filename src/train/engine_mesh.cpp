@@ -75,7 +75,9 @@ TrainerOptions trainer_options(const TrainConfig& c, bool tied_across_ranks) {
 class MeshEngine : public Engine {
  public:
   MeshEngine(const TrainConfig& c, comm::CommPtr world)
-      : c_(c), mesh_(world, mesh::MeshLayout(world->size(), c.dp, c.pp, c.tp, c.cp)), data_(make_dataset(c)) {
+      : c_(c),
+        mesh_(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(c.dp).pp(c.pp).tp(c.tp).cp(c.cp))),
+        data_(make_dataset(c)) {
     const mesh::Coord me = mesh_.coord();
     comm::CommPtr experts;  // the ep group: consecutive ranks of dp x cp (train/experts.h)
     if (c.ep > 1) {

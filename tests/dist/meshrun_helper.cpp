@@ -4,7 +4,7 @@
 //   fail-first R        like "fail R 3" on the first attempt only; later attempts succeed
 //   grandchild DIR      fork a child that sleeps; both write their pids to DIR; then sleep
 //   allreduce           init_from_env, all_reduce(rank + 1), print the sum
-//   hold                init_from_env, wait 3 s, then as "allreduce"
+//   hold                init_from_env, say "joined", wait 3 s, then as "allreduce"
 //   stranger            rank 1 first plays a stranger on the job's store port:
 //                       a forged failure report for rank 0 on a raw
 //                       connection, then a store client without the token;
@@ -102,7 +102,10 @@ int main(int argc, char** argv) {
   if (mode == "stranger" && rank == 1) forge_a_report_and_join_without_the_token();
   if (mode == "allreduce" || mode == "stranger" || mode == "hold") try {
     auto comm = meshtrain::comm::init_from_env();
-    if (mode == "hold") std::this_thread::sleep_for(std::chrono::seconds(3));
+    if (mode == "hold") {
+      std::cout << "rank " << comm->rank() << " joined" << std::endl;
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+    }
     auto t = torch::full({4}, static_cast<float>(comm->rank() + 1));
     comm->all_reduce(t);
     std::cout << "rank " << comm->rank() << " of " << comm->size() << " sum " << t[0].item<float>() << std::endl;

@@ -162,7 +162,7 @@ TEST(Experts, MetricsRouterLoadEqualsOneProcess) {
 TEST(Experts, TheTrainerRefusesAScheduleRunningABackwardBeforeTheLastForward) {
   run_ranks(2, [](comm::Communicator& comm) {
     auto self = std::shared_ptr<comm::Communicator>(&comm, [](comm::Communicator*) {});
-    const mesh::DeviceMesh mesh(self, mesh::MeshLayout(2, 1, 2, 1));
+    const mesh::DeviceMesh mesh(self, mesh::MeshLayout(2, mesh::MeshDims().dp(1).pp(2)));
     auto model = [] {
       at::manual_seed(1);
       return torch::nn::Sequential(torch::nn::Linear(8, 8),

@@ -52,10 +52,11 @@ TEST(OneJobPerSaveDir, TheSecondJobIsRefusedNamingTheFirst) {
   // A live job holds the lock (here flock(1) in its place): refused, --overwrite included.
   sh("mkdir -p " + ck);
   const std::string holder = "flock " + ck + "/.meshtrain-lock sh -c 'echo \"a job of the test\" > " + ck +
-                             "/.meshtrain-lock; sleep 30'";
-  sh("(" + holder + ") > /dev/null 2>&1 & sleep 0.5");
+                             "/.meshtrain-lock; sleep 29.75'";
+  sh("(" + holder + ") > /dev/null 2>&1 & for i in $(seq 200); do grep -q 'a job of the test' " + ck +
+     "/.meshtrain-lock 2>/dev/null && break; sleep 0.05; done");  // the holder has the lock
   Shell r = sh(meshtrain_on(2, "--steps 4 --save-dir " + ck + " --save-every 2 --overwrite"));
-  sh("pkill -f 'sleep 30' ; true");
+  sh("pkill -f 'sleep 29.75' ; true");
   EXPECT_EQ(r.exit_code, 1) << r.output;  // meshrun's: a rank failed (with 2: a configuration error)
   EXPECT_TRUE(contains(r.output, "--save-dir " + ck + " is in use by another job (a job of the test holds " + ck +
                                      "/.meshtrain-lock)")) << r.output;

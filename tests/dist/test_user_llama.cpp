@@ -59,7 +59,7 @@ struct Layout {
 
 Trained on_mesh(const user_llama::Config& c, const Layout& l, Communicator& comm) {
   const CommPtr world(&comm, [](Communicator*) {});
-  meshtrain::mesh::DeviceMesh mesh(world, meshtrain::mesh::MeshLayout(comm.size(), l.dp, 1, l.tp, l.cp));
+  meshtrain::mesh::DeviceMesh mesh(world, meshtrain::mesh::MeshLayout(comm.size(), meshtrain::mesh::MeshDims().dp(l.dp).tp(l.tp).cp(l.cp)));
   user_llama::Parallel p;
   p.tp = mesh.tp();
   p.cp = mesh.cp();

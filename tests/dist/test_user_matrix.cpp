@@ -153,6 +153,8 @@ struct Case {
   int virtual_stages() const { return schedule == "interleaved" ? 2 : 1; }
 };
 
+meshtrain::mesh::MeshDims dims_of(const Case& c) { return meshtrain::mesh::MeshDims().dp(c.dp).pp(c.pp).tp(c.tp); }
+
 // Every layout of 2, 4 and 8 ranks, with every ZeRO stage where dp > 1; the
 // schedules rotate (a layout with pp > 1 and dp > 1 runs each of them once).
 std::vector<Case> cases() {
@@ -192,7 +194,7 @@ TEST_P(UserMatrix, TrainsLikeOneProcess) {
   options.time_limit = std::chrono::seconds(90);
   run_ranks(c.world(), [&](Communicator& comm) {
     meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
-                                     meshtrain::mesh::MeshLayout(c.world(), c.dp, c.pp, c.tp));
+                                     meshtrain::mesh::MeshLayout(c.world(), dims_of(c)));
     const auto me = mesh.coord();
     meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, trainer_options(c));
     const std::string where = "rank " + std::to_string(comm.rank());
@@ -265,7 +267,7 @@ TEST(UserTrainer, CheckpointLoadsUnderAnotherLayout) {
   auto train = [&](const Case& c, int first_step, int end_step) {
     run_ranks(c.world(), [&](Communicator& comm) {
       meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
-                                       meshtrain::mesh::MeshLayout(c.world(), c.dp, c.pp, c.tp));
+                                       meshtrain::mesh::MeshLayout(c.world(), dims_of(c)));
       meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, trainer_options(c));
       if (first_step > 0) {
         meshtrain::train::CheckpointReader reader(meshtrain::train::latest_checkpoint(dir));
@@ -299,7 +301,8 @@ TEST(UserTrainer, CheckpointLoadsUnderAnotherLayout) {
 // under ZeRO-3 and under DDP alike; so is a keep_gathered path no stage holds.
 TEST(UserTrainer, WhatItCannotDoIsRefusedWhenMade) {
   run_ranks(2, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}), meshtrain::mesh::MeshLayout(2, 2, 1, 1));
+    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
+        meshtrain::mesh::MeshLayout(2, meshtrain::mesh::MeshDims().dp(2)));
     auto refused = [&](meshtrain::train::TrainerOptions options, const std::string& message) {
       try {
         meshtrain::train::Trainer trainer(user_gpt(), mesh, cross_entropy, make_sgd, options);
@@ -333,7 +336,8 @@ TEST(UserTrainer, EvaluateRunsInEvalMode) {
   ref->eval();
   const double expected = mse(ref->forward(x), y).item<double>();
   run_ranks(2, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}), meshtrain::mesh::MeshLayout(2, 2, 1, 1));
+    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
+        meshtrain::mesh::MeshLayout(2, meshtrain::mesh::MeshDims().dp(2)));
     auto sgd = [](std::vector<torch::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, 0.1); };
     meshtrain::train::Trainer trainer(make(), mesh, mse, sgd, meshtrain::train::TrainerOptions().pipeline(
                                                                    pp::PipelineOptions().microbatches(2)));
@@ -366,7 +370,8 @@ TEST(UserTrainer, BuiltStageThatIsOneLayerTrainsUnderZero3) {
     ref_losses.push_back(loss.item<double>());
   }
   run_ranks(2, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}), meshtrain::mesh::MeshLayout(2, 2, 1, 1));
+    meshtrain::mesh::DeviceMesh mesh(CommPtr(&comm, [](Communicator*) {}),
+        meshtrain::mesh::MeshLayout(2, meshtrain::mesh::MeshDims().dp(2)));
     auto sgd = [](std::vector<torch::Tensor> p) {
       return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
     };

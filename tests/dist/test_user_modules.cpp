@@ -139,7 +139,8 @@ TEST(UserModules, PipelineInsideReplicateMatchesOneProcess) {
   const Reference ref = train_one_process(kSteps);
   for (int dp : {2, 3}) {
     run_ranks(2 * dp, [&](Communicator& comm) {
-      meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(comm.size(), dp, 2, 1));
+      meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+          meshtrain::mesh::MeshLayout(comm.size(), meshtrain::mesh::MeshDims().dp(dp).pp(2)));
       auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse,
                                            meshtrain::pp::PipelineOptions().split_points({3}).microbatches(2));
       auto replicated = meshtrain::dp::replicate(stage.module(), mesh.dp());
@@ -169,7 +170,8 @@ TEST(UserModules, PipelineInsideReplicateMatchesOneProcess) {
 TEST(UserModules, PipelineInsideZeroStage2MatchesOneProcess) {
   const Reference ref = train_one_process(kSteps);
   run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).pp(2)));
     auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse, meshtrain::pp::PipelineOptions().microbatches(2));
     auto sgd = std::make_unique<torch::optim::SGD>(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     meshtrain::zero::ZeroRedundancyOptimizer zero(stage.module(), std::move(sgd), mesh.dp(),
@@ -213,7 +215,8 @@ TEST(UserModules, InterleavedPipelineWithDataParallelChunksMatchesOneProcess) {
   const Reference ref = train_one_process(kSteps);
   for (const std::string wrap : {"replicate", "fully_shard", "whole"}) {
     run_ranks(4, [&](Communicator& comm) {
-      meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+      meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+          meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).pp(2)));
       auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse,
                                            meshtrain::pp::PipelineOptions().schedule("interleaved").virtual_stages(2).microbatches(2));
       std::vector<meshtrain::dp::Replicated<torch::nn::Module>> replicas;
@@ -350,7 +353,8 @@ TEST(UserModules, ParallelizedPlainLinearsMatchOneProcess) {
 TEST(UserModules, ParallelizeInsideReplicateMatchesOneProcess) {
   const Reference ref = train_net_on(net_batch, kSteps);
   run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).tp(2)));
     auto net = std::make_shared<Net>();
     meshtrain::tp::parallelize(*net, mesh.tp(), kPlan);
     auto model = meshtrain::dp::replicate(net, mesh.dp());
@@ -395,7 +399,8 @@ TEST(UserModules, ParallelizeNamesTheLayerAndTheFix) {
 TEST(UserModules, ParallelizePipelineAndReplicateTogetherMatchOneProcess) {
   const Reference ref = train_one_process(kSteps);
   run_ranks(8, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(8, 2, 2, 2));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(8, meshtrain::mesh::MeshDims().dp(2).pp(2).tp(2)));
     const auto me = mesh.coord();
     auto model = user_model();
     meshtrain::tp::parallelize(*model, mesh.tp(), {{"2", meshtrain::tp::Style::kColwise}, {"4", meshtrain::tp::Style::kRowwise}});
@@ -486,7 +491,8 @@ TEST(UserModules, FullyShardedPlainModulesMatchOneProcess) {
 TEST(UserModules, FullyShardOfParallelizedLayersMatchesOneProcess) {
   const Reference ref = train_net_on(shard_batch, kSteps);
   run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).tp(2)));
     auto model = std::make_shared<Net>();
     meshtrain::tp::parallelize(*model, mesh.tp(), kPlan);
     meshtrain::zero::fully_shard(*model->block, mesh.dp());
@@ -514,7 +520,8 @@ TEST(UserModules, FullyShardOfParallelizedLayersMatchesOneProcess) {
 TEST(UserModules, PipelineOfFullyShardedStagesMatchesOneProcess) {
   const Reference ref = train_one_process(kSteps);
   run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).pp(2)));
     auto stage = meshtrain::pp::pipeline(user_model(), mesh.pp(), mse, meshtrain::pp::PipelineOptions().microbatches(3));
     meshtrain::zero::fully_shard(*stage.module(), mesh.dp());
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -541,7 +548,8 @@ TEST(UserModules, PipelineOfFullyShardedStagesMatchesOneProcess) {
 TEST(UserModules, ParallelizePipelineAndFullyShardTogetherMatchOneProcess) {
   const Reference ref = train_one_process(kSteps);
   run_ranks(8, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(8, 2, 2, 2));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(8, meshtrain::mesh::MeshDims().dp(2).pp(2).tp(2)));
     const auto me = mesh.coord();
     auto model = user_model();
     meshtrain::tp::parallelize(*model, mesh.tp(), {{"2", meshtrain::tp::Style::kColwise}, {"4", meshtrain::tp::Style::kRowwise}});
@@ -611,7 +619,8 @@ TEST(UserModules, AttentionOfAUserBlockParallelizedAndShardedMatchesOneProcess) 
     for (const auto& kv : model.named_parameters()) ref_params[kv.key()] = kv.value().detach().clone();
   }
   run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).tp(2)));
     Attention model;
     using meshtrain::tp::Style;
     meshtrain::tp::parallelize(model, mesh.tp(), {{"q", Style::kColwise}, {"k", Style::kColwise}, {"v", Style::kColwise},
@@ -720,7 +729,8 @@ TEST(UserModules, VocabParallelPlainEmbeddingMatchesOneProcess) {
     });
   }
   run_ranks(4, [&](Communicator& comm) {
-    meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 1, 2));
+    meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+        meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).tp(2)));
     Lm model;
     meshtrain::tp::parallelize(model, mesh.tp(), kLmPlan);
     meshtrain::zero::fully_shard(model, mesh.dp());
@@ -883,7 +893,8 @@ TEST(UserModules, TiedEmbeddingAndHeadOnDifferentStagesMatchOneProcess) {
   for (const std::string wrapper : {"replicate", "zero2", "fully_shard", "fully_shard_bf16"}) {
     const bool bf16 = wrapper == "fully_shard_bf16";  // the head's copy computes in its owner's bf16
     run_ranks(4, [&](Communicator& comm) {
-      meshtrain::mesh::DeviceMesh mesh(borrowed(comm), meshtrain::mesh::MeshLayout(4, 2, 2, 1));
+      meshtrain::mesh::DeviceMesh mesh(borrowed(comm),
+          meshtrain::mesh::MeshLayout(4, meshtrain::mesh::MeshDims().dp(2).pp(2)));
       auto stage = meshtrain::pp::pipeline(tied_model(), mesh.pp(), cross_entropy,
                                            meshtrain::pp::PipelineOptions().split_points({2}).microbatches(2));
       // Only the owner (stage 0, the embedding) lists the tied weight.

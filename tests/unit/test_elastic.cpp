@@ -10,6 +10,7 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/elastic.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/version.h"
 
 using namespace meshtrain;
 using launch::NodeEntry;
@@ -143,4 +144,51 @@ TEST(ElasticLayouts, ChosenForTheWorldSize) {
   const auto small = train::parse_train_args({"--model", "gpt", "--layers", "1", "--global-batch", "8"});
   EXPECT_NE(config_error([&] { train::resolve_for_world(small, 3, true, memory); }).find("--elastic-layouts 3:dp3"),
             std::string::npos);
+}
+
+// Issue 54, item 6 (Note [Nodes agree] in src/launch/launcher.cpp): what the
+// nodes compare, and how a difference is said: the node, the flag, both
+// values and the fix, for each setting that differs; nothing when they agree.
+TEST(NodeSettings, EveryDifferenceIsNamedWithBothValuesAndTheFix) {
+  auto options = [](std::vector<std::string> args) {
+    args.insert(args.end(), {"--", "true"});
+    return launch::parse_launch_args(args);
+  };
+  launch::LaunchOptions node0 = options({"--nnodes", "2", "--nproc-per-node", "2"});
+  node0.rdzv_token = "0123456789abcdef";
+  launch::LaunchOptions node1 = node0;
+  node1.node_rank = 1;
+  node1.rdzv_token_origin = "--rdzv-token-file /elsewhere";  // where it came from is not compared
+  const std::string zero = launch::node_settings(node0);
+  EXPECT_EQ(launch::node_settings_difference(launch::node_settings(node1), zero, 1), "");
+
+  node1.nproc_per_node = 1;
+  node1.max_restarts = 3;
+  EXPECT_EQ(launch::node_settings_difference(launch::node_settings(node1), zero, 1),
+            "node 1's meshrun has --nproc-per-node 1 and node 0's has --nproc-per-node 2: start every node's meshrun "
+            "with the same --nproc-per-node; node 1's meshrun has --max-restarts 3 and node 0's has --max-restarts 0: "
+            "start every node's meshrun with the same --max-restarts");
+
+  launch::LaunchOptions elastic = options({"--nnodes", "1:2", "--nproc-per-node", "2", "--node-rank", "1",
+                                           "--master-port", "29500"});
+  elastic.rdzv_token = "0123456789abcdef";
+  EXPECT_NE(launch::node_settings_difference(launch::node_settings(elastic), zero, 1)
+                .find("node 1's meshrun has --nnodes 1:2 and node 0's has --nnodes 2: start every node's meshrun with "
+                      "the same --nnodes"),
+            std::string::npos);
+
+  launch::LaunchOptions untokened = node0;
+  untokened.rdzv_token.clear();
+  EXPECT_EQ(launch::node_settings_difference(zero, launch::node_settings(untokened), 3),
+            "node 3's meshrun has a rendezvous token (MESHTRAIN_RDZV_TOKEN) and node 0's has no rendezvous token: give "
+            "every node the same --rdzv-token-file (or MESHTRAIN_RDZV_TOKEN), node 0 too, or none anywhere");
+
+  std::string older = zero;
+  older.replace(older.find("version\t"), std::string::npos, "version\t0.0.1\tmeshtrain 0.0.1\n");
+  EXPECT_EQ(launch::node_settings_difference(zero, older, 1),
+            str_cat("node 1's meshrun has meshtrain ", version(), " and node 0's has meshtrain 0.0.1: install the same "
+                    "meshtrain version on every node"));
+  // A record of another version that lacks a setting: only the version is said.
+  EXPECT_EQ(launch::node_settings_difference(zero, "version\t0.0.1\tmeshtrain 0.0.1\n", 1),
+            launch::node_settings_difference(zero, older, 1));
 }

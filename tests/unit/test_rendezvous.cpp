@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -281,6 +282,43 @@ TEST(Store, OnlyClientsWithTheTokenAreServed) {
   close(fd);
   EXPECT_TRUE(server.failures().empty());
   EXPECT_EQ(member.get("k"), "v");  // the members are served as before
+}
+
+// Issue 54, item 5 (Note [Token mismatch] in src/launch/launcher.cpp): what a
+// client sends before it proved the token changes nothing. A kDecline, a
+// wrong MAC and a request first are refused and recorded for the waiting
+// lines (kRefusalsKey, the first five); no failure is reported, and no key but
+// that one is set (a stranger's decline used to set the key the launchers
+// stopped on).
+TEST(Store, WhatAClientSaysBeforeProvingTheTokenChangesNothing) {
+  const std::string token = "the job's token, 32 characters!";
+  StoreServer server("127.0.0.1", 0, token);
+  TcpStore member("127.0.0.1", server.port(), std::chrono::seconds(5), token);
+  EXPECT_EQ(refusals_seen(member), "");
+  const std::vector<std::string> frames = {
+      net::Writer().u8(store_protocol::kDecline).bytes(),
+      net::Writer().u8(store_protocol::kAuth).str(std::string(32, 'x')).bytes(),
+      net::Writer().u8(store_protocol::kReport).str("g0/r0").str("forged").bytes(),
+      net::Writer().u8(store_protocol::kHello).str("g0/r0").bytes(),
+      net::Writer().u8(store_protocol::kDecline).bytes(),
+      net::Writer().u8(store_protocol::kDecline).bytes(),
+  };
+  for (const std::string& frame : frames) {
+    const int fd = raw_connection(server.port());
+    ASSERT_TRUE(net::write_frame(fd, frame));
+    EXPECT_TRUE(closed_by_server(fd));
+    close(fd);
+  }
+  EXPECT_TRUE(server.failures().empty());
+  const std::string seen = refusals_seen(member);
+  EXPECT_EQ(seen.rfind("the store refused a process at 127.0.0.1:", 0), 0u) << seen;
+  for (const char* what : {"(it came with no rendezvous token, and this job has one)",
+                           "(it came with another rendezvous token than this job's)",
+                           "(it sent a request before proving it knows the job's token)"}) {
+    EXPECT_NE(seen.find(what), std::string::npos) << what << "\n" << seen;
+  }
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), '('), 5) << "only the first five are kept: " << seen;
+  EXPECT_FALSE(member.check("meshtrain/token_mismatch"));
 }
 
 // A length prefix of nearly 4 GiB is refused before any allocation, with or

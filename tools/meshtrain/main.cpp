@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
     std::cout << "meshtrain " << meshtrain::version() << " (libtorch " << TORCH_VERSION << ")" << std::endl;
     return 0;
   }
+  bool joined = false;  // the world is made: errors from here on are not start-up reports
   try {
     train::TrainConfig config = train::parse_train_args(args);
     // Everything that can be checked is checked before any communication.
@@ -106,6 +107,7 @@ int main(int argc, char** argv) {
     comm::CommOptions options = comm::CommOptions().set_backend(config.backend);
     if (config.comm_timeout > 0) options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.comm_timeout * 1000));
     comm::CommPtr world = comm::init_from_env(options);
+    joined = true;
     if (world->rank() == 0) {
       if (elastic && (config.save_dir.empty() || config.save_every <= 0 || !config.resume)) {
         std::cout << "meshtrain: warning: an elastic job without --save-dir, --save-every and --resume starts over "
@@ -125,6 +127,9 @@ int main(int argc, char** argv) {
     if (result.stopped_by_signal) return 128 + SIGTERM;  // unfinished: a scheduler requeues it
     return result.stopped_for_regroup ? launch::kRegroupExitCode : 0;
   } catch (const ConfigError& e) {
+    // Ranks started by hand that wait for this one end now, naming why
+    // (Note [Start-up reports] in src/comm/process.cpp).
+    if (!joined) comm::report_startup_error(e.what());
     // Every rank checks the same flags: one line per node says why, not one per
     // rank. The other local ranks wait a moment first: when local rank 0 fails
     // the same way, meshrun stops them before they speak; when only they fail,

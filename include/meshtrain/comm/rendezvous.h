@@ -78,5 +78,16 @@ CommPtr make_single_process_world(CommOptions options = {});
 CommPtr init_with_store(const std::string& host, int port, int rank, int world_size,
                         const std::string& group, CommOptions options = {});
 
+// Posts `message`, an error that stops this process before its world is made
+// (a ConfigError), to the job's rendezvous store, so that the ranks waiting
+// there end now naming it instead of at their communication time-out (Note
+// [Start-up reports] in src/comm/process.cpp). Only for ranks started with
+// torchrun's variables and no launcher (RANK or WORLD_SIZE set, WORLD_SIZE not
+// 1, MESHTRAIN_AGENT_STORE unset: meshrun sees its ranks exit itself), when
+// the store at MASTER_ADDR:MASTER_PORT answers within a few seconds and takes
+// this process's MESHTRAIN_RDZV_TOKEN; once per process (init_from_env posts
+// its own errors). Never throws.
+void report_startup_error(const std::string& message);
+
 }  // namespace comm
 }  // namespace meshtrain

@@ -29,10 +29,12 @@ std::string rdzv_token_from_env();
 // 32 random bytes as hex, from OpenSSL's generator.
 std::string generate_rdzv_token();
 
-// Where a server records, for the launchers, the first process that came with
-// another rendezvous token, none, or one the job lacks: one line naming the
-// process's address and the fix.
-constexpr char kTokenMismatchKey[] = "meshtrain/token_mismatch";
+// Where a server records the first few connections it refused before they
+// proved the job's token (none, another, a request first): one line each,
+// "a process at ADDR (it came with ...)". For waiting lines and time-out
+// messages only: a refused process proved nothing, so no launcher or rank
+// stops on it (Note [Token mismatch] in src/launch/launcher.cpp).
+constexpr char kRefusalsKey[] = "meshtrain/refusals";
 
 class Store {
  public:
@@ -113,6 +115,11 @@ class TcpStore : public Store {
   std::function<void()> interrupt_;
 };
 
+// "the store refused a process at ADDR (it came with ...)" for the lines
+// recorded under kRefusalsKey, "" when there are none. Never throws (a store
+// gone away says nothing here).
+std::string refusals_seen(TcpStore& store);
+
 // A failure pushed by the server: `label` died or was reported failed.
 struct FailureReport {
   std::string label;
@@ -123,6 +130,10 @@ struct FailureReport {
 constexpr char kStuckReport[] = "stuck: ";
 // ... and that its host stopped answering (Note [Silent links] in src/comm/socket.h).
 constexpr char kUnreachableReport[] = "unreachable: ";
+// ... and that a process stopped with an error before its world was made (Note
+// [Start-up reports] in src/comm/process.cpp): acted on only by ranks still in
+// their rendezvous.
+constexpr char kStartupReport[] = "start-up: ";
 
 // Watches the server for failures of labels starting with `prefix`, on its own
 // connection and thread, and calls `on_failure` for each (from that thread).

@@ -65,6 +65,20 @@ std::map<std::string, std::string> rank_environment(const LaunchOptions& options
                                                     int restart, int store_port, int cores,
                                                     const std::map<std::string, std::string>& base);
 
+// What every node's meshrun must share (Note [Nodes agree] in
+// src/launch/launcher.cpp): --nnodes (MIN:MAX when elastic), --nproc-per-node,
+// --max-restarts, whether it has a rendezvous token, and meshtrain's version,
+// as lines "name<TAB>value<TAB>shown" (shown: "--nproc-per-node 2", "a
+// rendezvous token (--rdzv-token-file F)"). Pure.
+std::string node_settings(const LaunchOptions& options);
+// How node `node`'s settings (`mine`) differ from node 0's: one sentence per
+// setting, naming both nodes, both values and the fix ("node 1's meshrun has
+// --nproc-per-node 1 and node 0's has --nproc-per-node 2: start every node's
+// meshrun with the same --nproc-per-node"), joined by "; "; "" when they agree.
+// A setting one side does not list (another version) is left to the version's
+// sentence. Pure.
+std::string node_settings_difference(const std::string& mine, const std::string& node0, int node);
+
 // Runs the job; returns meshrun's exit code.
 int run_launcher(const LaunchOptions& options);
 

@@ -10,6 +10,8 @@
 // state with the data-parallel ones, as torchtitan's FSDP over dp x cp).
 // Strategies receive their axis's communicator, nothing is global.
 
+#include <torch/arg.h>
+
 #include <string>
 #include <vector>
 
@@ -26,10 +28,21 @@ struct Coord {
   bool operator==(const Coord& o) const { return dp == o.dp && pp == o.pp && tp == o.tp && cp == o.cp; }
 };
 
+// The degree of each axis, by name (torchtitan's ParallelDims), never by
+// position: MeshLayout(8, MeshDims().dp(2).pp(2).tp(2)). dp 0 takes what the
+// world leaves, world / (pp x cp x tp).
+struct MeshDims {
+  TORCH_ARG(int, dp) = 0;
+  TORCH_ARG(int, pp) = 1;
+  TORCH_ARG(int, cp) = 1;
+  TORCH_ARG(int, tp) = 1;
+};
+
 class MeshLayout {
  public:
-  // Throws ConfigError listing every degree when dp x pp x cp x tp != world or a degree is < 1.
-  MeshLayout(int world, int dp, int pp, int tp, int cp = 1);
+  // Throws ConfigError listing every degree when dp x pp x cp x tp != world
+  // or a degree is < 1 (dp 0: what the others leave, when they divide world).
+  MeshLayout(int world, const MeshDims& dims);
   int dp() const { return dp_; }
   int pp() const { return pp_; }
   int tp() const { return tp_; }

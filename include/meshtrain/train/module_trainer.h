@@ -3,7 +3,7 @@
 // assembled from the public calls alone (what the examples write by hand).
 // A user's model, whole on every rank:
 //
-//   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), dp, pp, tp));
+//   mesh::DeviceMesh mesh(world, mesh::MeshLayout(world->size(), mesh::MeshDims().dp(dp).pp(pp).tp(tp)));
 //   train::Trainer trainer(my_sequential, mesh, my_loss,
 //                          [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::AdamW>(p, 1e-3); },
 //                          train::TrainerOptions().zero(3).tp_plan(plan).pipeline(pp::PipelineOptions().microbatches(8)));
