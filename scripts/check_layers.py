@@ -3,12 +3,15 @@
 
     scripts/check_layers.py            exit 1, naming file:line, for every include that runs backwards
     scripts/check_layers.py --dot      the layer graph as Graphviz text (what includes what, with counts)
-    scripts/check_layers.py --mermaid  the same as a Mermaid flowchart (docs/architecture.md)
+    scripts/check_layers.py --lines    lines and headers per folder (a Markdown table)
+    scripts/check_layers.py --mermaid  the library's layers as a Mermaid flowchart
+    scripts/check_layers.py --mermaid --doc docs/architecture.md   rewrites the graph there
 
 The build runs the check before it compiles the library (src/CMakeLists.txt),
 so an include that runs backwards fails the build instead of waiting for a
 review. A folder is a layer: src/<layer>/ and include/meshtrain/<layer>/; the
-tools (tools/, app/) may include any layer and no layer includes them.
+tools (tools/, app/) may include any layer and no layer includes them; the
+examples (examples/) include the library's layers only, as a user's program.
 """
 import collections, os, re, sys
 
@@ -32,6 +35,8 @@ ALLOWED = {
     "plan": ["models", "pp", "nn", "util"],
     "train": ["io", "plan", "models", "nn", "zero", "pp", "dp", "tp", "cp", "ep", "data", "mesh", "comm", "util"],
 }
+# A user's program: the examples use the library alone, never the tools' code.
+ALLOWED["examples"] = sorted(ALLOWED)
 TOOLS = {"app", "tools", "launch"}  # the command-line programs and the launcher: above every layer
 
 INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')
@@ -43,7 +48,7 @@ def layer_of_file(rel):
         return parts[1]
     if parts[0] == "include" and len(parts) > 3 and parts[1] == "meshtrain":
         return parts[2]
-    if parts[0] in ("app", "tools"):
+    if parts[0] in ("app", "tools", "examples"):
         return parts[0]
     return None
 
@@ -60,7 +65,7 @@ def layer_of_include(include, including_layer):
 def edges():
     """(from layer, to layer) -> [(file, line, include)] for every include between two layers."""
     found = collections.defaultdict(list)
-    for top in ("src", "include", "tools", "app"):
+    for top in ("src", "include", "tools", "app", "examples"):
         for folder, _, names in os.walk(os.path.join(ROOT, top)):
             for name in sorted(names):
                 if not name.endswith((".h", ".cpp", ".hpp")):
@@ -93,7 +98,54 @@ def backward(found):
     return bad
 
 
+def mermaid(counts):
+    """The library's layers as a Mermaid flowchart, bottom up (the tools and examples sit above all of them)."""
+    lines = ["flowchart BT"]
+    for (a, b), n in sorted(counts.items()):
+        if a in ALLOWED and a != "examples" and b in ALLOWED:
+            lines.append(f"  {a} -->|{n}| {b}")
+    return "\n".join(lines)
+
+
+def write_doc(path, text):
+    """Replaces the graph between the layer-graph markers of `path` (docs/architecture.md)."""
+    begin, end = "<!-- layer-graph:begin -->", "<!-- layer-graph:end -->"
+    doc = open(path).read()
+    head, rest = doc.split(begin)
+    _, tail = rest.split(end)
+    open(path, "w").write(head + begin + "\n```mermaid\n" + text + "\n```\n" + end + tail)
+
+
+def count_lines():
+    """Lines and headers per folder, as a Markdown table (docs/architecture.md)."""
+    def lines(paths):
+        return sum(sum(1 for _ in open(p, errors="replace")) for p in paths)
+
+    def files(top):
+        out = []
+        for folder, _, names in os.walk(os.path.join(ROOT, top)):
+            out += [os.path.join(folder, n) for n in names if n.endswith((".h", ".cpp", ".hpp"))]
+        return out
+
+    rows = ["| folder | lines | public headers (lines) | internal headers |", "|---|---:|---:|---:|"]
+    total = [0, 0, 0, 0]
+    for layer in [l for l in ALLOWED if l != "examples"]:
+        src, pub = files(os.path.join("src", layer)), files(os.path.join("include", "meshtrain", layer))
+        internal = [p for p in src if p.endswith(".h")]
+        n = lines(src) + lines(pub)
+        rows.append(f"| {layer} | {n:,} | {len(pub)} ({lines(pub):,}) | {len(internal)} |")
+        for i, v in enumerate((n, len(pub), lines(pub), len(internal))):
+            total[i] += v
+    rows.append(f"| **library** | **{total[0]:,}** | **{total[1]} ({total[2]:,})** | **{total[3]}** |")
+    for top in ("app", "tools"):
+        rows.append(f"| {top} | {lines(files(top)):,} | - | - |")
+    return "\n".join(rows)
+
+
 def main():
+    if "--lines" in sys.argv:
+        print(count_lines())
+        return 0
     found = edges()
     if "--dot" in sys.argv or "--mermaid" in sys.argv:
         counts = {k: len(v) for k, v in found.items()}
@@ -103,9 +155,11 @@ def main():
                 print(f'  "{a}" -> "{b}" [label="{n}"];')
             print("}")
         else:
-            print("flowchart BT")
-            for (a, b), n in sorted(counts.items()):
-                print(f"  {a} -->|{n}| {b}")
+            text = mermaid(counts)
+            if "--doc" in sys.argv:
+                write_doc(sys.argv[sys.argv.index("--doc") + 1], text)
+            else:
+                print(text)
         return 0
     bad = backward(found)
     for f, n, inc, why in bad:

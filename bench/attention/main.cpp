@@ -17,11 +17,11 @@
 
 #include "meshtrain/models/models.h"
 #include "meshtrain/plan/estimate.h"
-#include "meshtrain/train/config.h"
-#include "meshtrain/train/memory_check.h"
+#include "app/trainer/config.h"
+#include "app/trainer/memory_check.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/memory.h"
-#include "meshtrain/util/strings.h"
+#include "util/memory.h"
+#include "util/strings.h"
 
 using namespace meshtrain;
 

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "meshtrain/util/sha256.h"
+#include "util/sha256.h"
 
 int main(int argc, char** argv) {
   const size_t mib = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 256;

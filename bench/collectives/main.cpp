@@ -17,7 +17,7 @@
 #include <iostream>
 #include <sstream>
 
-#include "meshtrain/comm/host_profile.h"
+#include "comm/host_profile.h"
 #include "meshtrain/comm/rendezvous.h"
 
 using namespace meshtrain;

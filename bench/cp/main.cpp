@@ -19,10 +19,10 @@
 #include "meshtrain/cp/ring_attention.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/plan/estimate.h"
-#include "meshtrain/train/config.h"
-#include "meshtrain/train/memory_check.h"
-#include "meshtrain/util/memory.h"
-#include "meshtrain/util/strings.h"
+#include "app/trainer/config.h"
+#include "app/trainer/memory_check.h"
+#include "util/memory.h"
+#include "util/strings.h"
 
 using namespace meshtrain;
 

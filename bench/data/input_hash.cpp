@@ -12,7 +12,7 @@
 #include <functional>
 #include <string>
 
-#include "meshtrain/util/sha256.h"
+#include "util/sha256.h"
 #include "util/content_hash.h"
 
 namespace {

@@ -13,7 +13,7 @@
 
 #include "meshtrain/comm/rendezvous.h"
 #include "meshtrain/pp/executor.h"
-#include "meshtrain/pp/trace.h"
+#include "pp/trace.h"
 
 using namespace meshtrain;
 

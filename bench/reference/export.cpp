@@ -10,7 +10,7 @@
 #include <iostream>
 
 #include "meshtrain/models/models.h"
-#include "meshtrain/train/config.h"
+#include "app/trainer/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/json.h"
 

@@ -1,6 +1,6 @@
 // The host's waiting costs, measured and cached: Note [Self-tuned waits] in host_profile.h.
 
-#include "meshtrain/comm/host_profile.h"
+#include "comm/host_profile.h"
 
 #include <linux/futex.h>
 #include <sys/syscall.h>

@@ -11,7 +11,7 @@
 
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/strings.h"
+#include "util/strings.h"
 
 namespace meshtrain {
 namespace comm {
@@ -61,7 +61,7 @@ void Process::check_world_size_like_rank_0() {
                   "WORLD_SIZE, the number of ranks in the job");
 }
 
-// Note [Token mismatch] (src/launch/launcher.cpp), for ranks: with a store
+// Note [Token mismatch] (app/launch/launcher.cpp), for ranks: with a store
 // that takes no token, a rank holding one would make its Gloo pairs prove it
 // (Note [Authenticated pairs]) to peers that do not, and both would wait until
 // the communication timeout. So every rank says whether it holds one, and a
@@ -181,7 +181,7 @@ void Process::say_waiting(int from, int64_t waited) {
 }
 
 // The connections the store refused for their token (Note [Token mismatch]
-// in src/launch/launcher.cpp), after `before`; "" when there are none.
+// in app/launch/launcher.cpp), after `before`; "" when there are none.
 std::string Process::refused(const std::string& before) {
   const std::string seen = refusals_seen(*store_);
   return seen.empty() ? "" : str_cat(before, seen, " (a rank with another MESHTRAIN_RDZV_TOKEN is refused so)");
@@ -306,7 +306,7 @@ void Process::remove_failure_listener(int id) {
 // ranks exit first and be blamed. What cannot be posted is told by the
 // waiting side's time-out instead (await_every_rank): a rank given another
 // MASTER_PORT never reaches this store, and one refused for its token proved
-// nothing (Note [Token mismatch] in src/launch/launcher.cpp); rank 0 hosting
+// nothing (Note [Token mismatch] in app/launch/launcher.cpp); rank 0 hosting
 // the store prints the refusal at once and in its waiting lines.
 
 // Note [Naming a stuck rank]

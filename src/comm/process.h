@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 
 namespace meshtrain {
 namespace comm {

@@ -5,7 +5,7 @@
 #include "header.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 namespace meshtrain {
 namespace comm {

@@ -15,10 +15,10 @@
 #include "backend.h"
 #include "mpi/world.h"
 #include "process.h"
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/memory.h"
-#include "meshtrain/util/strings.h"
+#include "util/memory.h"
+#include "util/strings.h"
 #include "socket.h"
 
 namespace meshtrain {

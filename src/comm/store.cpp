@@ -8,9 +8,9 @@
 #include <thread>
 
 #include "meshtrain/comm/errors.h"
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/strings.h"
+#include "util/strings.h"
 #include "socket.h"
 #include "store_auth.h"
 #include "store_protocol.h"

@@ -8,7 +8,7 @@
 #include <cstdlib>
 
 #include "meshtrain/comm/errors.h"
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 #include "meshtrain/util/error.h"
 #include "store_protocol.h"
 

@@ -18,7 +18,7 @@
 // the first few are recorded under kRefusalsKey, which the launchers and ranks
 // waiting for the others mention in their waiting lines and time-outs. A
 // stranger's five bytes used to stop every node's rendezvous at once (Note
-// [Token mismatch] in src/launch/launcher.cpp). The opposite case, a client
+// [Token mismatch] in app/launch/launcher.cpp). The opposite case, a client
 // with a token greeted without a nonce, is served (TcpStore::authenticated()
 // says so); meshrun and the ranks refuse it themselves.
 

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <map>
 
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 #include "meshtrain/util/error.h"
 #include "socket.h"
 #include "store_auth.h"
@@ -242,7 +242,7 @@ struct StoreServer::State {
   // A client refused before it proved the token (`what` says how): logged, and
   // the first few recorded under kRefusalsKey for the waiting lines of the
   // launchers and ranks. Nothing else: it proved nothing, so nothing it says
-  // may end or change the rendezvous (Note [Token mismatch] in src/launch/launcher.cpp).
+  // may end or change the rendezvous (Note [Token mismatch] in app/launch/launcher.cpp).
   void refuse_unproven(Client& c, const std::string& what) {
     std::string& recorded = kv[kRefusalsKey];
     if (std::count(recorded.begin(), recorded.end(), '\n') < kRefusalsRecorded) {

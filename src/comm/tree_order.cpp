@@ -1,10 +1,10 @@
 // The tree-order communicator (Note [Tree-order sums] in comm/tree_order.h).
-#include "meshtrain/comm/tree_order.h"
+#include "comm/tree_order.h"
 
 #include <ATen/ATen.h>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 namespace meshtrain {
 namespace comm {

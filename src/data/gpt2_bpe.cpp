@@ -14,7 +14,7 @@
 #include <unordered_map>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 #include "tokenizers.h"
 
 namespace meshtrain {

@@ -10,7 +10,7 @@
 #include <set>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 namespace meshtrain {
 namespace data {

@@ -1,4 +1,4 @@
-#include "meshtrain/dp/buckets.h"
+#include "dp/buckets.h"
 
 #include <map>
 

@@ -1,6 +1,6 @@
 #include "meshtrain/dp/ddp.h"
 
-#include "meshtrain/dp/gradient_sync.h"
+#include "dp/gradient_sync.h"
 #include "meshtrain/dp/params.h"
 #include "meshtrain/util/error.h"
 #include "reducer.h"

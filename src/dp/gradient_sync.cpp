@@ -1,4 +1,4 @@
-#include "meshtrain/dp/gradient_sync.h"
+#include "dp/gradient_sync.h"
 
 #include <map>
 #include <mutex>

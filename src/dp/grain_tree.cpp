@@ -1,5 +1,5 @@
 // The fixed summation tree (Note [Grain tree] in dp/grain_tree.h).
-#include "meshtrain/dp/grain_tree.h"
+#include "dp/grain_tree.h"
 
 #include <ATen/ATen.h>
 

@@ -6,7 +6,7 @@
 
 #include "meshtrain/dp/params.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 namespace meshtrain {
 namespace dp {

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <set>
 
-#include "meshtrain/dp/buckets.h"
+#include "dp/buckets.h"
 #include "meshtrain/util/error.h"
 #include "util/autograd_hooks.h"
 

@@ -1,6 +1,6 @@
 // Rows through the Communicator's all_to_all, with a backward that sends the
 // gradients back (the same exchange with the counts swapped).
-#include "meshtrain/ep/all_to_all.h"
+#include "ep/all_to_all.h"
 
 #include <torch/autograd.h>
 

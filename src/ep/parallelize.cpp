@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/ep/all_to_all.h"
+#include "ep/all_to_all.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {

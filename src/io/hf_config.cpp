@@ -1,8 +1,8 @@
 // config.json <-> models::ModelConfig for GPT2LMHeadModel and LlamaForCausalLM.
 #include <nlohmann/json.hpp>
 
-#include "meshtrain/io/hf.h"
-#include "meshtrain/io/shapes.h"
+#include "io/hf.h"
+#include "io/shapes.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {

@@ -6,10 +6,10 @@
 #include <vector>
 
 #include "io/file_io.h"
-#include "meshtrain/io/hf.h"
-#include "meshtrain/io/safetensors.h"
+#include "io/hf.h"
+#include "io/safetensors.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 namespace meshtrain {
 namespace io {

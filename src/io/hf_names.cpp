@@ -5,9 +5,9 @@
 #include <utility>
 #include <vector>
 
-#include "meshtrain/io/hf.h"
-#include "meshtrain/io/safetensors.h"
-#include "meshtrain/io/shapes.h"
+#include "io/hf.h"
+#include "io/safetensors.h"
+#include "io/shapes.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {

@@ -1,6 +1,6 @@
 // llm.c GPT-2 checkpoints: one table of llm.c's tensors and the parameters of
 // ours they hold, walked in file order both to read and to write.
-#include "meshtrain/io/llmc.h"
+#include "io/llmc.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/accumulate.h>
@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "io/file_io.h"
-#include "meshtrain/io/safetensors.h"
-#include "meshtrain/io/shapes.h"
+#include "io/safetensors.h"
+#include "io/shapes.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {

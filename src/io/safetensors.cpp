@@ -1,5 +1,5 @@
 // safetensors reading (mapped, validated) and writing (streamed, atomic).
-#include "meshtrain/io/safetensors.h"
+#include "io/safetensors.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "meshtrain/io/shapes.h"
+#include "io/shapes.h"
 
 #include "meshtrain/util/error.h"
 

@@ -5,11 +5,11 @@
 
 #include <vector>
 
-#include "meshtrain/io/hf.h"
-#include "meshtrain/io/llmc.h"
-#include "meshtrain/io/shapes.h"
+#include "io/hf.h"
+#include "io/llmc.h"
+#include "io/shapes.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 namespace meshtrain {
 namespace io {

@@ -1,6 +1,6 @@
 // The command that runs a plan: meshrun's flags for the cluster, the
 // trainer's for the model and the layout (see command.h).
-#include "meshtrain/plan/command.h"
+#include "plan/command.h"
 
 #include <sstream>
 

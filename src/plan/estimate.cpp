@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "meshtrain/plan/time.h"
+#include "plan/time.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {

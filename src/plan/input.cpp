@@ -5,9 +5,9 @@
 #include <cstdlib>
 #include <functional>
 
-#include "meshtrain/plan/units.h"
+#include "plan/units.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/flags.h"
+#include "util/flags.h"
 
 namespace meshtrain {
 namespace plan {

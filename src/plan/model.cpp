@@ -7,7 +7,7 @@
 #include <tuple>
 #include <utility>
 
-#include "meshtrain/plan/units.h"
+#include "plan/units.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
 

@@ -4,8 +4,8 @@
 #include <climits>
 #include <cmath>
 
-#include "meshtrain/plan/command.h"
-#include "meshtrain/plan/units.h"
+#include "plan/command.h"
+#include "plan/units.h"
 #include "meshtrain/util/error.h"
 
 namespace meshtrain {

@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "meshtrain/plan/planner.h"
-#include "meshtrain/plan/units.h"
+#include "plan/units.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/json.h"
 

@@ -1,7 +1,7 @@
 // The step-time prediction (time.h): alpha-beta collectives per link class,
 // compute at the declared rate, the bubble, and the overlap of
 // Note [What the step time overlaps].
-#include "meshtrain/plan/time.h"
+#include "plan/time.h"
 
 #include <algorithm>
 #include <cmath>

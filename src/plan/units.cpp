@@ -1,4 +1,4 @@
-#include "meshtrain/plan/units.h"
+#include "plan/units.h"
 
 #include <cctype>
 #include <cmath>

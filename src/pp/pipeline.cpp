@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <map>
 
-#include "meshtrain/dp/gradient_sync.h"
+#include "dp/gradient_sync.h"
 #include "meshtrain/pp/schedule.h"
 #include "meshtrain/util/error.h"
 #include "util/intercept.h"

@@ -1,4 +1,4 @@
-#include "meshtrain/pp/trace.h"
+#include "pp/trace.h"
 
 #include <algorithm>
 #include <cstdio>

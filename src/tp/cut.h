@@ -28,7 +28,7 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/tp/parallelize.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 #include "util/intercept.h"
 
 namespace meshtrain {

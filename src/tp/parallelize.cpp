@@ -6,7 +6,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 #include "tp/cut.h"
 
 namespace meshtrain {

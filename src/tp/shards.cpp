@@ -1,5 +1,5 @@
 // Dense <-> sharded parameters: see the header.
-#include "meshtrain/tp/shards.h"
+#include "tp/shards.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/embedding.h>
@@ -7,7 +7,7 @@
 
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/tp/parallelize.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 namespace meshtrain {
 namespace tp {

@@ -13,9 +13,9 @@
 #include <fstream>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
-#include "meshtrain/util/sha256.h"
-#include "meshtrain/util/tensor_io.h"
+#include "util/files.h"
+#include "util/sha256.h"
+#include "util/tensor_io.h"
 
 namespace meshtrain {
 namespace train {

@@ -8,11 +8,11 @@
 
 #include "meshtrain/dp/ddp.h"
 #include "meshtrain/dp/params.h"
-#include "meshtrain/train/mixed_precision.h"
-#include "meshtrain/train/optim.h"
+#include "train/mixed_precision.h"
+#include "train/optim.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
-#include "meshtrain/zero/optimizer_state.h"
+#include "util/shard.h"
+#include "zero/optimizer_state.h"
 #include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
 

@@ -5,8 +5,8 @@
 #include <cmath>
 
 #include "meshtrain/dp/params.h"
-#include "meshtrain/tp/shards.h"
-#include "meshtrain/util/exact_sum.h"
+#include "tp/shards.h"
+#include "util/exact_sum.h"
 
 namespace meshtrain {
 namespace train {

@@ -1,4 +1,4 @@
-#include "meshtrain/train/mixed_precision.h"
+#include "train/mixed_precision.h"
 
 #include <ATen/ATen.h>
 

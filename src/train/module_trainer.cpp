@@ -10,16 +10,16 @@
 #include "chunk.h"
 #include "experts.h"
 #include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/comm/tree_order.h"
-#include "meshtrain/dp/gradient_sync.h"
-#include "meshtrain/dp/grain_tree.h"
+#include "comm/tree_order.h"
+#include "dp/gradient_sync.h"
+#include "dp/grain_tree.h"
 #include "meshtrain/models/moe.h"
 #include "meshtrain/pp/schedule.h"
-#include "meshtrain/tp/shards.h"
+#include "tp/shards.h"
 #include "meshtrain/train/clip.h"
-#include "meshtrain/train/optim.h"
+#include "train/optim.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/tensor_io.h"
+#include "util/tensor_io.h"
 
 namespace meshtrain {
 namespace train {

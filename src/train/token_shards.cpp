@@ -14,7 +14,7 @@
 #include "meshtrain/data/sampler.h"
 #include "meshtrain/data/shard_writer.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 namespace meshtrain {
 namespace train {

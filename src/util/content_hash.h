@@ -1,7 +1,7 @@
 #pragma once
 // What a file holds and when it last changed, for the checks that every rank
 // reads the same bytes and that nobody rewrites them under a running job
-// (Note [Input files are proven, then watched] in src/train/input_files.h).
+// (Note [Input files are proven, then watched] in app/trainer/input_files.h).
 
 #include <cstdint>
 #include <string>

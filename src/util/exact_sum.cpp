@@ -1,5 +1,5 @@
 // Note [Exact sum of squares] in util/exact_sum.h.
-#include "meshtrain/util/exact_sum.h"
+#include "util/exact_sum.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 #include <fcntl.h>
 #include <ftw.h>

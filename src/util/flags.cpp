@@ -1,4 +1,4 @@
-#include "meshtrain/util/flags.h"
+#include "util/flags.h"
 
 #include <algorithm>
 #include <cmath>

@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 namespace meshtrain {
 namespace json {

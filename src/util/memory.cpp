@@ -1,4 +1,4 @@
-#include "meshtrain/util/memory.h"
+#include "util/memory.h"
 
 #include <malloc.h>
 

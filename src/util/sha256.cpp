@@ -1,4 +1,4 @@
-#include "meshtrain/util/sha256.h"
+#include "util/sha256.h"
 
 #include <openssl/evp.h>
 

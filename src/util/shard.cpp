@@ -1,4 +1,4 @@
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 #include "meshtrain/util/error.h"
 

@@ -1,4 +1,4 @@
-#include "meshtrain/util/tensor_io.h"
+#include "util/tensor_io.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/serialization/pickle.h>

@@ -8,10 +8,10 @@
 #include <set>
 #include <unordered_map>
 
-#include "meshtrain/dp/gradient_sync.h"
+#include "dp/gradient_sync.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/zero/optimizer_state.h"
-#include "meshtrain/util/shard.h"
+#include "zero/optimizer_state.h"
+#include "util/shard.h"
 #include "util/autograd_hooks.h"
 #include "util/intercept.h"
 #include "util/parameter_dict.h"

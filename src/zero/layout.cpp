@@ -1,4 +1,4 @@
-#include "meshtrain/zero/layout.h"
+#include "zero/layout.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "meshtrain/zero/optimizer_state.h"
+#include "zero/optimizer_state.h"
 
 #include <c10/util/string_utils.h>
 #include <torch/optim/adagrad.h>

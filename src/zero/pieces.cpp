@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/zero/optimizer_state.h"
+#include "zero/optimizer_state.h"
 
 namespace meshtrain {
 namespace zero {

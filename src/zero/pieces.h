@@ -10,7 +10,7 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/dp/params.h"
-#include "meshtrain/zero/layout.h"
+#include "zero/layout.h"
 #include "meshtrain/zero/zero.h"
 
 namespace meshtrain {

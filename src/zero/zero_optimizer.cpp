@@ -4,10 +4,10 @@
 
 #include <ATen/ATen.h>
 
-#include "meshtrain/dp/gradient_sync.h"
+#include "dp/gradient_sync.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/zero/zero.h"
-#include "meshtrain/zero/optimizer_state.h"
+#include "zero/optimizer_state.h"
 #include "pieces.h"
 #include "util/autograd_hooks.h"
 #include "util/intercept.h"

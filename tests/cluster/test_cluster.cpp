@@ -9,7 +9,7 @@
 #include "../dist/shell.h"
 #include "cluster.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 using meshtrain::str_cat;
 using meshtrain::testing::contains;

@@ -14,7 +14,7 @@
 #include "../dist/shell.h"
 #include "cluster.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 #include "meshtrain/util/json.h"
 
 using meshtrain::str_cat;

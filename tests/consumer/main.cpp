@@ -2,10 +2,7 @@
 // 2 ranks with DDP (dp::replicate) and as a 2-stage pipeline (pp::pipeline),
 // each run's losses checked against the same model trained in this process
 // alone.   meshrun --nproc-per-node 2 -- ./consumer
-#include <meshtrain/comm/rendezvous.h>
-#include <meshtrain/dp/replicate.h>
-#include <meshtrain/pp/pipeline.h>
-#include <meshtrain/version.h>
+#include <meshtrain/meshtrain.h>  // the umbrella: every installed header compiles from the installed tree
 #include <torch/torch.h>
 
 #include <cmath>

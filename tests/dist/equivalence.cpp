@@ -9,9 +9,9 @@
 
 #include "harness.h"
 #include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/train/trainer.h"
-#include "meshtrain/util/files.h"
-#include "meshtrain/util/tensor_io.h"
+#include "app/trainer/run_training.h"
+#include "util/files.h"
+#include "util/tensor_io.h"
 
 namespace meshtrain {
 namespace testing {

@@ -13,7 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "harness.h"
-#include "meshtrain/train/config.h"
+#include "app/trainer/config.h"
 #include "meshtrain/util/json.h"
 
 namespace meshtrain {

@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 #include "zygote.h"
 
 

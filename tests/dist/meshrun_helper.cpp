@@ -24,7 +24,7 @@
 #include <torch/torch.h>
 
 #include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 
 // Says what the store answered to a stranger (the job's token is in this
 // process's environment, but a stranger would not have it).

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 #include "meshtrain/util/json.h"
 #include "shell.h"
 

@@ -7,7 +7,7 @@
 
 #include "equivalence.h"
 #include "meshtrain/models/models.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 using meshtrain::testing::RankOptions;
 

@@ -12,10 +12,10 @@
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/token_shards.h"
-#include "meshtrain/train/trainer.h"
+#include "app/trainer/run_training.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
-#include "meshtrain/util/tensor_io.h"
+#include "util/files.h"
+#include "util/tensor_io.h"
 
 using meshtrain::testing::checkpoint_dir;
 using meshtrain::testing::expect_same_training;

@@ -13,8 +13,9 @@
 #include <sstream>
 
 #include "meshtrain/models/models.h"
-#include "meshtrain/train/config.h"
-#include "meshtrain/util/files.h"
+#include "meshtrain/train/token_shards.h"
+#include "app/trainer/config.h"
+#include "util/files.h"
 #include "meshtrain/util/json.h"
 #include "metrics.h"
 #include "metrics_run.h"
@@ -442,8 +443,8 @@ INSTANTIATE_TEST_SUITE_P(
 // every axis from outside) on 8 ranks, dp 2 x tp 2 x cp 2 with sequence
 // parallelism, recomputed blocks and FSDP, prints the losses it prints alone
 // (AdamW: the losses agree to float reassociation; tests/dist/test_user_llama.cpp
-// compares the weights too).
-TEST(Examples, UserLlamaOnEveryAxisPrintsTheLossesOfOneProcess) {
+// compares the weights too). `args`: the example's data flags.
+void user_llama_on_every_axis_matches_one_process(const std::string& args) {
   auto losses = [](const std::string& output) {
     std::vector<double> out;
     std::istringstream lines(output);
@@ -453,7 +454,7 @@ TEST(Examples, UserLlamaOnEveryAxisPrintsTheLossesOfOneProcess) {
     }
     return out;
   };
-  const std::string run = kBin + "/user_llama --steps 8";
+  const std::string run = kBin + "/user_llama --steps 8" + args;
   Shell alone = sh(kMeshrun + "--nproc-per-node 1 -- " + run);
   Shell mesh = sh(kMeshrun + "--nproc-per-node 8 -- " + run + " --tp 2 --cp 2 --sequence-parallel --checkpoint");
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
@@ -462,4 +463,21 @@ TEST(Examples, UserLlamaOnEveryAxisPrintsTheLossesOfOneProcess) {
   ASSERT_EQ(want.size(), 8u) << alone.output;
   ASSERT_EQ(got.size(), want.size()) << mesh.output;
   for (size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * (1 + want[s])) << "step " << s + 1;
+}
+
+TEST(Examples, UserLlamaOnEveryAxisPrintsTheLossesOfOneProcess) { user_llama_on_every_axis_matches_one_process(""); }
+
+// The same on token shards (docs/library.md's end-to-end example: a user's
+// Llama, FSDP and every other axis, llm.c-format data): the shards as
+// `meshtrain data` writes them, byte-level.
+TEST(Examples, UserLlamaOnTokenShardsPrintsTheLossesOfOneProcess) {
+  TempDir dir;
+  {
+    std::ofstream text(dir.file("corpus.txt"));
+    for (int i = 0; i < 200; ++i) text << "line " << i << ": " << i * 7 % 13 << " + " << i % 5 << " = " << i * 7 % 13 + i % 5 << "\n";
+  }
+  const std::vector<std::string> shards =
+      meshtrain::train::write_token_shards({dir.file("corpus.txt")}, dir.file("part"), 1500);
+  ASSERT_GE(shards.size(), 2u);  // a glob over several shards
+  user_llama_on_every_axis_matches_one_process(" --data '" + dir.file("part_*.bin") + "'");
 }

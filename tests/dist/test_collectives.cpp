@@ -11,8 +11,8 @@
 
 #include "harness.h"
 #include "meshtrain/comm/communicator.h"
-#include "meshtrain/comm/tree_order.h"
-#include "meshtrain/util/shard.h"
+#include "comm/tree_order.h"
+#include "util/shard.h"
 
 // The MPI backend's reading of OpenMPI's eager limit (src/comm/mpi/runtime.h,
 // not a public header: declared here to assert that the reading works).

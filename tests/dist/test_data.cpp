@@ -16,9 +16,10 @@
 #include "meshtrain/dp/params.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/train/data.h"
+#include "app/commands/data.h"
 #include "meshtrain/train/token_shards.h"
-#include "meshtrain/train/trainer.h"
-#include "meshtrain/util/files.h"
+#include "app/trainer/run_training.h"
+#include "util/files.h"
 
 using meshtrain::testing::in_rank_process;
 using meshtrain::testing::tiny_gpt;

@@ -7,7 +7,7 @@
 
 #include <gtest/gtest.h>
 
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 #include "meshtrain/util/json.h"
 #include "metrics_run.h"
 #include "shell.h"

@@ -10,7 +10,7 @@
 #include <torch/torch.h>
 
 #include "harness.h"
-#include "meshtrain/ep/all_to_all.h"
+#include "ep/all_to_all.h"
 #include "meshtrain/ep/parallelize.h"
 #include "meshtrain/models/moe.h"
 

@@ -20,8 +20,8 @@
 #include "meshtrain/models/moe.h"
 #include "meshtrain/train/module_trainer.h"
 #include "../unit/config_error.h"
-#include "meshtrain/train/export.h"
-#include "meshtrain/train/trainer.h"
+#include "app/commands/export.h"
+#include "app/trainer/run_training.h"
 
 namespace meshtrain {
 namespace testing {

@@ -509,7 +509,7 @@ TEST(Rendezvous, MembersAskingForDifferentBackendsAreRefusedAtOnce) {
   });
 }
 
-// Issue 31, item 6, for ranks (Note [Token mismatch] in src/launch/launcher.cpp):
+// Issue 31, item 6, for ranks (Note [Token mismatch] in app/launch/launcher.cpp):
 // with a store that takes no token, a rank holding one would make its Gloo
 // pairs prove it to a peer that does not and both would wait until the
 // communication timeout. The rank that differs from rank 0 stops at once,

@@ -16,9 +16,9 @@
 #include <sstream>
 #include <thread>
 
-#include "meshtrain/comm/store.h"
-#include "meshtrain/launch/launcher.h"
-#include "meshtrain/util/files.h"
+#include "comm/store.h"
+#include "app/launch/launcher.h"
+#include "util/files.h"
 #include "meshtrain/util/json.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/version.h"
@@ -638,7 +638,7 @@ TEST(Meshrun, ElasticNodeThatDiesWhileWaitingIsNotWaitedFor) {
 // A node whose store is not up yet keeps connecting until --rdzv-timeout; a
 // SIGTERM then (a scheduler cancelling the job) used to wait for that. meshrun
 // now ends within a second of it, saying where it was (Note [Signals while
-// blocked] in src/launch/launcher.cpp).
+// blocked] in app/launch/launcher.cpp).
 TEST(Meshrun, SigtermWhileConnectingToTheStoreEndsWithinASecond) {
   const int port = free_port();  // nothing listens there: the connection is refused and retried
   Shell r = sh(str_cat("(", kBin, "/meshrun --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 ",

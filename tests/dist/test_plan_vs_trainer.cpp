@@ -19,7 +19,7 @@
 #include "equivalence.h"
 #include "harness.h"
 #include "meshtrain/plan/model.h"
-#include "meshtrain/train/memory_check.h"
+#include "app/trainer/memory_check.h"
 #include "meshtrain/util/json.h"
 
 namespace plan = meshtrain::plan;

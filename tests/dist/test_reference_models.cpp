@@ -15,8 +15,8 @@
 #include <cmath>
 
 #include "meshtrain/io/weights.h"
-#include "meshtrain/train/export.h"
-#include "meshtrain/util/files.h"
+#include "app/commands/export.h"
+#include "util/files.h"
 #include "meshtrain/util/json.h"
 #include "shell.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 #include "shell.h"
 
 using meshtrain::testing::contains;

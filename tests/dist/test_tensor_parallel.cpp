@@ -11,7 +11,7 @@
 #include "harness.h"
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/tp/parallelize.h"
-#include "meshtrain/tp/shards.h"
+#include "tp/shards.h"
 #include "meshtrain/models/models.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "equivalence.h"
-#include "meshtrain/train/mixed_precision.h"
+#include "train/mixed_precision.h"
 
 using meshtrain::testing::expect_trains_like_one_process;
 using meshtrain::testing::metrics_on_ranks;

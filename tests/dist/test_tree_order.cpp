@@ -8,7 +8,7 @@
 #include <torch/torch.h>
 
 #include "harness.h"
-#include "meshtrain/comm/tree_order.h"
+#include "comm/tree_order.h"
 #include "meshtrain/util/error.h"
 
 using meshtrain::comm::Communicator;

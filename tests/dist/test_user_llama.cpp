@@ -12,7 +12,7 @@
 #include "../../examples/user_llama/parallelize.h"
 #include "harness.h"
 #include "meshtrain/mesh/mesh.h"
-#include "meshtrain/tp/shards.h"
+#include "tp/shards.h"
 
 using meshtrain::comm::CommPtr;
 using meshtrain::comm::Communicator;

@@ -16,9 +16,9 @@
 #include "meshtrain/pp/pipeline.h"
 #include "meshtrain/tp/ops.h"
 #include "meshtrain/tp/parallelize.h"
-#include "meshtrain/tp/shards.h"
+#include "tp/shards.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 #include "meshtrain/zero/fully_shard.h"
 #include "meshtrain/zero/zero.h"
 

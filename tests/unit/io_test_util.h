@@ -14,9 +14,9 @@
 #include <sstream>
 #include <string>
 
-#include "meshtrain/io/shapes.h"
+#include "io/shapes.h"
 #include "meshtrain/models/models.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 namespace meshtrain {
 namespace testing {

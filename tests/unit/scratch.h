@@ -8,7 +8,7 @@
 #include <fstream>
 #include <string>
 
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 namespace meshtrain {
 namespace testing {

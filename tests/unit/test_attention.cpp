@@ -10,7 +10,7 @@
 #include "meshtrain/nn/attention.h"
 #include "meshtrain/nn/layers.h"
 #include "meshtrain/models/models.h"
-#include "meshtrain/util/memory.h"
+#include "util/memory.h"
 
 namespace meshtrain {
 namespace models {

@@ -14,7 +14,7 @@
 #include "comm/header.h"
 #include "comm/hier/communicator.h"
 #include "comm/reduce.h"
-#include "meshtrain/comm/host_profile.h"
+#include "comm/host_profile.h"
 #include "comm/shm/layout.h"
 #include "comm/shm/one_step.h"
 #include "config_error.h"

@@ -9,8 +9,9 @@
 
 #include "config_error.h"
 #include "meshtrain/data/shard_writer.h"
+#include "app/commands/data.h"
 #include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 #include "scratch.h"
 
 using namespace meshtrain;

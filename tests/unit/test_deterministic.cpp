@@ -9,11 +9,11 @@
 #include <cstring>
 #include <limits>
 
-#include "meshtrain/comm/tree_order.h"
-#include "meshtrain/dp/grain_tree.h"
-#include "meshtrain/train/config.h"
+#include "comm/tree_order.h"
+#include "dp/grain_tree.h"
+#include "app/trainer/config.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/exact_sum.h"
+#include "util/exact_sum.h"
 #include "config_error.h"
 
 using namespace meshtrain;

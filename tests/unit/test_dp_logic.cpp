@@ -6,15 +6,15 @@
 #include "meshtrain/comm/communicator.h"
 #include <torch/torch.h>
 
-#include "meshtrain/dp/buckets.h"
-#include "meshtrain/dp/grain_tree.h"
+#include "dp/buckets.h"
+#include "dp/grain_tree.h"
 #include "meshtrain/models/models.h"
-#include "meshtrain/train/config.h"
+#include "app/trainer/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/util/init.h"
-#include "meshtrain/util/sha256.h"
-#include "meshtrain/util/tensor_io.h"
+#include "util/sha256.h"
+#include "util/tensor_io.h"
 #include "config_error.h"
 #include "io_test_util.h"
 

@@ -5,10 +5,10 @@
 
 #include "config_error.h"
 
-#include "meshtrain/launch/elastic.h"
-#include "meshtrain/launch/launcher.h"
-#include "meshtrain/train/config.h"
-#include "meshtrain/train/elastic.h"
+#include "app/launch/elastic.h"
+#include "app/launch/launcher.h"
+#include "app/trainer/config.h"
+#include "app/trainer/elastic.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/version.h"
 
@@ -146,7 +146,7 @@ TEST(ElasticLayouts, ChosenForTheWorldSize) {
             std::string::npos);
 }
 
-// Issue 54, item 6 (Note [Nodes agree] in src/launch/launcher.cpp): what the
+// Issue 54, item 6 (Note [Nodes agree] in app/launch/launcher.cpp): what the
 // nodes compare, and how a difference is said: the node, the flag, both
 // values and the fix, for each setting that differs; nothing when they agree.
 TEST(NodeSettings, EveryDifferenceIsNamedWithBothValuesAndTheFix) {

@@ -1,7 +1,7 @@
 // The command-line parser the three tools share (util/flags.h).
 #include <gtest/gtest.h>
 
-#include "meshtrain/util/flags.h"
+#include "util/flags.h"
 
 namespace meshtrain {
 namespace flags {

@@ -18,13 +18,13 @@
 #include "comm/socket.h"
 #include "comm/store_protocol.h"
 #include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/comm/store.h"
-#include "meshtrain/launch/launcher.h"
+#include "comm/store.h"
+#include "app/launch/launcher.h"
 #include "meshtrain/plan/input.h"
 #include "meshtrain/train/checkpoint.h"
-#include "meshtrain/train/config.h"
+#include "app/trainer/config.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 using namespace meshtrain;
 

@@ -10,8 +10,8 @@
 
 #include "config_error.h"
 #include "io_test_util.h"
-#include "meshtrain/io/hf.h"
-#include "meshtrain/io/safetensors.h"
+#include "io/hf.h"
+#include "io/safetensors.h"
 
 using namespace meshtrain;
 using meshtrain::testing::config_error_of;

@@ -10,7 +10,7 @@
 
 #include "config_error.h"
 #include "io_test_util.h"
-#include "meshtrain/io/llmc.h"
+#include "io/llmc.h"
 
 using namespace meshtrain;
 using meshtrain::testing::config_error_of;

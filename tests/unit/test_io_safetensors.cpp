@@ -10,7 +10,7 @@
 
 #include "config_error.h"
 #include "io_test_util.h"
-#include "meshtrain/io/safetensors.h"
+#include "io/safetensors.h"
 #include "meshtrain/util/json.h"
 
 using namespace meshtrain;

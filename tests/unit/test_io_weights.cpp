@@ -9,9 +9,9 @@
 
 #include "config_error.h"
 #include "io_test_util.h"
-#include "meshtrain/io/hf.h"
-#include "meshtrain/io/llmc.h"
-#include "meshtrain/io/safetensors.h"
+#include "io/hf.h"
+#include "io/llmc.h"
+#include "io/safetensors.h"
 #include "meshtrain/io/weights.h"
 
 using namespace meshtrain;

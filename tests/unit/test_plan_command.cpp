@@ -5,12 +5,12 @@
 
 #include <sstream>
 
-#include "meshtrain/launch/launcher.h"
+#include "app/launch/launcher.h"
 #include "meshtrain/models/models.h"
-#include "meshtrain/plan/command.h"
+#include "plan/command.h"
 #include "meshtrain/plan/planner.h"
-#include "meshtrain/train/config.h"
-#include "meshtrain/train/memory_check.h"
+#include "app/trainer/config.h"
+#include "app/trainer/memory_check.h"
 #include "meshtrain/util/json.h"
 #include "split_args.h"
 

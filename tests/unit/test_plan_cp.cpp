@@ -10,10 +10,10 @@
 #include "meshtrain/plan/estimate.h"
 #include "meshtrain/plan/input.h"
 #include "meshtrain/plan/model.h"
-#include "meshtrain/plan/command.h"
+#include "plan/command.h"
 #include "meshtrain/plan/planner.h"
-#include "meshtrain/train/config.h"
-#include "meshtrain/train/memory_check.h"
+#include "app/trainer/config.h"
+#include "app/trainer/memory_check.h"
 #include "config_error.h"
 #include "split_args.h"
 

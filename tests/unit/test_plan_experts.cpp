@@ -7,11 +7,11 @@
 
 #include "config_error.h"
 #include "meshtrain/models/models.h"
-#include "meshtrain/plan/command.h"
+#include "plan/command.h"
 #include "meshtrain/plan/estimate.h"
 #include "meshtrain/plan/planner.h"
-#include "meshtrain/train/config.h"
-#include "meshtrain/train/memory_check.h"
+#include "app/trainer/config.h"
+#include "app/trainer/memory_check.h"
 
 namespace meshtrain {
 namespace {

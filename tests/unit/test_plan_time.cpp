@@ -10,11 +10,11 @@
 #include <sstream>
 #include <vector>
 
-#include "meshtrain/plan/command.h"
+#include "plan/command.h"
 #include "meshtrain/plan/estimate.h"
 #include "meshtrain/plan/input.h"
 #include "meshtrain/plan/planner.h"
-#include "meshtrain/plan/time.h"
+#include "plan/time.h"
 #include "meshtrain/util/error.h"
 #include "split_args.h"
 

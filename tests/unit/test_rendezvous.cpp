@@ -14,7 +14,7 @@
 
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/comm/store.h"
+#include "comm/store.h"
 #include "meshtrain/util/error.h"
 #include "comm/socket.h"
 #include "comm/store_protocol.h"
@@ -284,7 +284,7 @@ TEST(Store, OnlyClientsWithTheTokenAreServed) {
   EXPECT_EQ(member.get("k"), "v");  // the members are served as before
 }
 
-// Issue 54, item 5 (Note [Token mismatch] in src/launch/launcher.cpp): what a
+// Issue 54, item 5 (Note [Token mismatch] in app/launch/launcher.cpp): what a
 // client sends before it proved the token changes nothing. A kDecline, a
 // wrong MAC and a request first are refused and recorded for the waiting
 // lines (kRefusalsKey, the first five); no failure is reported, and no key but

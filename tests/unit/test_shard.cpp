@@ -1,8 +1,8 @@
 #include <gtest/gtest.h>
 
-#include "meshtrain/comm/ring.h"
+#include "comm/ring.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 using namespace meshtrain;
 

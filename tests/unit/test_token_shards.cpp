@@ -10,10 +10,11 @@
 #include <sstream>
 
 #include "meshtrain/data/sampler.h"
-#include "meshtrain/train/config.h"
+#include "app/trainer/config.h"
+#include "app/commands/data.h"
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 
 using namespace meshtrain;
 using namespace meshtrain::train;

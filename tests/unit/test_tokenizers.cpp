@@ -12,9 +12,10 @@
 #include <sstream>
 
 #include "meshtrain/data/tokenizer.h"
+#include "app/commands/data.h"
 #include "meshtrain/train/token_shards.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/files.h"
+#include "util/files.h"
 #include "scratch.h"
 
 using namespace meshtrain;

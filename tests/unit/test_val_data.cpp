@@ -8,7 +8,8 @@
 #include <sstream>
 
 #include "config_error.h"
-#include "meshtrain/train/config.h"
+#include "app/trainer/config.h"
+#include "app/commands/data.h"
 #include "meshtrain/train/token_shards.h"
 #include "scratch.h"
 

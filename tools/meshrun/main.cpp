@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <iostream>
 
-#include "meshtrain/launch/launcher.h"
+#include "app/launch/launcher.h"
 #include "meshtrain/util/error.h"
 #include "meshtrain/version.h"
 

@@ -78,7 +78,7 @@ struct LmHeadImpl : torch::nn::Module {
   // Tied (GPT's default) to `tied`, the embedding's weight, when both live on
   // this rank; when the embedding lives on another pipeline rank
   // (ctx.tied_head_copy) "out" holds a copy (Note [Tied embeddings across
-  // pipeline stages] in src/train/engine_mesh.cpp).
+  // pipeline stages] in app/trainer/engine_mesh.cpp).
   LmHeadImpl(const ModelConfig& c, const BuildContext& ctx, at::Tensor tied);
   // [B, T, H] -> logits [B, T, padded_vocab] ([B, T, padded_vocab/tp], this
   // rank's vocabulary rows, once the head is cut by vocabulary)

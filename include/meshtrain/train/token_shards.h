@@ -81,10 +81,5 @@ std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>
 std::vector<std::string> write_token_shards(const std::vector<std::string>& text_paths, const std::string& prefix,
                                             int64_t tokens_per_shard);
 
-// `meshtrain data --out PREFIX [--tokenizer SPEC | --train-tokenizer N]
-// [--per-line] [--val-fraction F] [--shard-tokens N] FILE...` (data_command.cpp);
-// returns the exit code.
-int run_data_command(const std::vector<std::string>& args, std::ostream& out);
-
 }  // namespace train
 }  // namespace meshtrain

@@ -36,8 +36,8 @@
 
 #include "communicator.h"
 #include "../reduce.h"
-#include "meshtrain/comm/ring.h"
-#include "meshtrain/util/shard.h"
+#include "comm/ring.h"
+#include "util/shard.h"
 
 namespace meshtrain {
 namespace comm {

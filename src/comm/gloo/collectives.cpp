@@ -29,7 +29,7 @@
 #include "communicator.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 namespace meshtrain {
 namespace comm {

@@ -15,7 +15,7 @@
 #include <cstring>
 
 #include "../backend.h"
-#include "meshtrain/comm/host_profile.h"
+#include "comm/host_profile.h"
 #include "../store_auth.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"

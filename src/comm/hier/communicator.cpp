@@ -14,7 +14,7 @@
 #include "../shm/communicator.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 
 namespace meshtrain {
 namespace comm {

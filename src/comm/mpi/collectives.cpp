@@ -15,7 +15,7 @@
 #include "communicator.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
-#include "meshtrain/util/shard.h"
+#include "util/shard.h"
 #include "runtime.h"
 
 namespace meshtrain {

@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "../backend.h"
-#include "meshtrain/comm/host_profile.h"
+#include "comm/host_profile.h"
 #include "futex.h"
 #include "one_step.h"
 #include "p2p.h"

@@ -51,8 +51,8 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/comm/host_profile.h"
-#include "meshtrain/comm/store.h"
+#include "comm/host_profile.h"
+#include "comm/store.h"
 
 namespace meshtrain {
 namespace comm {
