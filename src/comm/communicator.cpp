@@ -13,16 +13,6 @@
 namespace meshtrain {
 namespace comm {
 
-std::chrono::milliseconds default_comm_timeout() {
-  const char* env = std::getenv("MESHTRAIN_COMM_TIMEOUT");
-  if (!env || !*env) return std::chrono::minutes(5);
-  char* end = nullptr;
-  const double s = std::strtod(env, &end);
-  MESHTRAIN_CHECK(*end == '\0' && std::isfinite(s) && s > 0 && s <= 86400, "MESHTRAIN_COMM_TIMEOUT='", env,
-                  "' must be a number of seconds in (0, 86400]");
-  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
-}
-
 namespace {
 
 at::Tensor bytes_of(const std::string& s) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "meshtrain/comm/traffic.h"
+#include "meshtrain/comm/tuning.h"
 
 namespace meshtrain {
 namespace comm {
@@ -69,6 +70,9 @@ struct CommOptions {
   // docs/comm.md: shared memory for the ranks of one host, hierarchical across
   // hosts, MPI under mpirun). Sub-communicators choose again for their members.
   std::string backend;
+  // The backends' tunables (tuning.h): from the environment unless set here;
+  // sub-communicators inherit them. They change timings, never results.
+  CommTuning tuning = CommTuning::from_env();
 
   CommOptions& set_backend(std::string b) { backend = std::move(b); return *this; }
 };

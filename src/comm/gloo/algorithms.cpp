@@ -300,7 +300,7 @@ void GlooCommunicator::broadcast_chain(at::Tensor work, int root) {
 }
 
 // Note [Pipelined all-reduce]
-// The direct all-reduce in pieces of piece_bytes_ (MESHTRAIN_GLOO_PIECE_KB,
+// The direct all-reduce in pieces of TcpTuning::piece_bytes (MESHTRAIN_GLOO_PIECE_KB,
 // 1 MiB): every rank posts its receives at once (each peer's piece j of its
 // own shard into scratch, each peer's reduced pieces into place), sends the
 // peers' pieces of their shards a window of four ahead, and for each piece of
@@ -318,7 +318,7 @@ void GlooCommunicator::direct_all_reduce(at::Tensor flat, ReduceOp op) {
   const int n = size(), me = rank_;
   const auto counts = shard_sizes(flat.numel(), n);
   const auto offsets = offsets_of(counts);
-  const int64_t elem = flat.element_size(), piece = std::max<int64_t>(1, piece_bytes_ / elem);
+  const int64_t elem = flat.element_size(), piece = std::max<int64_t>(1, options_.tuning.tcp.piece_bytes / elem);
   constexpr int64_t kWindow = 4;  // pieces of the peers' shards in flight ahead of this rank's reductions
   char* base = static_cast<char*>(flat.data_ptr());
   char* space = static_cast<char*>(scratch(0, n * counts[me], flat).data_ptr());  // peer q's part of my shard at q

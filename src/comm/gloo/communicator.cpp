@@ -152,14 +152,10 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
                                    int rank, const std::string& store_prefix, CommOptions options)
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
-      prefix_(store_prefix),
-      ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)),  // unset: never (Note [Gloo algorithms])
-      chain_bytes_(env_kib("MESHTRAIN_GLOO_CHAIN_KB", int64_t(1) << 20)),  // Note [Broadcast down a chain]
-      piece_bytes_(env_kib("MESHTRAIN_GLOO_PIECE_KB", int64_t(1) << 20)) {  // Note [Pipelined all-reduce]
-  if (env_choice("MESHTRAIN_GLOO_TRANSPORT", "links", "gloo", "a transport", "Note [Gloo transports]")) {
+      prefix_(store_prefix) {
+  if (!options_.tuning.tcp.libgloo_transport) {
     connect_links();
-    doubling_ = doubling_applies(size()) &&
-                env_choice("MESHTRAIN_GLOO_ROUND", "doubling", "direct", "a header round", "Note [Doubling round]");
+    doubling_ = doubling_applies(size()) && options_.tuning.tcp.doubling_round;
   } else {
     connect_gloo();
   }
@@ -190,10 +186,10 @@ void GlooCommunicator::connect_links() {
     // as long as this host's wake-up costs (Note [Self-tuned waits]); otherwise
     // waiters yield (Note [Link waits on shared cores]).
     const bool own_core = process_->ranks_on_my_host() <= available_cores();
+    const TcpTuning& set = options_.tuning.tcp;
     WaitTuning waits = choose_link_wait(host_profile(), own_core);
-    waits.spin = env_us("MESHTRAIN_TCP_SPIN_US", waits.spin);
-    const auto yield = env_us("MESHTRAIN_TCP_YIELD_US", std::chrono::microseconds(-1));
-    if (yield.count() >= 0) waits.yield = waits.large_yield = yield;  // set: every wait's budget, whatever its size
+    waits.spin = set.spin.value_or(waits.spin);
+    if (set.yield) waits.yield = waits.large_yield = *set.yield;  // set: every wait's budget, whatever its size
     links_->set_waits(waits);
     // Bytes in flight to a rank of this host fit its cache (Note [Link buffers sized to the cache]):
     // the peers that send to it at once are this communicator's members on the host.
@@ -201,7 +197,7 @@ void GlooCommunicator::connect_links() {
     const auto peers_here = std::count_if(global_ranks_.begin(), global_ranks_.end(),
                                           [&](int g) { return process_->host_of(g) == my_host; }) - 1;
     const LinkBuffer buffer = choose_link_buffer(host_profile(), static_cast<int>(peers_here));
-    links_->set_local_buffer(env_kib("MESHTRAIN_TCP_BUFFER_KB", buffer.bytes, 0, 1 << 20));
+    links_->set_local_buffer(set.buffer_bytes.value_or(buffer.bytes));
     if (!process_->store()->token().empty()) {
       prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
                   process_->store()->token(), options_.label);

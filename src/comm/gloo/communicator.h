@@ -276,8 +276,8 @@ class GlooCommunicator final : public QueuedCommunicator {
   // glibc maps and unmaps) costs 60 ms of them.
   at::Tensor scratch(int64_t offset, int64_t numel, const at::Tensor& like);
   // Ring or direct for a collective of `bytes` (see Note [Gloo algorithms]).
-  bool use_ring(int64_t bytes) const { return size() > 2 && bytes >= ring_bytes_; }
-  bool use_chain(int64_t bytes) const { return size() > 2 && bytes >= chain_bytes_; }
+  bool use_ring(int64_t bytes) const { return size() > 2 && bytes >= options_.tuning.tcp.ring_bytes; }
+  bool use_chain(int64_t bytes) const { return size() > 2 && bytes >= options_.tuning.tcp.chain_bytes; }
 
   std::shared_ptr<Process> process_;
   // The transport (Note [Gloo transports]): meshtrain's TCP links, or libgloo's.
@@ -286,12 +286,9 @@ class GlooCommunicator final : public QueuedCommunicator {
   std::string prefix_;
   int splits_ = 0;
   std::vector<bool> remote_;  // per member: on another host
-  int64_t ring_bytes_;        // collectives of at least this size take the ring (MESHTRAIN_GLOO_RING_KB)
-  int64_t chain_bytes_;       // broadcasts of at least this size go down a chain (MESHTRAIN_GLOO_CHAIN_KB)
-  int64_t piece_bytes_;       // the direct all-reduce's pieces (MESHTRAIN_GLOO_PIECE_KB)
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
-  // Header rounds go by doubling: the links, n = 2^L in 4..64, MESHTRAIN_GLOO_ROUND unset or doubling.
+  // Header rounds go by doubling: the links, n = 2^L in 4..64, TcpTuning::doubling_round.
   bool doubling_ = false;
   std::vector<std::vector<uint8_t>> doubling_send_, doubling_recv_;  // per step, reused
   std::vector<uint8_t> alarm_buffer_;

@@ -47,7 +47,7 @@ HierCommunicator::HierCommunicator(std::shared_ptr<Process> process, std::vector
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
       prefix_(prefix),
-      min_bytes_(env_kib("MESHTRAIN_HIER_MIN_KB", 64 << 10)) {
+      min_bytes_(options_.tuning.hier.min_bytes) {
   std::vector<std::string> hosts;
   for (int g : global_ranks_) hosts.push_back(process_->host_of(g));
   placement_ = place(hosts);

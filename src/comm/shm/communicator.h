@@ -34,16 +34,15 @@ namespace meshtrain {
 namespace comm {
 namespace shm_backend {
 
-// Tunables, read from the environment by the rank creating the segment (all
-// members adopt its values): MESHTRAIN_SHM_BUFFER_KB, MESHTRAIN_SHM_CHANNEL_KB,
-// MESHTRAIN_SHM_SMALL_KB (else measured: Note [Measured one-step threshold] in
-// one_step.h); MESHTRAIN_SHM_SPIN_US is per process.
+// The segment's layout and one-step threshold as the rank creating the
+// segment has them (CommOptions::tuning.shm; all members adopt its values).
+// One step is measured unless set (Note [Measured one-step threshold] in one_step.h).
 struct ShmSettings {
   size_t buffer_bytes = 256 << 10;
   size_t channel_bytes = 1 << 20;
-  size_t small_bytes = 32 << 10;
-  bool small_from_env = false;  // MESHTRAIN_SHM_SMALL_KB was set: nothing to measure
-  static ShmSettings from_env();
+  size_t small_bytes = 32 << 10;  // where nothing is measured and nothing set
+  bool small_set = false;         // ShmTuning::one_step_bytes (MESHTRAIN_SHM_SMALL_KB): nothing to measure
+  static ShmSettings of(const ShmTuning& tuning);
 };
 
 struct SendOp;
