@@ -80,8 +80,11 @@ TcpTuning tcp_from_env() {
   t.piece_bytes = env_kib("MESHTRAIN_GLOO_PIECE_KB", 0).value_or(t.piece_bytes);
   t.doubling_round =
       env_choice("MESHTRAIN_GLOO_ROUND", "doubling", "direct", "a header round", "Note [Doubling round]");
-  t.libgloo_transport =
-      !env_choice("MESHTRAIN_GLOO_TRANSPORT", "links", "gloo", "a transport", "Note [Gloo transports]");
+  // libgloo's transport is gone (Note [Gloo transports]): saying so beats running on another than asked for.
+  const char* transport = set_value("MESHTRAIN_GLOO_TRANSPORT");
+  MESHTRAIN_CHECK(!transport || std::string(transport) == "links", "MESHTRAIN_GLOO_TRANSPORT='", transport,
+                  "': libgloo's transport was removed, measured slower than meshtrain's TCP links "
+                  "(docs/comm.md, \"Transports\"); unset it");
   return t;
 }
 

@@ -166,26 +166,6 @@ TEST(ReduceKernels, InPlaceNaNAndWrapAround) {
   EXPECT_EQ(sum[0].item<int32_t>(), std::numeric_limits<int32_t>::min());
 }
 
-// gloo throws gloo::IoException for both; the time waited decides, never the
-// message (see Note [Classifying gloo errors]).
-TEST(GlooErrors, OnlyAnIoExceptionAfterTheWholeTimeoutIsATimeout) {
-  using gloo_backend::is_timeout;
-  using std::chrono::milliseconds;
-  const milliseconds timeout(1000);
-  const gloo::IoException timed_out("[unbound_buffer.cc:81] Timed out waiting 1000ms for recv operation to complete");
-  EXPECT_TRUE(is_timeout(timed_out, milliseconds(1000), timeout));
-  EXPECT_TRUE(is_timeout(timed_out, milliseconds(1700), timeout));
-  // A peer's socket closed: gloo reports it as soon as it sees it.
-  EXPECT_FALSE(is_timeout(gloo::IoException("[pair.cc:598] Connection closed by peer [10.0.0.2]:4321"),
-                          milliseconds(3), timeout));
-  // A pair closed by an earlier timeout fails at once; the wait that sees it did not time out.
-  EXPECT_FALSE(is_timeout(gloo::IoException("Application timeout caused pair closure"), milliseconds(0), timeout));
-  // The words "Timed out" alone no longer make a timeout.
-  EXPECT_FALSE(is_timeout(timed_out, milliseconds(999), timeout));
-  // Not an I/O failure at all, however long the wait.
-  EXPECT_FALSE(is_timeout(gloo::InvalidOperationException("unbound buffer misuse"), milliseconds(5000), timeout));
-}
-
 // On a group of a larger mesh (a dp or pp communicator), a mismatch names the
 // group's ranks and the job's: "rank 1" alone would point at the wrong process.
 TEST(Headers, MismatchNamesGroupAndGlobalRanks) {

@@ -50,9 +50,6 @@ struct TcpTuning {
   // MESHTRAIN_GLOO_ROUND=doubling|direct: the header round by recursive
   // doubling on 4..64 ranks (a power of two), or to every peer at once.
   bool doubling_round = true;
-  // MESHTRAIN_GLOO_TRANSPORT=links|gloo: meshtrain's TCP links, or libgloo's
-  // TCP transport (Note [Gloo transports]).
-  bool libgloo_transport = false;
 };
 
 // The hierarchical backend (src/comm/hier).

@@ -72,8 +72,8 @@ int64_t sum_of(const std::vector<int64_t>& v) {
 // starts with one round in which each rank sends every peer a fixed-size
 // Header, followed in the same message by an inline payload when it fits
 // (CommOptions::inline_bytes). Receivers always post buffers of header +
-// inline_bytes, so a peer with different arguments can never overflow them (a
-// larger-than-posted message would crash gloo's event loop); the headers are
+// inline_bytes, so a peer with different arguments can never overflow them
+// (a larger message fails only its receive: WaitResult::kTooLarge); the headers are
 // then compared on every rank, and all raise the same MismatchError. For small
 // payloads this round *is* the collective (one round instead of a ring's
 // 2(n-1) steps); the data is then combined locally in rank order, which gives
@@ -134,8 +134,7 @@ Round GlooCommunicator::finish_header_round(PendingRound& pending) {
 // and receives and sends not yet complete when the MismatchError is raised are
 // withdrawn (tcp::Posted). What a mismatch may leave behind: this rank's output
 // holds bytes a peer sent for another collective (a communicator that raised
-// MismatchError refuses further work). libgloo's transport cannot take a
-// larger message than posted (its event loop aborts), so it keeps the round first.
+// MismatchError refuses further work).
 void GlooCommunicator::settle_round() {
   if (!pending_) return;
   std::unique_ptr<PendingRound> pending = std::move(pending_);  // wait_all below must not settle it again
@@ -189,7 +188,7 @@ void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* o
 
 Round GlooCommunicator::open(const char* op, const Opening& opening) {
   if (!opening.needed && !options_.verify) return Round();
-  if (opening.deferrable && links_) {  // Note [Verification beside the data]
+  if (opening.deferrable) {  // Note [Verification beside the data]
     pending_ = std::make_unique<PendingRound>(post_header_round(opening.header, opening.inline_for, /*hold=*/true));
     pending_->op = op;
     pending_->same_shape = opening.same_shape;
@@ -372,32 +371,23 @@ void GlooCommunicator::check_pair_headers(const std::vector<Header>& theirs, at:
 
 // ---- entry points
 
-WorkPtr GlooCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
-  check_tensor(tensor, "all_reduce", "tensor");
-  check_reduce_op(op, tensor, "all_reduce");
+WorkPtr GlooCommunicator::start_all_reduce(at::Tensor tensor, ReduceOp op) {
   return in_place(tensor, {OpKind::kAllReduce, "all_reduce", op, 0, Flow::kEveryRank},
                   [this, op](Collective& c) { all_reduce_algorithm(c, op); });
 }
 
-WorkPtr GlooCommunicator::broadcast_async(at::Tensor tensor, int root) {
-  check_tensor(tensor, "broadcast", "tensor");
-  check_root(root, "broadcast");
+WorkPtr GlooCommunicator::start_broadcast(at::Tensor tensor, int root) {
   return in_place(tensor, {OpKind::kBroadcast, "broadcast", ReduceOp::kSum, root, Flow::kFromRoot},
                   [this, root](Collective& c) { broadcast_algorithm(c, root); });
 }
 
-WorkPtr GlooCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
-  check_tensor(tensor, "reduce", "tensor");
-  check_root(root, "reduce");
-  check_reduce_op(op, tensor, "reduce");
+WorkPtr GlooCommunicator::start_reduce(at::Tensor tensor, int root, ReduceOp op) {
   return in_place(tensor, {OpKind::kReduce, "reduce", op, root, Flow::kToRoot},
                   [this, root, op](Collective& c) { reduce_algorithm(c, root, op); });
 }
 
-WorkPtr GlooCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+WorkPtr GlooCommunicator::start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
                                                std::vector<int64_t> counts) {
-  check_reduce_scatter(input, output, counts);
-  check_reduce_op(op, input, "reduce_scatter");
   auto body = [this, input, op, output, counts](std::vector<at::Tensor>& result) {
     DeferredRound deferred(pending_);
     const Collective c = open_reduce_scatter(input, op, counts);
@@ -410,8 +400,7 @@ WorkPtr GlooCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp
   return enqueue(OpKind::kReduceScatter, "reduce_scatter", body);
 }
 
-WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
-  check_all_gather(input, output);
+WorkPtr GlooCommunicator::start_all_gather(const at::Tensor& input, at::Tensor output) {
   return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) {
     const Collective c = open_all_gather(input, output);
     const std::vector<int64_t> counts = all_gather_counts(c.round.headers);
@@ -427,9 +416,7 @@ WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor o
   });
 }
 
-WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
-  check_tensor(input, "gather", "input");
-  check_root(root, "gather");
+WorkPtr GlooCommunicator::start_gather(const at::Tensor& input, int root) {
   return enqueue(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
     const Collective c = open_gather(input, root);
     if (rank_ == root) {
@@ -441,8 +428,7 @@ WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
   });
 }
 
-WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
-  check_scatter(output, inputs, root);
+WorkPtr GlooCommunicator::start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
   return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) {
     std::vector<at::Tensor> sources(inputs.size());
     for (size_t p = 0; p < inputs.size(); ++p) sources[p] = inputs[p].contiguous();
@@ -454,8 +440,7 @@ WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tenso
   });
 }
 
-WorkPtr GlooCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
-  check_all_to_all(inputs);
+WorkPtr GlooCommunicator::start_all_to_all(std::vector<at::Tensor> inputs) {
   return enqueue(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
     const std::vector<Header> theirs = exchange_pair_headers(inputs);
     check_pair_headers(theirs, inputs[0].scalar_type());
@@ -463,7 +448,7 @@ WorkPtr GlooCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
   });
 }
 
-WorkPtr GlooCommunicator::barrier_async() {
+WorkPtr GlooCommunicator::start_barrier() {
   return enqueue(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) {
     // The round is the barrier: no rank completes it before every rank has sent its header.
     Opening opening(header_of(at::Tensor(), OpKind::kBarrier, ReduceOp::kSum, 0));
