@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <map>
 
-#include "gloo/communicator.h"
+#include "tcp/communicator.h"
 #include "hier/communicator.h"
 #include "meshtrain/util/error.h"
 #include "process.h"
@@ -21,10 +21,11 @@ namespace comm {
 
 BackendKind parse_backend(const std::string& name, const std::string& source) {
   if (name == "auto") return BackendKind::kAuto;
-  if (name == "gloo") return BackendKind::kGloo;
+  // "gloo" as PyTorch names its CPU backend; "tcp" says what it is (no byte goes through libgloo).
+  if (name == "gloo" || name == "tcp") return BackendKind::kGloo;
   if (name == "shm") return BackendKind::kShm;
   if (name == "mpi") return BackendKind::kMpi;
-  throw ConfigError(str_cat(source, " '", name, "' is not a backend; use auto, shm, gloo or mpi"));
+  throw ConfigError(str_cat(source, " '", name, "' is not a backend; use auto, shm, gloo (also called tcp) or mpi"));
 }
 
 BackendKind requested_backend(const CommOptions& options) {
@@ -123,7 +124,7 @@ CommPtr make_communicator(std::shared_ptr<Process> process, std::vector<int> glo
     case Impl::kGloo:
       break;
   }
-  return std::make_shared<gloo_backend::GlooCommunicator>(process, std::move(global_ranks), rank, prefix,
+  return std::make_shared<gloo_backend::TcpCommunicator>(process, std::move(global_ranks), rank, prefix,
                                                           std::move(options));
 }
 

@@ -10,7 +10,7 @@
 #include <set>
 
 #include "comm/backend.h"
-#include "comm/gloo/communicator.h"
+#include "comm/tcp/communicator.h"
 #include "comm/header.h"
 #include "comm/hier/communicator.h"
 #include "comm/reduce.h"
@@ -43,9 +43,12 @@ TEST(BackendChoice, ImpossibleChoicesNameTheFix) {
   const std::string mpi = error_of([] { choose_impl(BackendKind::kMpi, {"a"}, "world"); });
   EXPECT_NE(mpi.find("mpirun"), std::string::npos) << mpi;
   const std::string name = error_of([] { parse_backend("nccl", "MESHTRAIN_BACKEND"); });
-  EXPECT_NE(name.find("MESHTRAIN_BACKEND 'nccl' is not a backend; use auto, shm, gloo or mpi"), std::string::npos)
+  EXPECT_NE(name.find("MESHTRAIN_BACKEND 'nccl' is not a backend; use auto, shm, gloo (also called tcp) or mpi"),
+            std::string::npos)
       << name;
   EXPECT_EQ(parse_backend("shm", "--backend"), BackendKind::kShm);
+  EXPECT_EQ(parse_backend("tcp", "--backend"), BackendKind::kGloo);  // the TCP backend's own name
+  EXPECT_EQ(parse_backend("gloo", "--backend"), BackendKind::kGloo);  // PyTorch's name for it
 }
 
 TEST(Hierarchical, PlacementNumbersHostsByFirstMemberAndRanksWithinEach) {

@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "../backend.h"
-#include "../gloo/communicator.h"
+#include "../tcp/communicator.h"
 #include "../header.h"
 #include "../process.h"
 #include "../shm/communicator.h"
@@ -66,11 +66,11 @@ HierCommunicator::HierCommunicator(std::shared_ptr<Process> process, std::vector
                                                           str_cat(prefix, "/local", my_host), o);
   o.label = options_.label + "/across";
   o.verify = false;  // every hierarchical all_reduce verifies its arguments on flat_ first
-  cross_ = std::make_shared<gloo_backend::GlooCommunicator>(process_, std::move(cross), my_host,
+  cross_ = std::make_shared<gloo_backend::TcpCommunicator>(process_, std::move(cross), my_host,
                                                             str_cat(prefix, "/cross", my_local), o);
   o.label = options_.label;
   o.verify = options_.verify;
-  flat_ = std::make_shared<gloo_backend::GlooCommunicator>(process_, global_ranks_, rank_, prefix + "/flat", o);
+  flat_ = std::make_shared<gloo_backend::TcpCommunicator>(process_, global_ranks_, rank_, prefix + "/flat", o);
 }
 
 HierCommunicator::~HierCommunicator() { stop_worker(); }

@@ -1,5 +1,5 @@
 #pragma once
-// GlooCommunicator: the Communicator for ranks that reach one another over
+// TcpCommunicator: the Communicator for ranks that reach one another over
 // TCP (not c10d's ProcessGroupGloo, whose worker-thread hand-offs cost ~2.6 ms
 // per small all-reduce here). Collectives are our own algorithms over
 // messages addressed by (peer, slot) (ring reduce-scatter / all-gather /
@@ -21,7 +21,7 @@
 #include "../header.h"
 #include "../process.h"
 #include "../queued.h"
-#include "../tcp/links.h"
+#include "links.h"
 #include "doubling.h"
 
 namespace meshtrain {
@@ -71,7 +71,7 @@ struct Opening {
   // Clears the fields that may differ by rank before the comparison.
   void (*ignore)(Header&) = nullptr;
   // A doubling round reduces the payloads as it goes (all_reduce, reduce_scatter:
-  // Note [Folding round]); set where the round goes by doubling (GlooCommunicator::may_fold).
+  // Note [Folding round]); set where the round goes by doubling (TcpCommunicator::may_fold).
   bool fold = false;
 };
 
@@ -119,11 +119,11 @@ struct PendingRound {
   void (*ignore)(Header&) = nullptr;
 };
 
-class GlooCommunicator final : public QueuedCommunicator {
+class TcpCommunicator final : public QueuedCommunicator {
  public:
-  GlooCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
+  TcpCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
                    int rank, const std::string& store_prefix, CommOptions options);
-  ~GlooCommunicator() override;
+  ~TcpCommunicator() override;
 
   std::string backend() const override { return "gloo"; }
 

@@ -1,4 +1,4 @@
-// GlooCommunicator: construction, the operation queue, point-to-point messages
+// TcpCommunicator: construction, the operation queue, point-to-point messages
 // and the transfer/wait primitives every algorithm uses. Collectives are in
 // collectives.cpp.
 
@@ -110,7 +110,7 @@ uint64_t p2p_slot(int tag, bool data) {
 // 80x for small messages (docs/comm.md, "Transports"), and a surviving rank
 // could die of SIGPIPE inside libgloo when a peer died mid-collective.
 
-GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
+TcpCommunicator::TcpCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
                                    int rank, const std::string& store_prefix, CommOptions options)
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
@@ -121,20 +121,20 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector
   for (int g : global_ranks_) remote_.push_back(process_->host_of(g) != mine);
 }
 
-GlooCommunicator::~GlooCommunicator() {
+TcpCommunicator::~TcpCommunicator() {
   stop_worker();
   links_.reset();
 }
 
 // A rank that died while the others connected: the failure watcher names it.
-void GlooCommunicator::throw_failed_peer_if_any() const {
+void TcpCommunicator::throw_failed_peer_if_any() const {
   if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
     const int r = Process::rank_of_label(f->label);
     throw PeerFailure(str_cat("connecting communicator '", options_.label, "': rank ", r, " failed: ", f->reason), r);
   }
 }
 
-void GlooCommunicator::connect_links() {
+void TcpCommunicator::connect_links() {
   PrefixStore store(prefix_, process_->store());
   try {
     links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
@@ -167,11 +167,11 @@ void GlooCommunicator::connect_links() {
 
 // ---- transfers
 
-uint64_t GlooCommunicator::collective_slot(int sub) const {
+uint64_t TcpCommunicator::collective_slot(int sub) const {
   return kCollectiveBit | ((op_seq() & ((1ull << 46) - 1)) << 16) | static_cast<uint64_t>(sub & 0xffff);
 }
 
-Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
+Transfer TcpCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind, bool hold) {
   Transfer t;
   t.peer = peer;
@@ -183,7 +183,7 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
   return t;
 }
 
-Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t slot,
+Transfer TcpCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind) {
   Transfer t;
   t.peer = peer;
@@ -195,7 +195,7 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   return t;
 }
 
-void GlooCommunicator::wait(Transfer& t) {
+void TcpCommunicator::wait(Transfer& t) {
   // A deferred header round first: no collective's data is used unverified.
   // Only a collective's own waits settle it (they run on the thread that
   // deferred it; point-to-point waits run on their callers' threads).
@@ -222,7 +222,7 @@ void GlooCommunicator::wait(Transfer& t) {
   t.req.reset();
 }
 
-void GlooCommunicator::throw_timeout(const Transfer& t) const {
+void TcpCommunicator::throw_timeout(const Transfer& t) const {
   const std::string what = str_cat(where(t.op), ": no progress for ", options_.timeout.count(), " ms while ",
                                    t.is_recv ? "receiving from " : "sending to ", peer_name(t.peer));
   process_->raise_stuck(global_ranks_[t.peer], where(t.op), what,  // Note [Naming a stuck rank]
@@ -230,7 +230,7 @@ void GlooCommunicator::throw_timeout(const Transfer& t) const {
                                 " (every rank must call collectives in the same order)"));
 }
 
-void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::string& what) const {
+void TcpCommunicator::throw_broken_connection(const Transfer& t, const std::string& what) const {
   // A peer died. The failure watcher usually names it within milliseconds;
   // wait briefly for it rather than guess.
   if (auto f = process_->await_failure(std::chrono::seconds(2))) Process::raise_failure(where(t.op), *f);
@@ -239,21 +239,21 @@ void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::str
 }
 
 // The failure watcher aborted the wait: it knows which rank died.
-void GlooCommunicator::throw_aborted(const Transfer& t) const {
+void TcpCommunicator::throw_aborted(const Transfer& t) const {
   if (auto f = process_->failure()) Process::raise_failure(where(t.op), *f);
   throw PeerFailure(str_cat(where(t.op), ": aborted, with no failure reported"), -1);
 }
 
-void GlooCommunicator::wait_all(std::vector<Transfer>& transfers) {
+void TcpCommunicator::wait_all(std::vector<Transfer>& transfers) {
   for (auto& t : transfers) wait(t);
 }
 
-void GlooCommunicator::send_and_wait(const at::Tensor& t, int peer, OpKind kind) {
+void TcpCommunicator::send_and_wait(const at::Tensor& t, int peer, OpKind kind) {
   Transfer transfer = post_send(t.data_ptr(), t.nbytes(), peer, collective_slot(0), kind);
   wait(transfer);
 }
 
-void GlooCommunicator::count(OpKind kind, int peer, int64_t sent, int64_t received) {
+void TcpCommunicator::count(OpKind kind, int peer, int64_t sent, int64_t received) {
   if (sent != 0) counter_.add_sent(kind, sent, remote_[peer]);
   if (received != 0) counter_.add_received(kind, received, remote_[peer]);
 }
@@ -305,7 +305,7 @@ class P2PWork : public Work {
 // announced by its header and received into a tensor of the announced size, so
 // a receiver can never be overrun.
 
-WorkPtr GlooCommunicator::start_send(const at::Tensor& tensor, int dst, int tag) {
+WorkPtr TcpCommunicator::start_send(const at::Tensor& tensor, int dst, int tag) {
   counter_.add_call(OpKind::kSend);
   at::Tensor data = tensor.contiguous();
   Header header = header_of(data, OpKind::kSend);
@@ -342,7 +342,7 @@ struct Incoming {
 
 }  // namespace
 
-WorkPtr GlooCommunicator::start_recv(at::Tensor tensor, int src, int tag) {
+WorkPtr TcpCommunicator::start_recv(at::Tensor tensor, int src, int tag) {
   auto work = start_recv_any(src, tag);
   return std::make_shared<P2PWork>([this, work, tensor, src, tag](std::vector<at::Tensor>& out) {
     work->wait();
@@ -356,7 +356,7 @@ WorkPtr GlooCommunicator::start_recv(at::Tensor tensor, int src, int tag) {
   });
 }
 
-WorkPtr GlooCommunicator::start_recv_any(int src, int tag) {
+WorkPtr TcpCommunicator::start_recv_any(int src, int tag) {
   counter_.add_call(OpKind::kRecv);
   auto in = std::make_shared<Incoming>();
   const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
@@ -387,7 +387,7 @@ WorkPtr GlooCommunicator::start_recv_any(int src, int tag) {
 
 // ---- split
 
-std::shared_ptr<Communicator> GlooCommunicator::split(int color, int key, const std::string& label) {
+std::shared_ptr<Communicator> TcpCommunicator::split(int color, int key, const std::string& label) {
   return split_communicator(*this, process_, prefix_, splits_++, color, key, label);
 }
 
