@@ -261,8 +261,8 @@ void check_values(const TrainConfig& c) {
   MESHTRAIN_CHECK(c.log_every >= 1, "--log-every ", c.log_every, " must be at least 1");
   MESHTRAIN_CHECK(c.eval_every >= 0, "--eval-every ", c.eval_every, " must be >= 0 (0: no held-out loss)");
   MESHTRAIN_CHECK(c.backend.empty() || c.backend == "auto" || c.backend == "shm" || c.backend == "gloo" ||
-                      c.backend == "mpi",
-                  "--backend '", c.backend, "' is not a backend; use auto, shm, gloo or mpi");
+                      c.backend == "tcp" || c.backend == "mpi",
+                  "--backend '", c.backend, "' is not a backend; use auto, shm, gloo (also called tcp) or mpi");
 }
 
 // --cp: what context parallelism needs of the model and the other flags.

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Collectives over TCP loopback, side by side in one run (issue 32, item 2):
-# meshtrain's Gloo backend on its TCP links (the default) and on libgloo's
-# transport (MESHTRAIN_GLOO_TRANSPORT=gloo), OpenMPI's own collectives over its
+# meshtrain's Gloo backend on its TCP links, OpenMPI's own collectives over its
 # TCP transport (bench_mpi_peer, btl tcp), and PyTorch's Gloo (torch_peer.py),
 # interleaved run by run. Prints the tables (tcp_report.py) and, with DOC=1,
 # writes them into docs/BENCHMARKS.md.
@@ -14,14 +13,13 @@ OUT=${OUT:-build/bench/collectives_tcp}; mkdir -p "$OUT"; rm -f "$OUT"/*.json
 source bench/collectives/peers.sh
 require_torch_peer
 ARGS="--sizes $SIZES --target-s $TARGET_S"
-gloo() {  # gloo N RUN TRANSPORT
-  MESHTRAIN_BACKEND=gloo MESHTRAIN_GLOO_TRANSPORT=$3 build/bin/meshrun --nproc-per-node "$1" --master-port 0 \
-    --threads-per-rank 1 -- build/bin/bench_collectives $ARGS --out "$OUT/mt_gloo_$3_w$1_$2.json" > /dev/null
+gloo() {  # gloo N RUN
+  MESHTRAIN_BACKEND=gloo build/bin/meshrun --nproc-per-node "$1" --master-port 0 \
+    --threads-per-rank 1 -- build/bin/bench_collectives $ARGS --out "$OUT/mt_gloo_links_w$1_$2.json" > /dev/null
 }
 for i in $(seq 1 "$RUNS"); do
   for n in $WORLDS; do
-    gloo "$n" "$i" links
-    gloo "$n" "$i" gloo
+    gloo "$n" "$i"
     $MPIRUN -np "$n" --mca btl self,tcp --mca btl_tcp_if_include lo build/bin/bench_mpi_peer $ARGS \
       --out "$OUT/ompi_tcp_w${n}_$i.json" > /dev/null
     /usr/bin/python3 bench/collectives/torch_peer.py --world-size "$n" $ARGS --out "$OUT/torch_w${n}_$i.json" > /dev/null

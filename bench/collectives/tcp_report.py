@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Tables of bench/collectives/tcp.sh's runs: time per op over TCP loopback
-(median over runs) for meshtrain's Gloo backend on its links and on libgloo's
-transport, OpenMPI's TCP transport and PyTorch's Gloo, with issue 32's floors
+(median over runs) for meshtrain's Gloo backend on its links, OpenMPI's TCP
+transport and PyTorch's Gloo, with issue 32's floors
 (links at least 1.0x OpenMPI TCP from 64 KiB, at least 1.0x PyTorch's Gloo at
 every size; ratios are the other's time over the links' time: >1 means the
 links are faster). With --doc, replaces the tcp-collectives section of that
@@ -11,8 +11,7 @@ import argparse, collections, json, os, statistics, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ddp"))
 from report import replace_section  # noqa: E402  (the section writer every bench report shares)
 
-IMPLS = [("mt_gloo_links", "meshtrain gloo (links)"), ("mt_gloo_gloo", "meshtrain gloo (libgloo)"),
-         ("ompi_tcp", "OpenMPI (TCP)"), ("torch", "torch Gloo")]
+IMPLS = [("mt_gloo_links", "meshtrain gloo (links)"), ("ompi_tcp", "OpenMPI (TCP)"), ("torch", "torch Gloo")]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 
 

@@ -9,27 +9,29 @@
 #include <cstdlib>
 #include <map>
 
-#include "gloo/communicator.h"
+#include "tcp/communicator.h"
 #include "hier/communicator.h"
 #include "meshtrain/util/error.h"
 #include "process.h"
 #include "shm/communicator.h"
+#include "tuning_env.h"
 
 namespace meshtrain {
 namespace comm {
 
 BackendKind parse_backend(const std::string& name, const std::string& source) {
   if (name == "auto") return BackendKind::kAuto;
-  if (name == "gloo") return BackendKind::kGloo;
+  // "gloo" as PyTorch names its CPU backend; "tcp" says what it is (no byte goes through libgloo).
+  if (name == "gloo" || name == "tcp") return BackendKind::kGloo;
   if (name == "shm") return BackendKind::kShm;
   if (name == "mpi") return BackendKind::kMpi;
-  throw ConfigError(str_cat(source, " '", name, "' is not a backend; use auto, shm, gloo or mpi"));
+  throw ConfigError(str_cat(source, " '", name, "' is not a backend; use auto, shm, gloo (also called tcp) or mpi"));
 }
 
 BackendKind requested_backend(const CommOptions& options) {
   if (!options.backend.empty()) return parse_backend(options.backend, "backend");
-  const char* env = std::getenv("MESHTRAIN_BACKEND");
-  if (env && *env) return parse_backend(env, "MESHTRAIN_BACKEND");
+  const std::string env = backend_from_env();
+  if (!env.empty()) return parse_backend(env, "MESHTRAIN_BACKEND");
   return BackendKind::kAuto;
 }
 
@@ -122,7 +124,7 @@ CommPtr make_communicator(std::shared_ptr<Process> process, std::vector<int> glo
     case Impl::kGloo:
       break;
   }
-  return std::make_shared<gloo_backend::GlooCommunicator>(process, std::move(global_ranks), rank, prefix,
+  return std::make_shared<gloo_backend::TcpCommunicator>(process, std::move(global_ranks), rank, prefix,
                                                           std::move(options));
 }
 
@@ -155,38 +157,6 @@ CommPtr split_communicator(Communicator& parent, const std::shared_ptr<Process>&
   options.label = label;
   return make_communicator(process, std::move(group->global_ranks), group->rank,
                            str_cat(prefix, "/s", split_id, "c", color), std::move(options));
-}
-
-namespace {
-
-int64_t env_integer(const char* name, int64_t fallback, int64_t min, int64_t max, const char* what) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  const std::string range = max == kNoMaxKib ? str_cat(min, " or more") : str_cat("between ", min, " and ", max);
-  MESHTRAIN_CHECK(end && *end == '\0' && x >= min && x <= max, name, "='", v, "' must be ", what, " (", range, ")");
-  return x;
-}
-
-}  // namespace
-
-int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb, int64_t max_kb) {
-  const int64_t kb = env_integer(name, -1, min_kb, max_kb, "a size in KiB");
-  return kb < 0 ? fallback_bytes : kb << 10;
-}
-
-std::chrono::microseconds env_us(const char* name, std::chrono::microseconds fallback) {
-  return std::chrono::microseconds(env_integer(name, fallback.count(), 0, 1000000, "a time in microseconds"));
-}
-
-bool env_choice(const char* name, const char* preferred, const char* other, const char* what, const char* see) {
-  const char* v = std::getenv(name);
-  const std::string value = v ? v : "";
-  if (value.empty() || value == preferred) return true;
-  if (value == other) return false;
-  throw ConfigError(str_cat(name, "='", value, "' is not ", what, ": use ", preferred, " (the default) or ", other, " (",
-                            see, ")"));
 }
 
 int available_cores() {

@@ -61,17 +61,6 @@ std::optional<SplitGroup> split_group_of(const at::Tensor& pairs, const Communic
 CommPtr split_communicator(Communicator& parent, const std::shared_ptr<Process>& process, const std::string& prefix,
                            int split_id, int color, int key, const std::string& label);
 
-// A backend's size tunable: the environment variable `name` in KiB, as bytes,
-// or `fallback_bytes` when unset; ConfigError naming the variable and the
-// accepted range for anything but an integer in [min_kb, max_kb].
-constexpr int64_t kNoMaxKib = INT64_MAX >> 10;
-int64_t env_kib(const char* name, int64_t fallback_bytes, int64_t min_kb = 0, int64_t max_kb = kNoMaxKib);
-// A spin budget: the environment variable `name` in microseconds (0 to 1 s), or `fallback`.
-std::chrono::microseconds env_us(const char* name, std::chrono::microseconds fallback);
-// A backend's two-way switch: true when the environment variable `name` is
-// unset or `preferred`, false when `other`; ConfigError naming the value,
-// `what` it should be, both choices and `see` (where it is explained) otherwise.
-bool env_choice(const char* name, const char* preferred, const char* other, const char* what, const char* see);
 // Cores this process may run on (its affinity mask).
 int available_cores();
 

@@ -8,20 +8,11 @@
 #include <cstring>
 
 #include "meshtrain/util/error.h"
+#include "checks.h"
 #include "queued.h"
 
 namespace meshtrain {
 namespace comm {
-
-std::chrono::milliseconds default_comm_timeout() {
-  const char* env = std::getenv("MESHTRAIN_COMM_TIMEOUT");
-  if (!env || !*env) return std::chrono::minutes(5);
-  char* end = nullptr;
-  const double s = std::strtod(env, &end);
-  MESHTRAIN_CHECK(*end == '\0' && std::isfinite(s) && s > 0 && s <= 86400, "MESHTRAIN_COMM_TIMEOUT='", env,
-                  "' must be a number of seconds in (0, 86400]");
-  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
-}
 
 namespace {
 
@@ -72,6 +63,74 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks,
   const int key = member ? static_cast<int>(it - ranks.begin()) : 0;
   return split(member ? 0 : -1, key, label);
 }
+
+// ---- the operations: the arguments checked once, here, for every backend (checks.h)
+
+WorkPtr Communicator::isend(const at::Tensor& tensor, int dst, int tag) {
+  check_p2p(*this, tensor, dst, tag, "send");
+  return start_send(tensor, dst, tag);
+}
+
+WorkPtr Communicator::irecv(at::Tensor tensor, int src, int tag) {
+  check_p2p(*this, tensor, src, tag, "recv");
+  return start_recv(std::move(tensor), src, tag);
+}
+
+WorkPtr Communicator::irecv_any(int src, int tag) {
+  check_peer(*this, src, "recv");
+  return start_recv_any(src, tag);
+}
+
+WorkPtr Communicator::broadcast_async(at::Tensor tensor, int root) {
+  check_tensor(*this, tensor, "broadcast", "tensor");
+  check_root(*this, root, "broadcast");
+  return start_broadcast(std::move(tensor), root);
+}
+
+WorkPtr Communicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
+  check_tensor(*this, tensor, "all_reduce", "tensor");
+  check_reduce_op(*this, op, tensor, "all_reduce");
+  return start_all_reduce(std::move(tensor), op);
+}
+
+WorkPtr Communicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
+  check_tensor(*this, tensor, "reduce", "tensor");
+  check_root(*this, root, "reduce");
+  check_reduce_op(*this, op, tensor, "reduce");
+  return start_reduce(std::move(tensor), root, op);
+}
+
+WorkPtr Communicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
+  check_all_gather(*this, input, output);
+  return start_all_gather(input, std::move(output));
+}
+
+WorkPtr Communicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                                           std::vector<int64_t> counts) {
+  check_reduce_scatter(*this, input, output, counts);
+  check_reduce_op(*this, op, input, "reduce_scatter");
+  return start_reduce_scatter(input, op, std::move(output), std::move(counts));
+}
+
+WorkPtr Communicator::gather_async(const at::Tensor& input, int root) {
+  check_tensor(*this, input, "gather", "input");
+  check_root(*this, root, "gather");
+  return start_gather(input, root);
+}
+
+WorkPtr Communicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
+  check_scatter(*this, output, inputs, root);
+  return start_scatter(std::move(output), std::move(inputs), root);
+}
+
+WorkPtr Communicator::all_to_all_async(std::vector<at::Tensor> inputs) {
+  check_all_to_all(*this, inputs);
+  return start_all_to_all(std::move(inputs));
+}
+
+WorkPtr Communicator::barrier_async() { return start_barrier(); }
+
+// ---- synchronous helpers
 
 void Communicator::send(const at::Tensor& tensor, int dst, int tag) {
   SyncCall sync;  // See Note [Synchronous calls] in queued.h

@@ -1,6 +1,5 @@
 #include "process.h"
 
-#include <gloo/transport/tcp/device.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -95,22 +94,6 @@ Process::~Process() {
   store_.reset();
   if (server_) server_->wait_until_clients_leave(config_.timeout);
   watcher_.reset();
-  device_.reset();
-}
-
-std::shared_ptr<gloo::transport::Device> Process::gloo_device() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!device_) {
-    gloo::transport::tcp::attr attr;
-    attr.hostname = config_.bind_host;
-    try {
-      device_ = gloo::transport::tcp::CreateDevice(attr);
-    } catch (const std::exception& e) {
-      throw ConfigError(str_cat("cannot create the Gloo TCP transport on address '", config_.bind_host,
-                                "': ", e.what(), "; set MESHTRAIN_BIND_ADDR to an address of this machine"));
-    }
-  }
-  return device_;
 }
 
 void Process::load_hosts() {

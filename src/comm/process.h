@@ -1,12 +1,8 @@
 #pragma once
 // Process: what one rank shares among all its communicators, whatever their
-// backend: the store client, the failure watcher, the host of every rank, the
-// Gloo transport device (created when the first Gloo communicator needs it)
+// backend: the store client, the failure watcher, the host of every rank
 // and, when this rank hosts it, the store server. See Note [Failure detection]
 // in store_server.cpp.
-
-#include <gloo/transport/device.h>
-#include <gloo/transport/unbound_buffer.h>
 
 #include <atomic>
 #include <chrono>
@@ -51,8 +47,6 @@ class Process {
 
   const ProcessConfig& config() const { return config_; }
   const std::shared_ptr<TcpStore>& store() const { return store_; }
-  // The Gloo TCP device, created on first use (a pure shared-memory job never starts it).
-  std::shared_ptr<gloo::transport::Device> gloo_device();
 
   // Host identity of a global rank (read from the store once, then cached).
   const std::string& host_of(int global_rank);
@@ -125,7 +119,6 @@ class Process {
   ProcessConfig config_;
   std::shared_ptr<TcpStore> store_;
   std::unique_ptr<StoreServer> server_;
-  std::shared_ptr<gloo::transport::Device> device_;
   std::unique_ptr<FailureWatcher> watcher_;
   mutable std::mutex mutex_;
   std::optional<FailureReport> failure_;

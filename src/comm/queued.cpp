@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "checks.h"
 #include "header.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
@@ -127,99 +128,9 @@ void QueuedCommunicator::worker_loop() {
 
 // ---- labels
 
-std::string QueuedCommunicator::where(const char* op) const {
-  return str_cat(op, " on communicator '", options_.label, "' (rank ", rank_, " of ", size(),
-                 ", global rank ", global_ranks_[rank_], ")");
-}
+std::string QueuedCommunicator::where(const char* op) const { return comm::where(*this, op); }
 
-std::string QueuedCommunicator::peer_name(int peer) const {
-  return str_cat("rank ", peer, " (global rank ", global_ranks_[peer], ")");
-}
-
-// ---- argument checks
-
-void QueuedCommunicator::check_tensor(const at::Tensor& t, const char* op, const char* what) const {
-  MESHTRAIN_CHECK(t.defined(), where(op), ": ", what, " is an undefined tensor");
-  MESHTRAIN_CHECK(t.device().is_cpu(), where(op), ": ", what, " is on ", t.device(), "; the ", backend(),
-                  " backend moves CPU tensors only (call .cpu() first)");
-  MESHTRAIN_CHECK(supported_dtype(t.scalar_type()), where(op), ": dtype ", t.scalar_type(),
-                  " is not supported; use float32, float64, bfloat16, float16, int32, int64, int8 or uint8");
-  MESHTRAIN_CHECK(t.dim() <= 8, where(op), ": ", what, " has ", t.dim(), " dims; at most 8 are supported (reshape first)");
-}
-
-void QueuedCommunicator::check_root(int root, const char* op) const {
-  MESHTRAIN_CHECK(root >= 0 && root < size(), where(op), ": root ", root, " is not a rank of ",
-                  "this communicator; use a root in [0, ", size(), ")");
-}
-
-void QueuedCommunicator::check_peer(int peer, const char* op) const {
-  MESHTRAIN_CHECK(peer >= 0 && peer < size() && peer != rank_, where(op), ": peer ", peer,
-                  " is invalid; use a rank in [0, ", size(), ") other than this rank (", rank_, ")");
-}
-
-void QueuedCommunicator::check_reduce_op(ReduceOp op, const at::Tensor& t, const char* name) const {
-  MESHTRAIN_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), where(name),
-                  ": ReduceOp::kAvg needs a floating dtype, got ", t.scalar_type(), "; reduce with kSum and divide");
-}
-
-void QueuedCommunicator::check_p2p(const at::Tensor& tensor, int peer, int tag, const char* op) const {
-  check_tensor(tensor, op, "tensor");
-  check_peer(peer, op);
-  MESHTRAIN_CHECK(tag >= 0 && tag < (1 << 30), where(op), ": tag ", tag, " out of range [0, 2^30)");
-}
-
-void QueuedCommunicator::check_reduce_scatter(const at::Tensor& input, const at::Tensor& output,
-                                              std::vector<int64_t>& counts) const {
-  check_tensor(input, "reduce_scatter", "input");
-  if (counts.empty()) counts = shard_sizes(input.numel(), size());
-  int64_t sum = 0;
-  for (auto c : counts) {
-    MESHTRAIN_CHECK(c >= 0, where("reduce_scatter"), ": negative shard size ", c);
-    sum += c;
-  }
-  MESHTRAIN_CHECK(static_cast<int>(counts.size()) == size() && sum == input.numel(), where("reduce_scatter"),
-                  ": shard sizes must be one per rank (", size(), ") and sum to the input's ", input.numel(),
-                  " elements; got ", counts.size(), " sizes summing to ", sum);
-  if (output.defined()) {
-    check_tensor(output, "reduce_scatter", "output");
-    MESHTRAIN_CHECK(output.numel() == counts[rank_] && output.scalar_type() == input.scalar_type(),
-                    where("reduce_scatter"), ": output must be ", input.scalar_type(), " with ", counts[rank_],
-                    " elements (this rank's shard); got ", output.scalar_type(), " with ", output.numel());
-  }
-}
-
-void QueuedCommunicator::check_all_gather(const at::Tensor& input, const at::Tensor& output) const {
-  check_tensor(input, "all_gather", "input");
-  if (output.defined()) {
-    check_tensor(output, "all_gather", "output");
-    MESHTRAIN_CHECK(output.scalar_type() == input.scalar_type(), where("all_gather"), ": output dtype ",
-                    output.scalar_type(), " differs from input dtype ", input.scalar_type());
-  }
-}
-
-void QueuedCommunicator::check_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs,
-                                       int root) const {
-  check_tensor(output, "scatter", "output");
-  check_root(root, "scatter");
-  if (rank_ != root) return;
-  MESHTRAIN_CHECK(static_cast<int>(inputs.size()) == size(), where("scatter"), ": root needs one input per rank (",
-                  size(), "), got ", inputs.size());
-  for (const auto& t : inputs) {
-    check_tensor(t, "scatter", "input");
-    MESHTRAIN_CHECK(t.scalar_type() == output.scalar_type(), where("scatter"), ": input dtype ", t.scalar_type(),
-                    " differs from output dtype ", output.scalar_type());
-  }
-}
-
-void QueuedCommunicator::check_all_to_all(const std::vector<at::Tensor>& inputs) const {
-  MESHTRAIN_CHECK(static_cast<int>(inputs.size()) == size(), where("all_to_all"), ": needs one input per rank (",
-                  size(), "), got ", inputs.size());
-  for (const auto& t : inputs) {
-    check_tensor(t, "all_to_all", "input");
-    MESHTRAIN_CHECK(t.scalar_type() == inputs[0].scalar_type(), where("all_to_all"),
-                    ": all inputs must share one dtype; got ", inputs[0].scalar_type(), " and ", t.scalar_type());
-  }
-}
+std::string QueuedCommunicator::peer_name(int peer) const { return comm::peer_name(*this, peer); }
 
 }  // namespace comm
 }  // namespace meshtrain

@@ -1,7 +1,7 @@
 #pragma once
 // QueuedCommunicator: what every backend's communicator shares: the member
-// list, the argument checks (ConfigError before any communication), error
-// labels, and the execution of operations.
+// list, error labels, and the execution of operations (the argument checks
+// run before, in Communicator's public calls: checks.h).
 //
 // Execution: operations are queued in submission order and run one at a time,
 // by a worker thread or, when a caller waits on the operation at the head of an
@@ -74,19 +74,6 @@ class QueuedCommunicator : public Communicator {
   // Labels for messages: "all_reduce on communicator 'tp' (rank 1 of 2, global rank 3)".
   std::string where(const char* op) const;
   std::string peer_name(int peer) const;
-
-  // Argument checks, on the caller's thread before any communication.
-  void check_tensor(const at::Tensor& t, const char* op, const char* what) const;
-  void check_root(int root, const char* op) const;
-  void check_peer(int peer, const char* op) const;
-  void check_reduce_op(ReduceOp op, const at::Tensor& t, const char* name) const;
-  void check_p2p(const at::Tensor& tensor, int peer, int tag, const char* op) const;
-  // Checks of reduce_scatter's shard sizes and output; fills in the default sizes.
-  void check_reduce_scatter(const at::Tensor& input, const at::Tensor& output,
-                            std::vector<int64_t>& counts) const;
-  void check_all_gather(const at::Tensor& input, const at::Tensor& output) const;
-  void check_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root) const;
-  void check_all_to_all(const std::vector<at::Tensor>& inputs) const;
 
   std::vector<int> global_ranks_;
   int rank_;

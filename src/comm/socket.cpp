@@ -19,6 +19,7 @@
 
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
+#include "tuning_env.h"
 
 namespace meshtrain {
 namespace comm {
@@ -115,15 +116,7 @@ int connect_to(const std::string& host, int port, Clock::time_point deadline,
 }
 
 std::chrono::seconds link_timeout() {
-  static const std::chrono::seconds value = [] {
-    const char* v = std::getenv("MESHTRAIN_LINK_TIMEOUT_S");
-    if (!v || !*v) return std::chrono::seconds(8);
-    char* end = nullptr;
-    const long s = std::strtol(v, &end, 10);
-    MESHTRAIN_CHECK(end && *end == '\0' && s >= 2 && s <= 3600, "MESHTRAIN_LINK_TIMEOUT_S='", v,
-                    "' must be a whole number of seconds between 2 and 3600");
-    return std::chrono::seconds(s);
-  }();
+  static const std::chrono::seconds value = link_timeout_from_env();  // once per process
   return value;
 }
 

@@ -29,7 +29,7 @@ namespace comm {
 // the server sees EOF at once: if the client had not said bye(), its label is
 // recorded as failed and pushed to every FailureWatcher whose prefix matches.
 // Watchers abort the waits of their process's communicators (see
-// GlooCommunicator), so every survivor raises PeerFailure naming the dead rank
+// TcpCommunicator), so every survivor raises PeerFailure naming the dead rank
 // within milliseconds. A process that is alive but stuck keeps its connection
 // open; the survivors then fail at their communication timeout instead.
 //

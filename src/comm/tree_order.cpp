@@ -33,39 +33,42 @@ class TreeOrderCommunicator : public Communicator {
   const CommOptions& options() const override { return inner_->options(); }
   std::string backend() const override { return inner_->backend() + "+tree-order"; }
 
-  WorkPtr isend(const at::Tensor& t, int dst, int tag) override { return inner_->isend(t, dst, tag); }
-  WorkPtr irecv(at::Tensor t, int src, int tag) override { return inner_->irecv(std::move(t), src, tag); }
-  WorkPtr irecv_any(int src, int tag) override { return inner_->irecv_any(src, tag); }
-  WorkPtr broadcast_async(at::Tensor t, int root) override { return inner_->broadcast_async(std::move(t), root); }
-  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output) override {
-    return inner_->all_gather_async(input, std::move(output));
-  }
-  WorkPtr gather_async(const at::Tensor& input, int root) override { return inner_->gather_async(input, root); }
-  WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) override {
-    return inner_->scatter_async(std::move(output), std::move(inputs), root);
-  }
-  WorkPtr all_to_all_async(std::vector<at::Tensor> inputs) override { return inner_->all_to_all_async(std::move(inputs)); }
-  WorkPtr barrier_async() override { return inner_->barrier_async(); }
   std::shared_ptr<Communicator> split(int color, int key, const std::string& label) override {
     return inner_->split(color, key, label);
   }
   Traffic traffic() const override { return inner_->traffic(); }
   void reset_traffic() override { inner_->reset_traffic(); }
 
-  WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+ protected:
+  // The arguments are checked already (Communicator's public calls; checks.h).
+  WorkPtr start_send(const at::Tensor& t, int dst, int tag) override { return inner_->isend(t, dst, tag); }
+  WorkPtr start_recv(at::Tensor t, int src, int tag) override { return inner_->irecv(std::move(t), src, tag); }
+  WorkPtr start_recv_any(int src, int tag) override { return inner_->irecv_any(src, tag); }
+  WorkPtr start_broadcast(at::Tensor t, int root) override { return inner_->broadcast_async(std::move(t), root); }
+  WorkPtr start_all_gather(const at::Tensor& input, at::Tensor output) override {
+    return inner_->all_gather_async(input, std::move(output));
+  }
+  WorkPtr start_gather(const at::Tensor& input, int root) override { return inner_->gather_async(input, root); }
+  WorkPtr start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) override {
+    return inner_->scatter_async(std::move(output), std::move(inputs), root);
+  }
+  WorkPtr start_all_to_all(std::vector<at::Tensor> inputs) override {
+    return inner_->all_to_all_async(std::move(inputs));
+  }
+  WorkPtr start_barrier() override { return inner_->barrier_async(); }
+
+  WorkPtr start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
                                std::vector<int64_t> counts) override {
     if (!ordered(op, input)) return inner_->reduce_scatter_async(input, op, std::move(output), std::move(counts));
     at::Tensor shard = tree_reduce_scatter(input, op, counts);
     if (output.defined()) {
-      MESHTRAIN_CHECK(output.numel() == shard.numel(), "reduce_scatter on communicator '", label(), "': output holds ",
-                      output.numel(), " elements but this rank's shard has ", shard.numel());
       output.copy_(shard.view(output.sizes()));
       shard = output;
     }
     return std::make_shared<DoneWork>(std::vector<at::Tensor>{shard});
   }
 
-  WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op) override {
+  WorkPtr start_all_reduce(at::Tensor tensor, ReduceOp op) override {
     if (!ordered(op, tensor)) return inner_->all_reduce_async(std::move(tensor), op);
     const at::Tensor shard = tree_reduce_scatter(tensor, op, {});
     at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : at::empty({tensor.numel()}, tensor.options());
@@ -74,12 +77,10 @@ class TreeOrderCommunicator : public Communicator {
     return std::make_shared<DoneWork>(std::vector<at::Tensor>{tensor});
   }
 
-  WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op) override {
+  WorkPtr start_reduce(at::Tensor tensor, int root, ReduceOp op) override {
     if (!ordered(op, tensor)) return inner_->reduce_async(std::move(tensor), root, op);
-    MESHTRAIN_CHECK(root >= 0 && root < size(), "reduce on communicator '", label(), "': root ", root,
-                    " is not a rank of ", size());
     at::Tensor sum = tensor.clone();
-    all_reduce_async(sum, op);
+    start_all_reduce(sum, op);
     if (rank() == root) tensor.copy_(sum);
     return std::make_shared<DoneWork>(std::vector<at::Tensor>{tensor});
   }
@@ -92,12 +93,7 @@ class TreeOrderCommunicator : public Communicator {
   // This rank's shard of the sum: every rank's piece of it, added in the tree.
   at::Tensor tree_reduce_scatter(const at::Tensor& input, ReduceOp op, std::vector<int64_t> counts) {
     const int n = size();
-    if (counts.empty()) counts = shard_sizes(input.numel(), n);
-    int64_t total = 0;
-    for (int64_t c : counts) total += c;
-    MESHTRAIN_CHECK(static_cast<int>(counts.size()) == n && total == input.numel(), "reduce_scatter on communicator '",
-                    label(), "': ", counts.size(), " shard sizes adding up to ", total, " for ", n, " ranks and ",
-                    input.numel(), " elements; give one size per rank, adding up to the input's elements");
+    if (counts.empty()) counts = shard_sizes(input.numel(), n);  // all_reduce's shards
     const at::Tensor flat = input.contiguous().view({-1});
     std::vector<at::Tensor> pieces;
     int64_t offset = 0;

@@ -63,7 +63,7 @@ constexpr int kHostCount = 2, kPerHost = 2, kRanks = kHostCount * kPerHost;
 constexpr int kShort = 2, kLong = 10;  // steps; the difference leaves out start-up and the first step
 constexpr double kFrameHeaders = 14 + 20 + 32;
 constexpr double kHeader = 120, kSmallAllReduces = 3, kDouble = 8;
-// The doubling round's framing (src/comm/gloo/doubling.cpp): a message's prefix, an entry's head, a piece's head.
+// The doubling round's framing (src/comm/tcp/doubling.cpp): a message's prefix, an entry's head, a piece's head.
 constexpr double kRoundPrefix = kHeader + 8, kRoundEntry = 8 + kHeader, kRoundPiece = 16;
 
 // Bytes per step that cross hosts, both directions (Note [Cross-host bytes]).

@@ -13,7 +13,7 @@ deb=$(ls "$work"/meshtrain_*.deb)
 echo "package: $(basename "$deb")"
 depends=$(dpkg-deb -f "$deb" Depends)
 echo "Depends: $depends"
-for needed in libtorch libopenblas0-pthread libgloo libsentencepiece0 libpcre2-8-0 libxxhash0; do
+for needed in libtorch libopenblas0-pthread libsentencepiece0 libpcre2-8-0 libxxhash0; do
   [[ "$depends" == *"$needed"* ]] || { echo "Depends lacks $needed"; exit 1; }
 done
 dpkg-deb -x "$deb" "$work/root"

@@ -80,9 +80,6 @@ meshtrain::testing::RankOptions options_for(const Case& c) {
   } else if (backend == "gloo_direct") {
     options.env.push_back("MESHTRAIN_BACKEND=gloo");  // the default algorithms above inline_bytes
     options.env.push_back("MESHTRAIN_GLOO_PIECE_KB=1");  // the pipelined all-reduce in several pieces per shard
-  } else if (backend == "libgloo") {  // the Gloo backend on libgloo's transport (Note [Gloo transports])
-    options.env.push_back("MESHTRAIN_BACKEND=gloo");
-    options.env.push_back("MESHTRAIN_GLOO_TRANSPORT=gloo");
   } else {
     options.env.push_back("MESHTRAIN_BACKEND=" + backend);
     if (backend == "gloo" && c.large) {
@@ -444,8 +441,7 @@ void small_payloads_travel_in_one_round(Communicator& comm) {
   // Gloo's header round on 4 ranks goes by recursive doubling (Note [Doubling
   // round]); so does the hierarchical backend's for small payloads, which
   // travel on its Gloo communicator of every rank.
-  const bool doubling = (comm.backend() == "gloo" || comm.backend() == "hierarchical") && n == 4 &&
-                        !std::getenv("MESHTRAIN_GLOO_TRANSPORT");
+  const bool doubling = (comm.backend() == "gloo" || comm.backend() == "hierarchical") && n == 4;
   const int64_t numel = 1003;  // 4012 bytes: inline
   auto counts = meshtrain::shard_sizes(numel, n);
   comm.reset_traffic();
@@ -619,7 +615,6 @@ std::vector<Case> every_case(bool large) {
   // Gloo's large path is the ring above (MESHTRAIN_GLOO_RING_KB=0); its
   // default above inline_bytes, the direct algorithms, differ from it from 3 ranks on.
   if (large) cases.push_back({"gloo_direct", 3, large});
-  cases.push_back({"libgloo", 3, large});
   return cases;
 }
 

@@ -41,13 +41,7 @@ class Failures : public ::testing::TestWithParam<const char*> {
  protected:
   RankOptions options() const {
     RankOptions o;
-    const std::string backend = GetParam();
-    if (backend == "libgloo") {  // the Gloo backend on libgloo's transport (Note [Gloo transports])
-      o.env.push_back("MESHTRAIN_BACKEND=gloo");
-      o.env.push_back("MESHTRAIN_GLOO_TRANSPORT=gloo");
-    } else {
-      o.env.push_back("MESHTRAIN_BACKEND=" + backend);
-    }
+    o.env.push_back(std::string("MESHTRAIN_BACKEND=") + GetParam());
     return o;
   }
 };
@@ -435,11 +429,11 @@ TEST_P(Split, ByColorAndByRankListConcurrentWithParent) {
   }, options());
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, Failures, ::testing::Values("shm", "gloo", "libgloo", "mpi"),
+INSTANTIATE_TEST_SUITE_P(Backends, Failures, ::testing::Values("shm", "gloo", "mpi"),
                          [](const auto& info) { return std::string(info.param); });
-INSTANTIATE_TEST_SUITE_P(Backends, WaitChain, ::testing::Values("shm", "gloo", "libgloo"),
+INSTANTIATE_TEST_SUITE_P(Backends, WaitChain, ::testing::Values("shm", "gloo"),
                          [](const ::testing::TestParamInfo<const char*>& info) { return std::string(info.param); });
-INSTANTIATE_TEST_SUITE_P(Backends, PeerDeath, ::testing::Values("shm", "gloo", "libgloo"),
+INSTANTIATE_TEST_SUITE_P(Backends, PeerDeath, ::testing::Values("shm", "gloo"),
                          [](const auto& info) { return std::string(info.param); });
 INSTANTIATE_TEST_SUITE_P(Backends, Split, ::testing::Values("shm", "gloo", "mpi"),
                          [](const auto& info) { return std::string(info.param); });

@@ -6,6 +6,8 @@
 // bytes nobody chose, with exit code 0.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <string>
 
 #include "util/files.h"
@@ -71,23 +73,33 @@ TEST(OneJobPerSaveDir, TheSecondJobIsRefusedNamingTheFirst) {
 
   // Two jobs at once: the second is refused while the first trains; the
   // directory holds the first one's checkpoints only. The second starts once
-  // the first has saved (a fixed delay raced on a quiet machine: the first
-  // job's 60 steps ended before the second looked), and the first trains long
-  // enough (900 steps, seconds) to outlive the second's start-up.
+  // the first has saved, and the first trains until the second is done (a
+  // fixed delay, or a fixed number of steps, raced on a quiet machine: the
+  // first job ended before the second looked), then stops on SIGTERM at a
+  // step's end with its checkpoint.
   const std::string dir2 = t.file("ck2");
-  r = sh("{ (" + meshtrain_on(2, "--steps 900 --seed 1 --save-dir " + dir2 + " --save-every 30 --keep-last 3") +
-         " > " + t.file("a.log") + " 2>&1; echo $? > " + t.file("a.rc") + ") & for i in $(seq 1200); do grep -q " +
-         "'checkpoint step 30 saved' " + t.file("a.log") + " 2>/dev/null && break; sleep 0.05; done; " +
+  r = sh("cd " + t.path() + " && { " +
+         meshtrain_on(2, "--steps 100000 --seed 1 --save-dir " + dir2 + " --save-every 30 --keep-last 3") +
+         " > a.log 2>&1 & pid=$!; for i in $(seq 1200); do grep -q 'checkpoint step 30 saved' a.log && break; "
+         "sleep 0.05; done; " +
          meshtrain_on(2, "--steps 60 --seed 2 --save-dir " + dir2 + " --save-every 3 --keep-last 3") +
-         "; echo rc=$?; wait; }");
+         "; echo rc=$?; kill -TERM $pid; wait $pid; echo first_rc=$?; }");
   const std::string a = read(t.file("a.log"));
-  EXPECT_EQ(std::stoi(read(t.file("a.rc"))), 0) << a;
+  EXPECT_TRUE(contains(r.output, "first_rc=143")) << a;  // stopped by the SIGTERM, after a checkpoint
   EXPECT_FALSE(contains(a, "is in use by another job")) << a;
   EXPECT_TRUE(contains(r.output, "is in use by another job")) << a << "\n---\n" << r.output;
   EXPECT_TRUE(contains(r.output, "started ")) << "names the holder\n" << r.output;
-  EXPECT_TRUE(contains(r.output, "rc=1")) << r.output;
-  EXPECT_EQ(read(dir2 + "/latest"), "step-00000900\n");
-  EXPECT_EQ(sh("ls " + dir2).output, "latest\nstep-00000840\nstep-00000870\nstep-00000900\n");
+  EXPECT_TRUE(contains(r.output, "rc=1\n")) << r.output;
+  EXPECT_FALSE(contains(r.output, "saved")) << r.output;  // the second job wrote nothing
+  const std::string latest = read(dir2 + "/latest");
+  ASSERT_EQ(latest.rfind("step-", 0), 0u) << a;
+  const int last = std::stoi(latest.substr(5));
+  EXPECT_GE(last, 30) << a;
+  EXPECT_TRUE(contains(a, "checkpoint step " + std::to_string(last) + " saved")) << a;
+  // keep-last 3: the first job's three newest, nothing else.
+  const std::string listed = sh("ls " + dir2).output;
+  EXPECT_EQ(std::count(listed.begin(), listed.end(), '\n'), 4) << listed;
+  EXPECT_TRUE(contains(listed, latest)) << listed;
 }
 
 // A run of 8 steps saving every 3 ended with `latest` at step 6; `export

@@ -10,7 +10,7 @@
 #include <set>
 
 #include "comm/backend.h"
-#include "comm/gloo/communicator.h"
+#include "comm/tcp/communicator.h"
 #include "comm/header.h"
 #include "comm/hier/communicator.h"
 #include "comm/reduce.h"
@@ -43,9 +43,12 @@ TEST(BackendChoice, ImpossibleChoicesNameTheFix) {
   const std::string mpi = error_of([] { choose_impl(BackendKind::kMpi, {"a"}, "world"); });
   EXPECT_NE(mpi.find("mpirun"), std::string::npos) << mpi;
   const std::string name = error_of([] { parse_backend("nccl", "MESHTRAIN_BACKEND"); });
-  EXPECT_NE(name.find("MESHTRAIN_BACKEND 'nccl' is not a backend; use auto, shm, gloo or mpi"), std::string::npos)
+  EXPECT_NE(name.find("MESHTRAIN_BACKEND 'nccl' is not a backend; use auto, shm, gloo (also called tcp) or mpi"),
+            std::string::npos)
       << name;
   EXPECT_EQ(parse_backend("shm", "--backend"), BackendKind::kShm);
+  EXPECT_EQ(parse_backend("tcp", "--backend"), BackendKind::kGloo);  // the TCP backend's own name
+  EXPECT_EQ(parse_backend("gloo", "--backend"), BackendKind::kGloo);  // PyTorch's name for it
 }
 
 TEST(Hierarchical, PlacementNumbersHostsByFirstMemberAndRanksWithinEach) {
@@ -164,26 +167,6 @@ TEST(ReduceKernels, InPlaceNaNAndWrapAround) {
   auto sum = torch::empty({2}, torch::kInt);
   reduce_into(sum.data_ptr(), wrap, 2, 2, torch::kInt, ReduceOp::kSum);
   EXPECT_EQ(sum[0].item<int32_t>(), std::numeric_limits<int32_t>::min());
-}
-
-// gloo throws gloo::IoException for both; the time waited decides, never the
-// message (see Note [Classifying gloo errors]).
-TEST(GlooErrors, OnlyAnIoExceptionAfterTheWholeTimeoutIsATimeout) {
-  using gloo_backend::is_timeout;
-  using std::chrono::milliseconds;
-  const milliseconds timeout(1000);
-  const gloo::IoException timed_out("[unbound_buffer.cc:81] Timed out waiting 1000ms for recv operation to complete");
-  EXPECT_TRUE(is_timeout(timed_out, milliseconds(1000), timeout));
-  EXPECT_TRUE(is_timeout(timed_out, milliseconds(1700), timeout));
-  // A peer's socket closed: gloo reports it as soon as it sees it.
-  EXPECT_FALSE(is_timeout(gloo::IoException("[pair.cc:598] Connection closed by peer [10.0.0.2]:4321"),
-                          milliseconds(3), timeout));
-  // A pair closed by an earlier timeout fails at once; the wait that sees it did not time out.
-  EXPECT_FALSE(is_timeout(gloo::IoException("Application timeout caused pair closure"), milliseconds(0), timeout));
-  // The words "Timed out" alone no longer make a timeout.
-  EXPECT_FALSE(is_timeout(timed_out, milliseconds(999), timeout));
-  // Not an I/O failure at all, however long the wait.
-  EXPECT_FALSE(is_timeout(gloo::InvalidOperationException("unbound buffer misuse"), milliseconds(5000), timeout));
 }
 
 // On a group of a larger mesh (a dp or pp communicator), a mismatch names the

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/gloo/doubling.h"
+#include "comm/tcp/doubling.h"
 #include "comm/header.h"
 
 using namespace meshtrain::comm;

@@ -83,9 +83,9 @@ TEST(TcpLinks, MessagesMatchByPeerAndSlotWhicheverComesFirst) {
   auto r5a = links[0]->recv(1, 5, got5a.data(), got5a.size() * 4);
   auto r2 = links[0]->recv(2, 5, big.data(), big.size() * 4);  // a larger buffer takes a smaller message
   auto r5b = links[0]->recv(1, 5, got5b.data(), got5b.size() * 4);
-  for (auto* r : {r9.get(), r5a.get(), r2.get(), r5b.get()}) EXPECT_EQ(links[0]->wait(*r, 5s), tcp::WaitResult::kDone);
-  for (auto* s : {s1.get(), s2.get(), s3.get()}) EXPECT_EQ(links[1]->wait(*s, 5s), tcp::WaitResult::kDone);
-  EXPECT_EQ(links[2]->wait(*s4, 5s), tcp::WaitResult::kDone);
+  for (auto* r : {r9.get(), r5a.get(), r2.get(), r5b.get()}) EXPECT_EQ(links[0]->wait(*r, 5s), WaitResult::kDone);
+  for (auto* s : {s1.get(), s2.get(), s3.get()}) EXPECT_EQ(links[1]->wait(*s, 5s), WaitResult::kDone);
+  EXPECT_EQ(links[2]->wait(*s4, 5s), WaitResult::kDone);
   EXPECT_EQ(got9, b);
   EXPECT_EQ(got5a, a);  // the first message of slot 5 to the first receive of slot 5
   EXPECT_EQ(got5b, c);
@@ -102,21 +102,21 @@ TEST(TcpLinks, HeldSendsLeaveWithTheNextSendOrWhenTheSenderWaits) {
   std::vector<int32_t> got_a(10), got_b(5000), got_c(3);
   auto held = links[0]->send(1, 4, a.data(), a.size() * 4, /*hold=*/true);
   auto ra = links[1]->recv(0, 4, got_a.data(), got_a.size() * 4);
-  EXPECT_EQ(links[1]->wait(*ra, 200ms), tcp::WaitResult::kTimeout);  // nothing left rank 0
+  EXPECT_EQ(links[1]->wait(*ra, 200ms), WaitResult::kTimeout);  // nothing left rank 0
   EXPECT_FALSE(held->done);
   auto next = links[0]->send(1, 8, b.data(), b.size() * 4);
   EXPECT_TRUE(held->done);  // both fit the socket: written by the send call itself
   EXPECT_TRUE(next->done);
   auto rb = links[1]->recv(0, 8, got_b.data(), got_b.size() * 4);
-  EXPECT_EQ(links[1]->wait(*ra, 5s), tcp::WaitResult::kDone);
-  EXPECT_EQ(links[1]->wait(*rb, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*ra, 5s), WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*rb, 5s), WaitResult::kDone);
   EXPECT_EQ(got_a, a);
   EXPECT_EQ(got_b, b);
 
   auto alone = links[0]->send(1, 2, c.data(), c.size() * 4, /*hold=*/true);
   auto rc = links[1]->recv(0, 2, got_c.data(), got_c.size() * 4);
-  EXPECT_EQ(links[0]->wait(*alone, 5s), tcp::WaitResult::kDone);
-  EXPECT_EQ(links[1]->wait(*rc, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[0]->wait(*alone, 5s), WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*rc, 5s), WaitResult::kDone);
   EXPECT_EQ(got_c, c);
 }
 
@@ -129,8 +129,8 @@ TEST(TcpLinks, LargeMessagesBothWaysAtOnceWhileReceivesArePostedLate) {
     auto s = links[r]->send(1 - r, 3, out.data(), n * 4);
     std::this_thread::sleep_for(std::chrono::milliseconds(20 * r));  // rank 1 posts its receive late
     auto rc = links[r]->recv(1 - r, 3, in.data(), n * 4);
-    EXPECT_EQ(links[r]->wait(*rc, 20s), tcp::WaitResult::kDone);
-    EXPECT_EQ(links[r]->wait(*s, 20s), tcp::WaitResult::kDone);
+    EXPECT_EQ(links[r]->wait(*rc, 20s), WaitResult::kDone);
+    EXPECT_EQ(links[r]->wait(*s, 20s), WaitResult::kDone);
   };
   std::thread t0(run, 0, std::cref(out0), std::ref(in0)), t1(run, 1, std::cref(out1), std::ref(in1));
   t0.join();
@@ -152,12 +152,12 @@ TEST(TcpLinks, ALargeMessageAheadOfItsReceiveWaitsInTheSocket) {
   std::vector<int32_t> got_first(16), got_large(n);
   std::this_thread::sleep_for(20ms);  // both are in the socket: the first read takes the large one's header too
   auto r_first = links[1]->recv(0, 1, got_first.data(), got_first.size() * 4);
-  ASSERT_EQ(links[1]->wait(*r_first, 5s), tcp::WaitResult::kDone);
+  ASSERT_EQ(links[1]->wait(*r_first, 5s), WaitResult::kDone);
   EXPECT_EQ(got_first, first);
   EXPECT_EQ(links[1]->early_bytes(), 0u);  // the large one was not read ahead
   auto r_large = links[1]->recv(0, 2, got_large.data(), n * 4);
-  std::thread sender([&] { EXPECT_EQ(links[0]->wait(*s_large, 10s), tcp::WaitResult::kDone); });
-  EXPECT_EQ(links[1]->wait(*r_large, 10s), tcp::WaitResult::kDone);
+  std::thread sender([&] { EXPECT_EQ(links[0]->wait(*s_large, 10s), WaitResult::kDone); });
+  EXPECT_EQ(links[1]->wait(*r_large, 10s), WaitResult::kDone);
   sender.join();
   EXPECT_EQ(got_large, large);
   EXPECT_EQ(links[1]->early_bytes(), 0u);
@@ -176,9 +176,9 @@ TEST(TcpLinks, AHeldMessageIsReadAheadWhenAWaitDependsOnIt) {
   std::vector<int32_t> in0(n), in1(n);
   auto run = [&](int r, const std::vector<int32_t>& out, std::vector<int32_t>& in) {
     auto s = links[r]->send(1 - r, 3, out.data(), n * 4);
-    EXPECT_EQ(links[r]->wait(*s, 20s), tcp::WaitResult::kDone);
+    EXPECT_EQ(links[r]->wait(*s, 20s), WaitResult::kDone);
     auto rc = links[r]->recv(1 - r, 3, in.data(), n * 4);
-    EXPECT_EQ(links[r]->wait(*rc, 20s), tcp::WaitResult::kDone);
+    EXPECT_EQ(links[r]->wait(*rc, 20s), WaitResult::kDone);
   };
   std::thread t0(run, 0, std::cref(out0), std::ref(in0)), t1(run, 1, std::cref(out1), std::ref(in1));
   t0.join();
@@ -202,16 +202,16 @@ TEST(TcpLinks, AReceiveBehindAHeldMessageReadsItAhead) {
   // slot 5's header, no receive posted on rank 0: held.
   std::vector<int32_t> got_other(2), got_small(4), got_large(n);
   auto r_other = links[1]->recv(2, 1, got_other.data(), 8);
-  ASSERT_EQ(links[1]->wait(*r_other, 5s), tcp::WaitResult::kDone);
+  ASSERT_EQ(links[1]->wait(*r_other, 5s), WaitResult::kDone);
   EXPECT_EQ(got_other, other);
   EXPECT_EQ(links[1]->early_bytes(), 0u);
   auto r_small = links[1]->recv(0, 6, got_small.data(), 16);
   EXPECT_EQ(links[1]->early_bytes(), n * 4);  // slot 5's message goes to a spare buffer now
-  std::thread sender([&] { EXPECT_EQ(links[0]->wait(*s_small, 20s), tcp::WaitResult::kDone); });
-  EXPECT_EQ(links[1]->wait(*r_small, 20s), tcp::WaitResult::kDone);
+  std::thread sender([&] { EXPECT_EQ(links[0]->wait(*s_small, 20s), WaitResult::kDone); });
+  EXPECT_EQ(links[1]->wait(*r_small, 20s), WaitResult::kDone);
   sender.join();
   auto r_large = links[1]->recv(0, 5, got_large.data(), n * 4);
-  EXPECT_EQ(links[1]->wait(*r_large, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*r_large, 5s), WaitResult::kDone);
   EXPECT_EQ(got_small, small);
   EXPECT_EQ(got_large, large);
   (void)s_large;
@@ -232,8 +232,8 @@ TEST(TcpLinks, LinksOnThisHostAreBoundedAndStillCarryLargeMessages) {
     ranks.emplace_back([&, r] {
       auto s = links[r]->send((r + 1) % 3, 4, out[r].data(), n * 4);
       auto rc = links[r]->recv((r + 2) % 3, 4, in[r].data(), n * 4);
-      EXPECT_EQ(links[r]->wait(*rc, 20s), tcp::WaitResult::kDone);
-      EXPECT_EQ(links[r]->wait(*s, 20s), tcp::WaitResult::kDone);
+      EXPECT_EQ(links[r]->wait(*rc, 20s), WaitResult::kDone);
+      EXPECT_EQ(links[r]->wait(*s, 20s), WaitResult::kDone);
     });
   }
   for (auto& t : ranks) t.join();
@@ -246,15 +246,15 @@ TEST(TcpLinks, TwoThreadsWaitingOnOneRankBothComplete) {
   std::vector<int32_t> ga(1000), gb(1000);
   auto ra = links[0]->recv(1, 1, ga.data(), 4000);
   auto rb = links[0]->recv(1, 2, gb.data(), 4000);
-  std::thread waiter([&] { EXPECT_EQ(links[0]->wait(*rb, 5s), tcp::WaitResult::kDone); });
+  std::thread waiter([&] { EXPECT_EQ(links[0]->wait(*rb, 5s), WaitResult::kDone); });
   std::thread sender([&] {
     std::this_thread::sleep_for(20ms);
     auto s1 = links[1]->send(0, 2, b.data(), 4000);
     auto s2 = links[1]->send(0, 1, a.data(), 4000);
-    EXPECT_EQ(links[1]->wait(*s1, 5s), tcp::WaitResult::kDone);
-    EXPECT_EQ(links[1]->wait(*s2, 5s), tcp::WaitResult::kDone);
+    EXPECT_EQ(links[1]->wait(*s1, 5s), WaitResult::kDone);
+    EXPECT_EQ(links[1]->wait(*s2, 5s), WaitResult::kDone);
   });
-  EXPECT_EQ(links[0]->wait(*ra, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[0]->wait(*ra, 5s), WaitResult::kDone);
   waiter.join();
   sender.join();
   EXPECT_EQ(ga, a);
@@ -266,14 +266,14 @@ TEST(TcpLinks, AWaitEndsWithoutItsMessageOnTimeoutAbortClosedPeerOrSmallBuffer) 
   int32_t x = 0;
   auto r = links[0]->recv(1, 1, &x, 4);
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(links[0]->wait(*r, 200ms), tcp::WaitResult::kTimeout);
+  EXPECT_EQ(links[0]->wait(*r, 200ms), WaitResult::kTimeout);
   EXPECT_GE(std::chrono::steady_clock::now() - start, 200ms);
 
   std::thread aborter([&] {
     std::this_thread::sleep_for(50ms);
     links[0]->abort();
   });
-  EXPECT_EQ(links[0]->wait(*r, 10s), tcp::WaitResult::kAborted);
+  EXPECT_EQ(links[0]->wait(*r, 10s), WaitResult::kAborted);
   aborter.join();
 
   // A message larger than its receive fails that receive alone: it is read
@@ -283,24 +283,24 @@ TEST(TcpLinks, AWaitEndsWithoutItsMessageOnTimeoutAbortClosedPeerOrSmallBuffer) 
   auto s_big = links[2]->send(1, 4, big.data(), big.size() * 4);
   auto after = links[2]->send(1, 4, eight.data(), 32);
   std::thread sender([&] {  // a send beyond the socket's buffer progresses while its rank waits
-    EXPECT_EQ(links[2]->wait(*s_big, 5s), tcp::WaitResult::kDone);
-    EXPECT_EQ(links[2]->wait(*after, 5s), tcp::WaitResult::kDone);
+    EXPECT_EQ(links[2]->wait(*s_big, 5s), WaitResult::kDone);
+    EXPECT_EQ(links[2]->wait(*after, 5s), WaitResult::kDone);
   });
   auto small = links[1]->recv(2, 4, &x, 4);
-  EXPECT_EQ(links[1]->wait(*small, 5s), tcp::WaitResult::kTooLarge);
+  EXPECT_EQ(links[1]->wait(*small, 5s), WaitResult::kTooLarge);
   EXPECT_EQ(small->received, 32u);  // what the message carried
   std::vector<int32_t> half(big.size() / 2), whole(8);
   auto r_big = links[1]->recv(2, 4, half.data(), half.size() * 4);
-  EXPECT_EQ(links[1]->wait(*r_big, 5s), tcp::WaitResult::kTooLarge);
+  EXPECT_EQ(links[1]->wait(*r_big, 5s), WaitResult::kTooLarge);
   auto r_after = links[1]->recv(2, 4, whole.data(), whole.size() * 4);
-  EXPECT_EQ(links[1]->wait(*r_after, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*r_after, 5s), WaitResult::kDone);
   EXPECT_EQ(whole, eight);
   EXPECT_EQ(links[1]->broken_reason(2), "");
   sender.join();
 
   auto from2 = links[1]->recv(0, 2, &x, 4);
   links[0].reset();  // rank 0 goes away
-  EXPECT_EQ(links[1]->wait(*from2, 5s), tcp::WaitResult::kBroken);
+  EXPECT_EQ(links[1]->wait(*from2, 5s), WaitResult::kBroken);
   EXPECT_EQ(links[1]->broken_reason(0), "the peer closed the connection");
 }
 
@@ -311,14 +311,14 @@ TEST(TcpLinks, WhatAPeerSentBeforeItClosedIsStillRead) {
   auto links = connect(2);
   const std::vector<int32_t> last = iota_from(40, 8), big = iota_from(0, 4 << 20);
   auto s_last = links[0]->send(1, 6, last.data(), 32);
-  EXPECT_EQ(links[0]->wait(*s_last, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[0]->wait(*s_last, 5s), WaitResult::kDone);
   auto s_big = links[1]->send(0, 6, big.data(), big.size() * 4);  // more than rank 0 will read
   links[0].reset();
-  EXPECT_EQ(links[1]->wait(*s_big, 5s), tcp::WaitResult::kBroken);
+  EXPECT_EQ(links[1]->wait(*s_big, 5s), WaitResult::kBroken);
   EXPECT_FALSE(links[1]->broken_reason(0).empty());
   std::vector<int32_t> got(8);
   auto r = links[1]->recv(0, 6, got.data(), 32);
-  EXPECT_EQ(links[1]->wait(*r, 5s), tcp::WaitResult::kDone);
+  EXPECT_EQ(links[1]->wait(*r, 5s), WaitResult::kDone);
   EXPECT_EQ(got, last);
 }
 
@@ -343,19 +343,19 @@ TEST(TcpLinks, DroppedRequestsAreWithdrawnAndTheStreamStaysWhole) {
   // A receive dropped before its message: the message goes to the next receive of its slot.
   {
     std::vector<int32_t> dropped(4);
-    tcp::Posted withdrawn(links[0].get(), links[0]->recv(1, 7, dropped.data(), 16));
+    Posted withdrawn(links[0].get(), links[0]->recv(1, 7, dropped.data(), 16));
   }
   const auto four = iota_from(40, 4);
   auto s = links[1]->send(0, 7, four.data(), 16);
   std::vector<int32_t> got(4);
   auto r = links[0]->recv(1, 7, got.data(), 16);
-  ASSERT_EQ(links[0]->wait(*r, 5s), tcp::WaitResult::kDone);
+  ASSERT_EQ(links[0]->wait(*r, 5s), WaitResult::kDone);
   EXPECT_EQ(got, four);
 
   // A send dropped half-written: the peer still gets the whole payload as it was posted.
   auto big = std::make_unique<std::vector<int32_t>>(iota_from(3, n));
   {
-    tcp::Posted half(links[1].get(), links[1]->send(0, 8, big->data(), n * 4));
+    Posted half(links[1].get(), links[1]->send(0, 8, big->data(), n * 4));
     EXPECT_FALSE(half.get()->done);  // the socket took only part of it
   }
   std::fill(big->begin(), big->end(), -1);
@@ -363,8 +363,8 @@ TEST(TcpLinks, DroppedRequestsAreWithdrawnAndTheStreamStaysWhole) {
   // A receive dropped while its message arrives: the rest is read and dropped.
   std::vector<int32_t> into(n);
   {
-    tcp::Posted arriving(links[0].get(), links[0]->recv(1, 8, into.data(), n * 4));
-    EXPECT_EQ(links[0]->wait(*arriving, std::chrono::milliseconds(1)), tcp::WaitResult::kTimeout);
+    Posted arriving(links[0].get(), links[0]->recv(1, 8, into.data(), n * 4));
+    EXPECT_EQ(links[0]->wait(*arriving, std::chrono::milliseconds(1)), WaitResult::kTimeout);
   }
   std::fill(into.begin(), into.end(), 0);
   // The messages after them arrive intact.
@@ -373,9 +373,9 @@ TEST(TcpLinks, DroppedRequestsAreWithdrawnAndTheStreamStaysWhole) {
   std::vector<int32_t> got2(5);
   auto r2 = links[0]->recv(1, 9, got2.data(), 20);
   std::thread rest([&] {  // the sender writes the rest of the dropped send, then this one
-    EXPECT_EQ(links[1]->wait(*s2, 10s), tcp::WaitResult::kDone) << links[1]->broken_reason(0);
+    EXPECT_EQ(links[1]->wait(*s2, 10s), WaitResult::kDone) << links[1]->broken_reason(0);
   });
-  EXPECT_EQ(links[0]->wait(*r2, 10s), tcp::WaitResult::kDone) << links[0]->broken_reason(1);
+  EXPECT_EQ(links[0]->wait(*r2, 10s), WaitResult::kDone) << links[0]->broken_reason(1);
   rest.join();
   EXPECT_EQ(got2, after);
   EXPECT_TRUE(std::all_of(into.begin(), into.end(), [](int32_t v) { return v == 0; }));  // nothing written after the drop
@@ -386,8 +386,8 @@ TEST(TcpLinks, DroppedRequestsAreWithdrawnAndTheStreamStaysWhole) {
   auto s3 = links[1]->send(0, 10, again.data(), n * 4);
   std::vector<int32_t> got3(n);
   auto r3 = links[0]->recv(1, 10, got3.data(), n * 4);
-  std::thread sender([&] { EXPECT_EQ(links[1]->wait(*s3, 20s), tcp::WaitResult::kDone); });
-  EXPECT_EQ(links[0]->wait(*r3, 20s), tcp::WaitResult::kDone);
+  std::thread sender([&] { EXPECT_EQ(links[1]->wait(*s3, 20s), WaitResult::kDone); });
+  EXPECT_EQ(links[0]->wait(*r3, 20s), WaitResult::kDone);
   sender.join();
   EXPECT_EQ(got3, again);
   (void)s;
@@ -402,11 +402,11 @@ TEST(TcpLinks, ASendWaitingOnABusyReceiverOutlastsTheLinkTimeout) {
   const size_t n = 8 << 20;  // 32 MiB: the rest waits on a zero window
   const auto out = iota_from(1, n);
   auto s = links[1]->send(0, 1, out.data(), n * 4);
-  EXPECT_EQ(links[1]->wait(*s, std::chrono::milliseconds(4000)), tcp::WaitResult::kTimeout);  // nobody reads
+  EXPECT_EQ(links[1]->wait(*s, std::chrono::milliseconds(4000)), WaitResult::kTimeout);  // nobody reads
   std::vector<int32_t> in(n);
   auto r = links[0]->recv(1, 1, in.data(), n * 4);
-  std::thread sender([&] { EXPECT_EQ(links[1]->wait(*s, 20s), tcp::WaitResult::kDone) << links[1]->broken_reason(0); });
-  EXPECT_EQ(links[0]->wait(*r, 20s), tcp::WaitResult::kDone) << links[0]->broken_reason(1);
+  std::thread sender([&] { EXPECT_EQ(links[1]->wait(*s, 20s), WaitResult::kDone) << links[1]->broken_reason(0); });
+  EXPECT_EQ(links[0]->wait(*r, 20s), WaitResult::kDone) << links[0]->broken_reason(1);
   sender.join();
   EXPECT_EQ(in, out);
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "meshtrain/comm/traffic.h"
+#include "meshtrain/comm/tuning.h"
 
 namespace meshtrain {
 namespace comm {
@@ -69,6 +70,9 @@ struct CommOptions {
   // docs/comm.md: shared memory for the ranks of one host, hierarchical across
   // hosts, MPI under mpirun). Sub-communicators choose again for their members.
   std::string backend;
+  // The backends' tunables (tuning.h): from the environment unless set here;
+  // sub-communicators inherit them. They change timings, never results.
+  CommTuning tuning = CommTuning::from_env();
 
   CommOptions& set_backend(std::string b) { backend = std::move(b); return *this; }
 };
@@ -89,38 +93,41 @@ class Communicator {
   // may take a tensor whose shape it does not know (irecv_any), and a receive
   // into a tensor of another shape is an error, not memory corruption.
   // Messages between two ranks with the same tag arrive in the order sent.
-  virtual WorkPtr isend(const at::Tensor& tensor, int dst, int tag = 0) = 0;
+  WorkPtr isend(const at::Tensor& tensor, int dst, int tag = 0);
   // Receives into `tensor` (its shape and dtype must match the sender's).
-  virtual WorkPtr irecv(at::Tensor tensor, int src, int tag = 0) = 0;
+  WorkPtr irecv(at::Tensor tensor, int src, int tag = 0);
   // Receives a tensor of any shape and dtype; result()[0] after wait().
-  virtual WorkPtr irecv_any(int src, int tag = 0) = 0;
+  WorkPtr irecv_any(int src, int tag = 0);
 
-  // ---- collectives (asynchronous forms; synchronous helpers below).
+  // ---- collectives (asynchronous forms; synchronous helpers below). Every
+  // call checks its arguments first: a ConfigError on the caller's thread,
+  // naming the bad value, before any communication (checks.cpp, once for
+  // every backend), and the communicator stays usable.
   // tensor on every rank := tensor on root.
-  virtual WorkPtr broadcast_async(at::Tensor tensor, int root) = 0;
+  WorkPtr broadcast_async(at::Tensor tensor, int root);
   // tensor := op over ranks of tensor (ring: reduce-scatter then all-gather).
-  virtual WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::kSum) = 0;
+  WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::kSum);
   // tensor on root := op over ranks; other ranks' tensors are left unchanged.
-  virtual WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op = ReduceOp::kSum) = 0;
+  WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op = ReduceOp::kSum);
   // Concatenates every rank's flattened input in rank order; inputs may differ
   // in size and shape. result()[0] is the flat concatenation (into `output`
   // when given: it must hold exactly the total), result()[1 + r] rank r's
   // tensor with its shape (a view of result()[0]).
-  virtual WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output = {}) = 0;
+  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output = {});
   // `input` is the same-sized flat buffer on every rank; rank r receives shard r
   // of op over ranks, with shard sizes `counts` (default: shard_sizes(numel,
   // size()), so sizes that do not divide evenly are fine). result()[0] is the
   // shard (in `output` when given). Ring traffic: (n-1)/n of the buffer.
-  virtual WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op = ReduceOp::kSum,
+  WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op = ReduceOp::kSum,
                                        at::Tensor output = {},
-                                       std::vector<int64_t> counts = {}) = 0;
+                                       std::vector<int64_t> counts = {});
   // On root, result()[r] is rank r's input (sizes may differ); elsewhere empty.
-  virtual WorkPtr gather_async(const at::Tensor& input, int root) = 0;
+  WorkPtr gather_async(const at::Tensor& input, int root);
   // output on rank r := inputs[r] of root (inputs only read on root).
-  virtual WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) = 0;
+  WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root);
   // inputs[r] goes to rank r; result()[r] is what rank r sent here. Sizes may differ.
-  virtual WorkPtr all_to_all_async(std::vector<at::Tensor> inputs) = 0;
-  virtual WorkPtr barrier_async() = 0;
+  WorkPtr all_to_all_async(std::vector<at::Tensor> inputs);
+  WorkPtr barrier_async();
 
   // ---- sub-communicators. Collective over this communicator: every member
   // calls it. Members with the same color form one group, ordered by (key,
@@ -164,6 +171,24 @@ class Communicator {
   virtual void reset_traffic() { counter_.reset(); }
 
  protected:
+  // What a backend implements: the operations above, each called with its
+  // arguments already checked (tensors defined, on the CPU, of a supported
+  // dtype; roots, peers and tags in range; sizes consistent) and
+  // reduce_scatter's `counts` filled in (shard_sizes by default).
+  virtual WorkPtr start_send(const at::Tensor& tensor, int dst, int tag) = 0;
+  virtual WorkPtr start_recv(at::Tensor tensor, int src, int tag) = 0;
+  virtual WorkPtr start_recv_any(int src, int tag) = 0;
+  virtual WorkPtr start_broadcast(at::Tensor tensor, int root) = 0;
+  virtual WorkPtr start_all_reduce(at::Tensor tensor, ReduceOp op) = 0;
+  virtual WorkPtr start_reduce(at::Tensor tensor, int root, ReduceOp op) = 0;
+  virtual WorkPtr start_all_gather(const at::Tensor& input, at::Tensor output) = 0;
+  virtual WorkPtr start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                                       std::vector<int64_t> counts) = 0;
+  virtual WorkPtr start_gather(const at::Tensor& input, int root) = 0;
+  virtual WorkPtr start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) = 0;
+  virtual WorkPtr start_all_to_all(std::vector<at::Tensor> inputs) = 0;
+  virtual WorkPtr start_barrier() = 0;
+
   TrafficCounter counter_;
 };
 

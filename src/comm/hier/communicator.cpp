@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "../backend.h"
-#include "../gloo/communicator.h"
+#include "../tcp/communicator.h"
 #include "../header.h"
 #include "../process.h"
 #include "../shm/communicator.h"
@@ -47,7 +47,7 @@ HierCommunicator::HierCommunicator(std::shared_ptr<Process> process, std::vector
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
       prefix_(prefix),
-      min_bytes_(env_kib("MESHTRAIN_HIER_MIN_KB", 64 << 10)) {
+      min_bytes_(options_.tuning.hier.min_bytes) {
   std::vector<std::string> hosts;
   for (int g : global_ranks_) hosts.push_back(process_->host_of(g));
   placement_ = place(hosts);
@@ -66,11 +66,11 @@ HierCommunicator::HierCommunicator(std::shared_ptr<Process> process, std::vector
                                                           str_cat(prefix, "/local", my_host), o);
   o.label = options_.label + "/across";
   o.verify = false;  // every hierarchical all_reduce verifies its arguments on flat_ first
-  cross_ = std::make_shared<gloo_backend::GlooCommunicator>(process_, std::move(cross), my_host,
+  cross_ = std::make_shared<gloo_backend::TcpCommunicator>(process_, std::move(cross), my_host,
                                                             str_cat(prefix, "/cross", my_local), o);
   o.label = options_.label;
   o.verify = options_.verify;
-  flat_ = std::make_shared<gloo_backend::GlooCommunicator>(process_, global_ranks_, rank_, prefix + "/flat", o);
+  flat_ = std::make_shared<gloo_backend::TcpCommunicator>(process_, global_ranks_, rank_, prefix + "/flat", o);
 }
 
 HierCommunicator::~HierCommunicator() { stop_worker(); }
@@ -154,9 +154,7 @@ void HierCommunicator::in_place(const at::Tensor& tensor, const std::function<vo
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }
 
-WorkPtr HierCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
-  check_tensor(tensor, "all_reduce", "tensor");
-  check_reduce_op(op, tensor, "all_reduce");
+WorkPtr HierCommunicator::start_all_reduce(at::Tensor tensor, ReduceOp op) {
   return run_on_parts(OpKind::kAllReduce, "all_reduce", [this, tensor, op](std::vector<at::Tensor>& result) {
     in_place(
         tensor, [&] { flat_->all_reduce(tensor, op); }, [&](at::Tensor& flat) { hierarchical_all_reduce(flat, op); });
@@ -276,9 +274,7 @@ std::vector<at::Tensor> HierCommunicator::hierarchical_all_gather(const at::Tens
   return result;
 }
 
-WorkPtr HierCommunicator::broadcast_async(at::Tensor tensor, int root) {
-  check_tensor(tensor, "broadcast", "tensor");
-  check_root(root, "broadcast");
+WorkPtr HierCommunicator::start_broadcast(at::Tensor tensor, int root) {
   return run_on_parts(OpKind::kBroadcast, "broadcast", [this, tensor, root](std::vector<at::Tensor>& result) {
     in_place(
         tensor, [&] { flat_->broadcast(tensor, root); }, [&](at::Tensor& flat) { hierarchical_broadcast(flat, root); });
@@ -288,18 +284,14 @@ WorkPtr HierCommunicator::broadcast_async(at::Tensor tensor, int root) {
 
 // ---- everything else: the flat communicator
 
-WorkPtr HierCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
-  check_tensor(tensor, "reduce", "tensor");
-  check_root(root, "reduce");
-  check_reduce_op(op, tensor, "reduce");
+WorkPtr HierCommunicator::start_reduce(at::Tensor tensor, int root, ReduceOp op) {
   return run_on_parts(OpKind::kReduce, "reduce", [this, tensor, root, op](std::vector<at::Tensor>& result) {
     flat_->reduce(tensor, root, op);
     result = {tensor};
   });
 }
 
-WorkPtr HierCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
-  check_all_gather(input, output);
+WorkPtr HierCommunicator::start_all_gather(const at::Tensor& input, at::Tensor output) {
   return run_on_parts(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) {
     // Nested only where every rank knows the total without asking (the
     // output it passed: ZeRO's gathers), and it is large enough.
@@ -313,10 +305,8 @@ WorkPtr HierCommunicator::all_gather_async(const at::Tensor& input, at::Tensor o
   });
 }
 
-WorkPtr HierCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+WorkPtr HierCommunicator::start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
                                                std::vector<int64_t> counts) {
-  check_reduce_scatter(input, output, counts);
-  check_reduce_op(op, input, "reduce_scatter");
   return run_on_parts(OpKind::kReduceScatter, "reduce_scatter",
                       [this, input, op, output, counts](std::vector<at::Tensor>& result) {
     if (static_cast<int64_t>(input.nbytes()) < min_bytes_) {
@@ -334,30 +324,26 @@ WorkPtr HierCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp
   });
 }
 
-WorkPtr HierCommunicator::gather_async(const at::Tensor& input, int root) {
-  check_tensor(input, "gather", "input");
-  check_root(root, "gather");
+WorkPtr HierCommunicator::start_gather(const at::Tensor& input, int root) {
   return run_on_parts(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
     result = flat_->gather(input, root);
   });
 }
 
-WorkPtr HierCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
-  check_scatter(output, inputs, root);
+WorkPtr HierCommunicator::start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
   return run_on_parts(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) {
     flat_->scatter(output, inputs, root);
     result = {output};
   });
 }
 
-WorkPtr HierCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
-  check_all_to_all(inputs);
+WorkPtr HierCommunicator::start_all_to_all(std::vector<at::Tensor> inputs) {
   return run_on_parts(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
     result = flat_->all_to_all(inputs);
   });
 }
 
-WorkPtr HierCommunicator::barrier_async() {
+WorkPtr HierCommunicator::start_barrier() {
   return run_on_parts(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) { flat_->barrier(); });
 }
 
@@ -367,20 +353,17 @@ int HierCommunicator::local_rank_of(int peer) const {
   return placement_.host[peer] == placement_.host[rank_] ? placement_.local[peer] : -1;
 }
 
-WorkPtr HierCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
-  check_p2p(tensor, dst, tag, "send");
+WorkPtr HierCommunicator::start_send(const at::Tensor& tensor, int dst, int tag) {
   const int l = local_rank_of(dst);
   return l >= 0 ? local_->isend(tensor, l, tag) : flat_->isend(tensor, dst, tag);
 }
 
-WorkPtr HierCommunicator::irecv(at::Tensor tensor, int src, int tag) {
-  check_p2p(tensor, src, tag, "recv");
+WorkPtr HierCommunicator::start_recv(at::Tensor tensor, int src, int tag) {
   const int l = local_rank_of(src);
   return l >= 0 ? local_->irecv(tensor, l, tag) : flat_->irecv(tensor, src, tag);
 }
 
-WorkPtr HierCommunicator::irecv_any(int src, int tag) {
-  check_peer(src, "recv");
+WorkPtr HierCommunicator::start_recv_any(int src, int tag) {
   const int l = local_rank_of(src);
   return l >= 0 ? local_->irecv_any(l, tag) : flat_->irecv_any(src, tag);
 }

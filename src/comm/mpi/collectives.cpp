@@ -200,9 +200,7 @@ int MpiCommunicator::mpi_count(int64_t numel, const char* op) const {
 
 // ---- all_reduce, broadcast, reduce: in place
 
-WorkPtr MpiCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
-  check_tensor(tensor, "all_reduce", "tensor");
-  check_reduce_op(op, tensor, "all_reduce");
+WorkPtr MpiCommunicator::start_all_reduce(at::Tensor tensor, ReduceOp op) {
   const int count = mpi_count(tensor.numel(), "all_reduce");
   return enqueue(OpKind::kAllReduce, "all_reduce", [this, tensor, op, count](std::vector<at::Tensor>& result) {
     at::Tensor data = contiguous(tensor);
@@ -281,9 +279,7 @@ void MpiCommunicator::small_reduce_scatter(const at::Tensor& flat, at::Tensor ou
   add_traffic(OpKind::kReduceScatter, (flat.numel() - counts[rank_]) * elem, counts[rank_] * elem);
 }
 
-WorkPtr MpiCommunicator::broadcast_async(at::Tensor tensor, int root) {
-  check_tensor(tensor, "broadcast", "tensor");
-  check_root(root, "broadcast");
+WorkPtr MpiCommunicator::start_broadcast(at::Tensor tensor, int root) {
   const int count = mpi_count(tensor.numel(), "broadcast");
   return enqueue(OpKind::kBroadcast, "broadcast", [this, tensor, root, count](std::vector<at::Tensor>& result) {
     at::Tensor data = contiguous(tensor);
@@ -307,10 +303,7 @@ WorkPtr MpiCommunicator::broadcast_async(at::Tensor tensor, int root) {
   });
 }
 
-WorkPtr MpiCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
-  check_tensor(tensor, "reduce", "tensor");
-  check_root(root, "reduce");
-  check_reduce_op(op, tensor, "reduce");
+WorkPtr MpiCommunicator::start_reduce(at::Tensor tensor, int root, ReduceOp op) {
   const int count = mpi_count(tensor.numel(), "reduce");
   return enqueue(OpKind::kReduce, "reduce", [this, tensor, root, op, count](std::vector<at::Tensor>& result) {
     at::Tensor data = contiguous(tensor);
@@ -403,8 +396,7 @@ void MpiCommunicator::finish_gather(const at::Tensor& input, const at::Tensor& o
   for (int q = 0; q < size(); ++q) result.push_back(view_at(flat, offsets[q], shape_of(all[q])));
 }
 
-WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
-  check_all_gather(input, output);
+WorkPtr MpiCommunicator::start_all_gather(const at::Tensor& input, at::Tensor output) {
   return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) {
     gather_flat(input, output, /*splitting=*/false, result);
   });
@@ -412,10 +404,8 @@ WorkPtr MpiCommunicator::all_gather_async(const at::Tensor& input, at::Tensor ou
 
 // ---- reduce_scatter
 
-WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+WorkPtr MpiCommunicator::start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
                                               std::vector<int64_t> counts) {
-  check_reduce_scatter(input, output, counts);
-  check_reduce_op(op, input, "reduce_scatter");
   mpi_count(input.numel(), "reduce_scatter");
   return enqueue(OpKind::kReduceScatter, "reduce_scatter",
                  [this, input, op, output, counts](std::vector<at::Tensor>& result) {
@@ -457,9 +447,7 @@ WorkPtr MpiCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp 
 
 // ---- gather, scatter
 
-WorkPtr MpiCommunicator::gather_async(const at::Tensor& input, int root) {
-  check_tensor(input, "gather", "input");
-  check_root(root, "gather");
+WorkPtr MpiCommunicator::start_gather(const at::Tensor& input, int root) {
   mpi_count(input.numel(), "gather");
   return enqueue(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
     const int n = size();
@@ -495,8 +483,7 @@ WorkPtr MpiCommunicator::gather_async(const at::Tensor& input, int root) {
   });
 }
 
-WorkPtr MpiCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
-  check_scatter(output, inputs, root);
+WorkPtr MpiCommunicator::start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
   return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) {
     Header mine = header_of(output, OpKind::kScatter, ReduceOp::kSum, root);
     std::vector<int64_t> in_sizes;
@@ -541,8 +528,7 @@ WorkPtr MpiCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor
 
 // ---- all_to_all: the pieces' headers (their shapes), then the pieces
 
-WorkPtr MpiCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
-  check_all_to_all(inputs);
+WorkPtr MpiCommunicator::start_all_to_all(std::vector<at::Tensor> inputs) {
   return enqueue(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
     const int n = size(), me = rank_;
     if (options_.verify) verify(exchange_headers(header_of(inputs[0], OpKind::kAllToAll), "all_to_all"), "all_to_all", false);
@@ -589,7 +575,7 @@ WorkPtr MpiCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
 
 // ---- barrier
 
-WorkPtr MpiCommunicator::barrier_async() {
+WorkPtr MpiCommunicator::start_barrier() {
   return enqueue(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) {
     if (options_.verify) {
       // An all-gather completes only once every rank has joined it: the verification round is the barrier.

@@ -23,6 +23,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// MpiTuning::spin: how long a waiter polls MPI before it sleeps between polls.
+int spin_us(const CommOptions& options) { return static_cast<int>(options.tuning.mpi.spin.count()); }
+
 int rank_in(MPI_Comm comm) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
@@ -40,7 +43,7 @@ MPI_Comm round_comm_for(MPI_Comm comm, const CommOptions& options, const std::st
   MPI_Comm dup = MPI_COMM_NULL;
   MPI_Request request;
   int rc = MPI_Comm_idup(comm, &dup, &request);
-  if (rc == MPI_SUCCESS && !poll_all(&request, 1, Clock::now() + options.timeout, spin_us(), rc)) {
+  if (rc == MPI_SUCCESS && !poll_all(&request, 1, Clock::now() + options.timeout, spin_us(options), rc)) {
     note_failure(str_cat(where, ": the header round's communicator was never made"));
     throw TimeoutError(str_cat(where, ": not every member made the new communicator within ",
                                options.timeout.count(), " ms"));
@@ -63,7 +66,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, MPI_Comm round_comm, std::vector
                                  CommOptions options)
     : QueuedCommunicator(std::move(global_ranks), rank_in(comm), std::move(options)),
       comm_(comm),
-      spin_us_(spin_us()),
+      spin_us_(spin_us(options_)),
       round_comm_(round_comm) {
   // Errors come back as codes (CommError naming the call) instead of aborting the job.
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
@@ -75,7 +78,8 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, MPI_Comm round_comm, std::vector
   }
   // OpenMPI's own headers took 41-72 bytes of the eager limit here (measured: 4,024 bytes went eagerly, 4,056 not).
   constexpr int64_t kTransportHeaders = 128;
-  const int64_t eager = shared_memory_eager_limit() - kTransportHeaders;
+  const auto& set = options_.tuning.mpi.eager_bytes;
+  const int64_t eager = (set ? *set : shared_memory_eager_limit()) - kTransportHeaders;
   first_message_bytes_ = eager >= static_cast<int64_t>(sizeof(Header)) + 1024 ? std::min(eager, capacity) : capacity;
 }
 
@@ -172,7 +176,7 @@ CommPtr make_world(CommOptions options) {
     MPI_Request request;
     int rc = MPI_Comm_idup(MPI_COMM_WORLD, &world, &request);
     if (rc != MPI_SUCCESS) throw CommError(str_cat("backend mpi: MPI_Comm_idup failed: ", error_string(rc)));
-    if (!poll_all(&request, 1, Clock::now() + options.timeout, spin_us(), rc)) {
+    if (!poll_all(&request, 1, Clock::now() + options.timeout, spin_us(options), rc)) {
       note_failure("the world communicator was never made");
       throw TimeoutError(str_cat("connecting communicator '", options.label, "' (backend mpi): not every rank of "
                                  "the mpirun job reached init_from_env within ", options.timeout.count(), " ms"));

@@ -77,22 +77,23 @@ class MpiCommunicator final : public QueuedCommunicator {
 
   std::string backend() const override { return "mpi"; }
 
-  WorkPtr isend(const at::Tensor& tensor, int dst, int tag) override;
-  WorkPtr irecv(at::Tensor tensor, int src, int tag) override;
-  WorkPtr irecv_any(int src, int tag) override;
-
-  WorkPtr broadcast_async(at::Tensor tensor, int root) override;
-  WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op) override;
-  WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op) override;
-  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output) override;
-  WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
-                               std::vector<int64_t> counts) override;
-  WorkPtr gather_async(const at::Tensor& input, int root) override;
-  WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
-  WorkPtr all_to_all_async(std::vector<at::Tensor> inputs) override;
-  WorkPtr barrier_async() override;
-
   std::shared_ptr<Communicator> split(int color, int key, const std::string& label) override;
+
+ protected:
+  WorkPtr start_send(const at::Tensor& tensor, int dst, int tag) override;
+  WorkPtr start_recv(at::Tensor tensor, int src, int tag) override;
+  WorkPtr start_recv_any(int src, int tag) override;
+
+  WorkPtr start_broadcast(at::Tensor tensor, int root) override;
+  WorkPtr start_all_reduce(at::Tensor tensor, ReduceOp op) override;
+  WorkPtr start_reduce(at::Tensor tensor, int root, ReduceOp op) override;
+  WorkPtr start_all_gather(const at::Tensor& input, at::Tensor output) override;
+  WorkPtr start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                               std::vector<int64_t> counts) override;
+  WorkPtr start_gather(const at::Tensor& input, int root) override;
+  WorkPtr start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
+  WorkPtr start_all_to_all(std::vector<at::Tensor> inputs) override;
+  WorkPtr start_barrier() override;
 
  private:
   friend class RecvWork;

@@ -150,8 +150,7 @@ class RecvWork : public Work {
 
 // ---- sending
 
-WorkPtr MpiCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
-  check_p2p(tensor, dst, tag, "send");
+WorkPtr MpiCommunicator::start_send(const at::Tensor& tensor, int dst, int tag) {
   const int count = mpi_count(tensor.numel(), "send");
   counter_.add_call(OpKind::kSend);
   auto op = std::make_shared<SendOp>();
@@ -219,13 +218,11 @@ MpiCommunicator::Channel& MpiCommunicator::channel(int src, int tag) {
   return *ch;
 }
 
-WorkPtr MpiCommunicator::irecv(at::Tensor tensor, int src, int tag) {
-  check_p2p(tensor, src, tag, "recv");
+WorkPtr MpiCommunicator::start_recv(at::Tensor tensor, int src, int tag) {
   return post_recv(src, tag, std::move(tensor));
 }
 
-WorkPtr MpiCommunicator::irecv_any(int src, int tag) {
-  check_peer(src, "recv");
+WorkPtr MpiCommunicator::start_recv_any(int src, int tag) {
   MESHTRAIN_CHECK(tag >= 0 && tag < (1 << 30), where("recv"), ": tag ", tag, " out of range [0, 2^30)");
   return post_recv(src, tag, at::Tensor());
 }

@@ -288,11 +288,6 @@ bool poll_all(MPI_Request* requests, int count, std::chrono::steady_clock::time_
   }
 }
 
-int spin_us() {
-  const char* spin = std::getenv("MESHTRAIN_MPI_SPIN_US");
-  return spin && *spin ? std::max(0, std::atoi(spin)) : 200;
-}
-
 namespace {
 
 // One control variable of the MPI tool interface as an integer, or 0.
@@ -346,10 +341,7 @@ int64_t read_eager_limit() {
 }  // namespace
 
 int64_t shared_memory_eager_limit() {
-  static const int64_t limit = [] {
-    const char* set = std::getenv("MESHTRAIN_MPI_EAGER_BYTES");
-    return set && *set ? std::max<int64_t>(0, std::atoll(set)) : read_eager_limit();
-  }();
+  static const int64_t limit = read_eager_limit();
   return limit;
 }
 

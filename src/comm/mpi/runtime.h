@@ -69,19 +69,14 @@ class Backoff {
 // in `error` (with true).
 bool poll_all(MPI_Request* requests, int count, std::chrono::steady_clock::time_point deadline, int spin_us,
               int& error);
-// How long to poll before sleeping: MESHTRAIN_MPI_SPIN_US, else 200 us.
-// Measured on 2 cores (4 KiB all_reduce, verified): 2 ranks ~15 us with 200
-// us, ~250 us without spinning; 4 ranks ~100-150 us with, ~600-850 us without
-// (yielding the core while polling was slower in both cases). A wait burns a
-// core for at most spin_us, then sleeps.
-int spin_us();
 
 // The largest message OpenMPI's shared-memory transport sends eagerly (one
 // copy in, one out, no handshake), as the library reports it through the MPI
 // tool interface (MCA variable btl_vader_eager_limit, btl_sm_eager_limit in
 // OpenMPI 5, 4096 bytes by default), including the library's own headers;
 // 0 when the library does not say (another MPI). Read once per process;
-// MESHTRAIN_MPI_EAGER_BYTES overrides it (0: never split a message in two).
+// MpiTuning::eager_bytes (MESHTRAIN_MPI_EAGER_BYTES) overrides it for a
+// communicator (0: never split a message in two).
 int64_t shared_memory_eager_limit();
 
 // "MPI_ERR_TRUNCATE: message truncated".

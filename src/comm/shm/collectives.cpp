@@ -178,9 +178,7 @@ void ShmCommunicator::all_reduce_chunked(at::Tensor& data, ReduceOp op) {
   counter_.add_received(OpKind::kAllReduce, others + mine);
 }
 
-WorkPtr ShmCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
-  check_tensor(tensor, "all_reduce", "tensor");
-  check_reduce_op(op, tensor, "all_reduce");
+WorkPtr ShmCommunicator::start_all_reduce(at::Tensor tensor, ReduceOp op) {
   return enqueue(OpKind::kAllReduce, "all_reduce", [this, tensor, op](std::vector<at::Tensor>& result) {
     at::Tensor data = tensor.is_contiguous() ? tensor : tensor.contiguous();
     if (static_cast<size_t>(data.nbytes()) <= small_bytes_) {
@@ -246,10 +244,8 @@ void ShmCommunicator::reduce_scatter_chunked(const at::Tensor& in, at::Tensor& o
   counter_.add_received(OpKind::kReduceScatter, counts[me] * elem * (n - 1));
 }
 
-WorkPtr ShmCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+WorkPtr ShmCommunicator::start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
                                               std::vector<int64_t> counts) {
-  check_reduce_scatter(input, output, counts);
-  check_reduce_op(op, input, "reduce_scatter");
   return enqueue(OpKind::kReduceScatter, "reduce_scatter",
                  [this, input, op, output, counts](std::vector<at::Tensor>& result) {
     at::Tensor flat = input.contiguous().view(-1);
@@ -272,8 +268,7 @@ WorkPtr ShmCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp 
 
 // ---- all_gather
 
-WorkPtr ShmCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
-  check_all_gather(input, output);
+WorkPtr ShmCommunicator::start_all_gather(const at::Tensor& input, at::Tensor output) {
   return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) {
     const int n = size(), me = rank_, h2 = half() * 2;
     const at::Tensor mine = input.contiguous();
@@ -330,9 +325,7 @@ WorkPtr ShmCommunicator::all_gather_async(const at::Tensor& input, at::Tensor ou
 
 // ---- broadcast and reduce
 
-WorkPtr ShmCommunicator::broadcast_async(at::Tensor tensor, int root) {
-  check_tensor(tensor, "broadcast", "tensor");
-  check_root(root, "broadcast");
+WorkPtr ShmCommunicator::start_broadcast(at::Tensor tensor, int root) {
   return enqueue(OpKind::kBroadcast, "broadcast", [this, tensor, root](std::vector<at::Tensor>& result) {
     const int n = size(), h2 = half() * 2;
     at::Tensor data = tensor.is_contiguous() ? tensor : tensor.contiguous();
@@ -363,10 +356,7 @@ WorkPtr ShmCommunicator::broadcast_async(at::Tensor tensor, int root) {
   });
 }
 
-WorkPtr ShmCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
-  check_tensor(tensor, "reduce", "tensor");
-  check_root(root, "reduce");
-  check_reduce_op(op, tensor, "reduce");
+WorkPtr ShmCommunicator::start_reduce(at::Tensor tensor, int root, ReduceOp op) {
   return enqueue(OpKind::kReduce, "reduce", [this, tensor, root, op](std::vector<at::Tensor>& result) {
     const int n = size(), h2 = half() * 2;
     at::Tensor data = tensor.contiguous();
@@ -428,9 +418,7 @@ void ShmCommunicator::exchange(const std::vector<Span>& out, const std::vector<S
   counter_.add_received(kind, received);
 }
 
-WorkPtr ShmCommunicator::gather_async(const at::Tensor& input, int root) {
-  check_tensor(input, "gather", "input");
-  check_root(root, "gather");
+WorkPtr ShmCommunicator::start_gather(const at::Tensor& input, int root) {
   return enqueue(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
     const int n = size();
     at::Tensor data = input.contiguous();
@@ -454,8 +442,7 @@ WorkPtr ShmCommunicator::gather_async(const at::Tensor& input, int root) {
   });
 }
 
-WorkPtr ShmCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
-  check_scatter(output, inputs, root);
+WorkPtr ShmCommunicator::start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
   return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) {
     const int n = size();
     std::vector<at::Tensor> sources(inputs.size());
@@ -492,8 +479,7 @@ WorkPtr ShmCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor
   });
 }
 
-WorkPtr ShmCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
-  check_all_to_all(inputs);
+WorkPtr ShmCommunicator::start_all_to_all(std::vector<at::Tensor> inputs) {
   return enqueue(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
     const int n = size(), me = rank_, h2 = half() * 2;
     const int64_t R = static_cast<int64_t>(layout_.region_bytes());
@@ -528,7 +514,7 @@ WorkPtr ShmCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
   });
 }
 
-WorkPtr ShmCommunicator::barrier_async() {
+WorkPtr ShmCommunicator::start_barrier() {
   return enqueue(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) {
     verify(open_op(header_of(at::Tensor(), OpKind::kBarrier), 0, "barrier"), "barrier", true);
   });

@@ -22,13 +22,12 @@ namespace meshtrain {
 namespace comm {
 namespace shm_backend {
 
-ShmSettings ShmSettings::from_env() {
+ShmSettings ShmSettings::of(const ShmTuning& tuning) {
   ShmSettings s;
-  s.buffer_bytes = env_kib("MESHTRAIN_SHM_BUFFER_KB", s.buffer_bytes, 1, 1 << 20);
-  s.channel_bytes = env_kib("MESHTRAIN_SHM_CHANNEL_KB", s.channel_bytes, 1, 1 << 20);
-  s.small_bytes = std::min<size_t>(env_kib("MESHTRAIN_SHM_SMALL_KB", s.small_bytes, 0, 1 << 20), s.buffer_bytes);
-  const char* small = std::getenv("MESHTRAIN_SHM_SMALL_KB");
-  s.small_from_env = small && *small;
+  s.buffer_bytes = static_cast<size_t>(tuning.buffer_bytes);
+  s.channel_bytes = static_cast<size_t>(tuning.channel_bytes);
+  s.small_bytes = std::min<size_t>(tuning.one_step_bytes.value_or(s.small_bytes), s.buffer_bytes);
+  s.small_set = tuning.one_step_bytes.has_value();
   return s;
 }
 
@@ -41,8 +40,9 @@ ShmCommunicator::ShmCommunicator(std::shared_ptr<Process> process, std::vector<i
   // otherwise a spinning rank takes the core its peer needs to make progress.
   // The budgets follow this host's measured wake-up (Note [Self-tuned waits]).
   const WaitTuning tuning = choose_wait(host_profile(), process_->ranks_on_my_host() <= available_cores());
-  spin_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_SPIN_US", tuning.spin).count());
-  yield_us_ = static_cast<int>(env_us("MESHTRAIN_SHM_YIELD_US", tuning.yield).count());
+  const ShmTuning& set = options_.tuning.shm;
+  spin_us_ = static_cast<int>(set.spin.value_or(tuning.spin).count());
+  yield_us_ = static_cast<int>(set.yield.value_or(tuning.yield).count());
   listener_ = process_->add_failure_listener([this] {
     if (!base_) return;
     ctrl(rank_).wake.fetch_add(1);
@@ -87,7 +87,7 @@ ShmCommunicator::~ShmCommunicator() {
 void ShmCommunicator::attach(const std::string& store_prefix) {
   const std::string key = store_prefix + "/shm";
   if (rank_ == 0) {
-    const ShmSettings s = ShmSettings::from_env();
+    const ShmSettings s = ShmSettings::of(options_.tuning.shm);
     // Every peer's region must hold a cache line or two (and all_to_all's descriptors).
     layout_ = SegmentLayout{size(), std::max<size_t>(s.buffer_bytes, size() * 256), s.channel_bytes};
     segment_ = Segment::create(layout_.total_bytes());
@@ -150,9 +150,9 @@ std::string one_step_cache_key(Process& process, int ranks, size_t buffer_bytes)
 void ShmCommunicator::choose_one_step(const ShmSettings& s) {
   small_bytes_ = s.small_bytes;
   const auto sizes = one_step_candidates(static_cast<int64_t>(layout_.buffer_bytes));
-  if (s.small_from_env || size() == 1 || sizes.empty()) {
+  if (s.small_set || size() == 1 || sizes.empty()) {
     tuning_ = describe_one_step(static_cast<int64_t>(small_bytes_), size(),
-                                s.small_from_env ? "MESHTRAIN_SHM_SMALL_KB"
+                                s.small_set ? "MESHTRAIN_SHM_SMALL_KB"
                                 : size() == 1    ? "nothing to measure"
                                                  : "a buffer under 4 KiB: nothing to measure");
     return;

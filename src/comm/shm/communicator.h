@@ -34,16 +34,15 @@ namespace meshtrain {
 namespace comm {
 namespace shm_backend {
 
-// Tunables, read from the environment by the rank creating the segment (all
-// members adopt its values): MESHTRAIN_SHM_BUFFER_KB, MESHTRAIN_SHM_CHANNEL_KB,
-// MESHTRAIN_SHM_SMALL_KB (else measured: Note [Measured one-step threshold] in
-// one_step.h); MESHTRAIN_SHM_SPIN_US is per process.
+// The segment's layout and one-step threshold as the rank creating the
+// segment has them (CommOptions::tuning.shm; all members adopt its values).
+// One step is measured unless set (Note [Measured one-step threshold] in one_step.h).
 struct ShmSettings {
   size_t buffer_bytes = 256 << 10;
   size_t channel_bytes = 1 << 20;
-  size_t small_bytes = 32 << 10;
-  bool small_from_env = false;  // MESHTRAIN_SHM_SMALL_KB was set: nothing to measure
-  static ShmSettings from_env();
+  size_t small_bytes = 32 << 10;  // where nothing is measured and nothing set
+  bool small_set = false;         // ShmTuning::one_step_bytes (MESHTRAIN_SHM_SMALL_KB): nothing to measure
+  static ShmSettings of(const ShmTuning& tuning);
 };
 
 struct SendOp;
@@ -59,22 +58,23 @@ class ShmCommunicator final : public QueuedCommunicator {
   std::string backend() const override { return "shm"; }
   std::string tuning() const override { return tuning_; }
 
-  WorkPtr isend(const at::Tensor& tensor, int dst, int tag) override;
-  WorkPtr irecv(at::Tensor tensor, int src, int tag) override;
-  WorkPtr irecv_any(int src, int tag) override;
-
-  WorkPtr broadcast_async(at::Tensor tensor, int root) override;
-  WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op) override;
-  WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op) override;
-  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output) override;
-  WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
-                               std::vector<int64_t> counts) override;
-  WorkPtr gather_async(const at::Tensor& input, int root) override;
-  WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
-  WorkPtr all_to_all_async(std::vector<at::Tensor> inputs) override;
-  WorkPtr barrier_async() override;
-
   std::shared_ptr<Communicator> split(int color, int key, const std::string& label) override;
+
+ protected:
+  WorkPtr start_send(const at::Tensor& tensor, int dst, int tag) override;
+  WorkPtr start_recv(at::Tensor tensor, int src, int tag) override;
+  WorkPtr start_recv_any(int src, int tag) override;
+
+  WorkPtr start_broadcast(at::Tensor tensor, int root) override;
+  WorkPtr start_all_reduce(at::Tensor tensor, ReduceOp op) override;
+  WorkPtr start_reduce(at::Tensor tensor, int root, ReduceOp op) override;
+  WorkPtr start_all_gather(const at::Tensor& input, at::Tensor output) override;
+  WorkPtr start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                               std::vector<int64_t> counts) override;
+  WorkPtr start_gather(const at::Tensor& input, int root) override;
+  WorkPtr start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
+  WorkPtr start_all_to_all(std::vector<at::Tensor> inputs) override;
+  WorkPtr start_barrier() override;
 
  private:
   friend struct SendOp;

@@ -126,8 +126,7 @@ class RecvWork : public Work {
 
 // ---- sending
 
-WorkPtr ShmCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
-  check_p2p(tensor, dst, tag, "send");
+WorkPtr ShmCommunicator::start_send(const at::Tensor& tensor, int dst, int tag) {
   counter_.add_call(OpKind::kSend);
   auto op = std::make_shared<SendOp>();
   op->dst = dst;
@@ -261,8 +260,7 @@ void ShmCommunicator::fail_p2p(const std::exception_ptr& error) {
 
 // ---- receiving
 
-WorkPtr ShmCommunicator::irecv(at::Tensor tensor, int src, int tag) {
-  check_p2p(tensor, src, tag, "recv");
+WorkPtr ShmCommunicator::start_recv(at::Tensor tensor, int src, int tag) {
   counter_.add_call(OpKind::kRecv);
   auto op = std::make_shared<RecvOp>();
   op->tag = tag;
@@ -276,8 +274,7 @@ WorkPtr ShmCommunicator::irecv(at::Tensor tensor, int src, int tag) {
   return std::make_shared<RecvWork>(this, op, src);
 }
 
-WorkPtr ShmCommunicator::irecv_any(int src, int tag) {
-  check_peer(src, "recv");
+WorkPtr ShmCommunicator::start_recv_any(int src, int tag) {
   MESHTRAIN_CHECK(tag >= 0 && tag < (1 << 30), where("recv"), ": tag ", tag, " out of range [0, 2^30)");
   counter_.add_call(OpKind::kRecv);
   auto op = std::make_shared<RecvOp>();

@@ -36,7 +36,7 @@
 // Work's wait(), or any later operation of the communicator), where libgloo's
 // loop thread finished it alone; every meshtrain caller waits. A request
 // dropped unfinished (an error path freeing its buffer) must be withdrawn
-// first: tcp::Posted does it (Links::cancel). No TCP_USER_TIMEOUT on these
+// first: Posted does it (Links::cancel). No TCP_USER_TIMEOUT on these
 // sockets: a busy receiver's full window must not look like a dead host.
 
 #include <poll.h>
@@ -53,31 +53,15 @@
 
 #include "comm/host_profile.h"
 #include "comm/store.h"
+#include "comm/transport.h"
 
 namespace meshtrain {
 namespace comm {
 namespace tcp {
 
-// A posted send or receive. Filled in by Links; read after wait() returns kDone.
-struct Request {
-  int peer = -1;
-  uint64_t slot = 0;
-  bool is_recv = false;
-  uint8_t* data = nullptr;
-  size_t size = 0;      // send: bytes to send; recv: the buffer's capacity
-  size_t received = 0;  // recv: bytes the message carried (<= size); kTooLarge: what it carried
-  bool done = false;
-  bool failed = false;  // the connection broke or stopped sending (Links::broken_reason says why), cancelled, or too_large
-  bool too_large = false;  // recv: the message did not fit (it was read and dropped; the link works)
-  std::vector<uint8_t> owned;  // a cancelled send's unsent rest (Links::cancel)
-};
-using RequestPtr = std::shared_ptr<Request>;
+// Request, WaitResult and Posted: the Transport interface's (comm/transport.h).
 
-// kTooLarge: the message matched to a receive was larger than its buffer
-// (ranks that disagree on a size); it was read and dropped, the link works on.
-enum class WaitResult { kDone, kBroken, kTimeout, kAborted, kTooLarge };
-
-class Links {
+class Links final : public Transport {
  public:
   // Connects `rank` with every other of `size` ranks: each listens on
   // `bind_host` and publishes its address in `store`; the higher rank of a
@@ -96,26 +80,26 @@ class Links {
   // the kernel's (Note [Link buffers sized to the cache] in host_profile.h).
   // Returns how many links it bounded.
   int set_local_buffer(int64_t bytes);
-  ~Links();
+  ~Links() override;
   Links(const Links&) = delete;
   Links& operator=(const Links&) = delete;
 
   // `hold`: queue it without writing; it leaves with the next send to `peer`
   // that is not held (in one sendmsg), or when a thread waits on these links.
-  RequestPtr send(int peer, uint64_t slot, const void* data, size_t bytes, bool hold = false);
-  RequestPtr recv(int peer, uint64_t slot, void* data, size_t capacity);
+  RequestPtr send(int peer, uint64_t slot, const void* data, size_t bytes, bool hold = false) override;
+  RequestPtr recv(int peer, uint64_t slot, void* data, size_t capacity) override;
   // Progresses every connection until `r` completes, its connection breaks,
   // `timeout` passes with `r` incomplete, or abort() is called.
-  WaitResult wait(Request& r, std::chrono::milliseconds timeout);
+  WaitResult wait(Request& r, std::chrono::milliseconds timeout) override;
   // Thread-safe: every wait, current and later, returns kAborted.
-  void abort();
+  void abort() override;
   // The caller is about to free `r`'s buffer without waiting for it (an error
   // path): a posted receive is withdrawn (a message arriving for it now is
   // read and dropped), a queued send is dropped, one partly written is finished
   // from a copy of its rest (the peer expects those bytes). Completed ones: nothing.
-  void cancel(Request& r);
+  void cancel(Request& r) override;
   // Why the connection to `peer` broke ("" when it has not).
-  std::string broken_reason(int peer) const;
+  std::string broken_reason(int peer) const override;
   // Bytes of messages read before their receive was posted, each copied once
   // more from a spare buffer (Note [Large messages wait in the socket]).
   uint64_t early_bytes() const;
@@ -171,39 +155,6 @@ class Links {
   bool aborted_ = false;
   uint64_t early_bytes_ = 0;  // early_bytes()
   WaitTuning waits_;  // none: a waiter sleeps in poll() at once
-};
-
-// A posted request that is withdrawn (Links::cancel) when dropped before it
-// completed: the owner of its buffer may free the buffer after an error
-// without the links writing into it or reading from it later.
-class Posted {
- public:
-  Posted() = default;
-  Posted(Links* links, RequestPtr r) : links_(links), r_(std::move(r)) {}
-  Posted(Posted&& o) noexcept : links_(o.links_), r_(std::move(o.r_)) {}
-  Posted& operator=(Posted&& o) noexcept {
-    withdraw();
-    links_ = o.links_;
-    r_ = std::move(o.r_);
-    return *this;
-  }
-  ~Posted() { withdraw(); }
-  Request* get() const { return r_.get(); }
-  Request& operator*() const { return *r_; }
-  Request* operator->() const { return r_.get(); }
-  explicit operator bool() const { return r_ != nullptr; }
-  void reset() { r_.reset(); }  // completed: nothing to withdraw
-
- private:
-  void withdraw() noexcept {
-    try {
-      if (r_ && links_) links_->cancel(*r_);
-    } catch (...) {
-    }
-    r_.reset();
-  }
-  Links* links_ = nullptr;
-  RequestPtr r_;
 };
 
 }  // namespace tcp

@@ -1,14 +1,10 @@
-// GlooCommunicator: construction, the operation queue, point-to-point messages
+// TcpCommunicator: construction, the operation queue, point-to-point messages
 // and the transfer/wait primitives every algorithm uses. Collectives are in
 // collectives.cpp.
 
 #include "communicator.h"
 
 #include <ATen/ATen.h>
-#include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
-#include <gloo/transport/unbound_buffer.h>
 
 #include <algorithm>
 #include <chrono>
@@ -26,26 +22,6 @@ namespace gloo_backend {
 
 namespace {
 
-// gloo's rendezvous talks to our store through this adapter.
-class GlooStoreAdapter : public gloo::rendezvous::Store {
- public:
-  explicit GlooStoreAdapter(std::shared_ptr<comm::Store> store) : store_(std::move(store)) {}
-  void set(const std::string& key, const std::vector<char>& data) override {
-    store_->set(key, std::string(data.begin(), data.end()));
-  }
-  std::vector<char> get(const std::string& key) override {
-    const std::string v = store_->get(key);
-    return std::vector<char>(v.begin(), v.end());
-  }
-  void wait(const std::vector<std::string>& keys) override { store_->wait(keys); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
-    store_->wait(keys);
-  }
-
- private:
-  std::shared_ptr<comm::Store> store_;
-};
-
 constexpr uint64_t kCollectiveBit = 1ull << 62;
 constexpr uint64_t kP2PBit = 2ull << 62;
 constexpr uint64_t kPairProofBit = 3ull << 62;
@@ -53,17 +29,16 @@ constexpr uint64_t kPairProofBit = 3ull << 62;
 // Note [Authenticated pairs]
 // The store admits only processes that know the job's token (Note [Store
 // authentication]), and the ranks' transport addresses travel only through
-// it, but a gloo pair is a plain TCP connection that gloo's handshake does not
+// it, but a link is a plain TCP connection whose handshake does not
 // authenticate: a stranger who reaches a rank's port could take a peer's
-// place. So when the job has a token, every pair proves it right after gloo
-// connects them: each rank sends each peer a fresh 32-byte nonce and answers
+// place. So when the job has a token, every pair proves it right after the
+// links connect them: each rank sends each peer a fresh 32-byte nonce and answers
 // the peer's nonce with HMAC-SHA256(token, "gloo-pair" + nonce + from + to)
 // over global ranks (the direction is in the MAC, so a reflected answer does
 // not pass). A pair that fails is refused before any collective runs. It costs
 // two small messages per pair when a communicator is made. It proves who
 // connected, not what travels later: a machine in the network path could
-// relay the proof and then alter the traffic (that needs TLS, which Debian's
-// gloo is built without).
+// relay the proof and then alter the traffic (that needs TLS).
 std::string pair_proof(const std::string& token, const std::string& nonce, int from, int to) {
   return store_auth::mac(token, str_cat("gloo-pair", nonce, from, "->", to));
 }
@@ -72,38 +47,23 @@ std::string pair_proof(const std::string& token, const std::string& nonce, int f
 using Exchange = std::function<void(const std::vector<std::string>& mine, std::vector<std::string>& theirs,
                                     uint64_t slot)>;
 
-Exchange exchange_on_gloo(gloo::rendezvous::Context& ctx, std::chrono::milliseconds timeout) {
-  return [&ctx, timeout](const std::vector<std::string>& mine, std::vector<std::string>& theirs, uint64_t slot) {
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sends, recvs;
-    for (int p = 0; p < ctx.size; ++p) {
-      if (p == ctx.rank) continue;
-      sends.push_back(ctx.createUnboundBuffer(const_cast<char*>(mine[p].data()), mine[p].size()));
-      sends.back()->send(p, slot);
-      recvs.push_back(ctx.createUnboundBuffer(&theirs[p][0], theirs[p].size()));
-      recvs.back()->recv(p, slot);
-    }
-    for (auto& b : sends) b->waitSend(timeout);
-    for (auto& b : recvs) b->waitRecv(timeout);
-  };
-}
-
 Exchange exchange_on_links(tcp::Links& links, int rank, std::chrono::milliseconds timeout, const std::string& label) {
   return [&links, rank, timeout, label](const std::vector<std::string>& mine, std::vector<std::string>& theirs,
                                         uint64_t slot) {
-    std::vector<tcp::Posted> requests;
+    std::vector<Posted> requests;
     for (int p = 0; p < static_cast<int>(mine.size()); ++p) {
       if (p == rank) continue;
       requests.emplace_back(&links, links.send(p, slot, mine[p].data(), mine[p].size()));
       requests.emplace_back(&links, links.recv(p, slot, &theirs[p][0], theirs[p].size()));
     }
     for (auto& r : requests) {
-      const tcp::WaitResult result = links.wait(*r, timeout);
-      if (result == tcp::WaitResult::kDone && (!r->is_recv || r->received == r->size)) {
+      const WaitResult result = links.wait(*r, timeout);
+      if (result == WaitResult::kDone && (!r->is_recv || r->received == r->size)) {
         r.reset();
         continue;
       }
-      const bool wrong_size = result == tcp::WaitResult::kDone || result == tcp::WaitResult::kTooLarge;
-      const std::string why = result == tcp::WaitResult::kTimeout ? str_cat("no reply within ", timeout.count(), " ms")
+      const bool wrong_size = result == WaitResult::kDone || result == WaitResult::kTooLarge;
+      const std::string why = result == WaitResult::kTimeout ? str_cat("no reply within ", timeout.count(), " ms")
                               : wrong_size ? str_cat("a reply of ", r->received, " bytes where ", r->size, " were expected")
                                            : links.broken_reason(r->peer);
       throw TimeoutError(str_cat("connecting communicator '", label, "': the proof exchange with rank ",
@@ -142,58 +102,53 @@ uint64_t p2p_slot(int tag, bool data) {
 }  // namespace
 
 // Note [Gloo transports]
-// The Gloo backend's messages travel over meshtrain's TCP links by default
-// (tcp/links.h: progressed by the waiting thread, eager sends; Note [Links:
-// progress on the waiting thread]), or over libgloo's TCP transport with
-// MESHTRAIN_GLOO_TRANSPORT=gloo. Both carry the same messages in the same
-// slots, so every algorithm, count and error path above them is shared.
+// The Gloo backend's messages travel over meshtrain's TCP links (tcp/links.h:
+// progressed by the waiting thread, eager sends; Note [Links: progress on the
+// waiting thread]). libgloo's TCP transport, the other choice until
+// 2026-12 (MESHTRAIN_GLOO_TRANSPORT=gloo), was removed: measured side by
+// side with the links it was slower at all but one size in forty, by up to
+// 80x for small messages (docs/comm.md, "Transports"), and a surviving rank
+// could die of SIGPIPE inside libgloo when a peer died mid-collective.
 
-GlooCommunicator::GlooCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
+TcpCommunicator::TcpCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
                                    int rank, const std::string& store_prefix, CommOptions options)
     : QueuedCommunicator(std::move(global_ranks), rank, std::move(options)),
       process_(std::move(process)),
-      prefix_(store_prefix),
-      ring_bytes_(env_kib("MESHTRAIN_GLOO_RING_KB", int64_t(1) << 62)),  // unset: never (Note [Gloo algorithms])
-      chain_bytes_(env_kib("MESHTRAIN_GLOO_CHAIN_KB", int64_t(1) << 20)),  // Note [Broadcast down a chain]
-      piece_bytes_(env_kib("MESHTRAIN_GLOO_PIECE_KB", int64_t(1) << 20)) {  // Note [Pipelined all-reduce]
-  if (env_choice("MESHTRAIN_GLOO_TRANSPORT", "links", "gloo", "a transport", "Note [Gloo transports]")) {
-    connect_links();
-    doubling_ = doubling_applies(size()) &&
-                env_choice("MESHTRAIN_GLOO_ROUND", "doubling", "direct", "a header round", "Note [Doubling round]");
-  } else {
-    connect_gloo();
-  }
+      prefix_(store_prefix) {
+  connect_links();
+  doubling_ = doubling_applies(size()) && options_.tuning.tcp.doubling_round;
   const std::string& mine = process_->host_of(global_ranks_[rank_]);
   for (int g : global_ranks_) remote_.push_back(process_->host_of(g) != mine);
 }
 
-GlooCommunicator::~GlooCommunicator() {
+TcpCommunicator::~TcpCommunicator() {
   stop_worker();
-  context_.reset();
+  transport_ = nullptr;
   links_.reset();
 }
 
 // A rank that died while the others connected: the failure watcher names it.
-void GlooCommunicator::throw_failed_peer_if_any() const {
+void TcpCommunicator::throw_failed_peer_if_any() const {
   if (auto f = process_->await_failure(std::chrono::milliseconds(500))) {
     const int r = Process::rank_of_label(f->label);
     throw PeerFailure(str_cat("connecting communicator '", options_.label, "': rank ", r, " failed: ", f->reason), r);
   }
 }
 
-void GlooCommunicator::connect_links() {
+void TcpCommunicator::connect_links() {
   PrefixStore store(prefix_, process_->store());
   try {
     links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
                                           options_.label);
+    transport_ = links_.get();
     // Spinning only pays when every rank of this host has a core of its own, for
     // as long as this host's wake-up costs (Note [Self-tuned waits]); otherwise
     // waiters yield (Note [Link waits on shared cores]).
     const bool own_core = process_->ranks_on_my_host() <= available_cores();
+    const TcpTuning& set = options_.tuning.tcp;
     WaitTuning waits = choose_link_wait(host_profile(), own_core);
-    waits.spin = env_us("MESHTRAIN_TCP_SPIN_US", waits.spin);
-    const auto yield = env_us("MESHTRAIN_TCP_YIELD_US", std::chrono::microseconds(-1));
-    if (yield.count() >= 0) waits.yield = waits.large_yield = yield;  // set: every wait's budget, whatever its size
+    waits.spin = set.spin.value_or(waits.spin);
+    if (set.yield) waits.yield = waits.large_yield = *set.yield;  // set: every wait's budget, whatever its size
     links_->set_waits(waits);
     // Bytes in flight to a rank of this host fit its cache (Note [Link buffers sized to the cache]):
     // the peers that send to it at once are this communicator's members on the host.
@@ -201,7 +156,7 @@ void GlooCommunicator::connect_links() {
     const auto peers_here = std::count_if(global_ranks_.begin(), global_ranks_.end(),
                                           [&](int g) { return process_->host_of(g) == my_host; }) - 1;
     const LinkBuffer buffer = choose_link_buffer(host_profile(), static_cast<int>(peers_here));
-    links_->set_local_buffer(env_kib("MESHTRAIN_TCP_BUFFER_KB", buffer.bytes, 0, 1 << 20));
+    links_->set_local_buffer(set.buffer_bytes.value_or(buffer.bytes));
     if (!process_->store()->token().empty()) {
       prove_pairs(exchange_on_links(*links_, rank_, options_.timeout, options_.label), rank_, global_ranks_,
                   process_->store()->token(), options_.label);
@@ -212,43 +167,13 @@ void GlooCommunicator::connect_links() {
   }
 }
 
-void GlooCommunicator::connect_gloo() {
-  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size());
-  ctx->setTimeout(options_.timeout);
-  GlooStoreAdapter adapter(std::make_shared<PrefixStore>(prefix_, process_->store()));
-  try {
-    auto device = process_->gloo_device();
-    ctx->connectFullMesh(adapter, device);
-    if (!process_->store()->token().empty()) {
-      prove_pairs(exchange_on_gloo(*ctx, options_.timeout), rank_, global_ranks_, process_->store()->token(),
-                  options_.label);
-    }
-  } catch (const gloo::Exception& e) {
-    throw_failed_peer_if_any();
-    throw TimeoutError(str_cat("connecting communicator '", options_.label, "' (rank ", rank_,
-                               " of ", size(), ") failed: ", e.what()));
-  }
-  context_ = ctx;
-}
-
 // ---- transfers
 
-uint64_t GlooCommunicator::collective_slot(int sub) const {
+uint64_t TcpCommunicator::collective_slot(int sub) const {
   return kCollectiveBit | ((op_seq() & ((1ull << 46) - 1)) << 16) | static_cast<uint64_t>(sub & 0xffff);
 }
 
-// Posting on a pair that a dead peer already closed throws at once (before
-// any wait); that is the same broken connection as one seen while waiting.
-template <typename SendOrRecv>
-void GlooCommunicator::post(const Transfer& t, SendOrRecv&& send_or_recv) const {
-  try {
-    send_or_recv();
-  } catch (const gloo::Exception& e) {
-    throw_broken_connection(t, e.what());
-  }
-}
-
-Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
+Transfer TcpCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind, bool hold) {
   Transfer t;
   t.peer = peer;
@@ -256,16 +181,11 @@ Transfer GlooCommunicator::post_send(const void* ptr, size_t bytes, int peer, ui
   t.bytes = bytes;
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
-  if (links_) {
-    t.req = tcp::Posted(links_.get(), links_->send(peer, slot, ptr, bytes, hold));
-    return t;
-  }
-  t.buf = context_->createUnboundBuffer(const_cast<void*>(ptr), bytes);
-  post(t, [&] { t.buf->send(peer, slot); });
+  t.req = Posted(transport_, transport_->send(peer, slot, ptr, bytes, hold));
   return t;
 }
 
-Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t slot,
+Transfer TcpCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind) {
   Transfer t;
   t.peer = peer;
@@ -273,76 +193,28 @@ Transfer GlooCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t
   t.bytes = bytes;
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
-  if (links_) {
-    t.req = tcp::Posted(links_.get(), links_->recv(peer, slot, ptr, bytes));
-    return t;
-  }
-  t.buf = context_->createUnboundBuffer(ptr, bytes);
-  post(t, [&] { t.buf->recv(peer, slot); });
+  t.req = Posted(transport_, transport_->recv(peer, slot, ptr, bytes));
   return t;
 }
 
-// Note [Classifying gloo errors]
-// Debian's gloo (0.0~git20220518) throws gloo::IoException both when a wait
-// times out ("Timed out waiting ... ms", tcp/unbound_buffer.cc) and when the
-// connection breaks (a peer's socket closed, a read or write error,
-// tcp/pair.cc); after a timeout it also closes every pair of the context, and
-// later waits on them fail at once with yet another IoException. No exception
-// type tells a timeout apart, and matching the message text would break
-// silently when gloo rewords it. So the clock decides: gloo raises a timeout
-// only once the full timeout we passed has elapsed, while a broken connection
-// surfaces as soon as gloo's event loop sees it. An IoException after at least
-// the timeout is therefore a timeout; anything else gloo throws (a broken
-// connection, or an earlier timeout that closed the pair) is a failure of the
-// connection. A break that lands just as the timeout expires counts as a
-// timeout, which is what the caller saw: no progress for the whole timeout.
-bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration waited,
-                std::chrono::milliseconds timeout) {
-  return dynamic_cast<const gloo::IoException*>(&e) != nullptr && waited >= timeout;
-}
-
-void GlooCommunicator::wait(Transfer& t) {
+void TcpCommunicator::wait(Transfer& t) {
   // A deferred header round first: no collective's data is used unverified.
   // Only a collective's own waits settle it (they run on the thread that
   // deferred it; point-to-point waits run on their callers' threads).
   const bool collective_data = t.kind != OpKind::kSend && t.kind != OpKind::kRecv && t.kind != OpKind::kVerify;
   if (collective_data) settle_round();
-  if (t.req) return wait_on_links(t);
-  if (!t.buf) return;
+  if (!t.req) return;
   // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]).
-  auto* buf = t.buf.get();
-  process_->register_wait(buf, global_ranks_[t.peer], long_wait(), [buf] {
-    buf->abortWaitRecv();
-    buf->abortWaitSend();
-  });
-  const auto start = std::chrono::steady_clock::now();
-  bool completed = false;
-  try {
-    completed = t.is_recv ? t.buf->waitRecv(nullptr, options_.timeout)
-                          : t.buf->waitSend(nullptr, options_.timeout);
-  } catch (const gloo::Exception& e) {
-    process_->unregister_wait(t.buf.get(), false);
-    if (is_timeout(e, std::chrono::steady_clock::now() - start, options_.timeout)) throw_timeout(t);
-    throw_broken_connection(t, e.what());
-  }
-  process_->unregister_wait(t.buf.get(), completed);
-  if (!completed) throw_aborted(t);
-  const int64_t bytes = static_cast<int64_t>(t.bytes);
-  count(t.kind, t.peer, t.is_recv ? 0 : bytes, t.is_recv ? bytes : 0);
-  t.buf.reset();
-}
-
-void GlooCommunicator::wait_on_links(Transfer& t) {
-  tcp::Links* links = links_.get();
-  process_->register_wait(t.req.get(), global_ranks_[t.peer], long_wait(), [links] { links->abort(); });
-  const tcp::WaitResult result = links->wait(*t.req, options_.timeout);
-  process_->unregister_wait(t.req.get(), result == tcp::WaitResult::kDone);
+  Transport* transport = transport_;
+  process_->register_wait(t.req.get(), global_ranks_[t.peer], long_wait(), [transport] { transport->abort(); });
+  const WaitResult result = transport->wait(*t.req, options_.timeout);
+  process_->unregister_wait(t.req.get(), result == WaitResult::kDone);
   switch (result) {
-    case tcp::WaitResult::kDone: break;
-    case tcp::WaitResult::kTimeout: throw_timeout(t);
-    case tcp::WaitResult::kBroken: throw_broken_connection(t, links->broken_reason(t.peer));
-    case tcp::WaitResult::kAborted: throw_aborted(t);
-    case tcp::WaitResult::kTooLarge:
+    case WaitResult::kDone: break;
+    case WaitResult::kTimeout: throw_timeout(t);
+    case WaitResult::kBroken: throw_broken_connection(t, transport->broken_reason(t.peer));
+    case WaitResult::kAborted: throw_aborted(t);
+    case WaitResult::kTooLarge:
       throw MismatchError(str_cat(where(t.op), ": ", peer_name(t.peer), " sent ", t.req->received,
                                   " bytes where this rank expected at most ", t.bytes,
                                   " (the ranks passed different sizes)"));
@@ -352,7 +224,7 @@ void GlooCommunicator::wait_on_links(Transfer& t) {
   t.req.reset();
 }
 
-void GlooCommunicator::throw_timeout(const Transfer& t) const {
+void TcpCommunicator::throw_timeout(const Transfer& t) const {
   const std::string what = str_cat(where(t.op), ": no progress for ", options_.timeout.count(), " ms while ",
                                    t.is_recv ? "receiving from " : "sending to ", peer_name(t.peer));
   process_->raise_stuck(global_ranks_[t.peer], where(t.op), what,  // Note [Naming a stuck rank]
@@ -360,7 +232,7 @@ void GlooCommunicator::throw_timeout(const Transfer& t) const {
                                 " (every rank must call collectives in the same order)"));
 }
 
-void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::string& what) const {
+void TcpCommunicator::throw_broken_connection(const Transfer& t, const std::string& what) const {
   // A peer died. The failure watcher usually names it within milliseconds;
   // wait briefly for it rather than guess.
   if (auto f = process_->await_failure(std::chrono::seconds(2))) Process::raise_failure(where(t.op), *f);
@@ -369,21 +241,21 @@ void GlooCommunicator::throw_broken_connection(const Transfer& t, const std::str
 }
 
 // The failure watcher aborted the wait: it knows which rank died.
-void GlooCommunicator::throw_aborted(const Transfer& t) const {
+void TcpCommunicator::throw_aborted(const Transfer& t) const {
   if (auto f = process_->failure()) Process::raise_failure(where(t.op), *f);
   throw PeerFailure(str_cat(where(t.op), ": aborted, with no failure reported"), -1);
 }
 
-void GlooCommunicator::wait_all(std::vector<Transfer>& transfers) {
+void TcpCommunicator::wait_all(std::vector<Transfer>& transfers) {
   for (auto& t : transfers) wait(t);
 }
 
-void GlooCommunicator::send_and_wait(const at::Tensor& t, int peer, OpKind kind) {
+void TcpCommunicator::send_and_wait(const at::Tensor& t, int peer, OpKind kind) {
   Transfer transfer = post_send(t.data_ptr(), t.nbytes(), peer, collective_slot(0), kind);
   wait(transfer);
 }
 
-void GlooCommunicator::count(OpKind kind, int peer, int64_t sent, int64_t received) {
+void TcpCommunicator::count(OpKind kind, int peer, int64_t sent, int64_t received) {
   if (sent != 0) counter_.add_sent(kind, sent, remote_[peer]);
   if (received != 0) counter_.add_received(kind, received, remote_[peer]);
 }
@@ -435,8 +307,7 @@ class P2PWork : public Work {
 // announced by its header and received into a tensor of the announced size, so
 // a receiver can never be overrun.
 
-WorkPtr GlooCommunicator::isend(const at::Tensor& tensor, int dst, int tag) {
-  check_p2p(tensor, dst, tag, "send");
+WorkPtr TcpCommunicator::start_send(const at::Tensor& tensor, int dst, int tag) {
   counter_.add_call(OpKind::kSend);
   at::Tensor data = tensor.contiguous();
   Header header = header_of(data, OpKind::kSend);
@@ -473,9 +344,8 @@ struct Incoming {
 
 }  // namespace
 
-WorkPtr GlooCommunicator::irecv(at::Tensor tensor, int src, int tag) {
-  check_p2p(tensor, src, tag, "recv");
-  auto work = irecv_any(src, tag);
+WorkPtr TcpCommunicator::start_recv(at::Tensor tensor, int src, int tag) {
+  auto work = start_recv_any(src, tag);
   return std::make_shared<P2PWork>([this, work, tensor, src, tag](std::vector<at::Tensor>& out) {
     work->wait();
     const at::Tensor& got = work->result().at(0);
@@ -488,8 +358,7 @@ WorkPtr GlooCommunicator::irecv(at::Tensor tensor, int src, int tag) {
   });
 }
 
-WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
-  check_peer(src, "recv");
+WorkPtr TcpCommunicator::start_recv_any(int src, int tag) {
   counter_.add_call(OpKind::kRecv);
   auto in = std::make_shared<Incoming>();
   const int64_t capacity = static_cast<int64_t>(sizeof(Header)) + options_.inline_bytes;
@@ -520,7 +389,7 @@ WorkPtr GlooCommunicator::irecv_any(int src, int tag) {
 
 // ---- split
 
-std::shared_ptr<Communicator> GlooCommunicator::split(int color, int key, const std::string& label) {
+std::shared_ptr<Communicator> TcpCommunicator::split(int color, int key, const std::string& label) {
   return split_communicator(*this, process_, prefix_, splits_++, color, key, label);
 }
 

@@ -1,4 +1,4 @@
-// GlooCommunicator collectives: the skeleton every collective runs (the header
+// TcpCommunicator collectives: the skeleton every collective runs (the header
 // round that verifies arguments across ranks and carries small payloads) and
 // the entry points. Each collective's algorithm is in algorithms.cpp.
 //
@@ -72,20 +72,20 @@ int64_t sum_of(const std::vector<int64_t>& v) {
 // starts with one round in which each rank sends every peer a fixed-size
 // Header, followed in the same message by an inline payload when it fits
 // (CommOptions::inline_bytes). Receivers always post buffers of header +
-// inline_bytes, so a peer with different arguments can never overflow them (a
-// larger-than-posted message would crash gloo's event loop); the headers are
+// inline_bytes, so a peer with different arguments can never overflow them
+// (a larger message fails only its receive: WaitResult::kTooLarge); the headers are
 // then compared on every rank, and all raise the same MismatchError. For small
 // payloads this round *is* the collective (one round instead of a ring's
 // 2(n-1) steps); the data is then combined locally in rank order, which gives
 // bit-identical results on every rank.
 
-Round GlooCommunicator::header_round(const Header& mine,
+Round TcpCommunicator::header_round(const Header& mine,
                                      const std::function<InlineBytes(int)>& inline_for) {
   PendingRound pending = post_header_round(mine, inline_for);
   return finish_header_round(pending);
 }
 
-PendingRound GlooCommunicator::post_header_round(const Header& mine,
+PendingRound TcpCommunicator::post_header_round(const Header& mine,
                                                  const std::function<InlineBytes(int)>& inline_for, bool hold) {
   const int n = size();
   prepare_round_buffers();
@@ -103,7 +103,7 @@ PendingRound GlooCommunicator::post_header_round(const Header& mine,
   return pending;
 }
 
-Round GlooCommunicator::finish_header_round(PendingRound& pending) {
+Round TcpCommunicator::finish_header_round(PendingRound& pending) {
   const int n = size();
   wait_all(pending.transfers);
   Round round;
@@ -132,11 +132,10 @@ Round GlooCommunicator::finish_header_round(PendingRound& pending) {
 // because the links take a mismatch: a message larger than the receive it
 // matched is read and dropped, failing only that receive (WaitResult::kTooLarge),
 // and receives and sends not yet complete when the MismatchError is raised are
-// withdrawn (tcp::Posted). What a mismatch may leave behind: this rank's output
+// withdrawn (Posted). What a mismatch may leave behind: this rank's output
 // holds bytes a peer sent for another collective (a communicator that raised
-// MismatchError refuses further work). libgloo's transport cannot take a
-// larger message than posted (its event loop aborts), so it keeps the round first.
-void GlooCommunicator::settle_round() {
+// MismatchError refuses further work).
+void TcpCommunicator::settle_round() {
   if (!pending_) return;
   std::unique_ptr<PendingRound> pending = std::move(pending_);  // wait_all below must not settle it again
   Round round = finish_header_round(*pending);
@@ -146,7 +145,7 @@ void GlooCommunicator::settle_round() {
   verify_same(round.headers, pending->op, pending->same_shape);
 }
 
-void GlooCommunicator::prepare_round_buffers() {
+void TcpCommunicator::prepare_round_buffers() {
   if (static_cast<int>(round_recv_.size()) == size()) return;
   round_recv_.assign(size(), at::Tensor());
   round_send_.assign(size(), at::Tensor());
@@ -157,7 +156,7 @@ void GlooCommunicator::prepare_round_buffers() {
   }
 }
 
-int64_t GlooCommunicator::write_round_message(int peer, const Header& mine, InlineBytes payload) {
+int64_t TcpCommunicator::write_round_message(int peer, const Header& mine, InlineBytes payload) {
   Header h = mine;
   h.inline_bytes = payload.data ? payload.bytes : 0;
   uint8_t* out = round_send_[peer].data_ptr<uint8_t>();
@@ -166,7 +165,7 @@ int64_t GlooCommunicator::write_round_message(int peer, const Header& mine, Inli
   return h.inline_bytes;
 }
 
-void GlooCommunicator::read_round_message(Round& round, int peer, int64_t inline_sent, OpKind kind) {
+void TcpCommunicator::read_round_message(Round& round, int peer, int64_t inline_sent, OpKind kind) {
   const uint8_t* in = round_recv_[peer].data_ptr<uint8_t>();
   std::memcpy(&round.headers[peer], in, sizeof(Header));
   const Header& h = round.headers[peer];
@@ -180,16 +179,16 @@ void GlooCommunicator::read_round_message(Round& round, int peer, int64_t inline
   count(kind, peer, inline_sent, h.inline_bytes);
 }
 
-void GlooCommunicator::verify_same(const std::vector<Header>& all, const char* op, bool same_shape) const {
+void TcpCommunicator::verify_same(const std::vector<Header>& all, const char* op, bool same_shape) const {
   const std::string problem = header_mismatch(all, same_shape, global_ranks());
   if (!problem.empty()) throw MismatchError(str_cat(where(op), ": ", problem));
 }
 
 // ---- the skeleton
 
-Round GlooCommunicator::open(const char* op, const Opening& opening) {
+Round TcpCommunicator::open(const char* op, const Opening& opening) {
   if (!opening.needed && !options_.verify) return Round();
-  if (opening.deferrable && links_) {  // Note [Verification beside the data]
+  if (opening.deferrable) {  // Note [Verification beside the data]
     pending_ = std::make_unique<PendingRound>(post_header_round(opening.header, opening.inline_for, /*hold=*/true));
     pending_->op = op;
     pending_->same_shape = opening.same_shape;
@@ -205,7 +204,7 @@ Round GlooCommunicator::open(const char* op, const Opening& opening) {
   return round;
 }
 
-WorkPtr GlooCommunicator::in_place(at::Tensor tensor, const InPlace& spec,
+WorkPtr TcpCommunicator::in_place(at::Tensor tensor, const InPlace& spec,
                                    std::function<void(Collective&)> algorithm) {
   return enqueue(spec.kind, spec.name, [this, tensor, spec, algorithm](std::vector<at::Tensor>& result) {
     Collective c;
@@ -227,7 +226,7 @@ WorkPtr GlooCommunicator::in_place(at::Tensor tensor, const InPlace& spec,
   });
 }
 
-InlineBytes GlooCommunicator::inline_payload(const InPlace& spec, const Collective& c, int peer) const {
+InlineBytes TcpCommunicator::inline_payload(const InPlace& spec, const Collective& c, int peer) const {
   if (!c.small) return InlineBytes();
   switch (spec.flow) {
     case Flow::kEveryRank:
@@ -242,7 +241,7 @@ InlineBytes GlooCommunicator::inline_payload(const InPlace& spec, const Collecti
 
 // reduce_scatter's header describes the input as flat, with a hash of the
 // shard sizes: ranks must agree on both, whatever shape each passed.
-Collective GlooCommunicator::open_reduce_scatter(const at::Tensor& input, ReduceOp op,
+Collective TcpCommunicator::open_reduce_scatter(const at::Tensor& input, ReduceOp op,
                                                  const std::vector<int64_t>& counts) {
   Collective c;
   c.work = contiguous_flat(input);
@@ -271,7 +270,7 @@ Collective GlooCommunicator::open_reduce_scatter(const at::Tensor& input, Reduce
 
 // all_gather's round always runs: input sizes may differ by rank, and each
 // rank learns the others' from it.
-Collective GlooCommunicator::open_all_gather(const at::Tensor& input, const at::Tensor& output) {
+Collective TcpCommunicator::open_all_gather(const at::Tensor& input, const at::Tensor& output) {
   Collective c;
   c.work = input.contiguous();
   c.small = fits_inline(c.work.nbytes());
@@ -290,7 +289,7 @@ Collective GlooCommunicator::open_all_gather(const at::Tensor& input, const at::
 }
 
 // Each rank's element count, checked against the output size every rank passed.
-std::vector<int64_t> GlooCommunicator::all_gather_counts(const std::vector<Header>& all) const {
+std::vector<int64_t> TcpCommunicator::all_gather_counts(const std::vector<Header>& all) const {
   std::vector<int64_t> counts(size());
   for (int r = 0; r < size(); ++r) counts[r] = all[r].numel;
   const int64_t total = sum_of(counts);
@@ -304,7 +303,7 @@ std::vector<int64_t> GlooCommunicator::all_gather_counts(const std::vector<Heade
 }
 
 // gather's round always runs: the root learns each rank's size from it.
-Collective GlooCommunicator::open_gather(const at::Tensor& input, int root) {
+Collective TcpCommunicator::open_gather(const at::Tensor& input, int root) {
   Collective c;
   c.work = input.contiguous();
   c.small = fits_inline(c.work.nbytes());
@@ -321,7 +320,7 @@ Collective GlooCommunicator::open_gather(const at::Tensor& input, int root) {
 // scatter's round always runs: the root's header carries a hash of its inputs'
 // sizes, which every rank checks against the outputs' sizes. The root inlines
 // each rank's piece when it fits; a receiver learns which from the root's header.
-Round GlooCommunicator::open_scatter(const at::Tensor& output, const std::vector<at::Tensor>& sources, int root) {
+Round TcpCommunicator::open_scatter(const at::Tensor& output, const std::vector<at::Tensor>& sources, int root) {
   Opening opening(header_of(output, OpKind::kScatter, ReduceOp::kSum, root));
   if (rank_ == root) {
     std::vector<int64_t> sizes;
@@ -344,7 +343,7 @@ Round GlooCommunicator::open_scatter(const at::Tensor& output, const std::vector
 }
 
 // all_to_all's opening: each pair exchanges a header describing the tensor it sends.
-std::vector<Header> GlooCommunicator::exchange_pair_headers(const std::vector<at::Tensor>& inputs) {
+std::vector<Header> TcpCommunicator::exchange_pair_headers(const std::vector<at::Tensor>& inputs) {
   std::vector<Header> mine(size()), theirs(size());
   std::vector<Transfer> ts;
   for (int p = 0; p < size(); ++p) {
@@ -357,7 +356,7 @@ std::vector<Header> GlooCommunicator::exchange_pair_headers(const std::vector<at
   return theirs;
 }
 
-void GlooCommunicator::check_pair_headers(const std::vector<Header>& theirs, at::ScalarType dtype) const {
+void TcpCommunicator::check_pair_headers(const std::vector<Header>& theirs, at::ScalarType dtype) const {
   for (int p = 0; p < size(); ++p) {
     if (p == rank_) continue;
     const Header& h = theirs[p];
@@ -372,32 +371,23 @@ void GlooCommunicator::check_pair_headers(const std::vector<Header>& theirs, at:
 
 // ---- entry points
 
-WorkPtr GlooCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
-  check_tensor(tensor, "all_reduce", "tensor");
-  check_reduce_op(op, tensor, "all_reduce");
+WorkPtr TcpCommunicator::start_all_reduce(at::Tensor tensor, ReduceOp op) {
   return in_place(tensor, {OpKind::kAllReduce, "all_reduce", op, 0, Flow::kEveryRank},
                   [this, op](Collective& c) { all_reduce_algorithm(c, op); });
 }
 
-WorkPtr GlooCommunicator::broadcast_async(at::Tensor tensor, int root) {
-  check_tensor(tensor, "broadcast", "tensor");
-  check_root(root, "broadcast");
+WorkPtr TcpCommunicator::start_broadcast(at::Tensor tensor, int root) {
   return in_place(tensor, {OpKind::kBroadcast, "broadcast", ReduceOp::kSum, root, Flow::kFromRoot},
                   [this, root](Collective& c) { broadcast_algorithm(c, root); });
 }
 
-WorkPtr GlooCommunicator::reduce_async(at::Tensor tensor, int root, ReduceOp op) {
-  check_tensor(tensor, "reduce", "tensor");
-  check_root(root, "reduce");
-  check_reduce_op(op, tensor, "reduce");
+WorkPtr TcpCommunicator::start_reduce(at::Tensor tensor, int root, ReduceOp op) {
   return in_place(tensor, {OpKind::kReduce, "reduce", op, root, Flow::kToRoot},
                   [this, root, op](Collective& c) { reduce_algorithm(c, root, op); });
 }
 
-WorkPtr GlooCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
+WorkPtr TcpCommunicator::start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
                                                std::vector<int64_t> counts) {
-  check_reduce_scatter(input, output, counts);
-  check_reduce_op(op, input, "reduce_scatter");
   auto body = [this, input, op, output, counts](std::vector<at::Tensor>& result) {
     DeferredRound deferred(pending_);
     const Collective c = open_reduce_scatter(input, op, counts);
@@ -410,8 +400,7 @@ WorkPtr GlooCommunicator::reduce_scatter_async(const at::Tensor& input, ReduceOp
   return enqueue(OpKind::kReduceScatter, "reduce_scatter", body);
 }
 
-WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor output) {
-  check_all_gather(input, output);
+WorkPtr TcpCommunicator::start_all_gather(const at::Tensor& input, at::Tensor output) {
   return enqueue(OpKind::kAllGather, "all_gather", [this, input, output](std::vector<at::Tensor>& result) {
     const Collective c = open_all_gather(input, output);
     const std::vector<int64_t> counts = all_gather_counts(c.round.headers);
@@ -427,9 +416,7 @@ WorkPtr GlooCommunicator::all_gather_async(const at::Tensor& input, at::Tensor o
   });
 }
 
-WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
-  check_tensor(input, "gather", "input");
-  check_root(root, "gather");
+WorkPtr TcpCommunicator::start_gather(const at::Tensor& input, int root) {
   return enqueue(OpKind::kGather, "gather", [this, input, root](std::vector<at::Tensor>& result) {
     const Collective c = open_gather(input, root);
     if (rank_ == root) {
@@ -441,8 +428,7 @@ WorkPtr GlooCommunicator::gather_async(const at::Tensor& input, int root) {
   });
 }
 
-WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
-  check_scatter(output, inputs, root);
+WorkPtr TcpCommunicator::start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) {
   return enqueue(OpKind::kScatter, "scatter", [this, output, inputs, root](std::vector<at::Tensor>& result) {
     std::vector<at::Tensor> sources(inputs.size());
     for (size_t p = 0; p < inputs.size(); ++p) sources[p] = inputs[p].contiguous();
@@ -454,8 +440,7 @@ WorkPtr GlooCommunicator::scatter_async(at::Tensor output, std::vector<at::Tenso
   });
 }
 
-WorkPtr GlooCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
-  check_all_to_all(inputs);
+WorkPtr TcpCommunicator::start_all_to_all(std::vector<at::Tensor> inputs) {
   return enqueue(OpKind::kAllToAll, "all_to_all", [this, inputs](std::vector<at::Tensor>& result) {
     const std::vector<Header> theirs = exchange_pair_headers(inputs);
     check_pair_headers(theirs, inputs[0].scalar_type());
@@ -463,7 +448,7 @@ WorkPtr GlooCommunicator::all_to_all_async(std::vector<at::Tensor> inputs) {
   });
 }
 
-WorkPtr GlooCommunicator::barrier_async() {
+WorkPtr TcpCommunicator::start_barrier() {
   return enqueue(OpKind::kBarrier, "barrier", [this](std::vector<at::Tensor>&) {
     // The round is the barrier: no rank completes it before every rank has sent its header.
     Opening opening(header_of(at::Tensor(), OpKind::kBarrier, ReduceOp::kSum, 0));

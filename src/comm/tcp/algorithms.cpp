@@ -1,4 +1,4 @@
-// GlooCommunicator algorithms: what each collective does after its opening
+// TcpCommunicator algorithms: what each collective does after its opening
 // (Note [Collective skeleton] in collectives.cpp), and the ring and direct
 // exchanges they are built from.
 //
@@ -83,7 +83,7 @@ bool every_rank_inlined(const std::vector<Header>& all) {
 // ---- temporary space
 
 // The view is valid until the next call (which may move the buffer).
-at::Tensor GlooCommunicator::scratch(int64_t offset, int64_t numel, const at::Tensor& like) {
+at::Tensor TcpCommunicator::scratch(int64_t offset, int64_t numel, const at::Tensor& like) {
   const int64_t elem = like.element_size(), need = (offset + numel) * elem;
   if (!scratch_.defined() || scratch_.numel() < need) {
     scratch_ = at::empty({std::max<int64_t>(need, scratch_.defined() ? 2 * scratch_.numel() : 0)}, at::kByte);
@@ -93,7 +93,7 @@ at::Tensor GlooCommunicator::scratch(int64_t offset, int64_t numel, const at::Te
 
 // ---- each collective's algorithm
 
-void GlooCommunicator::all_reduce_algorithm(Collective& c, ReduceOp op) {
+void TcpCommunicator::all_reduce_algorithm(Collective& c, ReduceOp op) {
   if (c.small && c.round.folded) {  // reduced by the round itself (Note [Folding round])
     std::memcpy(c.work.data_ptr(), c.round.folded, c.work.nbytes());
   } else if (c.small) {  // everyone has everything: combine in rank order, identically everywhere
@@ -106,7 +106,7 @@ void GlooCommunicator::all_reduce_algorithm(Collective& c, ReduceOp op) {
   finish_avg(c.work, op, size());
 }
 
-void GlooCommunicator::broadcast_algorithm(Collective& c, int root) {
+void TcpCommunicator::broadcast_algorithm(Collective& c, int root) {
   if (c.small) {
     if (rank_ != root && c.work.numel() > 0) std::memcpy(c.work.data_ptr(), c.round.payload[root], c.work.nbytes());
   } else if (c.work.numel() > 0 && use_chain(c.work.nbytes())) {
@@ -116,7 +116,7 @@ void GlooCommunicator::broadcast_algorithm(Collective& c, int root) {
   }
 }
 
-void GlooCommunicator::reduce_algorithm(Collective& c, int root, ReduceOp op) {
+void TcpCommunicator::reduce_algorithm(Collective& c, int root, ReduceOp op) {
   if (rank_ != root) {
     if (!c.small && c.work.numel() > 0) send_and_wait(c.work, root, OpKind::kReduce);
     return;
@@ -130,7 +130,7 @@ void GlooCommunicator::reduce_algorithm(Collective& c, int root, ReduceOp op) {
   finish_avg(c.work, op, size());
 }
 
-void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor out,
+void TcpCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor out,
                                                 const std::vector<int64_t>& counts, ReduceOp op) {
   if (c.small) {  // `out` is contiguous (flat_output) and may alias this rank's shard of the input
     const void* mine = element_at(c.work, offsets_of(counts)[rank_]);
@@ -149,7 +149,7 @@ void GlooCommunicator::reduce_scatter_algorithm(const Collective& c, at::Tensor 
 
 // Into `flat`, every rank's input at its offset: from the header round when
 // every rank inlined its input, else by ring or direct messages.
-void GlooCommunicator::all_gather_algorithm(const Collective& c, at::Tensor flat,
+void TcpCommunicator::all_gather_algorithm(const Collective& c, at::Tensor flat,
                                             const std::vector<int64_t>& counts) {
   const auto offsets = offsets_of(counts);
   const size_t elem = flat.element_size();
@@ -170,7 +170,7 @@ void GlooCommunicator::all_gather_algorithm(const Collective& c, at::Tensor flat
 
 // Every rank's input in its own shape, each from the header round when its
 // sender inlined it, else from a message of its own.
-std::vector<at::Tensor> GlooCommunicator::gather_on_root(const Collective& c, int root) {
+std::vector<at::Tensor> TcpCommunicator::gather_on_root(const Collective& c, int root) {
   std::vector<at::Tensor> pieces(size());
   std::vector<Transfer> ts;
   for (int p = 0; p < size(); ++p) {
@@ -191,7 +191,7 @@ std::vector<at::Tensor> GlooCommunicator::gather_on_root(const Collective& c, in
   return pieces;
 }
 
-void GlooCommunicator::scatter_algorithm(const Round& round, const std::vector<at::Tensor>& sources, at::Tensor out,
+void TcpCommunicator::scatter_algorithm(const Round& round, const std::vector<at::Tensor>& sources, at::Tensor out,
                                          int root) {
   std::vector<Transfer> ts;
   if (rank_ == root) {
@@ -213,7 +213,7 @@ void GlooCommunicator::scatter_algorithm(const Round& round, const std::vector<a
 }
 
 // Every pair exchanges its tensors at once; `theirs` says what each peer sends.
-std::vector<at::Tensor> GlooCommunicator::all_to_all_direct(const std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> TcpCommunicator::all_to_all_direct(const std::vector<at::Tensor>& inputs,
                                                             const std::vector<Header>& theirs) {
   std::vector<at::Tensor> received(size());
   std::vector<at::Tensor> sending;  // contiguous inputs, alive until their sends complete
@@ -238,7 +238,7 @@ std::vector<at::Tensor> GlooCommunicator::all_to_all_direct(const std::vector<at
 
 // The root's reduce of large buffers: each peer's arrives in a temporary of
 // its own, and all are combined into `work` in rank order.
-void GlooCommunicator::reduce_received(at::Tensor work, int root, ReduceOp op) {
+void TcpCommunicator::reduce_received(at::Tensor work, int root, ReduceOp op) {
   std::vector<at::Tensor> parts(size());
   std::vector<const void*> inputs(size());
   std::vector<Transfer> ts;
@@ -253,7 +253,7 @@ void GlooCommunicator::reduce_received(at::Tensor work, int root, ReduceOp op) {
   reduce_into(work.data_ptr(), inputs.data(), size(), work.numel(), work.scalar_type(), summing(op));
 }
 
-void GlooCommunicator::broadcast_direct(at::Tensor work, int root) {
+void TcpCommunicator::broadcast_direct(at::Tensor work, int root) {
   std::vector<Transfer> ts;
   if (rank_ == root) {
     for (int p = 0; p < size(); ++p) {
@@ -278,7 +278,7 @@ void GlooCommunicator::broadcast_direct(at::Tensor work, int root) {
 // cores (medians of 3 interleaved runs, ms; direct / chain / OpenMPI TCP /
 // PyTorch's Gloo): 64 MiB 176 / 38 / 60 / 66, 16 MiB 29 / 9.3 / 16.7 / 15.3,
 // 4 MiB 2.4 / 2.0 / 2.6 / 3.4, 1 MiB 0.61 / 0.56 / 0.49 / 1.42, 256 KiB even.
-void GlooCommunicator::broadcast_chain(at::Tensor work, int root) {
+void TcpCommunicator::broadcast_chain(at::Tensor work, int root) {
   const int n = size(), me = (rank_ - root + n) % n;  // position down the chain
   const int prev = (rank_ + n - 1) % n, next = (rank_ + 1) % n;
   const int64_t pieces = std::min<int64_t>(256, std::max<int64_t>(4, work.nbytes() >> 18));
@@ -300,7 +300,7 @@ void GlooCommunicator::broadcast_chain(at::Tensor work, int root) {
 }
 
 // Note [Pipelined all-reduce]
-// The direct all-reduce in pieces of piece_bytes_ (MESHTRAIN_GLOO_PIECE_KB,
+// The direct all-reduce in pieces of TcpTuning::piece_bytes (MESHTRAIN_GLOO_PIECE_KB,
 // 1 MiB): every rank posts its receives at once (each peer's piece j of its
 // own shard into scratch, each peer's reduced pieces into place), sends the
 // peers' pieces of their shards a window of four ahead, and for each piece of
@@ -314,11 +314,11 @@ void GlooCommunicator::broadcast_chain(at::Tensor work, int root) {
 // runs, ms; pieces of 1 MiB): 16 MiB 23.2 -> 16.5, 64 MiB 83.4 -> 64.4 (OpenMPI
 // over TCP 20.3, 82.1); pieces of 2 MiB 18.6 and 57.4, of 64 KiB 17.6 and 75.7;
 // on 2 ranks within the noise (64 MiB 23.6 -> 24.2, 16 MiB 6.4 -> 5.5).
-void GlooCommunicator::direct_all_reduce(at::Tensor flat, ReduceOp op) {
+void TcpCommunicator::direct_all_reduce(at::Tensor flat, ReduceOp op) {
   const int n = size(), me = rank_;
   const auto counts = shard_sizes(flat.numel(), n);
   const auto offsets = offsets_of(counts);
-  const int64_t elem = flat.element_size(), piece = std::max<int64_t>(1, piece_bytes_ / elem);
+  const int64_t elem = flat.element_size(), piece = std::max<int64_t>(1, options_.tuning.tcp.piece_bytes / elem);
   constexpr int64_t kWindow = 4;  // pieces of the peers' shards in flight ahead of this rank's reductions
   char* base = static_cast<char*>(flat.data_ptr());
   char* space = static_cast<char*>(scratch(0, n * counts[me], flat).data_ptr());  // peer q's part of my shard at q
@@ -356,7 +356,7 @@ void GlooCommunicator::direct_all_reduce(at::Tensor flat, ReduceOp op) {
   wait_all(rest);
 }
 
-void GlooCommunicator::ring_step(const at::Tensor& recv, const at::Tensor& send, int sub, OpKind kind) {
+void TcpCommunicator::ring_step(const at::Tensor& recv, const at::Tensor& send, int sub, OpKind kind) {
   const int right = (rank_ + 1) % size(), left = (rank_ + size() - 1) % size();
   Transfer r, s;
   if (recv.numel() > 0) r = post_recv(recv.data_ptr(), recv.nbytes(), left, collective_slot(sub), kind);
@@ -365,7 +365,7 @@ void GlooCommunicator::ring_step(const at::Tensor& recv, const at::Tensor& send,
   wait(s);
 }
 
-void GlooCommunicator::ring_all_reduce(at::Tensor flat, ReduceOp op) {
+void TcpCommunicator::ring_all_reduce(at::Tensor flat, ReduceOp op) {
   const int n = size();
   if (n == 1 || flat.numel() == 0) return;
   const auto counts = shard_sizes(flat.numel(), n);
@@ -384,7 +384,7 @@ void GlooCommunicator::ring_all_reduce(at::Tensor flat, ReduceOp op) {
   }
 }
 
-void GlooCommunicator::ring_reduce_scatter(const at::Tensor& in, at::Tensor out,
+void TcpCommunicator::ring_reduce_scatter(const at::Tensor& in, at::Tensor out,
                                            const std::vector<int64_t>& counts, ReduceOp op) {
   const int n = size();
   const auto offsets = offsets_of(counts);
@@ -410,7 +410,7 @@ void GlooCommunicator::ring_reduce_scatter(const at::Tensor& in, at::Tensor out,
   out.copy_(partial);
 }
 
-void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {
+void TcpCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {
   const int n = size();
   const auto offsets = offsets_of(counts);
   auto chunk = [&](int c) { return flat.narrow(0, offsets[c], counts[c]); };
@@ -420,7 +420,7 @@ void GlooCommunicator::ring_all_gather(at::Tensor flat, const std::vector<int64_
   }
 }
 
-void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, void* out, const std::vector<int64_t>& counts,
+void TcpCommunicator::direct_reduce_scatter(const at::Tensor& in, void* out, const std::vector<int64_t>& counts,
                                              ReduceOp op) {
   constexpr OpKind kind = OpKind::kReduceScatter;
   const int n = size(), me = rank_;
@@ -445,7 +445,7 @@ void GlooCommunicator::direct_reduce_scatter(const at::Tensor& in, void* out, co
   reduce_into(out, inputs.data(), n, counts[me], in.scalar_type(), summing(op));
 }
 
-void GlooCommunicator::direct_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {
+void TcpCommunicator::direct_all_gather(at::Tensor flat, const std::vector<int64_t>& counts) {
   constexpr OpKind kind = OpKind::kAllGather;
   const int n = size(), me = rank_;
   const auto offsets = offsets_of(counts);

@@ -2,7 +2,7 @@
 // The doubling round: the Gloo backend's header round (Note [Header round])
 // by recursive doubling on 4, 8, ... 64 ranks. Pure logic here (who talks to
 // whom at each step, what a step's message carries, its wire format); the
-// messages travel in GlooCommunicator::doubling_round (doubling_round.cpp).
+// messages travel in TcpCommunicator::doubling_round (doubling_round.cpp).
 //
 // Note [Doubling round]
 // The direct header round is n(n-1) messages: every rank to every peer. Where

@@ -1,4 +1,4 @@
-// GlooCommunicator::doubling_round: the header round by recursive doubling,
+// TcpCommunicator::doubling_round: the header round by recursive doubling,
 // on the TCP links (Note [Doubling round] in doubling.h). It returns the same
 // Round as the direct header_round (collectives.cpp), so the collectives'
 // algorithms do not know which ran.
@@ -28,7 +28,7 @@ int64_t payload_bytes(const RoundMessage& m) {
 
 }  // namespace
 
-Round GlooCommunicator::doubling_round(const char* op, const Opening& opening) {
+Round TcpCommunicator::doubling_round(const char* op, const Opening& opening) {
   const int n = size(), steps = doubling_steps(n);
   if (static_cast<int>(doubling_recv_.size()) != steps) {
     doubling_recv_.assign(steps, {});
@@ -72,7 +72,7 @@ Round GlooCommunicator::doubling_round(const char* op, const Opening& opening) {
 // A folding round's start (Note [Folding round]): this rank's own data as the
 // partial results, one for all or one per destination (its own shard
 // included), each combined into its place in fold_buffer_.
-Partials GlooCommunicator::own_partials(const Opening& opening) {
+Partials TcpCommunicator::own_partials(const Opening& opening) {
   Partials p;
   p.dtype = static_cast<at::ScalarType>(opening.header.dtype);
   p.op = summing(static_cast<ReduceOp>(opening.header.op));  // avg: the algorithm divides at the end
@@ -89,7 +89,7 @@ Partials GlooCommunicator::own_partials(const Opening& opening) {
 }
 
 // This rank's entry: its header, and its payloads unless the round folds them.
-RoundEntry GlooCommunicator::own_entry(const Opening& opening) const {
+RoundEntry TcpCommunicator::own_entry(const Opening& opening) const {
   RoundEntry e;
   e.known = true;
   e.header = opening.header;
@@ -101,7 +101,7 @@ RoundEntry GlooCommunicator::own_entry(const Opening& opening) const {
 // One payload for every destination when inline_for gives the same tensor for
 // each (all_gather, all_reduce, broadcast), else one per destination; this
 // rank's own destination only `with_own` (a fold's own share).
-std::vector<RoundPiece> GlooCommunicator::own_pieces(const Opening& opening, bool with_own) const {
+std::vector<RoundPiece> TcpCommunicator::own_pieces(const Opening& opening, bool with_own) const {
   std::vector<RoundPiece> pieces;
   if (!opening.inline_for) return pieces;
   std::vector<InlineBytes> per_dest(size());
@@ -126,7 +126,7 @@ std::vector<RoundPiece> GlooCommunicator::own_pieces(const Opening& opening, boo
   return pieces;
 }
 
-Transfer GlooCommunicator::send_step(const RoundMessage& m, int step, int partner, const Opening& opening) {
+Transfer TcpCommunicator::send_step(const RoundMessage& m, int step, int partner, const Opening& opening) {
   std::vector<uint8_t>& buffer = doubling_send_[step];
   const size_t bytes = encoded_size(m);
   if (bytes > doubling_recv_[step].size()) {
@@ -144,7 +144,7 @@ Transfer GlooCommunicator::send_step(const RoundMessage& m, int step, int partne
 
 // Waits for the partner's message of `step` and takes what it carries into
 // `held`; a mismatch (or the partner's alarm) as the MismatchError's text.
-std::string GlooCommunicator::receive_step(Transfer& in, int step, int partner, const char* op,
+std::string TcpCommunicator::receive_step(Transfer& in, int step, int partner, const char* op,
                                            const Opening& opening, std::vector<RoundEntry>& held) {
   const int64_t capacity = static_cast<int64_t>(in.bytes);
   try {
@@ -178,7 +178,7 @@ std::string GlooCommunicator::receive_step(Transfer& in, int step, int partner, 
 }
 
 // The first difference among the headers this rank knows, by the rules of the final comparison.
-std::string GlooCommunicator::known_mismatch(const std::vector<RoundEntry>& held, const Opening& opening) const {
+std::string TcpCommunicator::known_mismatch(const std::vector<RoundEntry>& held, const Opening& opening) const {
   std::vector<Header> all(size());
   std::vector<bool> known(size(), false);
   for (int o = 0; o < size(); ++o) {
@@ -193,7 +193,7 @@ std::string GlooCommunicator::known_mismatch(const std::vector<RoundEntry>& held
 // Tells every peer not yet sent to in this round (it may be waiting for this
 // rank in a round of another pattern), waits until every message of this
 // round has left, and raises.
-void GlooCommunicator::alarm_and_raise(const std::string& what, const Opening& opening,
+void TcpCommunicator::alarm_and_raise(const std::string& what, const Opening& opening,
                                        const std::vector<RoundEntry>& held, const std::vector<bool>& sent,
                                        std::vector<Transfer>& sends) {
   RoundMessage alarm;
@@ -215,12 +215,12 @@ void GlooCommunicator::alarm_and_raise(const std::string& what, const Opening& o
   // A peer that raised first may have closed its links already: a send that
   // fails is no news (and must not wait for the failure watcher, as wait() does).
   for (Transfer& s : sends) {
-    if (s.req) links_->wait(*s.req, options_.timeout);
+    if (s.req) transport_->wait(*s.req, options_.timeout);
   }
   throw MismatchError(what);
 }
 
-Round GlooCommunicator::round_of(const std::vector<RoundEntry>& held, const Opening& opening) const {
+Round TcpCommunicator::round_of(const std::vector<RoundEntry>& held, const Opening& opening) const {
   Round round;
   round.headers.assign(size(), Header());
   round.payload.assign(size(), nullptr);

@@ -1,19 +1,16 @@
 #pragma once
-// GlooCommunicator: the Communicator for ranks that reach one another over
+// TcpCommunicator: the Communicator for ranks that reach one another over
 // TCP (not c10d's ProcessGroupGloo, whose worker-thread hand-offs cost ~2.6 ms
 // per small all-reduce here). Collectives are our own algorithms over
 // messages addressed by (peer, slot) (ring reduce-scatter / all-gather /
 // all-reduce, direct sends for the rest), so that every byte is counted, every
 // wait has a timeout and failure hook, and reduce-scatter exists at all (gloo
 // in libtorch 1.13 has none). The messages travel over meshtrain's TCP links
-// (tcp/links.h), or libgloo's unbound buffers: Note [Gloo transports].
+// (tcp/links.h): Note [Gloo transports].
 //
 // Execution (QueuedCommunicator): one operation at a time, in submission order;
 // the running operation's sequence number, identical on every rank, names its
 // message slots.
-
-#include <gloo/common/error.h>
-#include <gloo/context.h>
 
 #include <chrono>
 #include <functional>
@@ -24,7 +21,7 @@
 #include "../header.h"
 #include "../process.h"
 #include "../queued.h"
-#include "../tcp/links.h"
+#include "links.h"
 #include "doubling.h"
 
 namespace meshtrain {
@@ -74,7 +71,7 @@ struct Opening {
   // Clears the fields that may differ by rank before the comparison.
   void (*ignore)(Header&) = nullptr;
   // A doubling round reduces the payloads as it goes (all_reduce, reduce_scatter:
-  // Note [Folding round]); set where the round goes by doubling (GlooCommunicator::may_fold).
+  // Note [Folding round]); set where the round goes by doubling (TcpCommunicator::may_fold).
   bool fold = false;
 };
 
@@ -102,10 +99,9 @@ struct InPlace {
   Flow flow;
 };
 
-// One posted send or receive, on libgloo's transport (buf) or the links (req).
+// One posted send or receive on the links.
 struct Transfer {
-  std::unique_ptr<gloo::transport::UnboundBuffer> buf;
-  tcp::Posted req;  // withdrawn if dropped unfinished (an error path)
+  Posted req;  // withdrawn if dropped unfinished (an error path)
   int peer = -1;
   bool is_recv = false;
   size_t bytes = 0;
@@ -123,57 +119,47 @@ struct PendingRound {
   void (*ignore)(Header&) = nullptr;
 };
 
-// Whether `e`, thrown by a wait that ran for `waited` with `timeout`, reports
-// a timeout rather than a broken connection. See Note [Classifying gloo errors].
-bool is_timeout(const gloo::Exception& e, std::chrono::steady_clock::duration waited,
-                std::chrono::milliseconds timeout);
-
-class GlooCommunicator final : public QueuedCommunicator {
+class TcpCommunicator final : public QueuedCommunicator {
  public:
-  GlooCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
+  TcpCommunicator(std::shared_ptr<Process> process, std::vector<int> global_ranks,
                    int rank, const std::string& store_prefix, CommOptions options);
-  ~GlooCommunicator() override;
+  ~TcpCommunicator() override;
 
   std::string backend() const override { return "gloo"; }
 
-  WorkPtr isend(const at::Tensor& tensor, int dst, int tag) override;
-  WorkPtr irecv(at::Tensor tensor, int src, int tag) override;
-  WorkPtr irecv_any(int src, int tag) override;
-
-  WorkPtr broadcast_async(at::Tensor tensor, int root) override;
-  WorkPtr all_reduce_async(at::Tensor tensor, ReduceOp op) override;
-  WorkPtr reduce_async(at::Tensor tensor, int root, ReduceOp op) override;
-  WorkPtr all_gather_async(const at::Tensor& input, at::Tensor output) override;
-  WorkPtr reduce_scatter_async(const at::Tensor& input, ReduceOp op, at::Tensor output,
-                               std::vector<int64_t> counts) override;
-  WorkPtr gather_async(const at::Tensor& input, int root) override;
-  WorkPtr scatter_async(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
-  WorkPtr all_to_all_async(std::vector<at::Tensor> inputs) override;
-  WorkPtr barrier_async() override;
-
   std::shared_ptr<Communicator> split(int color, int key, const std::string& label) override;
+
+ protected:
+  WorkPtr start_send(const at::Tensor& tensor, int dst, int tag) override;
+  WorkPtr start_recv(at::Tensor tensor, int src, int tag) override;
+  WorkPtr start_recv_any(int src, int tag) override;
+
+  WorkPtr start_broadcast(at::Tensor tensor, int root) override;
+  WorkPtr start_all_reduce(at::Tensor tensor, ReduceOp op) override;
+  WorkPtr start_reduce(at::Tensor tensor, int root, ReduceOp op) override;
+  WorkPtr start_all_gather(const at::Tensor& input, at::Tensor output) override;
+  WorkPtr start_reduce_scatter(const at::Tensor& input, ReduceOp op, at::Tensor output,
+                               std::vector<int64_t> counts) override;
+  WorkPtr start_gather(const at::Tensor& input, int root) override;
+  WorkPtr start_scatter(at::Tensor output, std::vector<at::Tensor> inputs, int root) override;
+  WorkPtr start_all_to_all(std::vector<at::Tensor> inputs) override;
+  WorkPtr start_barrier() override;
 
  private:
   // ---- transfers (communicator.cpp)
   uint64_t collective_slot(int sub) const;
-  // `hold` (the TCP links only): the message waits for the next one to `peer`
+  // `hold`: the message waits for the next one to `peer`
   // and leaves with it (tcp::Links::send).
   Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind, bool hold = false);
   Transfer post_recv(void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
-  // Runs gloo's send or recv for `t`; a gloo error there is a broken connection.
-  // (A template, not std::function: it runs for every transfer.)
-  template <typename SendOrRecv>
-  void post(const Transfer& t, SendOrRecv&& send_or_recv) const;
   // Waits for `t` up to the communicator's timeout; a TimeoutError, or a
-  // PeerFailure naming the dead rank, otherwise. See Note [Classifying gloo errors].
+  // PeerFailure naming the dead rank, otherwise.
   void wait(Transfer& t);
-  void wait_on_links(Transfer& t);
   // How long a wait runs before it is recorded (Note [Naming a stuck rank]).
   std::chrono::steady_clock::duration long_wait() const {
     return std::max<std::chrono::steady_clock::duration>(std::chrono::seconds(1), options_.timeout / 4);
   }
   void connect_links();
-  void connect_gloo();
   void throw_failed_peer_if_any() const;
   [[noreturn]] void throw_timeout(const Transfer& t) const;
   [[noreturn]] void throw_broken_connection(const Transfer& t, const std::string& what) const;
@@ -276,22 +262,21 @@ class GlooCommunicator final : public QueuedCommunicator {
   // glibc maps and unmaps) costs 60 ms of them.
   at::Tensor scratch(int64_t offset, int64_t numel, const at::Tensor& like);
   // Ring or direct for a collective of `bytes` (see Note [Gloo algorithms]).
-  bool use_ring(int64_t bytes) const { return size() > 2 && bytes >= ring_bytes_; }
-  bool use_chain(int64_t bytes) const { return size() > 2 && bytes >= chain_bytes_; }
+  bool use_ring(int64_t bytes) const { return size() > 2 && bytes >= options_.tuning.tcp.ring_bytes; }
+  bool use_chain(int64_t bytes) const { return size() > 2 && bytes >= options_.tuning.tcp.chain_bytes; }
 
   std::shared_ptr<Process> process_;
-  // The transport (Note [Gloo transports]): meshtrain's TCP links, or libgloo's.
+  // The wire: meshtrain's TCP links (Note [Gloo transports]), set up here;
+  // every algorithm's messages go through transport_ (post_send, post_recv,
+  // wait), the Transport interface (comm/transport.h) the links implement.
   std::unique_ptr<tcp::Links> links_;
-  std::shared_ptr<gloo::Context> context_;
+  Transport* transport_ = nullptr;
   std::string prefix_;
   int splits_ = 0;
   std::vector<bool> remote_;  // per member: on another host
-  int64_t ring_bytes_;        // collectives of at least this size take the ring (MESHTRAIN_GLOO_RING_KB)
-  int64_t chain_bytes_;       // broadcasts of at least this size go down a chain (MESHTRAIN_GLOO_CHAIN_KB)
-  int64_t piece_bytes_;       // the direct all-reduce's pieces (MESHTRAIN_GLOO_PIECE_KB)
   // Reused buffers of the header round (one per peer), sized header + inline_bytes.
   std::vector<at::Tensor> round_send_, round_recv_;
-  // Header rounds go by doubling: the links, n = 2^L in 4..64, MESHTRAIN_GLOO_ROUND unset or doubling.
+  // Header rounds go by doubling: the links, n = 2^L in 4..64, TcpTuning::doubling_round.
   bool doubling_ = false;
   std::vector<std::vector<uint8_t>> doubling_send_, doubling_recv_;  // per step, reused
   std::vector<uint8_t> alarm_buffer_;
