@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/serialize.h>  // torch::pickle_save / pickle_load
 
 #include <cstring>
 #include <fstream>
