@@ -11,10 +11,27 @@ ORDER = ["kill-rank", "kill-in-save", "stop-rank", "kill-meshrun", "kill-store",
 REFUSALS = ["desync-flag", "changed-data", "shared-save-dir", "rewritten-in-place"]  # refusals, not failures
 
 
+def load_runs(a, faults):
+    """fault -> its trials, for the faults of `faults` that the campaign ran."""
+    return {f: json.load(open(os.path.join(a.dir, f + ".json")))
+            for f in faults if os.path.exists(os.path.join(a.dir, f + ".json"))}
+
+
+def refusal_rows(runs):
+    """The summary table of refusals: a row per fault, its time to the refusal and what was lost."""
+    L = ["| fault | trials | hangs | time min / median / max (s) | named | orphans | leftovers | lost |",
+         "|---|---|---|---|---|---|---|---|"]
+    for f, results in runs.items():
+        r = summary(f, results)
+        det = f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}" if "median" in r else "-"
+        L.append(f"| {f} | {r['trials']} | {r['hangs']} | {det} | {r['named']} / {r['trials']} | {r['orphans']} | "
+                 f"{r['leftovers']} | {r['lost']} |")
+    return L
+
+
 def refusal_section(a):
     """The desync-flag and changed-data rows, with a line per variant."""
-    runs = {f: json.load(open(os.path.join(a.dir, f + ".json")))
-            for f in REFUSALS if os.path.exists(os.path.join(a.dir, f + ".json"))}
+    runs = load_runs(a, REFUSALS)
     if not runs:
         return
     L = [a.header, "",
@@ -33,13 +50,7 @@ def refusal_section(a):
          "that loads whole (tools/checkpoint_to_torch.py); for shared-save-dir, the winner's checkpoints missing "
          "or a checkpoint of the refused job in the directory; for rewritten-in-place, a checkpoint of a step "
          "after the write.", "",
-         "| fault | trials | hangs | time min / median / max (s) | named | orphans | leftovers | lost |",
-         "|---|---|---|---|---|---|---|---|"]
-    for f, results in runs.items():
-        r = summary(f, results)
-        det = f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}" if "median" in r else "-"
-        L.append(f"| {f} | {r['trials']} | {r['hangs']} | {det} | {r['named']} / {r['trials']} | {r['orphans']} | "
-                 f"{r['leftovers']} | {r['lost']} |")
+         ] + refusal_rows(runs)
     L += ["", "| fault | variant | trials | named | hangs | lost |", "|---|---|---|---|---|---|"]
     for f, results in runs.items():
         for variant in dict.fromkeys(x["variant"] for x in results):
@@ -54,8 +65,7 @@ RENDEZVOUS = ["stranger-frames", "flag-mismatch"]  # issue 54, items 5 and 6
 
 def rendezvous_section(a):
     """The stranger-frames and flag-mismatch rows: two meshrun nodes meeting."""
-    runs = {f: json.load(open(os.path.join(a.dir, f + ".json")))
-            for f in RENDEZVOUS if os.path.exists(os.path.join(a.dir, f + ".json"))}
+    runs = load_runs(a, RENDEZVOUS)
     if not runs:
         return
     L = [a.header, "",
@@ -69,13 +79,7 @@ def rendezvous_section(a):
          "the later of the two nodes' lines naming the difference; named = both nodes exit 2 and both say the node, "
          "the flag, both values and the fix. Lost = files of the saved checkpoints changed or missing, plus one when "
          "`latest` does not load (and, for stranger-frames, when step 20 was not saved).", "",
-         "| fault | trials | hangs | time min / median / max (s) | named | orphans | leftovers | lost |",
-         "|---|---|---|---|---|---|---|---|"]
-    for f, results in runs.items():
-        r = summary(f, results)
-        det = f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}" if "median" in r else "-"
-        L.append(f"| {f} | {r['trials']} | {r['hangs']} | {det} | {r['named']} / {r['trials']} | {r['orphans']} | "
-                 f"{r['leftovers']} | {r['lost']} |")
+         ] + refusal_rows(runs)
     L += ["", "| fault | variant | trials | named | time median (s) | lost |", "|---|---|---|---|---|---|"]
     for f, results in runs.items():
         for variant in dict.fromkeys(x["variant"] for x in results):
@@ -92,8 +96,7 @@ PARTITIONS = ["cut", "cut-in", "cut-out", "frozen-host", "slow-link"]
 
 def partition_section(a):
     """The partition rows (bench/faults/partitions.py): links and hosts across two test hosts."""
-    runs = {f: json.load(open(os.path.join(a.dir, f + ".json")))
-            for f in PARTITIONS if os.path.exists(os.path.join(a.dir, f + ".json"))}
+    runs = load_runs(a, PARTITIONS)
     if not runs:
         return
     L = [a.header, "",

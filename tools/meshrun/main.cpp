@@ -1,4 +1,4 @@
-// meshrun: the launcher. Logic lives in src/launch (meshtrain::launch).
+// meshrun: the launcher. Logic lives in app/launch (meshtrain::launch).
 #include <algorithm>
 #include <iostream>
 

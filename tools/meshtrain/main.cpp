@@ -1,5 +1,6 @@
 // meshtrain: the trainer (and, as "meshtrain plan", the planner). Logic lives
-// in the library (meshtrain::train, meshtrain::plan).
+// in app/ (the flag-driven trainer and the commands) and the library
+// (meshtrain::train, meshtrain::plan).
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 

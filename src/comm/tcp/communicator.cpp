@@ -123,7 +123,6 @@ TcpCommunicator::TcpCommunicator(std::shared_ptr<Process> process, std::vector<i
 
 TcpCommunicator::~TcpCommunicator() {
   stop_worker();
-  transport_ = nullptr;
   links_.reset();
 }
 
@@ -140,7 +139,6 @@ void TcpCommunicator::connect_links() {
   try {
     links_ = std::make_unique<tcp::Links>(store, rank_, size(), process_->config().bind_host, options_.timeout,
                                           options_.label);
-    transport_ = links_.get();
     // Spinning only pays when every rank of this host has a core of its own, for
     // as long as this host's wake-up costs (Note [Self-tuned waits]); otherwise
     // waiters yield (Note [Link waits on shared cores]).
@@ -173,27 +171,27 @@ uint64_t TcpCommunicator::collective_slot(int sub) const {
   return kCollectiveBit | ((op_seq() & ((1ull << 46) - 1)) << 16) | static_cast<uint64_t>(sub & 0xffff);
 }
 
-Transfer TcpCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
-                                     OpKind kind, bool hold) {
+Transfer TcpCommunicator::describe_transfer(int peer, bool is_recv, size_t bytes, OpKind kind) const {
   Transfer t;
   t.peer = peer;
-  t.is_recv = false;
+  t.is_recv = is_recv;
   t.bytes = bytes;
   t.kind = kind;
   t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
-  t.req = Posted(transport_, transport_->send(peer, slot, ptr, bytes, hold));
+  return t;
+}
+
+Transfer TcpCommunicator::post_send(const void* ptr, size_t bytes, int peer, uint64_t slot,
+                                     OpKind kind, bool hold) {
+  Transfer t = describe_transfer(peer, /*is_recv=*/false, bytes, kind);
+  t.req = Posted(transport(), transport()->send(peer, slot, ptr, bytes, hold));
   return t;
 }
 
 Transfer TcpCommunicator::post_recv(void* ptr, size_t bytes, int peer, uint64_t slot,
                                      OpKind kind) {
-  Transfer t;
-  t.peer = peer;
-  t.is_recv = true;
-  t.bytes = bytes;
-  t.kind = kind;
-  t.op = kind == OpKind::kVerify ? running_op() : op_name(kind);
-  t.req = Posted(transport_, transport_->recv(peer, slot, ptr, bytes));
+  Transfer t = describe_transfer(peer, /*is_recv=*/true, bytes, kind);
+  t.req = Posted(transport(), transport()->recv(peer, slot, ptr, bytes));
   return t;
 }
 
@@ -205,7 +203,7 @@ void TcpCommunicator::wait(Transfer& t) {
   if (collective_data) settle_round();
   if (!t.req) return;
   // A long wait is recorded for whoever times out on this rank (Note [Naming a stuck rank]).
-  Transport* transport = transport_;
+  Transport* transport = this->transport();
   process_->register_wait(t.req.get(), global_ranks_[t.peer], long_wait(), [transport] { transport->abort(); });
   const WaitResult result = transport->wait(*t.req, options_.timeout);
   process_->unregister_wait(t.req.get(), result == WaitResult::kDone);

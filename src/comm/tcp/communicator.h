@@ -152,6 +152,8 @@ class TcpCommunicator final : public QueuedCommunicator {
   // and leaves with it (tcp::Links::send).
   Transfer post_send(const void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind, bool hold = false);
   Transfer post_recv(void* ptr, size_t bytes, int peer, uint64_t slot, OpKind kind);
+  // A transfer's bookkeeping (peer, direction, size, kind, the operation named in errors), before it is posted.
+  Transfer describe_transfer(int peer, bool is_recv, size_t bytes, OpKind kind) const;
   // Waits for `t` up to the communicator's timeout; a TimeoutError, or a
   // PeerFailure naming the dead rank, otherwise.
   void wait(Transfer& t);
@@ -267,10 +269,10 @@ class TcpCommunicator final : public QueuedCommunicator {
 
   std::shared_ptr<Process> process_;
   // The wire: meshtrain's TCP links (Note [Gloo transports]), set up here;
-  // every algorithm's messages go through transport_ (post_send, post_recv,
+  // every algorithm's messages go through transport() (post_send, post_recv,
   // wait), the Transport interface (comm/transport.h) the links implement.
   std::unique_ptr<tcp::Links> links_;
-  Transport* transport_ = nullptr;
+  Transport* transport() const { return links_.get(); }
   std::string prefix_;
   int splits_ = 0;
   std::vector<bool> remote_;  // per member: on another host

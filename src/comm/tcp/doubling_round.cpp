@@ -215,7 +215,7 @@ void TcpCommunicator::alarm_and_raise(const std::string& what, const Opening& op
   // A peer that raised first may have closed its links already: a send that
   // fails is no news (and must not wait for the failure watcher, as wait() does).
   for (Transfer& s : sends) {
-    if (s.req) transport_->wait(*s.req, options_.timeout);
+    if (s.req) transport()->wait(*s.req, options_.timeout);
   }
   throw MismatchError(what);
 }
