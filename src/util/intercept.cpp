@@ -112,6 +112,14 @@ void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index) {
   m.entries.push_back({Mark{std::move(role), index}, span_of(t)});
 }
 
+void forget_all() {
+  std::unordered_map<const c10::StorageImpl*, Marks> dropped;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    dropped.swap(registry());
+  }  // the roles' destructors run here, outside the lock (they may free tensors)
+}
+
 void set_data_keeping_marks(const at::Tensor& t, const at::Tensor& data) {
   std::vector<Mark> moved;
   if (t.has_storage()) {

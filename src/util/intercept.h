@@ -42,8 +42,20 @@ class Role {
 // unit), a storage several tensors' (ZeRO-1/2's flat buffer). Call after any
 // Module::to() or set_data() on t, which would drop the key (marks_of before
 // and mark after carry them over). The registry keeps the storage and role
-// alive for the process.
+// alive for the process (Note [Roles live until exit]).
 void mark(const at::Tensor& t, std::shared_ptr<Role> role, int index = 0);
+
+// Note [Roles live until exit]
+// A role holds the communicators it gathers and reduces over (a ZeRO unit its
+// dp group, a tp role its tp group), and so the rank's comm::Process, whose
+// destructor says goodbye to the rendezvous store. The registry is a static:
+// a program that returns from main destroys it, and the rank says goodbye
+// then. One that ends with _Exit (the test harness's ranks) never does: its
+// store connection closes without a goodbye and every rank still working, even
+// in groups without it, is told that it died. Such a program calls forget_all()
+// first. (Nothing knows when a module is destroyed, so a long-lived program
+// that parallelizes many models keeps each one's roles and communicators.)
+void forget_all();
 
 struct Mark {
   std::shared_ptr<Role> role;

@@ -69,6 +69,7 @@ class Unit : public intercept::Role, public std::enable_shared_from_this<Unit> {
     ready_.assign(params_.size(), false);
     compute_ = options_.param_dtype().value_or(params_.front().scalar_type());
   }
+  ~Unit() override;  // leaves its group (intercept::forget_all may end a unit before the process)
 
   // Takes rank 0's values, keeps this rank's part, frees the parameters.
   void start() {
@@ -289,6 +290,12 @@ void Group::end_of_backward() {
 std::unordered_map<const c10::TensorImpl*, Unit*>& units_by_shard() {
   static std::unordered_map<const c10::TensorImpl*, Unit*> units;
   return units;
+}
+
+Unit::~Unit() {
+  group_->units.erase(std::remove(group_->units.begin(), group_->units.end(), this), group_->units.end());
+  auto it = units_by_shard().find(shard_.unsafeGetTensorImpl());
+  if (it != units_by_shard().end() && it->second == this) units_by_shard().erase(it);
 }
 
 Unit* unit_of_shard(const at::Tensor& t) {

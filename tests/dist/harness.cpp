@@ -18,6 +18,7 @@
 
 #include "meshtrain/comm/rendezvous.h"
 #include "comm/store.h"
+#include "util/intercept.h"
 #include "zygote.h"
 
 
@@ -143,6 +144,10 @@ bool finish_mpi_rank(int rank, int world, bool ok, const RankOptions& options) {
     } catch (const std::exception& e) {
       error = e.what();
     }
+    // The roles of tp::parallelize'd and fully_shard'ed modules hold
+    // communicators, which would outlive world_comm and skip the goodbye
+    // under _Exit below (Note [Roles live until exit]).
+    intercept::forget_all();
     if (!error.empty() || ::testing::Test::HasFailure()) {
       const std::string why = error.empty() ? "a test assertion failed" : "exception: " + error;
       std::fprintf(stderr, "[harness] rank %d failed: %s\n", rank, why.c_str());

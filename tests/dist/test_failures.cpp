@@ -20,6 +20,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/comm/errors.h"
 #include "meshtrain/util/error.h"
+#include "meshtrain/zero/fully_shard.h"
 
 using meshtrain::ConfigError;
 using meshtrain::comm::Communicator;
@@ -111,6 +112,28 @@ TEST_P(PeerDeath, DeadPeerMidCollectiveIsNamedWithinSeconds) {
     ASSERT_GT(pid, 0) << "rank " << r << " did not report its pid";
     EXPECT_TRUE(segments_of(pid).empty()) << "rank " << r << " left /dev/shm/" << segments_of(pid)[0];
   }
+}
+
+// Note [Roles live until exit]: a rank whose fully sharded module (its roles
+// hold the pair's communicator) finished first and left is not reported dead
+// to the ranks still working, even in a group without it: they pass the time
+// it takes to leave and reduce among themselves. (Before the harness forgot
+// the roles, ranks 2 and 3 were told "global rank 0 died".)
+TEST_P(PeerDeath, ARankThatFinishesFirstWithShardedModulesIsNotReportedDead) {
+  run_ranks(4, [](Communicator& comm) {
+    const int r = comm.rank();
+    auto pair = comm.split(r / 2, r, "pair");
+    torch::manual_seed(0);
+    torch::nn::Linear layer(3, 5);
+    meshtrain::zero::fully_shard(*layer, pair);
+    const float sum = layer->forward(torch::ones({2, 3})).sum().item<float>();
+    layer = nullptr;  // the model is gone; its roles are not
+    if (r < 2) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // ranks 0 and 1 have left
+    torch::Tensor t = torch::full({4}, sum * r);
+    pair->all_reduce(t);
+    EXPECT_TRUE(torch::allclose(t, torch::full({4}, sum * 5)));
+  }, options());
 }
 
 // A segment name left by a job killed inside the rendezvous window (its
