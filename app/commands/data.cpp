@@ -6,11 +6,10 @@
 #include <cstdio>
 #include <ostream>
 
-#include "meshtrain/data/shard_writer.h"
-#include "meshtrain/data/tokenizer.h"
+#include "meshtrain/data.h"
 #include "app/commands/data.h"
-#include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/flags.h"
 

@@ -1,5 +1,5 @@
 #pragma once
-// `meshtrain data`: text files made into token shards (meshtrain/data/shard_writer.h).
+// `meshtrain data`: text files made into token shards (meshtrain/data.h).
 
 #include <ostream>
 #include <string>

@@ -5,10 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "meshtrain/io/weights.h"
-#include "meshtrain/train/checkpoint.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/io.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/flags.h"
 

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/models.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace train {

@@ -7,14 +7,13 @@
 #include <fstream>
 #include <iostream>
 
-#include "meshtrain/data/tokenizer.h"
-#include "meshtrain/io/weights.h"
-#include "meshtrain/models/generate.h"
+#include "meshtrain/data.h"
+#include "meshtrain/io.h"
+#include "meshtrain/models.h"
 #include "app/commands/export.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/flags.h"
-#include "meshtrain/util/json.h"
 #include "util/strings.h"
 
 namespace meshtrain {

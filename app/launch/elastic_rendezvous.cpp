@@ -33,8 +33,8 @@
 #include <cstdlib>
 #include <thread>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "util/strings.h"
 
 namespace meshtrain {

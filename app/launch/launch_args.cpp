@@ -6,7 +6,7 @@
 
 #include "app/launch/launcher.h"
 #include "comm/store.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/flags.h"
 #include "util/strings.h"

@@ -25,7 +25,7 @@
 #include "rank_processes.h"
 #include "comm/store.h"
 #include "app/launch/elastic.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "meshtrain/version.h"
 
 extern char** environ;

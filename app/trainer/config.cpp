@@ -9,15 +9,14 @@
 #include <map>
 #include <type_traits>
 
-#include "meshtrain/io/weights.h"
-#include "meshtrain/models/checkpointing.h"
-#include "meshtrain/models/moe_balance.h"
-#include "meshtrain/pp/schedule.h"
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/io.h"
+#include "meshtrain/models.h"
+#include "meshtrain/moe.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/flags.h"
-#include "meshtrain/util/json.h"
 #include "util/strings.h"
 #include "resolve_data.h"
 

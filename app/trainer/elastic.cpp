@@ -6,11 +6,11 @@
 #include <cstdlib>
 #include <set>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 #include "app/launch/elastic.h"
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/memory_check.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/flags.h"
 #include "util/strings.h"
 

@@ -7,13 +7,11 @@
 #include <memory>
 #include <string>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/io/weights.h"
-#include "meshtrain/pp/executor.h"
-#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/io.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/train.h"
 #include "app/trainer/config.h"
-#include "meshtrain/train/data.h"
-#include "meshtrain/train/metrics.h"
 
 namespace meshtrain {
 namespace train {

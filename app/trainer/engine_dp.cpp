@@ -6,16 +6,13 @@
 #include <optional>
 
 #include "engine.h"
-#include "meshtrain/dp/master_dp.h"
-#include "meshtrain/dp/params.h"
-#include "meshtrain/models/checkpointing.h"
-#include "meshtrain/models/models.h"
-#include "meshtrain/train/clip.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/models.h"
+#include "meshtrain/train.h"
 #include "train/mixed_precision.h"
 #include "app/trainer/optimizer.h"
 #include "train/optim.h"
-#include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "zero/optimizer_state.h"
 
 namespace meshtrain {

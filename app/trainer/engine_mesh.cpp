@@ -18,19 +18,17 @@
 #include <ATen/ATen.h>
 
 #include "engine.h"
-#include "meshtrain/cp/parallelize.h"
-#include "meshtrain/cp/ring_attention.h"
+#include "meshtrain/cp.h"
 #include "dp/grain_tree.h"
-#include "meshtrain/ep/parallelize.h"
-#include "meshtrain/mesh/mesh.h"
-#include "meshtrain/models/checkpointing.h"
-#include "meshtrain/pp/pipeline.h"
-#include "meshtrain/tp/parallelize.h"
-#include "meshtrain/train/module_trainer.h"
+#include "meshtrain/ep.h"
+#include "meshtrain/mesh.h"
+#include "meshtrain/models.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/train.h"
 #include "app/trainer/optimizer.h"
 #include "train/optim.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace train {

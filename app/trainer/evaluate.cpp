@@ -6,8 +6,8 @@
 #include <cmath>
 #include <limits>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/train/data.h"
+#include "meshtrain/models.h"
+#include "meshtrain/train.h"
 
 namespace meshtrain {
 namespace train {

@@ -4,7 +4,7 @@
 // ("17+25=" -> "42"); for the MLP, classification accuracy on held-out samples.
 // NaN for tasks without an accuracy (a text file).
 
-#include "meshtrain/models/stage.h"
+#include "meshtrain/models.h"
 #include "app/trainer/config.h"
 
 namespace meshtrain {

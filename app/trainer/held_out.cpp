@@ -1,7 +1,7 @@
 #include "held_out.h"
 
 #include "engine.h"
-#include "meshtrain/train/token_shards.h"
+#include "meshtrain/train.h"
 
 namespace meshtrain {
 namespace train {

@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "app/trainer/config.h"
-#include "meshtrain/train/data.h"
+#include "meshtrain/train.h"
 
 namespace meshtrain {
 namespace train {

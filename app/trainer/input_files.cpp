@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <chrono>
 
-#include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/strings.h"
 
 namespace meshtrain {

@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 #include "app/trainer/config.h"
 #include "util/content_hash.h"
 

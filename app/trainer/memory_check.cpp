@@ -5,9 +5,9 @@
 #include <limits>
 #include <sstream>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/plan/planner.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/models.h"
+#include "meshtrain/plan.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace train {

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "meshtrain/plan/input.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/config.h"
 
 namespace meshtrain {

@@ -4,7 +4,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace train {

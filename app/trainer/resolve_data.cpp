@@ -8,8 +8,8 @@
 #include <fstream>
 #include <map>
 
-#include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/sha256.h"
 

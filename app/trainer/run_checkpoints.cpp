@@ -7,10 +7,9 @@
 #include <cstdio>
 #include <utility>
 
-#include "meshtrain/train/checkpoint.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
-#include "meshtrain/util/json.h"
 #include "run_parts.h"
 
 namespace meshtrain {

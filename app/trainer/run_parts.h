@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "engine.h"
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 #include "app/trainer/config.h"
 #include "app/trainer/run_training.h"
 

@@ -6,14 +6,12 @@
 #include <fstream>
 #include <sstream>
 
-#include "meshtrain/dp/params.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/models.h"
 #include "pp/trace.h"
 #include "app/trainer/evaluate.h"
-#include "meshtrain/train/metrics.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/sha256.h"
 #include "run_parts.h"
 

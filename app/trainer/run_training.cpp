@@ -15,10 +15,9 @@
 #include "held_out.h"
 #include "input_files.h"
 #include "app/trainer/elastic.h"
-#include "meshtrain/train/metrics.h"
+#include "meshtrain/train.h"
 #include "train/mixed_precision.h"
-#include "meshtrain/util/json.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "run_parts.h"
 #include "stop_signal.h"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 #include "app/trainer/config.h"
 
 namespace meshtrain {

@@ -13,9 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/train/checkpoint.h"
-#include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/sha256.h"
 #include "util/strings.h"

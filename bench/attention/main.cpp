@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/plan/estimate.h"
+#include "meshtrain/models.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/config.h"
 #include "app/trainer/memory_check.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/memory.h"
 #include "util/strings.h"
 

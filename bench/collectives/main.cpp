@@ -18,7 +18,7 @@
 #include <sstream>
 
 #include "comm/host_profile.h"
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 
 using namespace meshtrain;
 using Clock = std::chrono::steady_clock;

@@ -14,11 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/cp/parallelize.h"
-#include "meshtrain/cp/ring_attention.h"
-#include "meshtrain/models/models.h"
-#include "meshtrain/plan/estimate.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/cp.h"
+#include "meshtrain/models.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/config.h"
 #include "app/trainer/memory_check.h"
 #include "util/memory.h"

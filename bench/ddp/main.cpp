@@ -11,9 +11,9 @@
 #include <fstream>
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/dp/ddp.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/models.h"
 
 using namespace meshtrain;
 using Clock = std::chrono::steady_clock;

@@ -11,8 +11,8 @@
 #include <iostream>
 #include <thread>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/pp/executor.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/pp.h"
 #include "pp/trace.h"
 
 using namespace meshtrain;

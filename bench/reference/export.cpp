@@ -9,10 +9,10 @@
 #include <fstream>
 #include <iostream>
 
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 #include "app/trainer/config.h"
-#include "meshtrain/train/data.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 
 using namespace meshtrain;
 

@@ -11,9 +11,8 @@
 #include <chrono>
 #include <cstdio>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/tp.h"
 
 using namespace meshtrain;
 

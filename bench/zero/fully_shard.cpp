@@ -10,10 +10,9 @@
 #include <chrono>
 #include <cstdio>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/comm/traffic.h"
-#include "meshtrain/dp/replicate.h"
-#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/zero.h"
 
 using namespace meshtrain;
 

@@ -5,7 +5,7 @@
 
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 
 using namespace meshtrain;
 

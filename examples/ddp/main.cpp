@@ -9,8 +9,8 @@
 
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/dp/replicate.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
 
 struct Net : torch::nn::Module {
   torch::nn::Linear fc1{register_module("fc1", torch::nn::Linear(8, 32))};

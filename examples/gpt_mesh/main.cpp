@@ -25,12 +25,12 @@
 #include <functional>
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/mesh/mesh.h"
-#include "meshtrain/pp/pipeline.h"
-#include "meshtrain/train/module_trainer.h"
-#include "meshtrain/tp/parallelize.h"
-#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/mesh.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/train.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/zero.h"
 
 using namespace meshtrain;
 

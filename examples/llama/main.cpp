@@ -12,13 +12,13 @@
 #include <memory>
 #include <string>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/io/weights.h"
-#include "meshtrain/mesh/mesh.h"
-#include "meshtrain/models/models.h"
-#include "meshtrain/pp/schedule.h"
-#include "meshtrain/tp/parallelize.h"
-#include "meshtrain/train/module_trainer.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/io.h"
+#include "meshtrain/mesh.h"
+#include "meshtrain/models.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/train.h"
 
 using namespace meshtrain;
 

@@ -5,8 +5,8 @@
 
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/dp/master_dp.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
 
 struct Net : torch::nn::Module {
   torch::nn::Linear fc1{register_module("fc1", torch::nn::Linear(8, 32))};

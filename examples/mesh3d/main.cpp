@@ -9,11 +9,11 @@
 
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/dp/replicate.h"
-#include "meshtrain/mesh/mesh.h"
-#include "meshtrain/pp/pipeline.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/mesh.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/tp.h"
 
 using namespace meshtrain;
 

@@ -13,8 +13,8 @@
 
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/pp/pipeline.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/pp.h"
 
 using namespace meshtrain;
 

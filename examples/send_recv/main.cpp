@@ -10,7 +10,7 @@
 #include <iostream>
 #include <string>
 
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 
 using namespace meshtrain;
 

@@ -14,8 +14,8 @@
 
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/tp.h"
 
 using namespace meshtrain;
 

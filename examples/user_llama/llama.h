@@ -17,9 +17,8 @@
 
 #include <string>
 
-#include "meshtrain/models/stage.h"
-#include "meshtrain/nn/layers.h"
-#include "meshtrain/nn/sequence.h"
+#include "meshtrain/models.h"
+#include "meshtrain/nn.h"
 
 namespace user_llama {
 

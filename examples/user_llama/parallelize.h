@@ -26,12 +26,10 @@
 #include <utility>
 
 #include "llama.h"
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/cp/parallelize.h"
-#include "meshtrain/cp/ring_attention.h"
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/tp/parallelize.h"
-#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/cp.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/zero.h"
 
 namespace user_llama {
 

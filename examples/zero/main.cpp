@@ -13,8 +13,8 @@
 
 #include <iostream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/zero.h"
 
 using namespace meshtrain;
 

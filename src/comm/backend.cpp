@@ -11,7 +11,7 @@
 
 #include "tcp/communicator.h"
 #include "hier/communicator.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "process.h"
 #include "shm/communicator.h"
 #include "tuning_env.h"

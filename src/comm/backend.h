@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace comm {

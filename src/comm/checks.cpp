@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "header.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 
 namespace meshtrain {

@@ -1,4 +1,4 @@
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 #include <ATen/ATen.h>
 
@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "checks.h"
 #include "queued.h"
 

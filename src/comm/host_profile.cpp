@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "backend.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {

@@ -8,8 +8,8 @@
 #include <set>
 #include <thread>
 
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "util/strings.h"
 
 namespace meshtrain {

@@ -4,8 +4,8 @@
 
 #include "checks.h"
 #include "header.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 
 namespace meshtrain {

@@ -29,7 +29,7 @@
 #include <thread>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace comm {

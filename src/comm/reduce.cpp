@@ -9,7 +9,7 @@
 
 #include <cstring>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {

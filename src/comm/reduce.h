@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace comm {

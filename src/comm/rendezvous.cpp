@@ -1,4 +1,4 @@
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 
 #include <ATen/Parallel.h>
 
@@ -16,7 +16,7 @@
 #include "mpi/world.h"
 #include "process.h"
 #include "comm/store.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/memory.h"
 #include "util/strings.h"
 #include "socket.h"

@@ -17,8 +17,8 @@
 #include <cstring>
 #include <thread>
 
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "tuning_env.h"
 
 namespace meshtrain {

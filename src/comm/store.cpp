@@ -7,9 +7,9 @@
 
 #include <thread>
 
-#include "meshtrain/comm/errors.h"
+#include "meshtrain/comm.h"
 #include "comm/store.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/strings.h"
 #include "socket.h"
 #include "store_auth.h"

@@ -7,9 +7,9 @@
 
 #include <cstdlib>
 
-#include "meshtrain/comm/errors.h"
+#include "meshtrain/comm.h"
 #include "comm/store.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "store_protocol.h"
 
 namespace meshtrain {

@@ -15,7 +15,7 @@
 #include <map>
 
 #include "comm/store.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "socket.h"
 #include "store_auth.h"
 #include "store_protocol.h"

@@ -1,4 +1,4 @@
-#include "meshtrain/comm/traffic.h"
+#include "meshtrain/comm.h"
 
 #include <cstdio>
 #include <sstream>

@@ -21,7 +21,7 @@
 // The operations complete before they return (the Work is done): there is no
 // overlap with the caller's computation, the mode's price.
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace comm {

@@ -1,17 +1,16 @@
 // The one place where the communication layer reads its MESHTRAIN_* settings
-// from the environment (include/meshtrain/comm/tuning.h; docs/comm.md,
+// from the environment (include/meshtrain/comm.h; docs/comm.md,
 // "Tuning"). The rendezvous' own variables (MASTER_ADDR, RANK, the token, the
 // host identity, the bind address) are the rendezvous' business
 // (rendezvous.cpp, process.cpp, store_auth.cpp), not tunings.
 
-#include "meshtrain/comm/tuning.h"
+#include "meshtrain/comm.h"
 
 #include <cmath>
 #include <cstdlib>
 #include <string>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "tuning_env.h"
 
 namespace meshtrain {

@@ -1,13 +1,11 @@
 // cp::parallelize: see the header. The modules it changes are nn's; the
 // functions it sets hold the communicator.
-#include "meshtrain/cp/parallelize.h"
+#include "meshtrain/cp.h"
 
 #include <string>
 
-#include "meshtrain/cp/ring_attention.h"
-#include "meshtrain/nn/experts.h"
-#include "meshtrain/nn/sequence.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/nn.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace cp {

@@ -2,11 +2,11 @@
 // ring. The tiles are nn::flash_forward / flash_backward with global
 // positions; only keys and values (forward) and keys, values and their
 // gradients (backward) travel.
-#include "meshtrain/cp/ring_attention.h"
+#include "meshtrain/cp.h"
 
 #include <torch/autograd.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace cp {

@@ -13,7 +13,7 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "tokenizers.h"
 

@@ -1,9 +1,9 @@
-#include "meshtrain/data/sampler.h"
+#include "meshtrain/data.h"
 
 #include <ATen/ATen.h>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace data {

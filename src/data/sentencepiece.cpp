@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "sentencepiece_plugin.h"
 #include "tokenizers.h"
 

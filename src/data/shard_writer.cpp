@@ -1,4 +1,4 @@
-#include "meshtrain/data/shard_writer.h"
+#include "meshtrain/data.h"
 
 #include <glob.h>
 #include <sys/stat.h>
@@ -9,7 +9,7 @@
 #include <fstream>
 #include <set>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 namespace meshtrain {

@@ -2,8 +2,8 @@
 
 #include <sys/stat.h>
 
-#include "meshtrain/data/tokenizer.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/data.h"
+#include "meshtrain/util.h"
 #include "tokenizers.h"
 
 namespace meshtrain {

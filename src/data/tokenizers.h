@@ -4,7 +4,7 @@
 #include <memory>
 #include <string>
 
-#include "meshtrain/data/tokenizer.h"
+#include "meshtrain/data.h"
 
 namespace meshtrain {
 namespace data {

@@ -2,7 +2,7 @@
 
 #include <map>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace dp {

@@ -1,8 +1,7 @@
-#include "meshtrain/dp/ddp.h"
+#include "meshtrain/dp.h"
 
 #include "dp/gradient_sync.h"
-#include "meshtrain/dp/params.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "reducer.h"
 
 namespace meshtrain {

@@ -3,7 +3,7 @@
 
 #include <ATen/ATen.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace dp {

@@ -1,11 +1,10 @@
-#include "meshtrain/dp/master_dp.h"
+#include "meshtrain/dp.h"
 
 #include <ATen/ATen.h>
 
 #include <numeric>
 
-#include "meshtrain/dp/params.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 
 namespace meshtrain {

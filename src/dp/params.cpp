@@ -1,4 +1,4 @@
-#include "meshtrain/dp/params.h"
+#include "meshtrain/dp.h"
 
 #include <ATen/ATen.h>
 
@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace dp {

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "dp/buckets.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/autograd_hooks.h"
 
 namespace meshtrain {

@@ -8,9 +8,8 @@
 #include <mutex>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/dp/ddp.h"
-#include "meshtrain/dp/params.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
 
 namespace meshtrain {
 namespace dp {

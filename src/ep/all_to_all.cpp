@@ -4,7 +4,7 @@
 
 #include <torch/autograd.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace ep {

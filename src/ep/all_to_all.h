@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/nn/experts.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/nn.h"
 
 namespace meshtrain {
 namespace ep {

@@ -1,12 +1,12 @@
 // ep::parallelize: see the header. The layers do the slicing
 // (nn::ExpertParallel); the group they get exchanges over the communicator.
-#include "meshtrain/ep/parallelize.h"
+#include "meshtrain/ep.h"
 
 #include <string>
 #include <vector>
 
 #include "ep/all_to_all.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace ep {

@@ -9,7 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 namespace meshtrain {

@@ -11,9 +11,9 @@
 #include <map>
 #include <string>
 
-#include "meshtrain/io/weights.h"
-#include "meshtrain/models/models.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/io.h"
+#include "meshtrain/models.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace io {

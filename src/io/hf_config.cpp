@@ -3,7 +3,7 @@
 
 #include "io/hf.h"
 #include "io/shapes.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace io {

@@ -8,7 +8,7 @@
 #include "io/file_io.h"
 #include "io/hf.h"
 #include "io/safetensors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 namespace meshtrain {

@@ -11,7 +11,7 @@
 #include "io/file_io.h"
 #include "io/safetensors.h"
 #include "io/shapes.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace io {

@@ -16,7 +16,7 @@
 #include <map>
 #include <string>
 
-#include "meshtrain/io/weights.h"
+#include "meshtrain/io.h"
 
 namespace meshtrain {
 namespace io {

@@ -9,8 +9,7 @@
 #include <vector>
 
 #include "io/file_io.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace io {

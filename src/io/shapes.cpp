@@ -1,6 +1,6 @@
 #include "io/shapes.h"
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace io {

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 
 namespace meshtrain {
 namespace io {

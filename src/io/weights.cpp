@@ -1,5 +1,5 @@
 // The entry points: which format a path holds, and checks of a wanted shape.
-#include "meshtrain/io/weights.h"
+#include "meshtrain/io.h"
 
 #include <sys/stat.h>
 
@@ -8,7 +8,7 @@
 #include "io/hf.h"
 #include "io/llmc.h"
 #include "io/shapes.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 namespace meshtrain {

@@ -1,7 +1,7 @@
-#include "meshtrain/mesh/mesh.h"
+#include "meshtrain/mesh.h"
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace mesh {

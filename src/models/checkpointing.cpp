@@ -1,11 +1,10 @@
-#include "meshtrain/models/checkpointing.h"
+#include "meshtrain/models.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/rng.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

@@ -1,4 +1,4 @@
-#include "meshtrain/models/generate.h"
+#include "meshtrain/models.h"
 
 #include <cmath>
 
@@ -8,8 +8,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

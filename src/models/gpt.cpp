@@ -1,13 +1,12 @@
 // The decoder pieces GPT, GPT-2 and Llama share (token embedding, LM head) and
 // the GPT / GPT-2 block.
-#include "meshtrain/models/gpt.h"
+#include "meshtrain/models.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

@@ -1,8 +1,7 @@
-#include "meshtrain/models/llama.h"
+#include "meshtrain/models.h"
 
 #include <ATen/ATen.h>
 
-#include "meshtrain/models/models.h"
 
 namespace meshtrain {
 namespace models {

@@ -1,4 +1,4 @@
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 
 #include <ATen/ATen.h>
 
@@ -6,8 +6,7 @@
 #include <limits>
 #include <optional>
 
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

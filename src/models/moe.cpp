@@ -1,16 +1,15 @@
 // The mixture-of-experts MLP: see the header for the math. Each expert runs
 // once on the rows routed to it (here, or on its rank under expert
 // parallelism), and the weighted outputs are added back at their tokens.
-#include "meshtrain/models/moe.h"
+#include "meshtrain/moe.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
 #include <cmath>
 
-#include "meshtrain/models/checkpointing.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/models.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

@@ -1,11 +1,11 @@
 // The global-batch balance loss: see Note [Global-batch balance loss] in the header.
-#include "meshtrain/models/moe_balance.h"
+#include "meshtrain/moe.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

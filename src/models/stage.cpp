@@ -1,8 +1,7 @@
-#include "meshtrain/models/stage.h"
+#include "meshtrain/models.h"
 
-#include "meshtrain/models/checkpointing.h"
-#include "meshtrain/models/moe.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/moe.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

@@ -3,14 +3,14 @@
 // query_block x G rows (every query head that reads the same key head), so
 // grouped-query attention needs no copy of k and v and its key/value
 // gradients sum over the group inside the matmul.
-#include "meshtrain/nn/attention.h"
+#include "meshtrain/nn.h"
 
 #include <torch/autograd.h>
 
 #include <cmath>
 #include <limits>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace nn {

@@ -1,10 +1,10 @@
-#include "meshtrain/nn/layers.h"
+#include "meshtrain/nn.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace nn {

@@ -1,10 +1,10 @@
 // The attention and position modules a strategy changes from outside: see
 // the header.
-#include "meshtrain/nn/sequence.h"
+#include "meshtrain/nn.h"
 
 #include <ATen/ATen.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace nn {

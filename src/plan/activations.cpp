@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "meshtrain/plan/estimate.h"
+#include "meshtrain/plan.h"
 
 namespace meshtrain {
 namespace plan {

@@ -4,7 +4,7 @@
 
 #include <sstream>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace plan {

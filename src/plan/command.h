@@ -10,8 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/plan/estimate.h"
-#include "meshtrain/plan/input.h"
+#include "meshtrain/plan.h"
 
 namespace meshtrain {
 namespace plan {

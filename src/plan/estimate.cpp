@@ -1,10 +1,10 @@
-#include "meshtrain/plan/estimate.h"
+#include "meshtrain/plan.h"
 
 #include <algorithm>
 #include <cmath>
 
 #include "plan/time.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace plan {

@@ -1,4 +1,4 @@
-#include "meshtrain/plan/input.h"
+#include "meshtrain/plan.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <functional>
 
 #include "plan/units.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/flags.h"
 
 namespace meshtrain {

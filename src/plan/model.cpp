@@ -1,4 +1,4 @@
-#include "meshtrain/plan/model.h"
+#include "meshtrain/plan.h"
 
 #include <algorithm>
 #include <climits>
@@ -8,8 +8,8 @@
 #include <utility>
 
 #include "plan/units.h"
-#include "meshtrain/pp/schedule.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace plan {

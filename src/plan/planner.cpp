@@ -1,4 +1,4 @@
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 
 #include <algorithm>
 #include <climits>
@@ -6,7 +6,7 @@
 
 #include "plan/command.h"
 #include "plan/units.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace plan {

@@ -5,10 +5,9 @@
 #include <ostream>
 #include <sstream>
 
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 #include "plan/units.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace plan {

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "meshtrain/plan/estimate.h"
+#include "meshtrain/plan.h"
 
 namespace meshtrain {
 namespace plan {

@@ -21,8 +21,7 @@
 
 #include <cstdint>
 
-#include "meshtrain/plan/input.h"
-#include "meshtrain/plan/model.h"
+#include "meshtrain/plan.h"
 
 namespace meshtrain {
 namespace plan {

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <utility>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace plan {

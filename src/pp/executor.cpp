@@ -1,10 +1,10 @@
-#include "meshtrain/pp/executor.h"
+#include "meshtrain/pp.h"
 
 #include <ATen/ATen.h>
 
 #include <chrono>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace pp {

@@ -1,4 +1,4 @@
-#include "meshtrain/pp/pipeline.h"
+#include "meshtrain/pp.h"
 
 #include <ATen/ATen.h>
 
@@ -6,8 +6,7 @@
 #include <map>
 
 #include "dp/gradient_sync.h"
-#include "meshtrain/pp/schedule.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/intercept.h"
 #include "util/parameter_dict.h"
 

@@ -1,4 +1,4 @@
-#include "meshtrain/pp/schedule.h"
+#include "meshtrain/pp.h"
 
 #include <algorithm>
 #include <climits>
@@ -7,7 +7,7 @@
 #include <set>
 #include <tuple>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace pp {

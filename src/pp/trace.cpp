@@ -4,8 +4,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "util/svg.h"
 
 namespace meshtrain {

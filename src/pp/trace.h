@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/pp/executor.h"
+#include "meshtrain/pp.h"
 
 namespace meshtrain {
 namespace pp {

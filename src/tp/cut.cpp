@@ -8,8 +8,8 @@
 #include <mutex>
 #include <set>
 
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace tp {

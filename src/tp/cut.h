@@ -26,8 +26,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/tp.h"
 #include "util/shard.h"
 #include "util/intercept.h"
 

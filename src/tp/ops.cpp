@@ -1,9 +1,9 @@
-#include "meshtrain/tp/ops.h"
+#include "meshtrain/tp.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace tp {

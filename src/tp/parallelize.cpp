@@ -1,11 +1,11 @@
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/tp.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 #include "tp/cut.h"
 

@@ -5,8 +5,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/tp.h"
 #include "util/shard.h"
 
 namespace meshtrain {

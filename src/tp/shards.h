@@ -9,7 +9,7 @@
 #include <map>
 #include <string>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace tp {

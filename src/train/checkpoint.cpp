@@ -1,4 +1,4 @@
-#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/train.h"
 
 #include <ATen/ATen.h>
 #include <dirent.h>
@@ -12,7 +12,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/sha256.h"
 #include "util/tensor_io.h"

@@ -6,15 +6,13 @@
 
 #include <algorithm>
 
-#include "meshtrain/dp/ddp.h"
-#include "meshtrain/dp/params.h"
+#include "meshtrain/dp.h"
 #include "train/mixed_precision.h"
 #include "train/optim.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 #include "zero/optimizer_state.h"
-#include "meshtrain/zero/fully_shard.h"
-#include "meshtrain/zero/zero.h"
+#include "meshtrain/zero.h"
 
 namespace meshtrain {
 namespace train {

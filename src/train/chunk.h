@@ -17,11 +17,8 @@
 #include <set>
 #include <string>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/train/checkpoint.h"
-#include "meshtrain/train/clip.h"
-#include "meshtrain/train/metrics.h"
-#include "meshtrain/train/module_trainer.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/train.h"
 
 namespace meshtrain {
 namespace train {

@@ -1,10 +1,10 @@
-#include "meshtrain/train/clip.h"
+#include "meshtrain/train.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 
-#include "meshtrain/dp/params.h"
+#include "meshtrain/dp.h"
 #include "tp/shards.h"
 #include "util/exact_sum.h"
 

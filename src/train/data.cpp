@@ -1,4 +1,4 @@
-#include "meshtrain/train/data.h"
+#include "meshtrain/train.h"
 
 #include <ATen/ATen.h>
 
@@ -6,8 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace train {

@@ -2,9 +2,9 @@
 
 #include <ATen/ATen.h>
 
-#include "meshtrain/ep/parallelize.h"
-#include "meshtrain/models/moe.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/ep.h"
+#include "meshtrain/moe.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace train {

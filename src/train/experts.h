@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "chunk.h"
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace train {

@@ -1,4 +1,4 @@
-#include "meshtrain/train/metrics.h"
+#include "meshtrain/train.h"
 
 #include <ATen/ATen.h>
 #include <sys/resource.h>
@@ -9,8 +9,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "util/svg.h"
 
 namespace meshtrain {

@@ -22,7 +22,7 @@
 
 #include <vector>
 
-#include "meshtrain/dp/params.h"
+#include "meshtrain/dp.h"
 
 namespace meshtrain {
 namespace train {

@@ -2,9 +2,9 @@
 // (see module_trainer.h).
 #include <ATen/ATen.h>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/train/module_trainer.h"
+#include "meshtrain/models.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/train.h"
 
 namespace meshtrain {
 namespace train {

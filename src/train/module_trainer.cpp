@@ -1,4 +1,4 @@
-#include "meshtrain/train/module_trainer.h"
+#include "meshtrain/train.h"
 
 #include <ATen/ATen.h>
 
@@ -9,16 +9,15 @@
 
 #include "chunk.h"
 #include "experts.h"
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "comm/tree_order.h"
 #include "dp/gradient_sync.h"
 #include "dp/grain_tree.h"
-#include "meshtrain/models/moe.h"
-#include "meshtrain/pp/schedule.h"
+#include "meshtrain/moe.h"
+#include "meshtrain/pp.h"
 #include "tp/shards.h"
-#include "meshtrain/train/clip.h"
 #include "train/optim.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/tensor_io.h"
 
 namespace meshtrain {

@@ -1,4 +1,4 @@
-#include "meshtrain/train/token_shards.h"
+#include "meshtrain/train.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
@@ -11,9 +11,8 @@
 #include <cstring>
 #include <fstream>
 
-#include "meshtrain/data/sampler.h"
-#include "meshtrain/data/shard_writer.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/data.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 namespace meshtrain {

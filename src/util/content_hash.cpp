@@ -11,7 +11,7 @@
 #include <memory>
 #include <vector>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace files {

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <limits>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 

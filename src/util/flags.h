@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace flags {

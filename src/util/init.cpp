@@ -1,4 +1,4 @@
-#include "meshtrain/util/init.h"
+#include "meshtrain/util.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -6,7 +6,6 @@
 #include <cmath>
 #include <limits>
 
-#include "meshtrain/util/error.h"
 
 namespace meshtrain {
 

@@ -6,7 +6,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace intercept {

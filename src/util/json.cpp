@@ -1,13 +1,12 @@
 // JSON through nlohmann-json: strict parsing (no NaN, hex or trailing text;
 // every escape, \uXXXX included), numbers written to round-trip exactly,
 // integers read exactly. meshtrain's small API in front of it.
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 
-#include "meshtrain/util/error.h"
 #include "util/files.h"
 
 namespace meshtrain {

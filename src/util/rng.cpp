@@ -1,4 +1,4 @@
-#include "meshtrain/util/rng.h"
+#include "meshtrain/util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>

@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 

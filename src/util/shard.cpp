@@ -1,6 +1,6 @@
 #include "util/shard.h"
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 

@@ -3,7 +3,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace svg {

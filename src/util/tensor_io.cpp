@@ -8,7 +8,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 

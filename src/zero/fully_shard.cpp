@@ -1,5 +1,5 @@
-// zero::fully_shard on plain modules: see include/meshtrain/zero/fully_shard.h.
-#include "meshtrain/zero/fully_shard.h"
+// zero::fully_shard on plain modules: see include/meshtrain/zero.h.
+#include "meshtrain/zero.h"
 
 #include <ATen/ATen.h>
 
@@ -9,7 +9,7 @@
 #include <unordered_map>
 
 #include "dp/gradient_sync.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "zero/optimizer_state.h"
 #include "util/shard.h"
 #include "util/autograd_hooks.h"

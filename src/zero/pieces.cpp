@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "zero/optimizer_state.h"
 
 namespace meshtrain {

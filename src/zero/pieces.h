@@ -8,10 +8,10 @@
 #include <memory>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/dp/params.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
 #include "zero/layout.h"
-#include "meshtrain/zero/zero.h"
+#include "meshtrain/zero.h"
 
 namespace meshtrain {
 namespace zero {

@@ -5,8 +5,8 @@
 #include <ATen/ATen.h>
 
 #include "dp/gradient_sync.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/zero/zero.h"
+#include "meshtrain/util.h"
+#include "meshtrain/zero.h"
 #include "zero/optimizer_state.h"
 #include "pieces.h"
 #include "util/autograd_hooks.h"

@@ -11,8 +11,7 @@
 #include <string>
 
 #include "../dist/shell.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace testing {

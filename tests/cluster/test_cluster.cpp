@@ -8,7 +8,7 @@
 
 #include "../dist/shell.h"
 #include "cluster.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 using meshtrain::str_cat;

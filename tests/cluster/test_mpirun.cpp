@@ -10,8 +10,7 @@
 #include "../dist/metrics.h"
 #include "../dist/shell.h"
 #include "cluster.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 using meshtrain::str_cat;
 using meshtrain::testing::contains;

@@ -13,9 +13,8 @@
 #include "../dist/metrics.h"
 #include "../dist/shell.h"
 #include "cluster.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
-#include "meshtrain/util/json.h"
 
 using meshtrain::str_cat;
 using meshtrain::testing::contains;

@@ -20,7 +20,7 @@ dpkg-deb -x "$deb" "$work/root"
 "$work/root/usr/bin/meshrun" --version
 "$work/root/usr/bin/meshtrain" --version
 test -f "$work/root/usr/lib/cmake/meshtrain/meshtrainConfig.cmake"
-test -f "$work/root/usr/include/meshtrain/dp/replicate.h"
+test -f "$work/root/usr/include/meshtrain/dp.h"
 # The SentencePiece plugin ships beside the library and loads from there.
 "$work/root/usr/bin/meshtrain" data --train-tokenizer 400 --out "$work/tok/lic" /usr/share/common-licenses/GPL-3 \
   | grep -q "vocabulary 400"

@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "app/trainer/run_training.h"
 #include "util/files.h"
 #include "util/tensor_io.h"

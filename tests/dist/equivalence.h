@@ -14,7 +14,7 @@
 
 #include "harness.h"
 #include "app/trainer/config.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace testing {

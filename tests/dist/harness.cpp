@@ -16,7 +16,7 @@
 #include <sstream>
 #include <thread>
 
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "comm/store.h"
 #include "util/intercept.h"
 #include "zygote.h"

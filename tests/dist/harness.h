@@ -39,7 +39,7 @@
 #include <string>
 #include <vector>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace testing {

@@ -23,7 +23,7 @@
 
 #include <torch/torch.h>
 
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "comm/store.h"
 
 // Says what the store answered to a stranger (the job's token is in this

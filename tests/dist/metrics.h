@@ -6,7 +6,7 @@
 #include <cmath>
 #include <string>
 
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace testing {

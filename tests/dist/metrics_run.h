@@ -7,7 +7,7 @@
 #include <string>
 
 #include "util/files.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "shell.h"
 
 namespace meshtrain {

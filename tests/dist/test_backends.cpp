@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "equivalence.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 #include "util/shard.h"
 
 using meshtrain::testing::RankOptions;

@@ -7,13 +7,11 @@
 #include <fstream>
 
 #include "equivalence.h"
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "harness.h"
-#include "meshtrain/train/checkpoint.h"
-#include "meshtrain/train/data.h"
-#include "meshtrain/train/token_shards.h"
+#include "meshtrain/train.h"
 #include "app/trainer/run_training.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "util/tensor_io.h"
 

@@ -12,11 +12,11 @@
 #include <fstream>
 #include <sstream>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/train/token_shards.h"
+#include "meshtrain/models.h"
+#include "meshtrain/train.h"
 #include "app/trainer/config.h"
 #include "util/files.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "metrics.h"
 #include "metrics_run.h"
 #include "shell.h"

@@ -10,7 +10,7 @@
 #include <limits>
 
 #include "harness.h"
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 #include "comm/tree_order.h"
 #include "util/shard.h"
 

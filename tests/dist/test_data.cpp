@@ -12,12 +12,11 @@
 
 #include "equivalence.h"
 #include "harness.h"
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/dp/params.h"
-#include "meshtrain/models/models.h"
-#include "meshtrain/train/data.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/models.h"
+#include "meshtrain/train.h"
 #include "app/commands/data.h"
-#include "meshtrain/train/token_shards.h"
 #include "app/trainer/run_training.h"
 #include "util/files.h"
 

@@ -7,10 +7,8 @@
 
 #include "equivalence.h"
 #include "harness.h"
-#include "meshtrain/dp/ddp.h"
-#include "meshtrain/dp/master_dp.h"
-#include "meshtrain/dp/replicate.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/util.h"
 
 using meshtrain::ConfigError;
 using meshtrain::comm::Communicator;

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "util/files.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "metrics_run.h"
 #include "shell.h"
 

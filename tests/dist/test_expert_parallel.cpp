@@ -11,8 +11,8 @@
 
 #include "harness.h"
 #include "ep/all_to_all.h"
-#include "meshtrain/ep/parallelize.h"
-#include "meshtrain/models/moe.h"
+#include "meshtrain/ep.h"
+#include "meshtrain/moe.h"
 
 using meshtrain::comm::Communicator;
 using meshtrain::models::MoE;

@@ -16,9 +16,9 @@
 #include <sstream>
 
 #include "equivalence.h"
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/models/moe.h"
-#include "meshtrain/train/module_trainer.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/moe.h"
+#include "meshtrain/train.h"
 #include "../unit/config_error.h"
 #include "app/commands/export.h"
 #include "app/trainer/run_training.h"

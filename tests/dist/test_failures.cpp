@@ -16,11 +16,9 @@
 #include <thread>
 
 #include "harness.h"
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/comm/communicator.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
+#include "meshtrain/zero.h"
 
 using meshtrain::ConfigError;
 using meshtrain::comm::Communicator;

@@ -19,8 +19,7 @@
 #include "comm/store.h"
 #include "app/launch/launcher.h"
 #include "util/files.h"
-#include "meshtrain/util/json.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "meshtrain/version.h"
 #include "shell.h"
 

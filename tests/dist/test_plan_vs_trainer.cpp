@@ -18,9 +18,9 @@
 
 #include "equivalence.h"
 #include "harness.h"
-#include "meshtrain/plan/model.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/memory_check.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 namespace plan = meshtrain::plan;
 

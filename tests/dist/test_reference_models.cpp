@@ -14,10 +14,10 @@
 
 #include <cmath>
 
-#include "meshtrain/io/weights.h"
+#include "meshtrain/io.h"
 #include "app/commands/export.h"
 #include "util/files.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "shell.h"
 
 using meshtrain::json::Value;

@@ -7,9 +7,9 @@
 #include <torch/torch.h>
 
 #include "harness.h"
-#include "meshtrain/comm/traffic.h"
-#include "meshtrain/cp/ring_attention.h"
-#include "meshtrain/nn/layers.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/cp.h"
+#include "meshtrain/nn.h"
 
 using meshtrain::comm::Communicator;
 using meshtrain::testing::run_ranks;

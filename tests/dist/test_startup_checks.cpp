@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "shell.h"
 

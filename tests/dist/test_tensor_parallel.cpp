@@ -9,12 +9,10 @@
 
 #include "equivalence.h"
 #include "harness.h"
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/tp.h"
 #include "tp/shards.h"
-#include "meshtrain/models/models.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/models.h"
+#include "meshtrain/util.h"
 
 using meshtrain::comm::Communicator;
 using meshtrain::testing::expect_trains_like_one_process;

@@ -9,7 +9,7 @@
 
 #include "harness.h"
 #include "comm/tree_order.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 using meshtrain::comm::Communicator;
 using meshtrain::comm::ReduceOp;

@@ -11,7 +11,7 @@
 
 #include "../../examples/user_llama/parallelize.h"
 #include "harness.h"
-#include "meshtrain/mesh/mesh.h"
+#include "meshtrain/mesh.h"
 #include "tp/shards.h"
 
 using meshtrain::comm::CommPtr;

@@ -17,15 +17,12 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "meshtrain/dp/params.h"
-#include "meshtrain/dp/replicate.h"
-#include "meshtrain/mesh/mesh.h"
-#include "meshtrain/pp/pipeline.h"
-#include "meshtrain/train/checkpoint.h"
-#include "meshtrain/train/module_trainer.h"
-#include "meshtrain/tp/parallelize.h"
-#include "meshtrain/zero/fully_shard.h"
-#include "meshtrain/zero/zero.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/mesh.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/train.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/zero.h"
 
 using meshtrain::comm::CommPtr;
 using meshtrain::comm::Communicator;

@@ -9,18 +9,15 @@
 #include <optional>
 
 #include "harness.h"
-#include "meshtrain/comm/traffic.h"
-#include "meshtrain/dp/params.h"
-#include "meshtrain/dp/replicate.h"
-#include "meshtrain/mesh/mesh.h"
-#include "meshtrain/pp/pipeline.h"
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/mesh.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/tp.h"
 #include "tp/shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
-#include "meshtrain/zero/fully_shard.h"
-#include "meshtrain/zero/zero.h"
+#include "meshtrain/zero.h"
 
 using meshtrain::comm::CommPtr;
 using meshtrain::comm::Communicator;

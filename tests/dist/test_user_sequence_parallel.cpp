@@ -8,10 +8,9 @@
 #include <torch/torch.h>
 
 #include "harness.h"
-#include "meshtrain/dp/params.h"
-#include "meshtrain/tp/ops.h"
-#include "meshtrain/tp/parallelize.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/tp.h"
+#include "meshtrain/util.h"
 
 using meshtrain::comm::CommPtr;
 using meshtrain::comm::Communicator;

@@ -7,14 +7,13 @@
 
 #include "equivalence.h"
 #include "harness.h"
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/dp/ddp.h"
-#include "meshtrain/train/data.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/dp.h"
+#include "meshtrain/train.h"
 #include "app/trainer/run_training.h"
 #include "util/tensor_io.h"
-#include "meshtrain/util/json.h"
-#include "meshtrain/zero/fully_shard.h"
-#include "meshtrain/zero/zero.h"
+#include "meshtrain/util.h"
+#include "meshtrain/zero.h"
 
 
 using meshtrain::comm::Communicator;

@@ -5,7 +5,7 @@
 #include <functional>
 #include <string>
 
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace testing {

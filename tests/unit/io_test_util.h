@@ -15,7 +15,7 @@
 #include <string>
 
 #include "io/shapes.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 #include "util/files.h"
 
 namespace meshtrain {

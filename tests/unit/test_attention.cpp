@@ -7,9 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include "meshtrain/nn/attention.h"
-#include "meshtrain/nn/layers.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/nn.h"
+#include "meshtrain/models.h"
 #include "util/memory.h"
 
 namespace meshtrain {

@@ -18,7 +18,7 @@
 #include "comm/shm/layout.h"
 #include "comm/shm/one_step.h"
 #include "config_error.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 using namespace meshtrain;
 using namespace meshtrain::comm;

@@ -8,9 +8,9 @@
 #include <sstream>
 
 #include "config_error.h"
-#include "meshtrain/data/shard_writer.h"
+#include "meshtrain/data.h"
 #include "app/commands/data.h"
-#include "meshtrain/train/token_shards.h"
+#include "meshtrain/train.h"
 #include "util/files.h"
 #include "scratch.h"
 

@@ -12,7 +12,7 @@
 #include "comm/tree_order.h"
 #include "dp/grain_tree.h"
 #include "app/trainer/config.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/exact_sum.h"
 #include "config_error.h"
 

@@ -3,16 +3,15 @@
 
 #include <gtest/gtest.h>
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 #include <torch/torch.h>
 
 #include "dp/buckets.h"
 #include "dp/grain_tree.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 #include "app/trainer/config.h"
-#include "meshtrain/train/data.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/init.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/sha256.h"
 #include "util/tensor_io.h"
 #include "config_error.h"

@@ -9,7 +9,7 @@
 #include "app/launch/launcher.h"
 #include "app/trainer/config.h"
 #include "app/trainer/elastic.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "meshtrain/version.h"
 
 using namespace meshtrain;

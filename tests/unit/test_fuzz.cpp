@@ -17,13 +17,13 @@
 
 #include "comm/socket.h"
 #include "comm/store_protocol.h"
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "comm/store.h"
 #include "app/launch/launcher.h"
-#include "meshtrain/plan/input.h"
-#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/plan.h"
+#include "meshtrain/train.h"
 #include "app/trainer/config.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 using namespace meshtrain;

@@ -11,7 +11,7 @@
 #include "config_error.h"
 #include "io_test_util.h"
 #include "io/safetensors.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 using namespace meshtrain;
 using meshtrain::testing::config_error_of;

@@ -12,7 +12,7 @@
 #include "io/hf.h"
 #include "io/llmc.h"
 #include "io/safetensors.h"
-#include "meshtrain/io/weights.h"
+#include "meshtrain/io.h"
 
 using namespace meshtrain;
 using meshtrain::testing::config_error_of;

@@ -6,8 +6,7 @@
 
 #include <fstream>
 
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 
 using namespace meshtrain;
 

@@ -4,8 +4,8 @@
 
 #include <set>
 
-#include "meshtrain/mesh/mesh.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/mesh.h"
+#include "meshtrain/util.h"
 
 using namespace meshtrain;
 using namespace meshtrain::mesh;

@@ -8,8 +8,7 @@
 
 #include <cmath>
 
-#include "meshtrain/models/generate.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 #include "config_error.h"
 
 using namespace meshtrain;

@@ -11,9 +11,9 @@
 
 #include <vector>
 
-#include "meshtrain/models/checkpointing.h"
-#include "meshtrain/models/moe.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/models.h"
+#include "meshtrain/moe.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace models {

@@ -7,8 +7,8 @@
 #include <climits>
 #include <random>
 
-#include "meshtrain/pp/schedule.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/pp.h"
+#include "meshtrain/util.h"
 
 using namespace meshtrain;
 using namespace meshtrain::pp;

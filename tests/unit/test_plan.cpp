@@ -5,14 +5,10 @@
 #include <cmath>
 #include <sstream>
 
-#include "meshtrain/plan/estimate.h"
-#include "meshtrain/plan/input.h"
-#include "meshtrain/plan/model.h"
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 #include "plan/time.h"
 #include "plan/units.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "split_args.h"
 
 using namespace meshtrain;

@@ -6,12 +6,12 @@
 #include <sstream>
 
 #include "app/launch/launcher.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 #include "plan/command.h"
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/config.h"
 #include "app/trainer/memory_check.h"
-#include "meshtrain/util/json.h"
+#include "meshtrain/util.h"
 #include "split_args.h"
 
 using namespace meshtrain;

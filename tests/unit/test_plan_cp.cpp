@@ -7,11 +7,8 @@
 
 #include <set>
 
-#include "meshtrain/plan/estimate.h"
-#include "meshtrain/plan/input.h"
-#include "meshtrain/plan/model.h"
+#include "meshtrain/plan.h"
 #include "plan/command.h"
-#include "meshtrain/plan/planner.h"
 #include "app/trainer/config.h"
 #include "app/trainer/memory_check.h"
 #include "config_error.h"

@@ -6,10 +6,9 @@
 #include <gtest/gtest.h>
 
 #include "config_error.h"
-#include "meshtrain/models/models.h"
+#include "meshtrain/models.h"
 #include "plan/command.h"
-#include "meshtrain/plan/estimate.h"
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/config.h"
 #include "app/trainer/memory_check.h"
 

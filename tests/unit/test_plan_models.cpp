@@ -8,15 +8,12 @@
 #include <cmath>
 #include <sstream>
 
-#include "meshtrain/models/models.h"
-#include "meshtrain/plan/estimate.h"
-#include "meshtrain/plan/input.h"
-#include "meshtrain/plan/model.h"
-#include "meshtrain/plan/planner.h"
-#include "meshtrain/tp/parallelize.h"
+#include "meshtrain/models.h"
+#include "meshtrain/plan.h"
+#include "meshtrain/tp.h"
 #include "app/trainer/config.h"
 #include "app/trainer/memory_check.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "config_error.h"
 #include "split_args.h"
 

@@ -11,11 +11,9 @@
 #include <vector>
 
 #include "plan/command.h"
-#include "meshtrain/plan/estimate.h"
-#include "meshtrain/plan/input.h"
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 #include "plan/time.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "split_args.h"
 
 using namespace meshtrain;

@@ -12,10 +12,9 @@
 #include <map>
 #include <thread>
 
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "comm/store.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "comm/socket.h"
 #include "comm/store_protocol.h"
 

@@ -8,7 +8,7 @@
 #include <set>
 
 #include "config_error.h"
-#include "meshtrain/data/sampler.h"
+#include "meshtrain/data.h"
 
 using meshtrain::data::DistributedSampler;
 using meshtrain::data::DistributedSamplerOptions;

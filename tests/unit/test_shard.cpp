@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "comm/ring.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 
 using namespace meshtrain;

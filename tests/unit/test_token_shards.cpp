@@ -9,11 +9,11 @@
 #include <fstream>
 #include <sstream>
 
-#include "meshtrain/data/sampler.h"
+#include "meshtrain/data.h"
 #include "app/trainer/config.h"
 #include "app/commands/data.h"
-#include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 
 using namespace meshtrain;

@@ -11,10 +11,10 @@
 #include <cstring>
 #include <sstream>
 
-#include "meshtrain/data/tokenizer.h"
+#include "meshtrain/data.h"
 #include "app/commands/data.h"
-#include "meshtrain/train/token_shards.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/train.h"
+#include "meshtrain/util.h"
 #include "util/files.h"
 #include "scratch.h"
 

@@ -6,17 +6,15 @@
 
 #include <sstream>
 
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/models/checkpointing.h"
-#include "meshtrain/models/models.h"
-#include "meshtrain/train/clip.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/models.h"
+#include "meshtrain/train.h"
 #include "app/trainer/config.h"
 #include "app/trainer/memory_check.h"
 #include "app/trainer/run_training.h"
-#include "meshtrain/util/error.h"
-#include "meshtrain/zero/fully_shard.h"
+#include "meshtrain/util.h"
+#include "meshtrain/zero.h"
 #include "util/intercept.h"
-#include "meshtrain/zero/zero.h"
 
 using namespace meshtrain;
 

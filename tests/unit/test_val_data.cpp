@@ -10,7 +10,7 @@
 #include "config_error.h"
 #include "app/trainer/config.h"
 #include "app/commands/data.h"
-#include "meshtrain/train/token_shards.h"
+#include "meshtrain/train.h"
 #include "scratch.h"
 
 using namespace meshtrain;

@@ -3,7 +3,7 @@
 #include <iostream>
 
 #include "app/launch/launcher.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "meshtrain/version.h"
 
 int main(int argc, char** argv) {

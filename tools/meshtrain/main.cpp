@@ -14,10 +14,9 @@
 #include <map>
 #include <thread>
 
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/comm/rendezvous.h"
+#include "meshtrain/comm.h"
 #include "app/launch/elastic.h"
-#include "meshtrain/plan/planner.h"
+#include "meshtrain/plan.h"
 #include "app/trainer/config.h"
 #include "app/trainer/elastic.h"
 #include "app/commands/export.h"
@@ -25,9 +24,9 @@
 #include "app/commands/measure_flops.h"
 #include "app/trainer/memory_check.h"
 #include "app/commands/data.h"
-#include "meshtrain/train/token_shards.h"
+#include "meshtrain/train.h"
 #include "app/trainer/run_training.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 #include "util/memory.h"
 #include "meshtrain/version.h"
 

@@ -12,8 +12,8 @@
 #include "../header.h"
 #include "../process.h"
 #include "../shm/communicator.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 
 namespace meshtrain {

@@ -10,8 +10,8 @@
 #include <numeric>
 
 #include "../backend.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "runtime.h"
 #include "world.h"
 

@@ -31,8 +31,8 @@
 #include <cstring>
 
 #include "communicator.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "runtime.h"
 
 namespace meshtrain {

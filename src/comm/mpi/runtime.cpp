@@ -49,9 +49,8 @@
 #include <thread>
 
 #include "../reduce.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/comm/rendezvous.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {

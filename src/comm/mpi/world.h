@@ -2,7 +2,7 @@
 // Making the MPI world, for init_from_env (no mpi.h here: only the MPI
 // sources are compiled with MPI's include path).
 
-#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm.h"
 
 namespace meshtrain {
 namespace comm {

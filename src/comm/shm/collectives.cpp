@@ -37,8 +37,8 @@
 
 #include "../reduce.h"
 #include "communicator.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "util/shard.h"
 
 namespace meshtrain {

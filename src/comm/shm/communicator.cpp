@@ -15,8 +15,8 @@
 #include "futex.h"
 #include "one_step.h"
 #include "p2p.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {

@@ -26,8 +26,8 @@
 
 #include "communicator.h"
 #include "futex.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 #include "p2p.h"
 
 namespace meshtrain {

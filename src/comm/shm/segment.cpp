@@ -11,8 +11,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {

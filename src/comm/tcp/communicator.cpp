@@ -13,8 +13,8 @@
 #include "../backend.h"
 #include "comm/host_profile.h"
 #include "../store_auth.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {

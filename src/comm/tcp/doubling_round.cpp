@@ -9,8 +9,8 @@
 #include "communicator.h"
 #include "doubling.h"
 #include "../reduce.h"
-#include "meshtrain/comm/errors.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/comm.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {

@@ -11,7 +11,7 @@
 #include "../socket.h"
 #include "links.h"
 #include "links_peer.h"
-#include "meshtrain/util/error.h"
+#include "meshtrain/util.h"
 
 namespace meshtrain {
 namespace comm {
