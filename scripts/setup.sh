@@ -27,9 +27,10 @@ PACKAGES=(build-essential cmake ccache ninja-build libtorch-dev libgloo-dev libo
           libxxhash-dev libsentencepiece-dev libpcre2-dev)
 # The tests: dpkg-dev and file (cpack's Debian package, dependencies by
 # dpkg-shlibdeps); python3-sentencepiece and nodejs (the tokenizer tests'
-# references); iproute2 + util-linux (the cluster tests' hosts: ip netns, unshare).
+# references); iproute2 + util-linux (the cluster tests' hosts: ip netns, unshare);
+# python3-protobuf + python3-crcmod (the TensorBoard test's independent reader).
 if ((!demo)); then
-  PACKAGES+=(dpkg-dev file python3-sentencepiece nodejs iproute2 util-linux)
+  PACKAGES+=(dpkg-dev file python3-sentencepiece nodejs iproute2 util-linux python3-protobuf python3-crcmod)
   # npm comes with NodeSource's nodejs; Debian's nodejs needs Debian's npm.
   command -v npm >/dev/null || PACKAGES+=(npm)
 fi

@@ -9,12 +9,6 @@
 namespace meshtrain {
 namespace train {
 
-// Achieved FLOP/s of a float32 n x n matmul (2 n^3 FLOPs) on this machine
-// with `threads` intra-op threads (the rank's: OMP_NUM_THREADS, as meshrun
-// exports it, else libtorch's default): the best of `repeats` timed runs
-// after one warm-up.
-double measure_matmul_flops(int threads, int n = 1024, int repeats = 5);
-
 // Threads a rank would use here: OMP_NUM_THREADS when set, else libtorch's count.
 int rank_threads();
 

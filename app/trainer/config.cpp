@@ -128,6 +128,8 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--precision", "fp32|bf16-mixed", "bf16-mixed: bf16 compute, fp32 master weights (default fp32)",
               c.precision),
         store("--reduce-dtype", "bf16|fp32", "bf16-mixed: dtype gradients are reduced in (default bf16)", c.reduce_dtype),
+        store("--peak-tflops", "X", "one host's peak at the run's precision, MFU's denominator (default: measured at "
+              "start)", c.peak_tflops),
         store("--clip-grad-norm", "X", "clip the global L2 norm over every layout (default 0: measured, not clipped)",
               c.clip_grad_norm),
         turn("--deterministic", "the same bits on every dp size: losses and weights as one process's (docs/dp.md)",
@@ -155,6 +157,8 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--val-batches", "B", "global batches of --val-data per held-out loss", c.val_batches),
         store("--metrics-out", "FILE", "JSON at the end: losses, times, memory and traffic per rank; each step as a JSON "
               "line in FILE.steps.jsonl as it ends", c.metrics_out),
+        store("--tensorboard", "DIR", "each step's loss, lr, grad norm, tokens/s, MFU and held-out loss as TensorBoard "
+              "event files in DIR (tensorboard --logdir DIR)", c.tensorboard),
         store("--plot", "FILE.svg", "the loss curve", c.plot),
         store("--trace", "FILE", "the last step's pipeline timeline (Chrome trace JSON + SVG)", c.trace)}},
       {"checkpoints",
@@ -187,7 +191,13 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
 }
 
 flags::Parser train_parser(TrainConfig& c) {
-  return flags::Parser("meshtrain", "usage: meshtrain [flags]        (meshtrain plan --help: the planner)\n",
+  return flags::Parser("meshtrain",
+                       "usage: meshtrain [flags]             train a model (the flags below)\n"
+                       "       meshtrain plan [flags]        which layouts fit and which runs fastest\n"
+                       "       meshtrain data [flags]        text to llm.c token shards; train a tokenizer\n"
+                       "       meshtrain export [flags]      a checkpoint as Hugging Face or llm.c weights\n"
+                       "       meshtrain generate [flags]    text from a checkpoint or weights\n"
+                       "       (meshtrain COMMAND --help: the command's flags)\n",
                        train_flags(c),
                        "Run under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n");
 }
@@ -233,6 +243,8 @@ void check_values(const TrainConfig& c) {
   models::checkpointing_period(c.activation_checkpointing);  // throws ConfigError naming the value
   MESHTRAIN_CHECK(c.precision == "fp32" || c.precision == "bf16-mixed", "--precision '", c.precision,
                   "' is unknown; use fp32 or bf16-mixed");
+  MESHTRAIN_CHECK(std::isfinite(c.peak_tflops) && c.peak_tflops >= 0, "--peak-tflops ", c.peak_tflops,
+                  " must be a positive number (one host's peak TFLOP/s; leave it out to measure it)");
   MESHTRAIN_CHECK(c.reduce_dtype == "bf16" || c.reduce_dtype == "fp32", "--reduce-dtype '", c.reduce_dtype,
                   "' is unknown; use bf16 (half the bytes) or fp32 (sums in fp32)");
   MESHTRAIN_CHECK(c.precision == "fp32" || c.zero == 0 || c.reduce_dtype == "bf16", "--reduce-dtype fp32 with "

@@ -65,6 +65,10 @@ struct TrainConfig {
   // fp32 master weights and optimizer state (train/mixed_precision.h).
   std::string precision = "fp32";
   std::string reduce_dtype = "bf16";  // bf16-mixed: gradients reduced in bf16 | fp32
+  // The peak TFLOP/s of one host at the run's precision, MFU's denominator
+  // (0: measured at start; Note [An honest MFU] in device_peak.cpp).
+  double peak_tflops = 0;
+  std::string tensorboard;  // --tensorboard DIR: rank 0's scalars as TensorBoard event files
   double clip_grad_norm = 0;  // clip the global gradient norm to this (0: measure only)
   // Recompute in backward instead of keeping activations: none | blocks (every
   // GPT block / MLP layer) | every-N (every N-th block, from the first).

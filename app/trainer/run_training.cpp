@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "held_out.h"
 #include "input_files.h"
+#include "app/trainer/device_peak.h"
 #include "app/trainer/elastic.h"
 #include "meshtrain/train.h"
 #include "train/mixed_precision.h"
@@ -109,12 +110,15 @@ class StepLog {
   std::FILE* file_ = nullptr;
 };
 
-// The FLOP/s every rank's matrix products reach, measured by all at once (so
-// ranks sharing cores see their share), summed.
-double measured_world_flops(comm::Communicator& metrics) {
-  at::Tensor flops = at::tensor({measure_matmul_flops()}, at::kDouble);
-  metrics.all_reduce(flops);
-  return flops.item<double>();
+// --tensorboard: the step's figures under torchtitan's and Lightning's tags.
+void log_scalars(SummaryWriter& board, const TrainConfig& c, const StepFigures& f) {
+  const int64_t step = f.step + 1;
+  board.add_scalar("train/loss", f.loss, step);
+  board.add_scalar("train/lr", f.lr, step);
+  board.add_scalar("train/grad_norm", f.grad_norm, step);
+  board.add_scalar("train/tokens_per_s", c.global_batch * tokens_per_sample(c) / f.seconds, step);
+  board.add_scalar("train/mfu", f.mfu, step);
+  board.add_scalar("train/step_time_s", f.seconds, step);
 }
 
 // Test hook: MESHTRAIN_TEST_KILL_AT_STEP=k on rank MESHTRAIN_TEST_KILL_RANK (default 1),
@@ -227,8 +231,16 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   TrainResult result;
   result.first_step = resumed.first_step;
   StepLog step_log(c, chief, resumed.first_step > 0);
+  const std::unique_ptr<SummaryWriter> board =
+      chief && !c.tensorboard.empty() ? std::make_unique<SummaryWriter>(c.tensorboard) : nullptr;
   const double flops_per_step = models::training_flops_per_token(c.model) * tokens_per_sample(c) * c.global_batch;
-  const double world_flops = measured_world_flops(*metrics);
+  const JobPeak peak = job_peak(c, *metrics);
+  if (chief && options.verbose) print_peak(c, peak);
+  result.model_flops_per_step = flops_per_step;
+  result.peak_flops = peak.flops;
+  result.peak_source = peak.how;
+  result.fp32_flops = peak.fp32_flops;
+  result.bf16_flops = peak.bf16_flops;
   const auto started = Clock::now();
   const std::unique_ptr<StopScope> stop_scope = c.save_dir.empty() ? nullptr : std::make_unique<StopScope>();
   bool inputs_compared = false;
@@ -260,16 +272,19 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                     result.grad_norms.back(), " (a gradient is not finite); lower --lr or clip with --clip-grad-norm");
     if (chief && options.verbose && step == resumed.first_step && step > 0) report_restart_time();
     const StepFigures figures{step, result.losses.back(), result.grad_norms.back(), lr, seconds,
-                              flops_per_step / seconds / world_flops, router_load};
+                              flops_per_step / seconds / peak.flops, router_load};
     step_log.write(figures);
+    if (board) log_scalars(*board, c, figures);
     result.learning_rates.push_back(lr);
     result.mfu.push_back(figures.mfu);
     if (chief && options.verbose && ((step + 1) % c.log_every == 0 || step + 1 == c.steps)) {
       print_progress(c, figures, std::chrono::duration<double>(Clock::now() - started).count(),
                      step + 1 - resumed.first_step);
     }
-    if (c.eval_every > 0 && ((step + 1) % c.eval_every == 0 || step + 1 == c.steps))
+    if (c.eval_every > 0 && ((step + 1) % c.eval_every == 0 || step + 1 == c.steps)) {
       record_held_out_loss(c, step, *engine, held_out, *metrics, chief && options.verbose, result);
+      if (board) board->add_scalar("eval/loss", result.eval_losses.back(), step + 1);
+    }
     const bool saved = saver.after_step(step, *engine, stopping);
     if (stopping) {
       saver.finish();

@@ -32,7 +32,11 @@ struct TrainResult {
   std::vector<double> step_times;  // seconds
   std::vector<double> grad_norms;  // global gradient norm of each step, before clipping
   std::vector<double> learning_rates;  // of each step (the schedule's)
-  std::vector<double> mfu;         // model FLOPs utilisation of each step (trainer.cpp)
+  std::vector<double> mfu;         // model FLOPs / step time / peak_flops, each step
+  double model_flops_per_step = 0;  // forward and backward over the global batch
+  double peak_flops = 0;            // the job's peak (Note [An honest MFU])
+  std::string peak_source;          // how peak_flops was obtained
+  double fp32_flops = 0, bf16_flops = 0;  // bf16-mixed: both measured rates, the ranks together
   // --experts: each step's routes per layer and expert over the global batch,
   // [layers, experts + 1] (the last column: routes dropped for capacity).
   std::vector<at::Tensor> router_load;

@@ -10,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -166,10 +167,6 @@ struct StateBytes {
 };
 
 int64_t peak_rss_bytes();
-// This process's float32 matrix-product speed (FLOP/s) with its intra-op
-// threads, measured now on a 256^3 product: the denominator of model FLOPs
-// utilisation, measured because these machines differ from host to host.
-double measure_matmul_flops();
 std::string state_bytes_json(const StateBytes& s);
 // Traffic per step: the counters divided by the number of steps.
 std::string traffic_json(const comm::Traffic& total, int steps);
@@ -185,6 +182,26 @@ int64_t routes_dropped(const at::Tensor& load);
 std::string ascii_plot(const std::vector<double>& values, int width = 60, int height = 10);
 // The loss curve as an SVG file.
 void write_svg_plot(const std::string& path, const std::vector<double>& values, const std::string& title);
+
+// TensorBoard's event files, as torch.utils.tensorboard's SummaryWriter
+// writes them: scalars by tag and step in DIR/events.out.tfevents.<time>.<host>
+// (TFRecord framing with masked CRC32C, tensorflow.Event protobufs), so
+// `tensorboard --logdir DIR` plots a run. Each scalar is flushed as written,
+// so a killed run keeps what it logged. One writer per file; not thread-safe.
+class SummaryWriter {
+ public:
+  explicit SummaryWriter(const std::string& dir);  // creates DIR
+  ~SummaryWriter();
+  SummaryWriter(const SummaryWriter&) = delete;
+  SummaryWriter& operator=(const SummaryWriter&) = delete;
+  void add_scalar(const std::string& tag, double value, int64_t step);
+  const std::string& path() const { return path_; }
+
+ private:
+  void write_record(const std::string& event);
+  std::string path_;
+  std::FILE* file_ = nullptr;
+};
 
 }  // namespace train
 }  // namespace meshtrain

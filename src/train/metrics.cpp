@@ -21,20 +21,6 @@ int64_t peak_rss_bytes() {
   return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
-double measure_matmul_flops() {
-  at::NoGradGuard no_grad;
-  const int64_t n = 256;
-  const at::Tensor a = at::rand({n, n}), b = at::rand({n, n});
-  at::Tensor c = at::matmul(a, b);  // warm up (thread pool, caches)
-  double best = 1e30;
-  for (int round = 0; round < 5; ++round) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 4; ++i) c = at::matmul(a, b);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 4);
-  }
-  return 2.0 * n * n * n / best;
-}
-
 std::string state_bytes_json(const StateBytes& s) {
   return json::Object()
       .integer("parameters", s.parameters)

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "meshtrain/models.h"
@@ -73,6 +74,100 @@ TEST(Cli, DataParallelOnThreeRanksGivesTheLossesOfOneProcess) {
       EXPECT_GT(rank["traffic"]["total"]["bytes_sent"].num(), 0);
     }
   }
+}
+
+// Note [An honest MFU]: the metrics file records the model's FLOPs per step
+// (PaLM's count, computed here from the parameters the ranks hold: 6 per
+// weight a token computes with, the learned positions excepted, and 12 L H T
+// for attention), the peak and how it was obtained, and each step's MFU is
+// their quotient; under bf16-mixed the warning shows exactly when the
+// measured bf16 rate is the lower.
+TEST(Cli, MfuIsTheModelsFlopsOverTheGivenOrMeasuredPeak) {
+  TempDir dir;
+  const Value given = train_metrics(2, kTiny + "--peak-tflops 0.25", dir.file("given.json"));
+  const Value measured = train_metrics(1, kTiny, dir.file("measured.json"));
+  if (HasFailure()) return;
+  const double weights = given["ranks"][0]["state_bytes"]["parameters"].num() / 4 - 16 * 32;
+  const double per_step = (6 * weights + 12.0 * 3 * 32 * 16) * 16 * 24;  // tokens: seq-len x global batch
+  for (const Value* m : {&given, &measured}) {
+    EXPECT_NEAR((*m)["model_flops_per_step"].num(), per_step, 1e-6 * per_step);
+    ASSERT_EQ((*m)["mfu"].size(), 4u);
+    for (size_t s = 0; s < 4; ++s) {
+      const double expected = per_step / (*m)["step_times_s"][s].num() / (*m)["peak_flops"].num();
+      EXPECT_NEAR((*m)["mfu"][s].num(), expected, 1e-4 * expected) << "step " << s;
+    }
+  }
+  EXPECT_DOUBLE_EQ(given["peak_flops"].num(), 0.25e12);
+  EXPECT_TRUE(contains(given["peak_source"].str(), "--peak-tflops 0.25 x 1 host")) << given["peak_source"].str();
+  EXPECT_TRUE(contains(measured["peak_source"].str(), "measured: 3 ")) << measured["peak_source"].str();
+  EXPECT_GT(measured["peak_flops"].num(), 1e8);
+
+  const Shell bf16 = sh(kMeshrun + "--nproc-per-node 1 -- " + kBin + "/meshtrain" + kTiny +
+                        "--steps 1 --precision bf16-mixed --metrics-out " + dir.file("bf16.json"));
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  const Value m = meshtrain::json::parse(meshtrain::files::read_all(dir.file("bf16.json")));
+  const double fp32_rate = m["matmul_flops"]["fp32"].num(), bf16_rate = m["matmul_flops"]["bf16"].num();
+  EXPECT_GT(fp32_rate, 0);
+  EXPECT_GT(bf16_rate, 0);
+  EXPECT_DOUBLE_EQ(m["peak_flops"].num(), bf16_rate);
+  EXPECT_EQ(contains(bf16.output, "warning: --precision bf16-mixed: bf16 matrix products run at"), bf16_rate < fp32_rate)
+      << bf16.output;
+}
+
+// The start lines print the resolved configuration as TOML, one key a line,
+// in torchtitan's sections; Python's tomllib reads it back equal, key for
+// key, to the configuration the metrics file records as JSON.
+TEST(Cli, TheResolvedConfigurationPrintsAsTomlThatReadsBackEqual) {
+  TempDir dir;
+  const Shell r = sh(kMeshrun + "--nproc-per-node 1 -- " + kBin + "/meshtrain" + kTiny + "--steps 1 --metrics-out " +
+                     dir.file("m.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ofstream(dir.file("out.txt")) << r.output;
+  sh("sed -n 's/^\\[rank0\\]: //p' " + dir.file("out.txt") +
+     " | sed -n '/resolved (TOML/,/^meshtrain: /p' | sed '1d;$d' > " + dir.file("run.toml"));
+  const std::string toml = meshtrain::files::read_all(dir.file("run.toml"));
+  EXPECT_TRUE(contains(toml, "[parallelism]\ndp = 1\n")) << toml;
+  const Shell check = sh("/usr/bin/python3 -c '\n"
+                         "import json, sys, tomllib\n"
+                         "t = tomllib.load(open(sys.argv[1], \"rb\"))\n"
+                         "j = json.load(open(sys.argv[2]))[\"config\"]\n"
+                         "flat = {k: v for s, kv in t.items() if s != \"model\" for k, v in kv.items()}\n"
+                         "flat[\"model\"] = t[\"model\"]\n"
+                         "differ = [k for k in set(flat) | set(j) if flat.get(k) != j.get(k)]\n"
+                         "print(\"differ: \" + str(differ) if differ else \"same\")\n"
+                         "' " + dir.file("run.toml") + " " + dir.file("m.json") + " 2>&1");
+  EXPECT_EQ(check.output, "same\n") << toml;
+}
+
+// --tensorboard: rank 0's figures of every step and the held-out loss as
+// TensorBoard event files, read back by tests/dist/read_tfevents.py (Google's
+// protobuf runtime and crcmod's CRC-32C, not our encoder; every record's
+// checksums verified) equal, as float32, to what the metrics file records.
+TEST(Cli, TensorBoardEventsReadBackEqualToTheMetrics) {
+  TempDir dir;
+  const Value m = train_metrics(2, kTiny + "--eval-every 2 --tensorboard " + dir.file("tb"), dir.file("m.json"));
+  if (HasFailure()) return;
+  const Shell r = sh("/usr/bin/python3 " + kSource + "/tests/dist/read_tfevents.py " + dir.file("tb") +
+                     "/events.out.tfevents.*");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::map<std::string, std::map<int, double>> got;  // tag -> step -> value
+  std::istringstream in(r.output);
+  for (std::string tag; in >> tag;) {
+    int step = 0;
+    double value = 0;
+    in >> step >> value;
+    got[tag][step] = value;
+  }
+  const std::map<std::string, std::string> series = {
+      {"train/loss", "losses"}, {"train/lr", "learning_rates"}, {"train/grad_norm", "grad_norms"},
+      {"train/mfu", "mfu"}};
+  for (const auto& [tag, key] : series) {
+    ASSERT_EQ(got[tag].size(), 4u) << tag << "\n" << r.output;
+    for (int s = 0; s < 4; ++s) EXPECT_FLOAT_EQ(got[tag][s + 1], m[key][s].num()) << tag << " step " << s + 1;
+  }
+  ASSERT_EQ(got["eval/loss"].size(), 2u) << r.output;  // after steps 2 and 4
+  for (size_t i = 0; i < 2; ++i)
+    EXPECT_FLOAT_EQ(got["eval/loss"][static_cast<int>(m["eval_steps"][i].num())], m["eval_losses"][i].num());
 }
 
 // ZeRO on three ranks (the parameter count is odd: uneven shards): the losses

@@ -469,8 +469,14 @@ TEST(Meshrun, TorchrunFlagsAndQuiet) {
     EXPECT_TRUE(contains(r.output, flag)) << flag << "\n" << r.output;
   r = sh(kBin + "/meshtrain --help 2>/dev/null");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (const char* flag : {"--data", "--async-save", "--zero", "--pp", "--clip-grad-norm"})
+  for (const char* flag : {"--data", "--async-save", "--zero", "--pp", "--clip-grad-norm", "--peak-tflops"})
     EXPECT_TRUE(contains(r.output, flag)) << flag << "\n" << r.output;
+  // and the commands beside training, each of which answers its own --help
+  for (const char* command : {"plan", "data", "export", "generate"}) {
+    EXPECT_TRUE(contains(r.output, std::string("meshtrain ") + command + " [flags]")) << command << "\n" << r.output;
+    const Shell own = sh(kBin + "/meshtrain " + command + " --help 2>&1");
+    EXPECT_EQ(own.exit_code, 0) << command << ": " << own.output;
+  }
 }
 
 // kill -9 of a rank in the middle of a step: meshrun stops the group and

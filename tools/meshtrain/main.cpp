@@ -24,6 +24,7 @@
 #include "app/commands/measure_flops.h"
 #include "app/trainer/memory_check.h"
 #include "app/commands/data.h"
+#include "app/trainer/config_toml.h"
 #include "meshtrain/train.h"
 #include "app/trainer/run_training.h"
 #include "meshtrain/util.h"
@@ -119,7 +120,8 @@ int main(int argc, char** argv) {
         std::cout << "meshtrain: a world of " << world->size() << " ranks runs dp " << config.dp << " x pp " << config.pp
                   << " x tp " << config.tp << ", ZeRO " << config.zero << " (" << layout.source << ")" << std::endl;
       }
-      std::cout << "meshtrain: " << train::to_json(config) << std::endl;
+      std::cout << "meshtrain: the run's configuration, resolved (TOML; --metrics-out records it as JSON):\n"
+                << train::to_toml(config) << std::flush;
       std::cout << "meshtrain: communication backend " << world->backend() << " (world of " << world->size()
                 << (world->size() == 1 ? " rank" : " ranks") << "; --backend or MESHTRAIN_BACKEND to choose)"
                 << std::endl;
