@@ -3,12 +3,14 @@
 #include <ATen/ATen.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <set>
 
 #include "comm/process.h"
 #include "meshtrain/util.h"
 #include "train/matmul_rate.h"
+#include "util/flags.h"
 #include "util/strings.h"
 
 namespace meshtrain {
@@ -21,7 +23,7 @@ namespace train {
 // CPUs: GPT-2 124M showed "MFU 87-95%" where the honest figure is ~50%, and
 // the figure was never shown. Now the peak is --peak-tflops (per host: a
 // CPU's cores or a node's accelerators, as their datasheet gives it) times
-// the hosts, or, by default, measured at the run's precision on a product
+// the hosts, or, by default, measured at the run's precision on products
 // large enough for the kernels to reach their speed (train/matmul_rate.h),
 // by every rank at once from a barrier: all their FLOPs over the slowest
 // rank's time (ranks that share cores see their share, so this is the host's
@@ -44,21 +46,20 @@ int count_hosts(comm::Communicator& metrics) {
   return static_cast<int>(std::set<int64_t>(v, v + all.numel()).size());
 }
 
-// The ranks' rate together: each times `kProducts` products at the size its
-// probe chose, all starting at a barrier, and the job's rate is all their
-// FLOPs over the slowest rank's time. (Summing each rank's best time would
-// count the moments a rank ran alone on a shared core: 8 ranks on 2 cores
-// summed to more than the two cores can do.)
-constexpr int kProducts = 3;
-
-std::pair<double, MatmulRate> together_rate(at::ScalarType dtype, comm::Communicator& metrics) {
-  const MatmulRate probe = measure_matmul_rate(dtype);
-  const double seconds = seconds_of_matmuls(dtype, probe.n, kProducts, [&] { metrics.barrier(); });
-  at::Tensor work = at::tensor({2.0 * static_cast<double>(probe.n) * probe.n * probe.n * kProducts}, at::kDouble);
+// The ranks' rate together: each times products of the size matmul_size_for
+// chooses (at least 2, for at least 0.1 s), all starting at a barrier, and the
+// job's rate is all their FLOPs over the slowest rank's time. (Summing each
+// rank's best time would count the moments a rank ran alone on a shared core:
+// 8 ranks on 2 cores summed to more than the two cores can do.) About 0.2 s
+// at start, one process or 8 ranks on 2 cores.
+std::pair<double, int64_t> together_rate(at::ScalarType dtype, comm::Communicator& metrics) {
+  const int64_t n = matmul_size_for(dtype);
+  const auto [seconds, products] = time_matmuls(dtype, n, 2, 0.1, [&] { metrics.barrier(); });
+  at::Tensor work = at::tensor({2.0 * static_cast<double>(n) * n * n * products}, at::kDouble);
   at::Tensor slowest = at::tensor({seconds}, at::kDouble);
   metrics.all_reduce(work);
   metrics.all_reduce(slowest, comm::ReduceOp::kMax);
-  return {work.item<double>() / slowest.item<double>(), probe};
+  return {work.item<double>() / slowest.item<double>(), n};
 }
 
 }  // namespace
@@ -67,18 +68,21 @@ JobPeak job_peak(const TrainConfig& c, comm::Communicator& metrics) {
   const bool bf16 = c.precision == "bf16-mixed";
   JobPeak peak;
   if (bf16) peak.fp32_flops = together_rate(at::kFloat, metrics).first;  // for the warning
-  if (c.peak_tflops > 0) {
+  const char* env = std::getenv("MESHTRAIN_PEAK_TFLOPS");
+  const double given = c.peak_tflops > 0 ? c.peak_tflops : env ? flags::to_finite("MESHTRAIN_PEAK_TFLOPS", env) : 0;
+  if (given > 0) {
     const int hosts = count_hosts(metrics);
-    peak.flops = c.peak_tflops * 1e12 * hosts;
-    peak.how = str_cat("--peak-tflops ", c.peak_tflops, " x ", hosts, hosts == 1 ? " host" : " hosts");
+    peak.flops = given * 1e12 * hosts;
+    peak.how = str_cat(c.peak_tflops > 0 ? "--peak-tflops " : "MESHTRAIN_PEAK_TFLOPS=", given, " x ", hosts,
+                       hosts == 1 ? " host" : " hosts");
     if (bf16) peak.bf16_flops = together_rate(at::kBFloat16, metrics).first;
     return peak;
   }
-  const auto [rate, probe] = together_rate(bf16 ? at::kBFloat16 : at::kFloat, metrics);
+  const auto [rate, n] = together_rate(bf16 ? at::kBFloat16 : at::kFloat, metrics);
   (bf16 ? peak.bf16_flops : peak.fp32_flops) = rate;
   peak.flops = rate;
   const std::string cpu = cpu_model_name();
-  peak.how = str_cat("measured: ", kProducts, " ", probe.n, "^3 ", bf16 ? "bfloat16" : "float32", " matmuls on each of ",
+  peak.how = str_cat("measured: ", n, "^3 ", bf16 ? "bfloat16" : "float32", " matmuls for 0.1 s on each of ",
                      metrics.size(), metrics.size() == 1 ? " rank" : " ranks", " at once", cpu.empty() ? "" : " on " + cpu);
   return peak;
 }

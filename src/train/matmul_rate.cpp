@@ -21,32 +21,33 @@ double seconds_of_one(const at::Tensor& a, const at::Tensor& b, at::Tensor& c) {
 
 }  // namespace
 
-MatmulRate measure_matmul_rate(c10::ScalarType dtype, int64_t max_n, double budget_seconds) {
+int64_t matmul_size_for(c10::ScalarType dtype, int64_t max_n) {
   at::NoGradGuard no_grad;
+  const int64_t n = std::min<int64_t>(512, max_n);
   const auto options = at::TensorOptions().dtype(dtype);
+  const at::Tensor a = at::randn({n, n}, options), b = at::randn({n, n}, options);
+  at::Tensor c = at::empty({n, n}, options);
+  seconds_of_one(a, b, c);  // warm-up: thread pool, packing buffers
+  return seconds_of_one(a, b, c) >= 0.05 ? n : max_n;
+}
+
+MatmulRate measure_matmul_rate(c10::ScalarType dtype, int repeats) {
+  at::NoGradGuard no_grad;
   MatmulRate r;
-  at::Tensor a, b, c;
-  double best = 0;
-  for (int64_t n = 256;; n *= 2) {
-    a = at::randn({n, n}, options), b = at::randn({n, n}, options), c = at::empty({n, n}, options);
-    seconds_of_one(a, b, c);  // warm-up: thread pool, caches, packing buffers
-    best = seconds_of_one(a, b, c);
-    r.n = n;
-    if (best >= 0.02 || 2 * n > max_n) break;
-  }
-  r.repeats = 1;
-  double spent = best;
-  while (r.repeats < 3 || spent + best <= budget_seconds) {
-    const double t = seconds_of_one(a, b, c);
-    spent += t;
-    best = std::min(best, t);
-    ++r.repeats;
-  }
+  r.n = matmul_size_for(dtype);
+  r.repeats = repeats;
+  const auto options = at::TensorOptions().dtype(dtype);
+  const at::Tensor a = at::randn({r.n, r.n}, options), b = at::randn({r.n, r.n}, options);
+  at::Tensor c = at::empty({r.n, r.n}, options);
+  seconds_of_one(a, b, c);
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) best = std::min(best, seconds_of_one(a, b, c));
   r.flops = 2.0 * static_cast<double>(r.n) * r.n * r.n / best;
   return r;
 }
 
-double seconds_of_matmuls(c10::ScalarType dtype, int64_t n, int count, const std::function<void()>& start) {
+std::pair<double, int> time_matmuls(c10::ScalarType dtype, int64_t n, int min_count, double min_seconds,
+                                    const std::function<void()>& start) {
   at::NoGradGuard no_grad;
   const auto options = at::TensorOptions().dtype(dtype);
   const at::Tensor a = at::randn({n, n}, options), b = at::randn({n, n}, options);
@@ -54,8 +55,9 @@ double seconds_of_matmuls(c10::ScalarType dtype, int64_t n, int count, const std
   seconds_of_one(a, b, c);
   start();
   double total = 0;
-  for (int i = 0; i < count; ++i) total += seconds_of_one(a, b, c);
-  return total;
+  int count = 0;
+  while (count < min_count || total < min_seconds) total += seconds_of_one(a, b, c), ++count;
+  return {total, count};
 }
 
 std::string cpu_model_name() {

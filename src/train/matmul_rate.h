@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 namespace meshtrain {
 namespace train {
@@ -17,17 +18,22 @@ struct MatmulRate {
   int repeats = 0;   // timed runs, the best one counted
 };
 
-// Measures now, with this process's intra-op threads, a square product of
-// `dtype`: n doubles from 256 until one product takes 20 ms or n reaches
-// max_n (large enough for the kernels to reach their speed, small enough to
-// stay quick where the dtype is slow), then the best of the runs that fit
-// `budget_seconds` (at least 3).
-MatmulRate measure_matmul_rate(c10::ScalarType dtype, int64_t max_n = 2048, double budget_seconds = 0.25);
+// The size of square product of `dtype` worth timing here: max_n, unless
+// one 512^3 product already takes 50 ms, under 5.4 GFLOP/s (a dtype this CPU has no instructions
+// for: bf16 without AVX512_BF16 runs 30-40x slower), then 512. On these
+// CPUs a 512^3 float32 product already reaches the kernels' speed.
+int64_t matmul_size_for(c10::ScalarType dtype, int64_t max_n = 1024);
 
-// Seconds that `count` n x n products of `dtype` take one after another,
-// timed from after `start()` returns (inputs made and a warm-up run before it:
-// ranks measuring together start at a barrier there).
-double seconds_of_matmuls(c10::ScalarType dtype, int64_t n, int count, const std::function<void()>& start);
+// Measures now, with this process's intra-op threads: the best of `repeats`
+// products of matmul_size_for(dtype) after a warm-up.
+MatmulRate measure_matmul_rate(c10::ScalarType dtype, int repeats = 3);
+
+// n x n products of `dtype` one after another, at least `min_count` and
+// until `min_seconds` have passed, timed from after `start()` returns (inputs
+// made and a warm-up run before it: ranks measuring together start at a
+// barrier there). Returns {seconds, products}.
+std::pair<double, int> time_matmuls(c10::ScalarType dtype, int64_t n, int min_count, double min_seconds,
+                                    const std::function<void()>& start);
 
 // The CPU's model name (/proc/cpuinfo), "" where unknown.
 std::string cpu_model_name();
