@@ -24,7 +24,7 @@ demo=0
 # (schedules 200 units better than make, and logs each unit's time).
 PACKAGES=(build-essential cmake ccache ninja-build libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin
           libopenblas0-pthread libgtest-dev libbenchmark-dev pkg-config libssl-dev nlohmann-json3-dev
-          libxxhash-dev libsentencepiece-dev libpcre2-dev)
+          libxxhash-dev libsentencepiece-dev libpcre2-dev libtomlplusplus-dev)
 # The tests: dpkg-dev and file (cpack's Debian package, dependencies by
 # dpkg-shlibdeps); python3-sentencepiece and nodejs (the tokenizer tests'
 # references); iproute2 + util-linux (the cluster tests' hosts: ip netns, unshare);

@@ -1,5 +1,7 @@
 #include "app/trainer/config.h"
 
+#include "app/trainer/config_file.h"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -108,6 +110,26 @@ void record_model_flags(flags::Group& model, TrainConfig& c) {
   }
 }
 
+// The flags that set something other than one field say their value too
+// (`meshtrain config --dump`).
+void give_values(std::vector<flags::Group>& groups, TrainConfig& c) {
+  const std::map<std::string, std::function<std::string()>> values = {
+      {"--vocab", [&c] { return c.vocab_given ? std::to_string(c.model.vocab) : std::string(); }},
+      {"--attention", [&c] { return nn::attention_kernel_name(c.model.attention); }},
+      {"--untied", [&c] { return c.tie == "untied" ? std::string("true") : std::string(); }},
+      {"--tied", [&c] { return c.tie == "tied" ? std::string("true") : std::string(); }},
+      {"--seed", [&c] { return std::to_string(c.seed); }},
+      {"--stage-boundaries", [&c] {
+         std::vector<std::string> b;
+         for (int64_t x : c.stage_boundaries) b.push_back(std::to_string(x));
+         return join(b, ",");
+       }},
+  };
+  for (flags::Group& g : groups)
+    for (flags::Flag& f : g.flags)
+      if (values.count(f.name)) f.get = values.at(f.name), f.text = f.name != "--vocab" && f.name != "--seed";
+}
+
 // The trainer's flags, setting fields of `c`. The usage text is generated from this table.
 std::vector<flags::Group> train_flags(TrainConfig& c) {
   auto seed = [&c](const std::string& f, const std::string& v) { c.model.seed = c.seed = flags::to_integer<uint64_t>(f, v); };
@@ -128,8 +150,8 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         store("--precision", "fp32|bf16-mixed", "bf16-mixed: bf16 compute, fp32 master weights (default fp32)",
               c.precision),
         store("--reduce-dtype", "bf16|fp32", "bf16-mixed: dtype gradients are reduced in (default bf16)", c.reduce_dtype),
-        store("--peak-tflops", "X", "one host's peak at the run's precision, MFU's denominator (default: measured at "
-              "start)", c.peak_tflops),
+        store("--peak-tflops", "X", "one host's peak at the run's precision, MFU's denominator (default: "
+              "MESHTRAIN_PEAK_TFLOPS, else measured at start)", c.peak_tflops),
         store("--clip-grad-norm", "X", "clip the global L2 norm over every layout (default 0: measured, not clipped)",
               c.clip_grad_norm),
         turn("--deterministic", "the same bits on every dp size: losses and weights as one process's (docs/dp.md)",
@@ -142,7 +164,10 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
               c.activation_checkpointing),
         Flag{"--seed", "S", "model and data seed (default 1234)", seed}}},
       {"data and output",
-       {store("--data", "FILE|GLOB",
+       {store("--config", "FILE.toml", "a run's flags as TOML (sections like torchtitan's; a key is a flag without "
+              "its dashes: layers = 4); flags given here override it (meshtrain config --dump writes one)",
+              c.config_file),
+        store("--data", "FILE|GLOB",
               "a text file (byte tokens) or llm.c token shards, e.g. 'dir/*.bin' (default: the built-in a+b= task)",
               c.data),
         store("--digits", "D", "operand digits of the built-in task (default 1)", c.digits),
@@ -187,8 +212,11 @@ std::vector<flags::Group> train_flags(TrainConfig& c) {
         turn("--no-overlap", "DDP: all-reduce after backward instead of during it", c.overlap, false)}},
   };
   groups.insert(groups.end(), rest.begin(), rest.end());
+  give_values(groups, c);
   return groups;
 }
+
+}  // namespace
 
 flags::Parser train_parser(TrainConfig& c) {
   return flags::Parser("meshtrain",
@@ -197,12 +225,11 @@ flags::Parser train_parser(TrainConfig& c) {
                        "       meshtrain data [flags]        text to llm.c token shards; train a tokenizer\n"
                        "       meshtrain export [flags]      a checkpoint as Hugging Face or llm.c weights\n"
                        "       meshtrain generate [flags]    text from a checkpoint or weights\n"
+                       "       meshtrain config --dump [flags]  the run those flags describe, as TOML for --config\n"
                        "       (meshtrain COMMAND --help: the command's flags)\n",
                        train_flags(c),
                        "Run under meshrun: meshrun --nproc-per-node 4 -- meshtrain --model gpt --dp 2 --tp 2\n");
 }
-
-}  // namespace
 
 std::string train_usage() {
   TrainConfig unused;
@@ -217,7 +244,8 @@ bool asks_for_help(const std::vector<std::string>& args) {
 TrainConfig parse_train_args(const std::vector<std::string>& args) {
   TrainConfig c;
   c.model.seed = c.seed;
-  train_parser(c).parse(args);
+  const flags::Parser parser = train_parser(c);
+  parser.parse(with_config_file(args, parser));
   return c;
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "meshtrain/models.h"
+#include "util/flags.h"
 
 namespace meshtrain {
 namespace comm {
@@ -68,6 +69,7 @@ struct TrainConfig {
   // The peak TFLOP/s of one host at the run's precision, MFU's denominator
   // (0: measured at start; Note [An honest MFU] in device_peak.cpp).
   double peak_tflops = 0;
+  std::string config_file;  // --config FILE.toml: read into the flags before the command line's
   std::string tensorboard;  // --tensorboard DIR: rank 0's scalars as TensorBoard event files
   double clip_grad_norm = 0;  // clip the global gradient norm to this (0: measure only)
   // Recompute in backward instead of keeping activations: none | blocks (every
@@ -119,6 +121,8 @@ struct TrainConfig {
 };
 
 // Parses trainer flags ("--name value" or "--name=value"; util/flags.h). Throws ConfigError.
+// The trainer's flags, reading into and showing `c` (the usage, --config, config --dump).
+flags::Parser train_parser(TrainConfig& c);
 TrainConfig parse_train_args(const std::vector<std::string>& args);
 std::string train_usage();
 // Whether the flags ask for --help / -h.

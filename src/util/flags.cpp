@@ -1,5 +1,8 @@
 #include "util/flags.h"
 
+#include <cstdlib>
+#include <sstream>
+
 #include <algorithm>
 #include <cmath>
 
@@ -31,8 +34,20 @@ std::string with_default(const std::string& help, const std::string& value) {
   return help + " (default " + value + ")";
 }
 
+std::string shortest_text(double x) {
+  std::ostringstream out;
+  for (int digits = 6; digits <= 17; ++digits) {
+    out.str("");
+    out.precision(digits);
+    out << x;
+    if (std::strtod(out.str().c_str(), nullptr) == x) break;
+  }
+  return out.str();
+}
+
 Flag turn(const std::string& name, const std::string& help, bool& field, bool to) {
-  return Flag{name, "", help, [&field, to](const std::string&, const std::string&) { field = to; }};
+  return Flag{name, "", help, [&field, to](const std::string&, const std::string&) { field = to; },
+              [&field, to] { return field == to ? std::string("true") : std::string(); }};
 }
 
 Parser::Parser(std::string tool, std::string synopsis, std::vector<Group> groups, std::string epilogue)

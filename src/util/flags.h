@@ -52,6 +52,11 @@ struct Flag {
   std::string value;  // the value's placeholder in the usage ("N"); empty: a switch
   std::string help;   // one line, with the default
   std::function<void(const std::string& flag, const std::string& value)> set;
+  // The value now, as it would be given ("" for a switch that is off, "true"
+  // for one that is on); unset: the flag has none to show (a configuration
+  // dump skips it).
+  std::function<std::string()> get = nullptr;
+  bool text = false;  // get() is text, not a number (a dump quotes it)
 };
 
 struct Group {
@@ -61,9 +66,12 @@ struct Group {
 
 // "help (default X)" from the field's value now, unless the help already says its default.
 std::string with_default(const std::string& help, const std::string& value);
+// The shortest text that reads back as x (0.1, not 0.10000000000000001).
+std::string shortest_text(double x);
 template <typename T>
 std::string default_text(const T& field) {
   if constexpr (std::is_same<T, std::string>::value) return field;
+  else if constexpr (std::is_floating_point<T>::value) return shortest_text(field);
   else return str_cat(+field);  // uint8_t as a number
 }
 
@@ -72,7 +80,8 @@ std::string default_text(const T& field) {
 template <typename T>
 Flag store(const std::string& name, const std::string& value, const std::string& help, T& field) {
   return Flag{name, value, with_default(help, default_text(field)),
-              [&field](const std::string& f, const std::string& v) { field = to_value<T>(f, v); }};
+              [&field](const std::string& f, const std::string& v) { field = to_value<T>(f, v); },
+              [&field] { return default_text(field); }, std::is_same<T, std::string>::value};
 }
 // A switch that sets `field` to `to`.
 Flag turn(const std::string& name, const std::string& help, bool& field, bool to = true);
@@ -90,6 +99,9 @@ class Parser {
   Parser& underscores_as_dashes();
 
   std::string usage() const;
+  const std::vector<Group>& groups() const { return groups_; }
+  // The flag of that name ("--steps"), or null.
+  const Flag* find(const std::string& name) const;
   // Sets each flag given, in order. Returns the command (rest_is_a_command),
   // the operands (takes_operands) or nothing: a word that is not a flag is an
   // error otherwise.
@@ -98,7 +110,6 @@ class Parser {
   bool asks_for_help(const std::vector<std::string>& args) const;
 
  private:
-  const Flag* find(const std::string& name) const;
   std::string tool_, synopsis_, epilogue_;
   std::vector<Group> groups_;
   bool rest_is_a_command_ = false;

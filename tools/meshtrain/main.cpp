@@ -24,6 +24,7 @@
 #include "app/commands/measure_flops.h"
 #include "app/trainer/memory_check.h"
 #include "app/commands/data.h"
+#include "app/trainer/config_file.h"
 #include "app/trainer/config_toml.h"
 #include "meshtrain/train.h"
 #include "app/trainer/run_training.h"
@@ -57,6 +58,7 @@ static const std::map<std::string, Command> kCommands = {
     {"data", train::run_data_command},
     {"export", train::run_export_command},
     {"generate", train::run_generate_command},
+    {"config", train::run_config_command},
 };
 
 static int run_command(Command command, const std::vector<std::string>& args) {
@@ -83,7 +85,7 @@ int main(int argc, char** argv) {
   }
   if (!args.empty() && args[0].rfind("-", 0) != 0) {
     say_error("meshtrain: unknown command '" + args[0] + "'; meshtrain trains with flags (meshtrain --help), or runs "
-              "one of: plan, data, export, generate (meshtrain COMMAND --help)");
+              "one of: plan, data, export, generate, config (meshtrain COMMAND --help)");
     return 2;
   }
   if (train::asks_for_help(args)) {
