@@ -1,5 +1,5 @@
 // `meshtrain data`: text files -> token shards for the trainer, through a
-// tokenizer (data/tokenizer.h), with a held-out split (data/shard_writer.h).
+// tokenizer, with a held-out split (both meshtrain/data.h).
 
 #include <unistd.h>
 

@@ -1,6 +1,6 @@
 #pragma once
 // A training checkpoint (of any layout) as a whole model: `meshtrain export`
-// writes it in a published format (io/weights.h), and `meshtrain generate
+// writes it in a published format (meshtrain/io.h), and `meshtrain generate
 // --resume` loads it.
 
 #include <ATen/core/Tensor.h>

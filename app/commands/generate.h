@@ -1,7 +1,7 @@
 #pragma once
 // `meshtrain generate`: text from a built-in language model (published
 // weights or a training checkpoint of any layout), in one process, with a
-// cache of keys and values (models/generate.h).
+// cache of keys and values (meshtrain/models.h).
 
 #include <ostream>
 #include <string>

@@ -408,7 +408,7 @@ void resolve_grains(TrainConfig& c) {
 
 // A mixture of experts whose balance loss covers the step's whole batch
 // needs every forward of the step before its first backward (Note
-// [Global-batch balance loss] in models/moe_balance.h).
+// [Global-batch balance loss] in meshtrain/moe.h).
 bool balance_needs_forwards_first(const TrainConfig& c) {
   return c.model.experts > 0 && c.model.aux_loss_coef > 0 && c.aux_loss_scope == "global";
 }

@@ -22,7 +22,7 @@ struct TrainConfig {
   // default: tied for gpt and gpt2, untied for llama); resolve() sets
   // model.tie_embeddings from it.
   std::string tie;
-  // Start from published weights (io/weights.h: an llm.c checkpoint or a
+  // Start from published weights (meshtrain/io.h: an llm.c checkpoint or a
   // Hugging Face directory); the shape comes from them, and a shape flag
   // given with a different value is refused (--seq-len may be shorter).
   std::string init_from;
@@ -48,7 +48,7 @@ struct TrainConfig {
   std::vector<int64_t> stage_boundaries;
   bool sequence_parallel = false;
   // Under an elastic meshrun: the layout of each world size, "4:dp2xpp2,2:dp2"
-  // (train/elastic.h); a world not listed keeps the flags' layout if it fits,
+  // (app/trainer/elastic.h); a world not listed keeps the flags' layout if it fits,
   // else takes the planner's.
   std::string elastic_layouts;
   // Batches: samples per step over all data-parallel ranks, and per forward.
@@ -91,7 +91,7 @@ struct TrainConfig {
   bool vocab_given = false;
   // With --experts: the tokens the balance loss covers, "global" (the step's
   // whole batch: every layout trains alike) or "micro" (each micro-batch's
-  // on each rank, Megatron-LM's and DeepSpeed's); models/moe_balance.h.
+  // on each rank, Megatron-LM's and DeepSpeed's); meshtrain/moe.h.
   std::string aux_loss_scope = "global";
   int digits = 1;           // operand digits of the built-in arithmetic task
   std::string metrics_out;  // JSON file

@@ -129,12 +129,8 @@ std::string dump_toml(const flags::Parser& now, const flags::Parser& defaults) {
 int run_config_command(const std::vector<std::string>& args, std::ostream& out) {
   MESHTRAIN_CHECK(!args.empty() && args[0] == "--dump", "meshtrain config: usage: meshtrain config --dump [flags] ",
                   "(the run those flags describe, as TOML for --config)");
-  const std::vector<std::string> flags(args.begin() + 1, args.end());
-  TrainConfig given, defaults;
-  given.model.seed = given.seed;
-  const flags::Parser parser = train_parser(given);
-  parser.parse(with_config_file(flags, parser));
-  out << dump_toml(parser, train_parser(defaults));
+  TrainConfig given = parse_train_args(std::vector<std::string>(args.begin() + 1, args.end())), defaults;
+  out << dump_toml(train_parser(given), train_parser(defaults));
   return 0;
 }
 

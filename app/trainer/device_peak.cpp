@@ -4,7 +4,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <set>
 
 #include "comm/process.h"
@@ -40,10 +39,8 @@ namespace train {
 namespace {
 
 int count_hosts(comm::Communicator& metrics) {
-  const int64_t mine = static_cast<int64_t>(std::hash<std::string>()(comm::host_identity()) >> 1);
-  const at::Tensor all = metrics.all_gather_flat(at::tensor({mine}, at::kLong));
-  const auto* v = all.data_ptr<int64_t>();
-  return static_cast<int>(std::set<int64_t>(v, v + all.numel()).size());
+  const std::vector<std::string> hosts = comm::all_gather_strings(metrics, comm::host_identity());
+  return static_cast<int>(std::set<std::string>(hosts.begin(), hosts.end()).size());
 }
 
 // The ranks' rate together: each times products of the size matmul_size_for

@@ -234,13 +234,9 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
   const std::unique_ptr<SummaryWriter> board =
       chief && !c.tensorboard.empty() ? std::make_unique<SummaryWriter>(c.tensorboard) : nullptr;
   const double flops_per_step = models::training_flops_per_token(c.model) * tokens_per_sample(c) * c.global_batch;
-  const JobPeak peak = job_peak(c, *metrics);
-  if (chief && options.verbose) print_peak(c, peak);
+  result.peak = job_peak(c, *metrics);
+  if (chief && options.verbose) print_peak(c, result.peak);
   result.model_flops_per_step = flops_per_step;
-  result.peak_flops = peak.flops;
-  result.peak_source = peak.how;
-  result.fp32_flops = peak.fp32_flops;
-  result.bf16_flops = peak.bf16_flops;
   const auto started = Clock::now();
   const std::unique_ptr<StopScope> stop_scope = c.save_dir.empty() ? nullptr : std::make_unique<StopScope>();
   bool inputs_compared = false;
@@ -272,7 +268,7 @@ TrainResult run_training(const TrainConfig& c, comm::CommPtr world, const RunOpt
                     result.grad_norms.back(), " (a gradient is not finite); lower --lr or clip with --clip-grad-norm");
     if (chief && options.verbose && step == resumed.first_step && step > 0) report_restart_time();
     const StepFigures figures{step, result.losses.back(), result.grad_norms.back(), lr, seconds,
-                              flops_per_step / seconds / peak.flops, router_load};
+                              flops_per_step / seconds / result.peak.flops, router_load};
     step_log.write(figures);
     if (board) log_scalars(*board, c, figures);
     result.learning_rates.push_back(lr);

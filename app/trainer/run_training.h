@@ -11,6 +11,7 @@
 
 #include "meshtrain/comm.h"
 #include "app/trainer/config.h"
+#include "app/trainer/device_peak.h"
 
 namespace meshtrain {
 namespace train {
@@ -23,7 +24,7 @@ struct RunOptions {
 struct TrainResult {
   int64_t first_step = 0;          // > 0 after resuming from a checkpoint
   // Stopped after a checkpoint because a node waits to join the elastic job
-  // (train/elastic.h): the program should exit with launch::kRegroupExitCode.
+  // (app/trainer/elastic.h): the program should exit with launch::kRegroupExitCode.
   bool stopped_for_regroup = false;
   // Stopped at a step's end by SIGTERM (stop_at_step_end_on_sigterm), after
   // saving a checkpoint: the program should exit with 128 + SIGTERM.
@@ -32,11 +33,9 @@ struct TrainResult {
   std::vector<double> step_times;  // seconds
   std::vector<double> grad_norms;  // global gradient norm of each step, before clipping
   std::vector<double> learning_rates;  // of each step (the schedule's)
-  std::vector<double> mfu;         // model FLOPs / step time / peak_flops, each step
+  std::vector<double> mfu;         // model FLOPs / step time / peak.flops, each step
   double model_flops_per_step = 0;  // forward and backward over the global batch
-  double peak_flops = 0;            // the job's peak (Note [An honest MFU])
-  std::string peak_source;          // how peak_flops was obtained
-  double fp32_flops = 0, bf16_flops = 0;  // bf16-mixed: both measured rates, the ranks together
+  JobPeak peak;                     // MFU's denominator and how it was obtained (Note [An honest MFU])
   // --experts: each step's routes per layer and expert over the global batch,
   // [layers, experts + 1] (the last column: routes dropped for capacity).
   std::vector<at::Tensor> router_load;

@@ -88,9 +88,6 @@ class TrafficCounter {
   Traffic traffic_;
 };
 
-}  // namespace comm
-}  // namespace meshtrain
-
 // ===== tuning =====
 // CommTuning: every tunable of the communication backends, typed, with its
 // default, in one struct (gloo's way: an options object per algorithm, not
@@ -103,9 +100,6 @@ class TrafficCounter {
 //
 // None of these changes a result: every setting gives the same bits (the
 // tests run the algorithms each one selects); they move time only.
-
-namespace meshtrain {
-namespace comm {
 
 // The shared-memory backend (src/comm/shm). The sizes are the segment's
 // layout: the rank that creates a communicator's segment decides them and
@@ -171,17 +165,11 @@ struct CommTuning {
   static CommTuning from_env();
 };
 
-}  // namespace comm
-}  // namespace meshtrain
-
 // ===== errors =====
 // Errors raised by communication. Every blocking operation ends in one of these
 // instead of hanging: a dead peer gives PeerFailure within seconds, a stuck peer
 // gives TimeoutError at the communicator's timeout, and collectives whose
 // arguments differ across ranks give MismatchError on every rank.
-
-namespace meshtrain {
-namespace comm {
 
 // Base class of all communication failures. After one of these the communicator
 // that raised it is unusable (its peers are in an unknown state).
@@ -214,9 +202,6 @@ class MismatchError : public CommError {
   explicit MismatchError(const std::string& what) : CommError(what) {}
 };
 
-}  // namespace comm
-}  // namespace meshtrain
-
 // ===== communicator =====
 // meshtrain::comm::Communicator: the one communication interface every strategy
 // uses. Backend-neutral (shared memory inside a host, Gloo over TCP, OpenMPI,
@@ -233,9 +218,6 @@ class MismatchError : public CommError {
 //
 // Failure is loud: a dead peer raises PeerFailure, a stuck one TimeoutError, and
 // mismatched arguments across ranks MismatchError on every rank (see errors.h).
-
-namespace meshtrain {
-namespace comm {
 
 enum class ReduceOp { kSum, kAvg, kMax, kMin, kProduct };
 const char* reduce_op_name(ReduceOp op);
@@ -279,7 +261,7 @@ struct CommOptions {
   // docs/comm.md: shared memory for the ranks of one host, hierarchical across
   // hosts, MPI under mpirun). Sub-communicators choose again for their members.
   std::string backend;
-  // The backends' tunables (tuning.h): from the environment unless set here;
+  // The backends' tunables (CommTuning, above): from the environment unless set here;
   // sub-communicators inherit them. They change timings, never results.
   CommTuning tuning = CommTuning::from_env();
 
@@ -409,9 +391,6 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 // On `root` every rank's string; elsewhere an empty vector.
 std::vector<std::string> gather_strings(Communicator& comm, const std::string& mine, int root);
 
-}  // namespace comm
-}  // namespace meshtrain
-
 // ===== rendezvous =====
 // Joining a job. A process learns its rank, the world size and where the
 // rendezvous store is from (in this order of precedence):
@@ -426,9 +405,6 @@ std::vector<std::string> gather_strings(Communicator& comm, const std::string& m
 // and a world size. Rank 0 hosts the store at MASTER_ADDR:MASTER_PORT (bound to
 // that address only), unless the launcher hosts it (MESHTRAIN_AGENT_STORE=1).
 // A job started by mpirun runs on MPI (backend auto or mpi) and needs no store.
-
-namespace meshtrain {
-namespace comm {
 
 struct DistEnv {
   int rank = 0;

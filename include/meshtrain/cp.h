@@ -20,7 +20,7 @@
 //   auto x = cp::shard_sequence(tokens, 1, cp_size, cp_rank);   // this rank's two chunks
 //   auto loss = loss_fn(model->forward(x), cp::shard_sequence(targets, 1, cp_size, cp_rank));
 //
-// Every nn::CausalAttention of the model (nn/sequence.h) then runs
+// Every nn::CausalAttention of the model (meshtrain/nn.h) then runs
 // cp::ring_attention over `cp`, and every nn::Positions gives the positions
 // of the rank's chunks (cp::local_positions), so a learned position table and
 // rotary angles are read where the tokens sit; every layer with statistics
@@ -40,9 +40,6 @@ namespace cp {
 
 void parallelize(torch::nn::Module& model, const comm::CommPtr& cp);
 
-}  // namespace cp
-}  // namespace meshtrain
-
 // ===== ring attention =====
 // Context parallelism: each rank of a cp group holds part of every sequence,
 // and attention reaches the other parts by passing keys and values around
@@ -61,9 +58,6 @@ void parallelize(torch::nn::Module& model, const comm::CommPtr& cp);
 // arrive, and merges the partial results by log-sum-exp. Backward passes the
 // keys and values around once more, each with the gradient accumulated for
 // them so far, which ends at the rank that owns them.
-
-namespace meshtrain {
-namespace cp {
 
 // The positions of rank cp_rank's two chunks: [first, first + chunk) and
 // [second, second + chunk). ConfigError unless 2 cp divides seq_len.

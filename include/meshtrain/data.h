@@ -72,9 +72,6 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 std::string train_sentencepiece(const std::vector<std::string>& text_files, int vocab_size,
                                  const std::string& out_prefix);
 
-}  // namespace data
-}  // namespace meshtrain
-
 // ===== shard writer =====
 // Documents -> llm.c token shards (what `meshtrain data` does), with an
 // optional held-out split.
@@ -90,9 +87,6 @@ std::string train_sentencepiece(const std::vector<std::string>& text_files, int 
 // has one (SentencePiece, as Llama's training data), end-of-text where it has
 // one (GPT-2's <|endoftext|>, SentencePiece's eos). Byte-level documents have
 // neither and are simply concatenated.
-
-namespace meshtrain {
-namespace data {
 
 // The documents of `text_files`, in order: each file whole, or (per_line)
 // each non-empty line. A line keeps its '\n' only with keep_newlines (for
@@ -142,7 +136,6 @@ TokenShardSummary write_token_shards(const std::vector<std::string>& documents, 
 int64_t shard_vocab_size(const std::string& path);
 
 }  // namespace data
-}  // namespace meshtrain
 
 // ===== sampler =====
 // Which samples a step trains on, the same on every layout and every rank.
@@ -169,7 +162,6 @@ int64_t shard_vocab_size(const std::string& path);
 //     double global = data::global_mean_loss(loss, *dp);       // the batch's mean
 //   }
 
-namespace meshtrain {
 namespace comm {
 class Communicator;
 }

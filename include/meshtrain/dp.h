@@ -45,9 +45,6 @@ void broadcast_coalesced(comm::Communicator& comm, const std::vector<at::Tensor>
 // Total bytes of the tensors.
 int64_t total_bytes(const std::vector<at::Tensor>& tensors);
 
-}  // namespace dp
-}  // namespace meshtrain
-
 // ===== ddp =====
 // meshtrain::dp::DistributedDataParallel: PyTorch's DDP for any torch::nn::Module.
 //
@@ -63,7 +60,7 @@ int64_t total_bytes(const std::vector<at::Tensor>& tensors);
 // (broadcast_buffers). Buckets follow the order gradients became ready in the
 // first iteration (reverse registration order before it).
 //
-// Most code wants dp::replicate (replicate.h), which wraps a module and leaves
+// Most code wants dp::replicate (below), which wraps a module and leaves
 // its forward as it is. This class is the engine, for code that keeps the
 // module and the DDP object apart:
 //
@@ -72,9 +69,6 @@ int64_t total_bytes(const std::vector<at::Tensor>& tensors);
 //   loss.backward();          // gradients are averaged across ranks here
 //   optimizer.step();
 //   { auto guard = ddp.no_sync(); ... }   // accumulate without communicating
-
-namespace meshtrain {
-namespace dp {
 
 struct DistributedDataParallelOptions {
   // Bucket size cap (torch's default: 25 MiB) and the smaller first bucket.
@@ -156,9 +150,6 @@ class DistributedDataParallel {
   std::shared_ptr<Reducer> reducer_;
 };
 
-}  // namespace dp
-}  // namespace meshtrain
-
 // ===== replicate =====
 // dp::replicate: DistributedDataParallel applied to a module the user already
 // has, with the forward code left as it is (PyTorch's `DDP(model)`):
@@ -180,9 +171,6 @@ class DistributedDataParallel {
 //    after forward; a rank whose backward reaches no parameter at all then
 //    stops the others at their timeout. DistributedDataParallel::forward(fn)
 //    walks the graph, for models that need it.
-
-namespace meshtrain {
-namespace dp {
 
 // The user's module, replicated: use it as the module (`model->forward(x)`,
 // `model->parameters()`); it also offers no_sync() and the DDP object.
@@ -220,9 +208,6 @@ Replicated<Impl> replicate(const torch::nn::ModuleHolder<Impl>& module, comm::Co
   return replicate(module.ptr(), std::move(comm), options);
 }
 
-}  // namespace dp
-}  // namespace meshtrain
-
 // ===== master dp =====
 // meshtrain::dp::MasterDataParallel: the article's master-based DP.
 //
@@ -244,9 +229,6 @@ Replicated<Impl> replicate(const torch::nn::ModuleHolder<Impl>& module, comm::Co
 // small broadcast of the batch's dtype and shape before step 2), and rank 0 does
 // all the talking and the loss (DDP averages per-minibatch gradients, which
 // differs when the batch loss is not a sum of per-sample terms).
-
-namespace meshtrain {
-namespace dp {
 
 class MasterDataParallel {
  public:

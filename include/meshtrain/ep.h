@@ -15,13 +15,13 @@
 //   ep::parallelize(*model, ep_comm);   // every models::MoE keeps experts / ep of its experts
 //
 // Every layer of the model that implements nn::ExpertParallel (models::MoE;
-// nn/experts.h) keeps its slice of the experts (rank r of ep: experts
+// meshtrain/nn.h) keeps its slice of the experts (rank r of ep: experts
 // [E/ep r, E/ep (r+1)), ep::expert_slice) and sends each routed token to the
 // rank holding its expert and back (all_to_all_rows over `ep`); the router
 // stays replicated. The ranks of `ep` hold different tokens (data-parallel or
 // context-parallel ranks: train::Trainer makes the ep group of consecutive
 // ranks of dp x cp), and each expert's gradient is the mean over the group's
-// losses, as a data-parallel gradient is (models/moe.h says why the experts
+// losses, as a data-parallel gradient is (meshtrain/moe.h says why the experts
 // are then held apart from the module's parameters). Every expert count must
 // divide by ep (checked, naming the valid choices, before anything changes).
 // Returns the number of layers it spread; an ep of size 1 (or null) changes

@@ -53,7 +53,7 @@ class StageImpl : public torch::nn::Module {
   at::Tensor forward_range(at::Tensor x, size_t first, size_t last);
   size_t num_pieces() const { return pieces_.size(); }
   std::shared_ptr<torch::nn::Module> piece(size_t i) const { return pieces_.at(i).ptr(); }
-  // Piece i recomputes its activations in backward (models/checkpointing.h).
+  // Piece i recomputes its activations in backward (meshtrain/models.h).
   // The recompute's gradients go to the parameters the piece has now: set it
   // before zero::fully_shard, which replaces them in the piece's parameter
   // list by its shard (the layers keep computing with them).
@@ -67,9 +67,6 @@ class StageImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Stage);
 
-}  // namespace models
-}  // namespace meshtrain
-
 // ===== gpt =====
 // The pieces of the built-in decoders, exposed for users who assemble their
 // own models: a token embedding (with a learned position table for GPT and
@@ -78,9 +75,6 @@ TORCH_MODULE(Stage);
 // the projection to the vocabulary, tied to the token embedding or not).
 // The Llama block is in llama.h. Every piece is plain torch::nn layers, cut for
 // tensor parallelism from outside with models::tp_plan.
-
-namespace meshtrain {
-namespace models {
 
 struct ModelConfig;
 struct BuildContext;
@@ -156,9 +150,6 @@ using GptHead = LmHead;
 torch::nn::Linear seeded_linear(int64_t in, int64_t out, bool bias, uint64_t seed, const std::string& name,
                                 const InitSpec& weight_init, const InitSpec& bias_init = InitSpec::constant(0));
 
-}  // namespace models
-}  // namespace meshtrain
-
 // ===== llama =====
 // The Llama block, as Hugging Face's LlamaDecoderLayer: pre-RMSNorm, causal
 // attention with rotary positions and grouped-query heads (kv_heads key/value
@@ -166,9 +157,6 @@ torch::nn::Linear seeded_linear(int64_t in, int64_t out, bool bias, uint64_t see
 // down(silu(gate(x)) * up(x)); no biases. With models::TokenEmbedding (tokens
 // only) and models::LmHead (an RMSNorm and the projection, untied by default)
 // it makes LlamaForCausalLM (models.h builds it: kind "llama").
-
-namespace meshtrain {
-namespace models {
 
 struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
   LlamaBlockImpl(const ModelConfig& c, int64_t index);
@@ -187,11 +175,8 @@ struct LlamaBlockImpl : torch::nn::Module, CachedBlock {
 };
 TORCH_MODULE(LlamaBlock);
 
-}  // namespace models
-}  // namespace meshtrain
-
 // ===== models =====
-// The built-in models, each a sequence of pieces (stage.h) of plain torch::nn
+// The built-in models, each a sequence of pieces (Stage, above) of plain torch::nn
 // layers and nn's modules, knowing nothing of parallelism: every axis is
 // applied from outside with the calls a user's model takes (the trainer's
 // engine: tensor parallelism with tp_plan below, context and expert
@@ -207,9 +192,6 @@ TORCH_MODULE(LlamaBlock);
 //          grouped-query attention, SwiGLU, no biases, head untied by default
 //   mlp    an MLP classifier
 // Pieces: embedding, `layers` blocks, head (the MLP: its layers).
-
-namespace meshtrain {
-namespace models {
 
 struct ModelConfig {
   // "gpt" (the small built-in GPT), "gpt2" (GPT-2 as llm.c and Hugging Face's
@@ -230,7 +212,7 @@ struct ModelConfig {
   bool tie_embeddings = true;
   double rope_theta = 10000.0;  // llama: rotary base
   double norm_eps = 1e-5;       // LayerNorm (gpt, gpt2) and RMSNorm (llama) epsilon
-  // The attention kernel (attention.h): how the scores are computed, not
+  // The attention kernel (meshtrain/nn.h): how the scores are computed, not
   // what; every kernel gives the same result up to float reassociation.
   nn::AttentionKernel attention = nn::AttentionKernel::kAuto;
   // Mixture of experts (moe.h): experts > 0 makes every block's MLP a
@@ -324,9 +306,6 @@ struct MlpLayerImpl : torch::nn::LinearImpl {
 };
 TORCH_MODULE(MlpLayer);
 
-}  // namespace models
-}  // namespace meshtrain
-
 // ===== checkpointing =====
 // Activation checkpointing: run a block without keeping its activations and
 // recompute them in backward (Chen et al. 2016; torch.utils.checkpoint).
@@ -354,9 +333,6 @@ TORCH_MODULE(MlpLayer);
 // head only with its weight in params). The input must not be modified in
 // place between forward and backward (checked: an error names it).
 
-namespace meshtrain {
-namespace models {
-
 using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
 at::Tensor checkpoint(BlockFn fn, const at::Tensor& input, std::vector<at::Tensor> params);
@@ -383,9 +359,6 @@ bool is_checkpointed_piece(const ModelConfig& config, const std::string& policy,
 // Marks the pieces of `stage` (whose first piece is the model's `first_piece`) under the policy.
 void apply_checkpointing(StageImpl& stage, const ModelConfig& config, const std::string& policy, int64_t first_piece);
 
-}  // namespace models
-}  // namespace meshtrain
-
 // ===== generate =====
 // Text generation from a built-in language model (gpt, gpt2, llama) held
 // whole in one process: the prompt runs through the model once, then one
@@ -395,9 +368,6 @@ void apply_checkpointing(StageImpl& stage, const ModelConfig& config, const std:
 //
 //   models::Stage model = models::build_stage(config, 0, models::num_pieces(config));
 //   auto out = models::generate(config, *model, {1, 450, 4996}, models::GenerateOptions().max_new_tokens(40));
-
-namespace meshtrain {
-namespace models {
 
 struct GenerateOptions {
   TORCH_ARG(int64_t, max_new_tokens) = 64;

@@ -105,9 +105,6 @@ class BalanceStatistics {
 at::Tensor deferred_balance_loss(const at::Tensor& probability_sums, const at::Tensor& own_value,
                                  std::shared_ptr<BalanceStatistics> statistics, int64_t slot, int64_t top_k);
 
-}  // namespace models
-}  // namespace meshtrain
-
 // ===== moe =====
 // A mixture-of-experts MLP (Mixtral's sparse MoE block; Shazeer et al. 2017,
 // Switch Transformer, Fedus et al. 2021): a router scores each token against
@@ -133,7 +130,7 @@ at::Tensor deferred_balance_loss(const at::Tensor& probability_sums, const at::T
 // change to the loss; aux_loss_scale (train::Trainer sets 1 / micro-batches,
 // the scale of each micro-batch's loss, under the micro scope) multiplies it.
 //
-// Which tokens the statistics cover is aux_loss_scope (moe_balance.h):
+// Which tokens the statistics cover is aux_loss_scope (above):
 //   global (default): the step's whole batch, every forward since the step
 //     began on every rank of the balance statistics' group, f waiting for the
 //     backward (Note [Global-batch balance loss]); train::Trainer gives the
@@ -151,7 +148,7 @@ at::Tensor deferred_balance_loss(const at::Tensor& probability_sums, const at::T
 //
 // The experts' weights are stacked along a leading expert dimension
 // ([E, F, H] and [E, H, F]); element values come from (seed, name, index) as
-// every built-in layer's (util/init.h). Expert parallelism is applied from
+// every built-in layer's (meshtrain/util.h). Expert parallelism is applied from
 // outside (nn::ExpertParallel; the ep layer's parallelize gives an
 // nn::ExpertGroup): a rank then keeps the slice [E/ep r, E/ep (r+1)) of
 // exactly the values one process has. Each rank routes its own tokens, sends every route
@@ -166,9 +163,6 @@ at::Tensor deferred_balance_loss(const at::Tensor& probability_sums, const at::T
 // held apart from the module's parameters (expert_parameters(); to() and
 // activation checkpointing include them); train::Trainer steps them over
 // their replicas.
-
-namespace meshtrain {
-namespace models {
 
 struct MoEOptions {
   MoEOptions(int64_t hidden, int64_t ffn_hidden, int64_t experts, int64_t top_k)

@@ -19,7 +19,7 @@
 // Layers language models share, as plain functions and modules that know
 // nothing of parallelism: RMSNorm, rotary position embeddings (Hugging Face's
 // rotate-half layout) and the key/value cache of incremental decoding. The
-// attention kernels are in nn/attention.h.
+// attention kernels are in meshtrain/nn.h.
 
 namespace meshtrain {
 namespace nn {
@@ -59,9 +59,6 @@ struct KVCache {
   std::pair<at::Tensor, at::Tensor> append(const at::Tensor& new_k, const at::Tensor& new_v);
 };
 
-}  // namespace nn
-}  // namespace meshtrain
-
 // ===== attention =====
 // Causal attention that never stores the T x T scores (FlashAttention, Dao et
 // al. 2022; FlashAttention-2's loop order): keys and values are visited in
@@ -80,12 +77,9 @@ struct KVCache {
 // meshtrain::nn is the layer of pure tensor math that the models and the
 // strategies share (attention kernels, norms, rotary positions, the KV cache,
 // and the modules through which a strategy changes a model from outside:
-// nn/sequence.h, nn/experts.h). It includes nothing of communication, so
+// meshtrain/nn.h, meshtrain/nn.h). It includes nothing of communication, so
 // that cp (ring attention is built of these pieces) and the models both sit
 // above it.
-
-namespace meshtrain {
-namespace nn {
 
 // Which kernel a model's attention runs. kAuto: flash from
 // kFlashFromSeqLen positions on, eager below, so that short-sequence runs
@@ -153,9 +147,6 @@ AttentionGrads flash_backward(const at::Tensor& q, const at::Tensor& k, const at
 // part: weights exp(lse_a - lse) and exp(lse_b - lse), lse = logaddexp.
 AttentionPart merge_attention(const AttentionPart& a, const AttentionPart& b);
 
-}  // namespace nn
-}  // namespace meshtrain
-
 // ===== sequence =====
 // What splitting a sequence over ranks changes in a model, as two
 // parameterless modules a model registers as children, so that a strategy
@@ -175,13 +166,10 @@ AttentionPart merge_attention(const AttentionPart& a, const AttentionPart& b);
 //
 // cp::parallelize(model, cp) sets every CausalAttention's function to ring
 // attention over cp and every Positions to the positions of the rank's two
-// chunks of each sequence (cp/ring_attention.h); a user's own model that
+// chunks of each sequence (meshtrain/cp.h); a user's own model that
 // builds its attention and positions from these gets context parallelism
 // the same way. Neither holds parameters: registering them changes no
 // parameter's name.
-
-namespace meshtrain {
-namespace nn {
 
 // Causal attention: q [B, H, Tq, d], k and v [B, KV, Tk, d] (KV dividing H),
 // the queries the last Tq of the Tk positions -> [B, H, Tq, d].
@@ -208,7 +196,7 @@ TORCH_MODULE(Positions);
 struct CausalAttentionOptions {
   explicit CausalAttentionOptions(int64_t head_dim) : head_dim_(head_dim) {}
   TORCH_ARG(int64_t, head_dim);
-  // The default attention function's kernel (nn/attention.h).
+  // The default attention function's kernel (meshtrain/nn.h).
   TORCH_ARG(AttentionKernel, kernel) = AttentionKernel::kAuto;
   // Rotary positions (Llama): the tables' length; 0: none (GPT).
   TORCH_ARG(int64_t, rotary_positions) = 0;
@@ -236,9 +224,6 @@ class CausalAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(CausalAttention);
 
-}  // namespace nn
-}  // namespace meshtrain
-
 // ===== experts =====
 // What the strategies give a mixture of experts from outside (models::MoE
 // implements both interfaces; a user's own MoE layer can too):
@@ -254,9 +239,6 @@ TORCH_MODULE(CausalAttention);
 //
 // The interfaces hold no communicator (nn sits below communication): the
 // strategies implement them over theirs.
-
-namespace meshtrain {
-namespace nn {
 
 class TokenStatistics {
  public:

@@ -11,7 +11,7 @@
 
 // ===== model =====
 // What the planner knows about a model: one of meshtrain's decoders
-// (models/models.h: gpt, gpt2, llama), counted parameter by parameter, how a
+// (meshtrain/models.h: gpt, gpt2, llama), counted parameter by parameter, how a
 // layout cuts it, and the ZeRO paper's model-state arithmetic. Pure
 // functions, no libtorch (tests check the counts against models::parameter_count).
 //
@@ -214,17 +214,11 @@ ModelStateBytes zero_model_state(int64_t psi, const StateBytesPerParam& bytes, i
 ModelStateBytes predict_rank_state_bytes(const DecoderShape& shape, const Layout& layout, int stage, int tp_rank,
                                          int dp_rank = 0, Precision precision = Precision::kFp32);
 
-}  // namespace plan
-}  // namespace meshtrain
-
 // ===== input =====
 // What `meshtrain plan` is asked: a model (the shape of one of meshtrain's
 // decoders, or a bare parameter count), how it is trained (precision, optimizer, batch) and the
 // cluster (devices, memory, nodes, links). Parsed from command-line flags,
 // checked as a whole: every error names the flag, the value and the fix.
-
-namespace meshtrain {
-namespace plan {
 
 // The pipeline schedule the trainer runs (--schedule): the planner models
 // 1F1B and Megatron's interleaved 1F1B with V chunks per rank.
@@ -296,9 +290,6 @@ std::string optimizer_name(OptimizerKind optimizer);
 std::string attention_name(Attention attention);  // "eager", "flash"
 std::string schedule_name(Schedule schedule);     // "1f1b", "interleaved"
 
-}  // namespace plan
-}  // namespace meshtrain
-
 // ===== estimate =====
 // Per-device estimates for one layout: memory (model state, activations,
 // communication buffers), bytes communicated per step, and the time those
@@ -307,9 +298,6 @@ std::string schedule_name(Schedule schedule);     // "1f1b", "interleaved"
 //
 // Notation: s sequence length, b micro-batch, h hidden, a heads, v vocabulary,
 // t tp degree, n the size of the group a collective runs in.
-
-namespace meshtrain {
-namespace plan {
 
 struct MemoryBytes {
   int64_t parameters = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;
@@ -467,9 +455,6 @@ Estimate estimate_layout(const PlanInput& input, const Layout& layout);
 // The memory of one pipeline stage (exposed for the scenario and for tests).
 MemoryBytes stage_memory(const PlanInput& input, const Layout& layout, int stage, int64_t microbatches);
 
-}  // namespace plan
-}  // namespace meshtrain
-
 // ===== planner =====
 // meshtrain plan: which of the article's three scenarios a model is in on a
 // cluster, every layout's per-device estimate, and the layout to use.
@@ -481,9 +466,6 @@ MemoryBytes stage_memory(const PlanInput& input, const Layout& layout, int stage
 //   scenario 3  even that tensor does not fit: tensor parallel (split the tensor)
 //
 // "Fits" always means within usable_memory(): device memory minus the margin.
-
-namespace meshtrain {
-namespace plan {
 
 struct Scenario {
   int number = 1;      // 1, 2 or 3

@@ -22,7 +22,7 @@
 // it executes in order: forward or backward of a micro-batch on a stage, and the
 // sends and receives of activations (forward) and their gradients (backward).
 // Printed as "1F3" (stage 1, forward, micro-batch 3), "1B3", "send 1F3>2",
-// "recv 0F3<0" ... One executor (executor.h) runs any of them.
+// "recv 0F3<0" ... One executor (below) runs any of them.
 //
 //   naive        the article's model parallelism: one micro-batch at a time,
 //                forward through all stages then backward (bubble (p-1)/p)
@@ -80,7 +80,7 @@ Replay replay(const ScheduleSpec& spec, const std::vector<std::vector<Action>>& 
 // backward (gpipe, or any schedule of one micro-batch; 1f1b, interleaved and
 // naive run a backward before the last forward): what a statistic of the
 // whole step, read in backward, needs (a mixture of experts' global-batch
-// balance loss, models/moe_balance.h).
+// balance loss, meshtrain/moe.h).
 bool forwards_before_backwards(const ScheduleSpec& spec);
 
 // The bubble fraction the schedule should have: (p-1)/(m+p-1), divided by V
@@ -95,18 +95,12 @@ std::vector<int64_t> partition_balanced(const std::vector<int64_t>& costs, int p
 // Returns the parts + 1 boundaries; ConfigError naming the problem otherwise.
 std::vector<int64_t> partition_explicit(const std::vector<int64_t>& starts, int64_t pieces, int parts);
 
-}  // namespace pp
-}  // namespace meshtrain
-
 // ===== executor =====
 // The one pipeline executor: runs this rank's actions of any schedule
-// (schedule.h). Activations and their gradients travel with isend (buffered)
+// (above). Activations and their gradients travel with isend (buffered)
 // and blocking receives of tensors whose shapes need not be known in advance.
 // Hooks let the caller wrap the compute (data-parallel gradient sync on the
 // last micro-batch, tied weights between the first and last stage).
-
-namespace meshtrain {
-namespace pp {
 
 // A stage held by this rank: its index and its forward function.
 struct StageFn {
@@ -160,9 +154,6 @@ int activation_tag(int stage, int microbatch);
 int gradient_tag(int stage, int microbatch);
 int user_tag(int id);
 
-}  // namespace pp
-}  // namespace meshtrain
-
 // ===== pipeline =====
 // pp::pipeline: a user's torch::nn::Sequential cut into pipeline stages, one
 // per rank of the pipeline communicator, trained with a schedule (GPipe,
@@ -205,9 +196,6 @@ int user_tag(int id);
 // collectives as usual. With virtual stages each chunk's backward runs apart,
 // so wrap each chunk (for (auto& c : stage.chunks()) dp::replicate(c, dp)) or
 // fully_shard the children; a wrapper of the whole stage is refused.
-
-namespace meshtrain {
-namespace pp {
 
 // Groups of (stage, parameter name) that share one parameter (PipelineOptions::tied).
 using TiedNames = std::vector<std::vector<std::pair<int, std::string>>>;

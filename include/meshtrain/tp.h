@@ -50,9 +50,6 @@ at::Tensor split_along(const at::Tensor& x, int64_t dim, const comm::Communicato
 // logits [N, V/tp], targets [N] (global ids). Returns the mean loss.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, const comm::CommPtr& tp);
 
-}  // namespace tp
-}  // namespace meshtrain
-
 // ===== parallelize =====
 // tp::parallelize: Megatron's tensor parallelism applied to a user's plain
 // torch::nn::Linear layers, by their paths in the model, the forward code left
@@ -76,7 +73,7 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 //             with max_norm, scale_grad_by_freq or sparse. An LM head tied to
 //             it (the same weight) multiplies by the same rows: its logits hold
 //             this rank's vocabulary, for tp::vocab_parallel_cross_entropy
-//             (tp/ops.h; the logits are never gathered), and its backward is
+//             (meshtrain/tp.h; the logits are never gathered), and its backward is
 //             summed over tp; the vocabulary must then divide by tp.
 //
 //   kSequenceParallel  only with ParallelizeOptions::sequence_parallel, for
@@ -122,9 +119,6 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 // contraction of a cut weight in a forward that records gradients is an
 // error, never a silent partial sum.
 // Wrap after moving the model (Module::to() would drop the keys).
-
-namespace meshtrain {
-namespace tp {
 
 enum class Style { kColwise, kRowwise, kVocabParallel, kSequenceParallel };
 // A style by its name, for plans kept as data (models::tp_plan, a config

@@ -70,9 +70,6 @@ std::vector<ArithmeticProblem> arithmetic_eval_problems(uint64_t seed, int count
 // The byte text of arithmetic sample i (for tests and examples).
 std::string arithmetic_text(uint64_t seed, int64_t sample, int64_t length, int digits = 1);
 
-}  // namespace train
-}  // namespace meshtrain
-
 // ===== token shards =====
 // Token shards: llm.c's (and nanoGPT-style) pre-tokenized training data, read
 // memory-mapped.
@@ -87,15 +84,12 @@ std::string arithmetic_text(uint64_t seed, int64_t sample, int64_t length, int d
 // Samples: the shards, in path order, are cut into windows of seq_len + 1
 // tokens with stride seq_len (llm.c's loader; a window never crosses a
 // shard). Sample i of the run is window data::sample_at(i, W, seed, shuffle)
-// of the W windows (data/sampler.h): by default a new seeded permutation of
+// of the W windows (meshtrain/data.h): by default a new seeded permutation of
 // all windows every epoch, the same on every layout and rank; in order
 // (window i mod W, llm.c's unshuffled loader) with --no-shuffle. The global
 // batch of step k is samples [kG, (k+1)G) on every layout, so the position in
 // the data is the step number (a checkpoint's step), and resuming, on any
 // layout, continues at the same sample.
-
-namespace meshtrain {
-namespace train {
 
 constexpr int32_t kTokenShardMagic = 20240520;
 constexpr int32_t kTokenShardVersion = 1;
@@ -143,19 +137,13 @@ std::unique_ptr<Dataset> make_token_shard_dataset(const std::vector<std::string>
 // Writes `text_paths` (concatenated, byte-level tokens: each byte is a token,
 // vocabulary 256) as shards `<prefix>_000000.bin`, ... of at most
 // `tokens_per_shard` tokens; returns their paths. data::write_token_shards
-// (data/shard_writer.h) takes any tokenizer and a held-out split.
+// (meshtrain/data.h) takes any tokenizer and a held-out split.
 std::vector<std::string> write_token_shards(const std::vector<std::string>& text_paths, const std::string& prefix,
                                             int64_t tokens_per_shard);
-
-}  // namespace train
-}  // namespace meshtrain
 
 // ===== metrics =====
 // What the trainer measures and reports: memory held per rank, peak RSS,
 // traffic per step, and the loss curve (terminal plot, SVG).
-
-namespace meshtrain {
-namespace train {
 
 // Bytes of training state this rank holds, from the tensors themselves.
 struct StateBytes {
@@ -203,9 +191,6 @@ class SummaryWriter {
   std::FILE* file_ = nullptr;
 };
 
-}  // namespace train
-}  // namespace meshtrain
-
 // ===== checkpoint =====
 // Sharded, atomic checkpoints that load under any layout.
 //
@@ -221,9 +206,6 @@ class SummaryWriter {
 // of the parameters it holds under the *new* layout, verifying every shard's
 // checksum, and takes its part: dp, tp, pp and the ZeRO stage may all differ
 // from the saving run's.
-
-namespace meshtrain {
-namespace train {
 
 // One piece of training state in layout-independent coordinates.
 struct StateChunk {
@@ -245,7 +227,7 @@ struct RankState {
 };
 
 // The default CPU generator's state (torch.get_rng_state()) and its restore.
-using meshtrain::cpu_rng_state;  // util/rng.h
+using meshtrain::cpu_rng_state;  // meshtrain/util.h
 using meshtrain::set_cpu_rng_state;
 
 struct SaveStats {
@@ -322,9 +304,6 @@ class CheckpointReader {
 // MESHTRAIN_CRASH_ONLY_AT_STEP restricts it to the save of one step.
 void crash_point(const char* stage, int rank, int64_t step);
 
-}  // namespace train
-}  // namespace meshtrain
-
 // ===== clip =====
 // Global gradient-norm clipping for sharded and replicated gradients: what
 // torch.nn.utils.clip_grad_norm_ computes on one process, on any layout.
@@ -346,9 +325,6 @@ void crash_point(const char* stage, int rank, int64_t step);
 //   // ZeRO: the shards the optimizer steps
 //   double norm = train::clip_grad_norm(
 //       train::count_once(zero.shard_gradients(), tp::shard_dims(*model), false, mesh.coord()), 1.0, *mesh.world());
-
-namespace meshtrain {
-namespace train {
 
 struct GradPart {
   at::Tensor grad;
@@ -378,7 +354,6 @@ std::vector<GradPart> count_once(const NamedGrads& grads, const std::map<std::st
 double clip_grad_norm(const torch::nn::Module& module, double max_norm, const mesh::DeviceMesh& mesh);
 
 }  // namespace train
-}  // namespace meshtrain
 
 // ===== module trainer =====
 // train::Trainer: a model trained on a device mesh with every strategy,
@@ -418,7 +393,7 @@ double clip_grad_norm(const torch::nn::Module& module, double max_norm, const me
 //             fully_shard through their param_dtype; float inputs enter in it
 //   optimizer make_optimizer(the parameters a chunk's optimizer steps), once per chunk
 //   clipping  with clip_grad_norm, the global norm counted once across the
-//             layout (train/clip.h)
+//             layout (meshtrain/train.h)
 //
 // Micro-batches (PipelineOptions::microbatches) split the batch with or
 // without a pipeline: without one the gradients accumulate over them, and the
@@ -426,7 +401,6 @@ double clip_grad_norm(const torch::nn::Module& module, double max_norm, const me
 // Every dp rank passes the same number of samples (the loss and the gradients
 // are means of the ranks' means).
 
-namespace meshtrain {
 namespace models {
 struct ModelConfig;
 }  // namespace models
@@ -452,7 +426,7 @@ struct TrainerOptions {
   // no pipeline stage holds is refused.
   TORCH_ARG(std::vector<std::string>, keep_gathered) = {};
   // Clip the global gradient norm, every element counted once across the
-  // layout (train/clip.h), as torch::nn::utils::clip_grad_norm_ on one
+  // layout (meshtrain/train.h), as torch::nn::utils::clip_grad_norm_ on one
   // process; 0: not clipped.
   TORCH_ARG(double, clip_grad_norm) = 0;
   // Measure the global gradient norm every step (last_grad_norm) even when not
@@ -477,7 +451,7 @@ struct TrainerOptions {
   // Mixtures of experts (models::MoE, any depth of the model): the tokens
   // their balance loss covers, set on every layer. kGlobal: the step's whole
   // batch over dp x cp and the micro-batches, every layout training like one
-  // process (Note [Global-batch balance loss] in models/moe_balance.h); needs
+  // process (Note [Global-batch balance loss] in meshtrain/moe.h); needs
   // every forward of a step before its first backward: gradient accumulation
   // then holds the micro-batches' activations together (as GPipe does), and a
   // pipeline schedule that runs a backward before the step's last forward
@@ -535,7 +509,7 @@ class Trainer {
   // rank 0 (the others get none). Every rank calls it.
   std::map<std::string, at::Tensor> full_parameters();
 
-  // Checkpoints (train/checkpoint.h): this rank's share of the parameters and
+  // Checkpoints (meshtrain/train.h): this rank's share of the parameters and
   // optimizer state (replicas written once, shards by their holders), and
   // loading it back under any layout.
   RankState checkpoint_state();

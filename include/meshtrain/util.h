@@ -62,8 +62,6 @@ namespace meshtrain {
 at::Tensor cpu_rng_state();
 void set_cpu_rng_state(const at::Tensor& state);
 
-}  // namespace meshtrain
-
 // ===== init =====
 // Layout-independent initialization. Element i (row-major) of the full tensor
 // named `name` gets a value computed from (seed, name, i) alone, so every shard
@@ -72,8 +70,6 @@ void set_cpu_rng_state(const at::Tensor& state);
 // process" start from identical weights (DESIGN principle 5), and what lets a
 // tensor-parallel rank build its 1/tp of a 128,000 x 8,192 embedding without
 // ever materializing the rest.
-
-namespace meshtrain {
 
 struct InitSpec {
   enum class Kind { kNormal, kUniform, kConstant };
@@ -115,13 +111,10 @@ double hash_uniform(uint64_t key, uint64_t counter);
 // A 64-bit key from a seed and a name.
 uint64_t hash_key(uint64_t seed, const std::string& name);
 
-}  // namespace meshtrain
-
 // ===== json =====
 // JSON: objects written as text in field order, and a parsed tree to read
 // (nlohmann-json underneath: strict, every escape, exact numbers).
 
-namespace meshtrain {
 namespace json {
 
 std::string quote(const std::string& s);

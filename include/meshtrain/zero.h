@@ -26,7 +26,7 @@
 //   stage 2  ZeroRedundancyOptimizer(stage 2): gradients partitioned too; each
 //            bucket is reduce-scattered during backward as soon as it is full and
 //            only the shard is kept: 4Psi + 12Psi/N.
-//   stage 3  zero::fully_shard (fully_shard.h): parameters partitioned too; a
+//   stage 3  zero::fully_shard (below): parameters partitioned too; a
 //            unit's full parameters are all-gathered when its forward first
 //            reads them and again in its backward, freed after use: 16Psi/N
 //            plus the gathered units, 1.5x DDP's traffic.
@@ -105,7 +105,7 @@ class ZeroRedundancyOptimizer {
   std::vector<OwnedPiece> owned_pieces();
   // This rank's reduced gradient shard, the one its optimizer steps, as 1-D
   // pieces by parameter name (complete after the step's last backward; for
-  // gradient clipping: train/clip.h).
+  // gradient clipping: meshtrain/train.h).
   std::vector<std::pair<std::string, at::Tensor>> shard_gradients();
   HeldBytes held_bytes() const;
   torch::optim::Optimizer& optimizer();
@@ -114,9 +114,6 @@ class ZeroRedundancyOptimizer {
   const torch::nn::Module* module_;  // for dp::set_gradient_sync (dp/gradient_sync.h)
   std::shared_ptr<ShardedCore> core_;
 };
-
-}  // namespace zero
-}  // namespace meshtrain
 
 // ===== fully shard =====
 // zero::fully_shard: ZeRO stage 3 (PyTorch's FSDP `fully_shard`) applied to a
@@ -180,9 +177,6 @@ class ZeroRedundancyOptimizer {
 // Not yet: prefetching the next unit (measured: on two cores the thread that
 // would overlap the gather competes with the compute; docs/BENCHMARKS.md).
 
-namespace meshtrain {
-namespace zero {
-
 struct FullyShardOptions {
   // Free this unit when an operation starts on another unit (true), or keep it
   // gathered from its first use to the end of backward (false: the root's
@@ -219,7 +213,7 @@ std::vector<dp::NamedParam> original_parameters(const torch::nn::Module& module)
 std::vector<OwnedPiece> owned_pieces(const torch::nn::Module& module, torch::optim::Optimizer& optimizer);
 
 // The shards' gradients as 1-D pieces by parameter name (for clipping:
-// train/clip.h); pieces of shards without a gradient are left out.
+// meshtrain/train.h); pieces of shards without a gradient are left out.
 std::vector<std::pair<std::string, at::Tensor>> shard_gradients(const torch::nn::Module& module);
 
 // Collective over dp: full values and optimizer state of `module` by

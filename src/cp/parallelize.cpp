@@ -28,7 +28,7 @@ void parallelize(torch::nn::Module& model, const comm::CommPtr& cp) {
   }
   MESHTRAIN_CHECK(attentions > 0, "cp::parallelize: the model has no nn::CausalAttention, whose attention function "
                   "becomes ring attention over the cp ranks; without one each rank would attend within its own "
-                  "chunks only. Build the model's attention as an nn::CausalAttention (nn/sequence.h)");
+                  "chunks only. Build the model's attention as an nn::CausalAttention (meshtrain/nn.h)");
   const int size = cp->size(), rank = cp->rank();
   for (const auto& item : modules) {
     if (auto* a = item.value()->as<nn::CausalAttentionImpl>()) {

@@ -17,7 +17,7 @@ namespace data {
 
 namespace {
 
-constexpr int32_t kMagic = 20240520;  // llm.c's; train/token_shards.h reads the same
+constexpr int32_t kMagic = 20240520;  // llm.c's; meshtrain/train.h reads the same
 constexpr int32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 256 * 4;
 constexpr int64_t kMaxVocab = 65536;  // uint16 ids

@@ -1,7 +1,7 @@
 #pragma once
 // How tp::parallelize's cut layers compute (internal): the roles a cut
 // parameter carries and the kernels that place Megatron's communication
-// around the operations that use it. See tp/parallelize.h for the user's view
+// around the operations that use it. See meshtrain/tp.h for the user's view
 // and docs/design/forward-interception.md for the mechanism.
 //
 // The communication goes where Megatron puts it, in autograd's view of the

@@ -48,7 +48,7 @@ class ChunkTrainer {
   virtual std::map<std::string, at::Tensor> parameters_on_dp_root() = 0;
   virtual StateBytes held() const = 0;
   // The gradients this rank's optimizer steps (after the step's last
-  // backward), each marked counted once across the mesh (train/clip.h).
+  // backward), each marked counted once across the mesh (meshtrain/train.h).
   virtual std::vector<GradPart> gradient_parts(const ShardPlace& place) = 0;
   // Deterministic mode: the tensors holding what one micro-batch's backward
   // reduced (the gradients the optimizer steps, or their shards), and the

@@ -13,22 +13,28 @@ namespace train {
 
 namespace {
 
-double seconds_of_one(const at::Tensor& a, const at::Tensor& b, at::Tensor& c) {
-  const auto start = std::chrono::steady_clock::now();
-  at::mm_out(c, a, b);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
+// Two n x n inputs of `dtype` and the output, multiplied once (the warm-up:
+// the thread pool, packing buffers), ready to time.
+struct Product {
+  at::Tensor a, b, c;
+  Product(c10::ScalarType dtype, int64_t n) {
+    const auto options = at::TensorOptions().dtype(dtype);
+    a = at::randn({n, n}, options), b = at::randn({n, n}, options), c = at::empty({n, n}, options);
+    seconds();
+  }
+  double seconds() {
+    const auto start = std::chrono::steady_clock::now();
+    at::mm_out(c, a, b);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+};
 
 }  // namespace
 
 int64_t matmul_size_for(c10::ScalarType dtype, int64_t max_n) {
   at::NoGradGuard no_grad;
   const int64_t n = std::min<int64_t>(512, max_n);
-  const auto options = at::TensorOptions().dtype(dtype);
-  const at::Tensor a = at::randn({n, n}, options), b = at::randn({n, n}, options);
-  at::Tensor c = at::empty({n, n}, options);
-  seconds_of_one(a, b, c);  // warm-up: thread pool, packing buffers
-  return seconds_of_one(a, b, c) >= 0.05 ? n : max_n;
+  return Product(dtype, n).seconds() >= 0.05 ? n : max_n;
 }
 
 MatmulRate measure_matmul_rate(c10::ScalarType dtype, int repeats) {
@@ -36,12 +42,9 @@ MatmulRate measure_matmul_rate(c10::ScalarType dtype, int repeats) {
   MatmulRate r;
   r.n = matmul_size_for(dtype);
   r.repeats = repeats;
-  const auto options = at::TensorOptions().dtype(dtype);
-  const at::Tensor a = at::randn({r.n, r.n}, options), b = at::randn({r.n, r.n}, options);
-  at::Tensor c = at::empty({r.n, r.n}, options);
-  seconds_of_one(a, b, c);
+  Product product(dtype, r.n);
   double best = 1e30;
-  for (int i = 0; i < repeats; ++i) best = std::min(best, seconds_of_one(a, b, c));
+  for (int i = 0; i < repeats; ++i) best = std::min(best, product.seconds());
   r.flops = 2.0 * static_cast<double>(r.n) * r.n * r.n / best;
   return r;
 }
@@ -49,14 +52,11 @@ MatmulRate measure_matmul_rate(c10::ScalarType dtype, int repeats) {
 std::pair<double, int> time_matmuls(c10::ScalarType dtype, int64_t n, int min_count, double min_seconds,
                                     const std::function<void()>& start) {
   at::NoGradGuard no_grad;
-  const auto options = at::TensorOptions().dtype(dtype);
-  const at::Tensor a = at::randn({n, n}, options), b = at::randn({n, n}, options);
-  at::Tensor c = at::empty({n, n}, options);
-  seconds_of_one(a, b, c);
+  Product product(dtype, n);
   start();
   double total = 0;
   int count = 0;
-  while (count < min_count || total < min_seconds) total += seconds_of_one(a, b, c), ++count;
+  while (count < min_count || total < min_seconds) total += product.seconds(), ++count;
   return {total, count};
 }
 

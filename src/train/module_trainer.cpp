@@ -233,7 +233,7 @@ struct Trainer::State {
   // Global: the chunk's layers share statistics summed over dp x cp (the
   // ranks holding this stage's other tokens; tp ranks hold the same ones),
   // and their pieces add up to the step's loss (Note [Global-batch balance
-  // loss] in models/moe_balance.h).
+  // loss] in meshtrain/moe.h).
   void attach_balance_losses(torch::nn::Module& unit) {
     const bool global = options.aux_loss_scope() == models::AuxLossScope::kGlobal;
     std::shared_ptr<models::BalanceStatistics> statistics;

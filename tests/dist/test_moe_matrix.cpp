@@ -4,7 +4,7 @@
 // micro-batch, on every layout: dp 2 and 4, ep 2 and 4, pp 2, cp 2, tp 2, and
 // 1, 2 or 4 micro-batches per rank, with ZeRO and recomputation on some rows.
 // That holds because the balance loss covers the step's whole batch (the
-// default --aux-loss-scope global, models/moe_balance.h). The last test shows
+// default --aux-loss-scope global, meshtrain/moe.h). The last test shows
 // the matrix would catch the per-micro-batch loss: under --aux-loss-scope
 // micro, dp 2 with 2 micro-batches per rank trains measurably unlike one
 // process.

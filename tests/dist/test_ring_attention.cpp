@@ -1,4 +1,4 @@
-// Context parallelism's attention (cp/ring_attention.h) on cp 2, 3 and 4
+// Context parallelism's attention (meshtrain/cp.h) on cp 2, 3 and 4
 // ranks: each rank's output and its q, k, v gradients equal its chunks of one
 // process's eager attention over the whole sequence (fp64, so any difference
 // beyond reassociation shows), with grouped-query heads and chunks that the

@@ -221,7 +221,7 @@ TEST(TensorParallel, MlpMatchesOneProcessOnEveryAxis) {
 // rows of the unsharded tensor's deterministic values. The dense layer tp::
 // parallelize cuts is built on uninitialised storage, which the OS commits
 // only where written: no rank ever holds more than its quarter. Each rank
-// then fills its rows from the full tensor's values (util/init.h), and a
+// then fills its rows from the full tensor's values (meshtrain/util.h), and a
 // look-up of every rank's rows through the cut layer reads them back.
 TEST(TensorParallel, TheArticlesEmbeddingAtOneQuarterPerRank) {
   meshtrain::testing::RankOptions options;

@@ -1,4 +1,4 @@
-// Flash attention (nn/attention.h) against the eager softmax attention:
+// Flash attention (meshtrain/nn.h) against the eager softmax attention:
 // outputs and gradients, grouped-query heads, tiles that do not divide the
 // sequence, decoding offsets, partial results merged by log-sum-exp, and the
 // bytes it keeps for backward, measured.

@@ -1,4 +1,4 @@
-// The entry points (io/weights.h): each format recognised, what is neither
+// The entry points (meshtrain/io.h): each format recognised, what is neither
 // refused by name, save_weights' refusals, check_matches naming every differing
 // flag, GPT-2 as llm.c and as Hugging Face agreeing, and the reference fixtures
 // (tests/fixtures/make_reference_models.py, an independent Python writer)

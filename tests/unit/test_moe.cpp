@@ -1,4 +1,4 @@
-// The mixture-of-experts MLP (models/moe.h) against a token-by-token
+// The mixture-of-experts MLP (meshtrain/moe.h) against a token-by-token
 // reference written from the definition (each token's softmax, its top-k,
 // the renormalised weights, the chosen experts' MLPs), forward and gradients,
 // dropless and with a capacity; the load-balancing loss at its two ends; the

@@ -1,4 +1,4 @@
-// The seeded window permutation and the data-parallel sampler (data/sampler.h):
+// The seeded window permutation and the data-parallel sampler (meshtrain/data.h):
 // pure functions, no processes.
 
 #include <gtest/gtest.h>
